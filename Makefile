@@ -1,0 +1,85 @@
+# Jagged Flash Attention: every entry point of the project. `make help` lists them.
+# On a machine whose packages are already installed and that has no network (the GPU
+# machine), run any target with `SETUP=none PY=python3`.
+
+SHELL := /bin/bash
+VENV ?= .venv
+SETUP ?= venv
+ifeq ($(SETUP),none)
+PY ?= python3
+else
+PY ?= $(VENV)/bin/python
+endif
+PRESET ?= small
+DATA ?= data/$(PRESET)
+ABLATION ?= seq_len
+SUITE ?= paper
+BACKENDS ?= dense sdpa jagged
+MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
+export MLFLOW_TRACKING_URI
+export PYTHONUNBUFFERED := 1
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test test-fast test-gpu data data-validate data-report experiment ui \
+        bench sweep report reproduce clean \
+        experiment-seq_len experiment-sparsity experiment-history_value experiment-model
+
+help: ## list every target with one line each
+	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | \
+	  awk 'BEGIN {FS = ":.*## "}; {printf "  \033[36m%-26s\033[0m %s\n", $$1, $$2}'
+	@echo "  variables: PRESET=$(PRESET) DATA=$(DATA) PY=$(PY) SETUP=$(SETUP) (none: use installed packages)"
+
+ifeq ($(SETUP),none)
+setup: ## create .venv with every dependency (idempotent; a no-op with SETUP=none)
+	@true
+else
+setup: $(VENV)/.installed ## create .venv with every dependency (idempotent; a no-op with SETUP=none)
+$(VENV)/.installed: pyproject.toml
+	test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	# the CPU wheel first, so that no range in pyproject pulls a multi-GB CUDA build
+	$(VENV)/bin/python -m pip install -q 'torch==2.13.0' || $(VENV)/bin/python -m pip install -q 'torch>=2.11,<2.15'
+	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	touch $@
+endif
+
+test: setup ## run the whole CPU test suite (Triton kernels through TRITON_INTERPRET=1)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+
+test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA device)
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+data: setup ## generate the PRESET data set (tiny|small|paper) under data/PRESET if absent
+	@if [ -f $(DATA)/meta.json ]; then echo "$(DATA) exists (delete it to regenerate)"; \
+	else $(PY) -m data_gen generate --preset $(PRESET) --out $(DATA); fi
+
+data-validate: setup ## validate the PRESET data set (schema, alignment, checksums)
+	$(PY) -m data_gen validate $(DATA)
+
+data-report: data ## write length/popularity plots and a summary of the PRESET data
+	$(PY) -m data_gen report $(DATA)
+
+experiment: data ## the main job: train dense, sdpa and jagged rankers and compare them in MLflow
+	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --backends $(BACKENDS)
+
+ui: setup ## serve the MLflow dashboard on 127.0.0.1:5000 (same database as the runs)
+	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000
+
+bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long; GPU)
+	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results
+
+sweep: data ## run one ablation (ABLATION=seq_len|sparsity|history_value|model)
+	$(PY) -m pipeline.sweep experiments/ablations/$(ABLATION).yaml
+
+experiment-seq_len experiment-sparsity experiment-history_value experiment-model: experiment-%: setup ## run an ablation sweep
+	$(PY) -m pipeline.sweep experiments/ablations/$*.yaml
+
+report: setup ## tables and plots from a sweep's MLflow runs (PARENT=<run id or name>)
+	$(PY) -m pipeline.report --parent $(PARENT)
+
+reproduce: setup ## rerun one MLflow run from its logged config and compare metrics (RUN=<run id>)
+	$(PY) -m pipeline.reproduce --run $(RUN)
+
+clean: ## remove caches and checkpoints (keeps data/ and mlflow.db)
+	rm -rf .pytest_cache checkpoints lightning_logs
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,48 @@
+"""Backend choice shared by every public op: "torch" (reference), "triton" or "auto".
+
+"auto" picks Triton for CUDA tensors and the torch reference for CPU tensors, except under
+``TRITON_INTERPRET=1`` where "auto" still picks the reference on CPU (the interpreter is for
+tests, not for speed). "triton" on CPU tensors needs ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BACKENDS = ("torch", "triton", "auto")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the machine
+        return False
+    return True
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Return "torch" or "triton" for tensors on `device`, or raise a clear error."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    on_gpu = device.type == "cuda"
+    if backend == "auto":
+        return "triton" if on_gpu and triton_available() else "torch"
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the triton package, which is not importable")
+    if not on_gpu and not interpreter_on():
+        raise ValueError(
+            f"backend='triton' on {device.type} tensors needs TRITON_INTERPRET=1 "
+            "(the Triton interpreter); use backend='auto' or 'torch' on the CPU"
+        )
+    return "triton"
