@@ -65,8 +65,8 @@ experiment: data ## the main job: train dense, sdpa and jagged rankers and compa
 ui: setup ## serve the MLflow dashboard on 127.0.0.1:5000 (same database as the runs)
 	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000
 
-bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long; GPU)
-	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results
+bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
+	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
 
 sweep: data ## run one ablation (ABLATION=seq_len|sparsity|history_value|model)
 	$(PY) -m pipeline.sweep experiments/ablations/$(ABLATION).yaml

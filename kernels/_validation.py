@@ -104,3 +104,11 @@ def check_head_dim(d: int, name: str = "head dim") -> None:
     """Attention head dims: every multiple of 8 from 16 to 256."""
     if d < 16 or d > 256 or d % 8 != 0:
         raise ValueError(f"{name} must be a multiple of 8 in [16, 256], got {d}")
+
+
+def check_size(t: torch.Tensor, name: str, dim: int, expected: int, what: str) -> None:
+    """`t.shape[dim] == expected`; `what` says where `expected` comes from (e.g. "B = len(offsets) - 1")."""
+    if t.shape[dim] != expected:
+        raise ValueError(
+            f"{name}.shape[{dim}] must equal {what} = {expected}, got shape {tuple(t.shape)}"
+        )

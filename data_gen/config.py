@@ -1,0 +1,199 @@
+"""The generator's configuration: one dataclass, three presets, `--key value` overrides.
+
+Every knob of the data lives here so that `meta.json` can record the whole resolved config and a
+run can be reproduced from it. Validation runs before any work: a bad argument must fail in
+milliseconds with a message, not after minutes of generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+LENGTH_DISTS = ("power", "uniform", "lognormal")
+
+
+class ConfigError(ValueError):
+    """A bad preset, override or config value (raised before any work is done)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Everything that determines the data, except the seed.
+
+    Rows are counted across the three splits; `val_fraction` and `test_fraction` of them go to
+    val and test, the rest to train. History lengths follow `length_dist` on [min_len, max_len]
+    with mean `mean_len` (power and lognormal solve their free parameter for it; uniform ignores
+    it). The planted label model is described in `data_gen/planted.py`.
+    """
+
+    rows: int = 6_000
+    val_fraction: float = 0.1
+    test_fraction: float = 0.1
+    # items: Zipf popularity over vocab_size ids, grouped into n_clusters latent interests
+    vocab_size: int = 1_000_000
+    alpha: float = 1.0
+    n_clusters: int = 1_000
+    # users: two sparse interest mixtures (current and past) of interests_per_user clusters each
+    interests_per_user: int = 3
+    interest_concentration: float = 0.5
+    noise: float = 0.15
+    switch_mean: float = 64.0
+    history_days: float = 365.0
+    n_actions: int = 4
+    # history lengths
+    length_dist: str = "power"
+    min_len: int = 0
+    max_len: int = 2_048
+    mean_len: float = 128.0
+    length_exponent: float = 2.0
+    length_sigma: float = 1.0
+    # candidates and the planted label model
+    cand_current: float = 0.25
+    cand_past: float = 0.30
+    cand_reconsume: float = 0.15
+    recent_halflife: float = 16.0
+    far_start: int = 256
+    freq_cap: float = 16.0
+    bias: float = -2.6
+    w_recent: float = 2.0
+    w_freq: float = 2.0
+    w_item: float = 2.5
+    quality_sd: float = 0.3
+    n_dense: int = 8
+    dense_sd: float = 0.3
+    oracle_ks: tuple[int, ...] = (0, 64, 256, 1024)
+    # files
+    rows_per_shard: int = 65_536
+    row_group_size: int = 16_384
+
+    def split_rows(self) -> dict[str, int]:
+        """Rows per split; train takes what rounding leaves."""
+        n_val = int(round(self.rows * self.val_fraction))
+        n_test = int(round(self.rows * self.test_fraction))
+        return {"train": self.rows - n_val - n_test, "val": n_val, "test": n_test}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["oracle_ks"] = list(self.oracle_ks)
+        return d
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # seconds on a laptop: the test suite's data
+    "tiny": dict(rows=6_000, vocab_size=20_000, n_clusters=100, mean_len=96.0, max_len=2_048,
+                 n_dense=4, rows_per_shard=1_024, row_group_size=512),
+    # the CPU demo: generated in seconds, trained on in a minute or two
+    "small": dict(rows=100_000, vocab_size=100_000, n_clusters=500, mean_len=128.0,
+                  max_len=2_048, rows_per_shard=16_384, row_group_size=8_192),
+    # the GPU experiments: 1M train rows, mean length 256, lengths up to 4096
+    "paper": dict(rows=1_250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0,
+                  max_len=4_096, rows_per_shard=65_536, row_group_size=16_384),
+}
+
+
+def _field_types() -> dict[str, Any]:
+    return {f.name: f.type for f in dataclasses.fields(DataConfig)}
+
+
+def _coerce(key: str, raw: Any, kind: Any) -> Any:
+    """Turn a CLI string (or a Python value) into the field's type, or raise ConfigError."""
+    kind = str(kind)
+    try:
+        if kind == "int":
+            if isinstance(raw, str):
+                value = float(raw) if any(c in raw for c in ".eE") else int(raw)
+            else:
+                value = raw
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(raw)
+        if kind.startswith("tuple"):
+            items = raw.split(",") if isinstance(raw, str) else list(raw)
+            return tuple(int(str(x).strip()) for x in items if str(x).strip() != "")
+        return str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--{key.replace('_', '-')}: cannot read {raw!r} as {kind}") from None
+
+
+def resolve_config(preset: str = "tiny", overrides: dict[str, Any] | None = None) -> DataConfig:
+    """Preset values, then overrides (keys with '-' or '_'), then validation.
+
+    Raises ConfigError for an unknown preset, an unknown key or an invalid value.
+    """
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    types = _field_types()
+    values: dict[str, Any] = dict(PRESETS[preset])
+    for raw_key, raw in (overrides or {}).items():
+        key = raw_key.lstrip("-").replace("-", "_")
+        if key not in types:
+            near = difflib.get_close_matches(key, list(types), n=1)
+            hint = f" (did you mean --{near[0].replace('_', '-')}?)" if near else ""
+            raise ConfigError(f"unknown option --{raw_key.lstrip('-')}{hint}")
+        values[key] = _coerce(key, raw, types[key])
+    cfg = DataConfig(**values)
+    validate_config(cfg)
+    return cfg
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def validate_config(cfg: DataConfig) -> None:
+    """Raise ConfigError naming the first bad value; cheap (no sampling)."""
+    _check(cfg.rows > 0, f"rows must be positive, got {cfg.rows}")
+    _check(_finite(cfg.alpha) and cfg.alpha > 0, f"alpha must be > 0, got {cfg.alpha}")
+    for name in ("val_fraction", "test_fraction"):
+        v = getattr(cfg, name)
+        _check(_finite(v) and 0 <= v < 1, f"{name} must be in [0, 1), got {v}")
+    split = cfg.split_rows()
+    _check(all(n > 0 for n in split.values()),
+           f"rows={cfg.rows} leaves an empty split with these fractions: {split}")
+    _check(1 <= cfg.n_clusters <= cfg.vocab_size,
+           f"n_clusters must be in [1, vocab_size={cfg.vocab_size}], got {cfg.n_clusters}")
+    _check(cfg.vocab_size < 2**31, f"vocab_size must fit int32, got {cfg.vocab_size}")
+    _check(cfg.interests_per_user >= 1, "interests_per_user must be >= 1")
+    _check(_finite(cfg.interest_concentration) and cfg.interest_concentration > 0,
+           "interest_concentration must be > 0")
+    _check(_finite(cfg.noise) and 0 <= cfg.noise <= 1, f"noise must be in [0, 1], got {cfg.noise}")
+    _check(_finite(cfg.switch_mean) and cfg.switch_mean > 0, "switch_mean must be > 0")
+    _check(_finite(cfg.history_days) and cfg.history_days > 0, "history_days must be > 0")
+    _check(1 <= cfg.n_actions <= 127, f"n_actions must be in [1, 127] (int8), got {cfg.n_actions}")
+    _check(cfg.length_dist in LENGTH_DISTS,
+           f"length_dist must be one of {', '.join(LENGTH_DISTS)}, got {cfg.length_dist!r}")
+    _check(0 <= cfg.min_len <= cfg.max_len <= 1 << 17,
+           f"need 0 <= min_len <= max_len <= 131072, got min_len={cfg.min_len}, max_len={cfg.max_len}")
+    _check(_finite(cfg.mean_len) and cfg.mean_len >= 0, "mean_len must be >= 0")
+    _check(_finite(cfg.length_exponent) and cfg.length_exponent > 0, "length_exponent must be > 0")
+    _check(_finite(cfg.length_sigma) and cfg.length_sigma > 0, "length_sigma must be > 0")
+    mix = (cfg.cand_current, cfg.cand_past, cfg.cand_reconsume)
+    _check(all(_finite(p) and p >= 0 for p in mix) and sum(mix) <= 1 + 1e-9,
+           f"cand_current + cand_past + cand_reconsume must be probabilities summing <= 1, got {mix}")
+    _check(_finite(cfg.recent_halflife) and cfg.recent_halflife > 0, "recent_halflife must be > 0")
+    _check(cfg.far_start >= 0, "far_start must be >= 0")
+    _check(_finite(cfg.freq_cap) and cfg.freq_cap > 0, "freq_cap must be > 0")
+    for name in ("bias", "w_recent", "w_freq", "w_item", "quality_sd", "dense_sd"):
+        _check(_finite(getattr(cfg, name)), f"{name} must be finite")
+    _check(cfg.quality_sd >= 0 and cfg.dense_sd >= 0, "quality_sd and dense_sd must be >= 0")
+    _check(0 <= cfg.n_dense <= 1024, f"n_dense must be in [0, 1024], got {cfg.n_dense}")
+    ks = cfg.oracle_ks
+    _check(all(k >= 0 for k in ks) and list(ks) == sorted(set(ks)),
+           f"oracle_ks must be distinct, sorted and >= 0, got {ks}")
+    _check(cfg.rows_per_shard >= 1, "rows_per_shard must be >= 1")
+    _check(cfg.row_group_size >= 1, "row_group_size must be >= 1")
+    from .lengths import build_length_model  # local: lengths imports ConfigError from here
+
+    build_length_model(cfg)  # raises ConfigError when mean_len is out of the family's reach
+

@@ -1,0 +1,329 @@
+"""Triton kernels and launchers for jagged-dense (target) attention.
+
+Layout: q, out [B, Tq, H, D] (last dim contiguous, other strides free); k, v [T, H, D] jagged
+by offsets [B+1]; bias [B, H, Tq, N] (any strides: an expanded bias costs nothing), N =
+max_seq_len; lse and delta [H, B, Tq] fp32. Sequence b's keys are its first
+L_b = min(len_b, N) rows; key rows past N get zero gradients, as do the bias columns >= L_b.
+
+Work partitioning: the forward and the dQ(+dBias) pass run one program per (query block, sequence,
+head) looping over the sequence's key blocks; the dK/dV pass one per (key block, sequence, head)
+looping over the Tq queries. Every output element has exactly one writer: no atomics. dBias is
+dS itself (the bias enters the scores unscaled), so the dQ pass stores it on the way.
+
+Numerics as in the self-attention kernels (exp2 with prescaled scores, fp32 statistics and
+accumulators), plus: a query may see no finite score (empty sequence, or a bias of -inf), so the
+running max is made safe before exp2 and an empty row gives out = 0, lse = -inf; the backward
+maps lse = -inf to +inf so that such rows get P = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._flash_attention_triton import LOG2E, _interpreting, attention_bwd_delta
+from kernels._jagged_common import device_guard, new_output
+from kernels._triton_common import _zero_rows, dot_precision
+
+
+# Sizes that change from batch to batch are not specialised on (no recompile per batch shape).
+_NO_SPEC = ["max_seq_len", "num_queries", "num_heads", "num_seqs"]
+
+
+@triton.jit
+def _seq_bounds(Offsets, b, max_seq_len):
+    seq_start = tl.load(Offsets + b.to(tl.int32)).to(tl.int64)
+    n_rows = (tl.load(Offsets + b.to(tl.int32) + 1).to(tl.int64) - seq_start).to(tl.int32)
+    return seq_start, n_rows, tl.minimum(n_rows, max_seq_len)
+
+
+@triton.jit
+def _scores(q, k, bias_ptrs, b_mask, qk_scale, HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr):
+    """q @ k^T in log2 units (+ bias * log2 e): q [R, D], k [C, D] -> [R, C] fp32."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    if HAS_BIAS:
+        s += tl.load(bias_ptrs, mask=b_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+    return s
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _dense_fwd_kernel(
+    Q, K, V, Bias, O, LSE, Offsets,
+    stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_bb, stride_bh, stride_bq, stride_bn, stride_ob, stride_ot, stride_oh,
+    qk_scale, max_seq_len, num_queries, num_heads, num_seqs,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One program: BLOCK_M dense queries of one (sequence, head) over the sequence's keys."""
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    b = ((pid // num_heads) % num_seqs).to(tl.int64)
+    m_blk = pid // (num_heads * num_seqs)
+    seq_start, n_rows, seq_len = _seq_bounds(Offsets, b, max_seq_len)
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < num_queries
+    d_ok = offs_d < HEAD_D
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    k_base = K + seq_start * stride_kt + h * stride_kh
+    v_base = V + seq_start * stride_vt + h * stride_vh
+    bias_base = Bias + b * stride_bb + h * stride_bh + offs_m[:, None] * stride_bq
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < seq_len
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, bias_base + offs_n[None, :] * stride_bn, m_ok[:, None] & n_ok[None, :],
+                    qk_scale, HAS_BIAS, DOT_PREC)
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no finite score yet
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    has_keys = l_i > 0.0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
+             (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=q_mask)
+    tl.store(LSE + (h * num_seqs + b) * num_queries + offs_m, lse, mask=m_ok)
+
+
+@triton.jit
+def _load_lse2_delta(LSE, DELTA, row0, offs_m, m_ok):
+    """lse in log2 units with -inf (no keys) and padding rows mapped to +inf (P = 0)."""
+    lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=float("inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
+    return lse2, delta
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _dense_bwd_dq_kernel(
+    Q, K, V, Bias, DO, DQ, DBias, LSE, DELTA, Offsets,
+    stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
+    stride_dqb, stride_dqt, stride_dqh, stride_dbb, stride_dbh, stride_dbq, stride_dbn,
+    qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One program: dQ (and dBias rows) of BLOCK_M queries of one (sequence, head)."""
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    b = ((pid // num_heads) % num_seqs).to(tl.int64)
+    m_blk = pid // (num_heads * num_seqs)
+    seq_start, n_rows, seq_len = _seq_bounds(Offsets, b, max_seq_len)
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < num_queries
+    d_ok = offs_d < HEAD_D
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot
+                 + offs_d[None, :], mask=q_mask, other=0.0)
+    lse2, delta = _load_lse2_delta(LSE, DELTA, (h * num_seqs + b) * num_queries, offs_m, m_ok)
+    k_base = K + seq_start * stride_kt + h * stride_kh
+    v_base = V + seq_start * stride_vt + h * stride_vh
+    bias_base = Bias + b * stride_bb + h * stride_bh + offs_m[:, None] * stride_bq
+    dbias_base = DBias + b * stride_dbb + h * stride_dbh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start_n in range(0, seq_len, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < seq_len
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        mn_mask = m_ok[:, None] & n_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = _scores(q, k, bias_base + offs_n[None, :] * stride_bn, mn_mask, qk_scale, HAS_BIAS,
+                    DOT_PREC)
+        p = tl.where(n_ok[None, :], tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        if STORE_DBIAS:
+            tl.store(dbias_base + offs_m[:, None] * stride_dbq + offs_n[None, :] * stride_dbn,
+                     ds.to(DBias.dtype.element_ty), mask=mn_mask)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    if STORE_DBIAS:  # bias columns past the sequence: zero gradient (key positions as "rows")
+        _zero_rows(dbias_base, stride_dbn, stride_dbq, seq_len, max_seq_len, offs_m, m_ok, 0, 1,
+                   BLOCK_N, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC + ["num_n_blocks"])
+def _dense_bwd_dkdv_kernel(
+    Q, K, V, Bias, DO, DK, DV, LSE, DELTA, Offsets,
+    stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs, num_n_blocks,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One program: dK, dV of BLOCK_N key rows of one (sequence, head), over all Tq queries."""
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    b = ((pid // num_heads) % num_seqs).to(tl.int64)
+    n_blk = pid // (num_heads * num_seqs)
+    seq_start, n_rows, seq_len = _seq_bounds(Offsets, b, max_seq_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    dk_base = DK + seq_start * stride_dkt + h * stride_dkh
+    dv_base = DV + seq_start * stride_dvt + h * stride_dvh
+    if n_rows > max_seq_len:
+        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, n_blk,
+                   num_n_blocks, BLOCK_N, BLOCK_D)
+        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, n_blk,
+                   num_n_blocks, BLOCK_N, BLOCK_D)
+    start_n = n_blk * BLOCK_N
+    if start_n >= seq_len:
+        return
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < seq_len
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + seq_start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + seq_start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt
+                + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    bias_base = Bias + b * stride_bb + h * stride_bh + offs_n[:, None] * stride_bn
+    for start_m in range(0, num_queries, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < num_queries
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=q_mask,
+                     other=0.0)
+        lse2, delta = _load_lse2_delta(LSE, DELTA, (h * num_seqs + b) * num_queries, offs_m, m_ok)
+        s_t = _scores(k, q, bias_base + offs_m[None, :] * stride_bq, n_ok[:, None] & m_ok[None, :],
+                      qk_scale, HAS_BIAS, DOT_PREC)  # [BN, BM]
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+# ---- block sizes --------------------------------------------------------------------------
+
+
+def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
+    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim."""
+    if _interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, num_warps=4, num_stages=1)
+    bd = triton.next_power_of_2(head_dim)
+    bm = max(16, min(64 if bd <= 128 else 32, triton.next_power_of_2(num_queries)))
+    bn = 64 if bd <= 128 else 32
+    if dtype == torch.float32:
+        bm, bn = max(bm // 2, 16), max(bn // 2, 16)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, num_warps=4,
+                num_stages=1 if dtype == torch.float32 else 2)
+
+
+def _ptr(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    # an empty tensor may have no storage to point at; the kernels never read it then
+    return fallback if t is None or t.numel() == 0 else t
+
+
+def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
+    if bias is None:
+        return (fallback, 0, 0, 0, 0)
+    return (_ptr(bias, fallback), *bias.stride())
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ---- launchers ----------------------------------------------------------------------------
+
+
+def dense_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
+    bias: torch.Tensor | None, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [B, Tq, H, D] (q's dtype), lse [H, B, Tq] fp32. Inputs already validated."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    B, Tq, H, D = q.shape
+    out = new_output((B, Tq, H, D), q)
+    lse = new_output((H, B, Tq), q.new_empty(0, dtype=torch.float32))
+    if B == 0 or Tq == 0:
+        return out, lse
+    cfg = dense_config(D, Tq, q.dtype)
+    grid = (triton.cdiv(Tq, cfg["BLOCK_M"]) * B * H,)
+    bias_args = _bias_args(bias, q)
+    with device_guard(q):
+        _dense_fwd_kernel[grid](
+            q, _ptr(k, q), _ptr(v, q), bias_args[0], out, lse, offsets,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), *bias_args[1:], out.stride(0), out.stride(1), out.stride(2),
+            scale * LOG2E, max_seq_len, Tq, H, B,
+            HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"], HAS_BIAS=bias is not None, DOT_PREC=dot_precision(q.dtype),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out, lse
+
+
+def dense_attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, bias: torch.Tensor | None,
+    scale: float, need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dq [B, Tq, H, D], dk, dv [T, H, D], dbias [B, H, Tq, N] in bias's dtype (or None)."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    dout = dout.contiguous()
+    B, Tq, H, D = q.shape
+    T = k.shape[0]
+    dq, dk, dv = new_output(q.shape, q), new_output(k.shape, k), new_output(v.shape, v)
+    store_dbias = bias is not None and need_dbias
+    dbias = new_output(tuple(bias.shape), bias) if store_dbias else None
+    if B == 0 or (Tq == 0 and T == 0):
+        return dq, dk, dv, dbias
+    if Tq == 0:  # no query: every key gradient is zero
+        return dq, dk.zero_(), dv.zero_(), dbias
+    delta = attention_bwd_delta(out.reshape(B * Tq, H, D), dout.reshape(B * Tq, H, D), None)
+    cfg = dense_config(D, Tq, q.dtype)
+    common = dict(HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), HAS_BIAS=bias is not None,
+                  DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
+    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
+                   v.stride(1))
+    bias_args = _bias_args(bias, q)
+    do_strides = (dout.stride(0), dout.stride(1), dout.stride(2))
+    with device_guard(q):
+        _dense_bwd_dq_kernel[(triton.cdiv(Tq, cfg["BLOCK_M"]) * B * H,)](
+            q, _ptr(k, q), _ptr(v, q), bias_args[0], dout, dq, _ptr(dbias, dq), lse, delta, offsets,
+            *qkv_strides, *bias_args[1:], *do_strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            *(dbias.stride() if store_dbias else (0, 0, 0, 0)),
+            scale * LOG2E, scale, max_seq_len, Tq, H, B,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STORE_DBIAS=store_dbias, **common,
+        )
+        if T > 0:
+            num_n = max(triton.cdiv(max_seq_len, cfg["N_KV"]), 1)
+            _dense_bwd_dkdv_kernel[(num_n * B * H,)](
+                q, k, v, bias_args[0], dout, dk, dv, lse, delta, offsets,
+                *qkv_strides, *bias_args[1:], *do_strides, dk.stride(0), dk.stride(1),
+                dv.stride(0), dv.stride(1), scale * LOG2E, scale, max_seq_len, Tq, H, B, num_n,
+                BLOCK_M=cfg["M_KV"], BLOCK_N=cfg["N_KV"], **common,
+            )
+    return dq, dk, dv, dbias

@@ -1,0 +1,134 @@
+"""Triton kernels and launchers for jagged_dense_elementwise_add / _mul (forward and backward).
+
+Grid (B, row blocks of N, column blocks of D), N = dense.shape[1]: one program handles a tile
+of sequence b at padded positions [pid1 * BLOCK_N, +BLOCK_N). Math in fp32, one rounding on
+the store, as torch does for low-precision add and mul.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._jagged_common import device_guard, new_output
+from kernels._triton_common import _zero_rows, col_block
+
+_BLOCK_N = 32
+
+
+# Forward: out = x + dense[b, n] (or x * dense[b, n]) for n < min(len_b, N); jagged rows past N
+# are written with zeros, grid-stride by the row-block programs. Padding rows of dense are not read.
+@triton.jit
+def _jagged_dense_elementwise_fwd_kernel(
+    x_ptr, d_ptr, out_ptr, offsets_ptr, N, D,
+    stride_xt, stride_xd, stride_db, stride_dn, stride_dd, stride_ot, stride_od,
+    IS_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    begin = tl.load(offsets_ptr + b).to(tl.int64)
+    end = tl.load(offsets_ptr + b + 1).to(tl.int64)
+    length = tl.minimum(end - begin, N)
+    if pid_n * BLOCK_N < length:
+        mask = (rows[:, None] < length) & col_ok[None, :]
+        jag = (begin + rows)[:, None]
+        x = tl.load(x_ptr + jag * stride_xt + cols[None, :] * stride_xd, mask=mask).to(tl.float32)
+        d = tl.load(d_ptr + b * stride_db + rows[:, None] * stride_dn + cols[None, :] * stride_dd,
+                    mask=mask).to(tl.float32)
+        y = x * d if IS_MUL else x + d
+        tl.store(out_ptr + jag * stride_ot + cols[None, :] * stride_od, y, mask=mask)
+    _zero_rows(out_ptr, stride_ot, stride_od, begin + N, end, cols, col_ok,
+               pid_n, tl.num_programs(1), BLOCK_N, BLOCK_D)
+
+
+# Backward, both gradients in one pass. At padded position n of sequence b:
+#   add: grad_x = g,            grad_dense = g            (n < len_b), 0 (n >= len_b)
+#   mul: grad_x = g * dense,    grad_dense = g * x        (n < len_b), 0 (n >= len_b)
+# Every element of grad_dense [B, N, D] is written; jagged rows past N get zero grad_x.
+@triton.jit
+def _jagged_dense_elementwise_bwd_kernel(
+    g_ptr, x_ptr, d_ptr, gx_ptr, gd_ptr, offsets_ptr, N, D,
+    stride_gt, stride_gd, stride_xt, stride_xd, stride_db, stride_dn, stride_dd,
+    stride_gxt, stride_gxd, stride_gdb, stride_gdn, stride_gdd,
+    IS_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    begin = tl.load(offsets_ptr + b).to(tl.int64)
+    end = tl.load(offsets_ptr + b + 1).to(tl.int64)
+    length = tl.minimum(end - begin, N)
+    mask = (rows[:, None] < length) & col_ok[None, :]
+    jag = (begin + rows)[:, None]
+    dense_off = b * stride_db + rows[:, None] * stride_dn + cols[None, :] * stride_dd
+    g = tl.load(g_ptr + jag * stride_gt + cols[None, :] * stride_gd, mask=mask, other=0.0).to(tl.float32)
+    if IS_MUL:
+        x = tl.load(x_ptr + jag * stride_xt + cols[None, :] * stride_xd, mask=mask, other=0.0)
+        d = tl.load(d_ptr + dense_off, mask=mask, other=0.0)
+        gx = g * d.to(tl.float32)
+        gd = g * x.to(tl.float32)
+    else:
+        gx = g
+        gd = g
+    tl.store(gx_ptr + jag * stride_gxt + cols[None, :] * stride_gxd, gx, mask=mask)
+    gd_ptrs = gd_ptr + b * stride_gdb + rows[:, None] * stride_gdn + cols[None, :] * stride_gdd
+    tl.store(gd_ptrs, gd, mask=(rows[:, None] < N) & col_ok[None, :])
+    _zero_rows(gx_ptr, stride_gxt, stride_gxd, begin + N, end, cols, col_ok,
+               pid_n, tl.num_programs(1), BLOCK_N, BLOCK_D)
+
+
+def _grid(B: int, N: int, D: int) -> tuple[tuple[int, int, int], int]:
+    block_d = col_block(D)
+    return (B, max(1, triton.cdiv(N, _BLOCK_N)), triton.cdiv(D, block_d)), block_d
+
+
+def jagged_dense_elementwise_fwd_triton(
+    values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, is_mul: bool
+) -> torch.Tensor:
+    B, N, D = dense.shape
+    out = new_output(tuple(values.shape), values)  # [T, D]
+    if out.numel() == 0:
+        return out
+    grid, block_d = _grid(B, N, D)
+    with device_guard(values):
+        _jagged_dense_elementwise_fwd_kernel[grid](
+            values, dense, out, offsets, N, D,
+            values.stride(0), values.stride(1), dense.stride(0), dense.stride(1), dense.stride(2),
+            out.stride(0), out.stride(1),
+            IS_MUL=is_mul, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        )
+    return out
+
+
+def jagged_dense_elementwise_bwd_triton(
+    grad: torch.Tensor,
+    offsets: torch.Tensor,
+    values: torch.Tensor | None,
+    dense: torch.Tensor | None,
+    max_seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_values [T, D], grad_dense [B, N, D]); values and dense are given for mul only."""
+    (T, D), B, N = grad.shape, offsets.numel() - 1, max_seq_len
+    grad_values = new_output((T, D), grad)
+    grad_dense = new_output((B, N, D), grad)
+    if B == 0 or D == 0:
+        return grad_values, grad_dense
+    is_mul = values is not None
+    x, d = (values, dense) if is_mul else (grad, grad_dense)  # unused placeholders for add
+    grid, block_d = _grid(B, N, D)
+    with device_guard(grad):
+        _jagged_dense_elementwise_bwd_kernel[grid](
+            grad, x, d, grad_values, grad_dense, offsets, N, D,
+            grad.stride(0), grad.stride(1), x.stride(0), x.stride(1),
+            d.stride(0), d.stride(1), d.stride(2),
+            grad_values.stride(0), grad_values.stride(1),
+            grad_dense.stride(0), grad_dense.stride(1), grad_dense.stride(2),
+            IS_MUL=is_mul, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+        )
+    return grad_values, grad_dense

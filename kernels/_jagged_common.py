@@ -1,0 +1,93 @@
+"""Helpers shared by the jagged feature-interaction ops (conversions, softmax, bmm, elementwise).
+
+Nothing here imports Triton, so the CPU path works on machines without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable
+
+import torch
+
+from kernels._dispatch import resolve_backend
+
+_poison_outputs = os.environ.get("JAGGED_POISON_OUTPUTS", "0") not in ("", "0", "false", "False")
+
+
+def set_poison_outputs(enabled: bool) -> None:
+    """Tests only: Triton launchers fill their outputs with NaN before the kernel writes them."""
+    global _poison_outputs
+    _poison_outputs = bool(enabled)
+
+
+def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """Uninitialised output for a kernel that writes every element (NaN-poisoned under tests)."""
+    if _poison_outputs:
+        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
+    return torch.empty(shape, dtype=like.dtype, device=like.device)
+
+
+def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    # Triton launches on the current CUDA device; make it the tensors' device.
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """References compute in fp32 (fp64 stays fp64, for gradcheck) and cast back."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def pick_backend(backend: str, t: torch.Tensor) -> str:
+    """resolve_backend plus the dtype rule: the Triton kernels take fp32, bf16 and fp16 only."""
+    resolved = resolve_backend(backend, t.device)
+    if resolved == "triton" and t.dtype == torch.float64:
+        if backend == "auto":
+            return "torch"
+        raise TypeError("backend='triton' supports float32, bfloat16 and float16; use 'torch' for float64")
+    return resolved
+
+
+def spans(offsets: torch.Tensor, max_seq_len: int) -> list[tuple[int, int]]:
+    """Host (begin, n) per sequence, n = min(length, max_seq_len): the rows the op reads."""
+    off = offsets.tolist()
+    return [(off[b], min(off[b + 1] - off[b], max_seq_len)) for b in range(len(off) - 1)]
+
+
+# ---- autocast -----------------------------------------------------------------------------
+# torch.library.register_autocast fixes the cast dtype at registration; these kernels read it
+# from the active autocast region, like torch's own matmul ("lower_precision_fp") and
+# cat/stack ("promote") policies.
+
+_AUTOCAST_LIB = torch.library.Library("jagged", "FRAGMENT")
+_AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+
+
+def _autocast_kernel(op: Callable, device_type: str, policy: str) -> Callable:
+    def eligible(a: object) -> bool:
+        return isinstance(a, torch.Tensor) and a.is_floating_point() and a.device.type == device_type
+
+    def kernel(*args, **kwargs):
+        floats = [a for a in args if eligible(a)]
+        if policy == "lowp":
+            target = torch.get_autocast_dtype(device_type)
+            floats = [a for a in floats if a.dtype != torch.float64]
+        else:  # "promote": every floating input to the widest floating dtype among them
+            target = floats[0].dtype if floats else None
+            for a in floats[1:]:
+                target = torch.promote_types(target, a.dtype)
+        cast = [a.to(target) if any(a is f for f in floats) else a for a in args]
+        with torch.autocast(device_type, enabled=False):
+            return op(*cast, **kwargs)
+
+    return kernel
+
+
+def register_autocast(name: str, policy: str) -> None:
+    """Autocast rule for `jagged::<name>` on CPU and CUDA: policy "lowp" or "promote"."""
+    if policy not in ("lowp", "promote"):
+        raise ValueError(f"unknown autocast policy {policy!r}")
+    op = getattr(torch.ops.jagged, name).default
+    for device_type, key in _AUTOCAST_KEYS.items():
+        _AUTOCAST_LIB.impl(name, _autocast_kernel(op, device_type, policy), key)

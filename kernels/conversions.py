@@ -1,0 +1,176 @@
+"""jagged_to_padded and padded_to_jagged: the two conversions between the layouts.
+
+Layers (DESIGN.md): torch references, Triton kernels in ``kernels._conversions_triton``,
+custom ops ``jagged::jagged_to_padded`` / ``jagged::padded_to_jagged`` (autograd and fake
+registered; each one's backward is the other op), public functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._jagged_common import pick_backend, spans
+from kernels._validation import (
+    check_float,
+    check_max_seq_len,
+    check_offsets,
+    check_offsets_device,
+    check_size,
+)
+
+# ---- 1. references ------------------------------------------------------------------------
+
+
+def jagged_to_padded_reference(
+    values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, padding_value: float = 0.0
+) -> torch.Tensor:
+    out = values.new_full((offsets.numel() - 1, max_seq_len, values.shape[1]), padding_value)
+    for b, (begin, n) in enumerate(spans(offsets, max_seq_len)):
+        out[b, :n] = values[begin : begin + n]
+    return out  # [B, N, D]
+
+
+def padded_to_jagged_reference(
+    padded: torch.Tensor, offsets: torch.Tensor, total: int | None = None
+) -> torch.Tensor:
+    total = int(offsets[-1]) if total is None else total
+    out = padded.new_zeros((total, padded.shape[2]))
+    for b, (begin, n) in enumerate(spans(offsets, padded.shape[1])):
+        out[begin : begin + n] = padded[b, :n]
+    return out  # [T, D]
+
+
+# ---- 2./3. custom ops (the Triton launchers live in kernels._conversions_triton) ------------
+
+
+@torch.library.custom_op("jagged::jagged_to_padded", mutates_args=())
+def _jagged_to_padded_op(
+    values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, padding_value: float, backend: str
+) -> torch.Tensor:
+    if backend == "triton":
+        from kernels._conversions_triton import jagged_to_padded_triton
+
+        return jagged_to_padded_triton(values, offsets, max_seq_len, padding_value)
+    return jagged_to_padded_reference(values, offsets, max_seq_len, padding_value)
+
+
+@_jagged_to_padded_op.register_fake
+def _(values, offsets, max_seq_len, padding_value, backend):
+    return values.new_empty((offsets.shape[0] - 1, max_seq_len, values.shape[1]))
+
+
+@torch.library.custom_op("jagged::padded_to_jagged", mutates_args=())
+def _padded_to_jagged_op(
+    padded: torch.Tensor, offsets: torch.Tensor, total: int | None, backend: str
+) -> torch.Tensor:
+    if total is None:
+        total = int(offsets[-1])
+    if backend == "triton":
+        from kernels._conversions_triton import padded_to_jagged_triton
+
+        return padded_to_jagged_triton(padded, offsets, total)
+    return padded_to_jagged_reference(padded, offsets, total)
+
+
+@_padded_to_jagged_op.register_fake
+def _(padded, offsets, total, backend):
+    if total is None:  # T lives in offsets[-1]: data-dependent under torch.compile
+        total = torch.library.get_ctx().new_dynamic_size()
+    return padded.new_empty((total, padded.shape[2]))
+
+
+# ---- 4. autograd: each conversion's backward is the other conversion ------------------------
+
+
+def _to_padded_setup(ctx, inputs, output):
+    values, offsets, _, _, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.total, ctx.backend = values.shape[0], backend
+
+
+def _to_padded_backward(ctx, grad):
+    (offsets,) = ctx.saved_tensors
+    grad_values = torch.ops.jagged.padded_to_jagged(grad, offsets, ctx.total, ctx.backend)
+    return grad_values, None, None, None, None
+
+
+def _to_jagged_setup(ctx, inputs, output):
+    padded, offsets, _, backend = inputs
+    ctx.save_for_backward(offsets)
+    ctx.max_seq_len, ctx.backend = padded.shape[1], backend
+
+
+def _to_jagged_backward(ctx, grad):
+    (offsets,) = ctx.saved_tensors
+    grad_padded = torch.ops.jagged.jagged_to_padded(grad, offsets, ctx.max_seq_len, 0.0, ctx.backend)
+    return grad_padded, None, None, None
+
+
+_jagged_to_padded_op.register_autograd(_to_padded_backward, setup_context=_to_padded_setup)
+_padded_to_jagged_op.register_autograd(_to_jagged_backward, setup_context=_to_jagged_setup)
+
+
+# ---- 5. public functions --------------------------------------------------------------------
+
+
+def jagged_to_padded(
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    max_seq_len: int,
+    padding_value: float = 0.0,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Scatter a jagged tensor into a padded one.
+
+    Args:
+        values: ``[T, D]`` float32/bfloat16/float16 (float64 on the torch backend); rows of
+            sequence b are ``values[offsets[b]:offsets[b+1]]``. Any strides.
+        offsets: ``[B+1]`` int64 or int32, ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``.
+        max_seq_len: N, a host int >= 0: the padded length.
+        padding_value: the value of padded positions ``n >= len_b`` (e.g. ``-inf`` for masks).
+        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA, torch on CPU).
+
+    Returns:
+        ``[B, N, D]`` in ``values.dtype``: ``out[b, n] = values[offsets[b] + n]`` for
+        ``n < min(len_b, N)``, ``padding_value`` elsewhere. Rows of a sequence past N are
+        dropped (the first N rows are kept) and get zero gradient. Exact in every dtype.
+        Backward: ``grad_values = padded_to_jagged(grad)``. Autocast leaves the dtype alone.
+    """
+    check_float(values, "values", ndim=2)
+    check_offsets(offsets, total=values.shape[0])
+    check_offsets_device(offsets, values)
+    max_seq_len = check_max_seq_len(max_seq_len)
+    be = pick_backend(backend, values)
+    return torch.ops.jagged.jagged_to_padded(values, offsets, max_seq_len, float(padding_value), be)
+
+
+def padded_to_jagged(
+    padded: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    total: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gather the real rows of a padded tensor into a jagged one.
+
+    Args:
+        padded: ``[B, N, D]`` float32/bfloat16/float16 (float64 on the torch backend), any strides.
+        offsets: ``[B+1]`` int64 or int32 (as in ``jagged_to_padded``); ``len_b`` may exceed N.
+        total: T = ``offsets[-1]`` if the caller knows it; ``None`` reads it from ``offsets``
+            (a device sync on CUDA, and a data-dependent size under ``torch.compile``).
+        backend: ``"torch"``, ``"triton"`` or ``"auto"``.
+
+    Returns:
+        ``[T, D]`` in ``padded.dtype``: ``out[offsets[b] + n] = padded[b, n]`` for
+        ``n < min(len_b, N)``; rows with ``n >= N`` are zero. Exact in every dtype.
+        Backward: ``grad_padded = jagged_to_padded(grad, offsets, N)`` (zero at padding).
+    """
+    check_float(padded, "padded", ndim=3)
+    check_offsets(offsets, total=total)
+    check_offsets_device(offsets, padded)
+    check_size(padded, "padded", 0, offsets.shape[0] - 1, "B = len(offsets) - 1")
+    if total is not None:
+        total = check_max_seq_len(total, "total")
+    be = pick_backend(backend, padded)
+    return torch.ops.jagged.padded_to_jagged(padded, offsets, total, be)

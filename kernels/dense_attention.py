@@ -1,0 +1,173 @@
+"""Jagged-dense attention: dense queries (e.g. candidate items) over each user's jagged sequence.
+
+Layers: the torch reference (``kernels._attention_reference``), the Triton kernels and their
+launchers (``kernels._dense_attention_triton``), the custom ops ``jagged::dense_attention_fwd``
+and ``jagged::dense_attention_bwd`` (both backends go through them), the autograd registration,
+and the public function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._attention_reference import dense_attention_reference, dense_attention_reference_bwd
+from kernels._jagged_common import pick_backend, register_autocast
+from kernels._validation import (
+    check_float,
+    check_head_dim,
+    check_max_seq_len,
+    check_offsets,
+    check_offsets_device,
+    check_same,
+)
+
+Tensor = torch.Tensor
+
+
+# ---- custom ops ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("jagged::dense_attention_fwd", mutates_args=())
+def _dense_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, bias: Tensor | None,
+    scale: float, backend: str,
+) -> tuple[Tensor, Tensor]:
+    if backend == "triton":
+        from kernels._dense_attention_triton import dense_attention_fwd
+
+        return dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale)
+    with torch.no_grad():
+        out, lse = dense_attention_reference(q, k, v, offsets, max_seq_len, bias, scale)
+    return out, lse.to(torch.float32)
+
+
+@_dense_fwd_op.register_fake
+def _(q, k, v, offsets, max_seq_len, bias, scale, backend):
+    B, Tq, H, D = q.shape
+    return q.new_empty((B, Tq, H, D)), q.new_empty((H, B, Tq), dtype=torch.float32)
+
+
+@torch.library.custom_op("jagged::dense_attention_bwd", mutates_args=())
+def _dense_bwd_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, offsets: Tensor,
+    max_seq_len: int, bias: Tensor | None, scale: float, need_dbias: bool, backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv and dbias (an empty [0] tensor when there is no bias gradient to give)."""
+    want_dbias = bias is not None and need_dbias
+    if backend == "triton":
+        from kernels._dense_attention_triton import dense_attention_bwd
+
+        dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
+                                                bias, scale, want_dbias)
+    else:
+        dq, dk, dv, dbias = dense_attention_reference_bwd(dout, q, k, v, offsets, max_seq_len,
+                                                          bias, scale)
+    return dq, dk, dv, (dbias if want_dbias else q.new_empty(0))
+
+
+@_dense_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend):
+    dbias = bias.new_empty(bias.shape) if bias is not None and need_dbias else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, offsets, max_seq_len, bias, scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, offsets, bias)
+    ctx.args = (max_seq_len, scale, backend)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, offsets, bias = ctx.saved_tensors
+    if dout is None:  # lse is internal to this op: only the output carries a gradient
+        return (None,) * 8
+    max_seq_len, scale, backend = ctx.args
+    need_dbias = bias is not None and ctx.needs_input_grad[5]
+    dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
+        dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend)
+    return dq, dk, dv, None, None, (dbias if need_dbias else None), None, None
+
+
+_dense_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_autocast("dense_attention_fwd", "lowp")
+
+
+# ---- public function ----------------------------------------------------------------------
+
+
+def _check_inputs(q, k, v, offsets, max_seq_len, bias) -> None:
+    check_float(q, "q", 4)
+    check_float(k, "k", 3)
+    check_float(v, "v", 3)
+    check_same({"q": q, "k": k, "v": v})
+    B, Tq, H, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape[1:]) != (H, D):
+            raise ValueError(f"{name} must be [T, H, D] with q's H = {H} and D = {D}, "
+                             f"got shape {tuple(t.shape)}")
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"v must have k's number of rows T = {k.shape[0]}, got {v.shape[0]}")
+    if H < 1:
+        raise ValueError(f"q must have at least one head (H >= 1), got shape {tuple(q.shape)}")
+    check_head_dim(D, "head dim D = q.shape[3]")
+    check_offsets(offsets, "offsets", total=k.shape[0])
+    check_offsets_device(offsets, k, "offsets")
+    if offsets.shape[0] - 1 != B:
+        raise ValueError(f"q.shape[0] (B = {B}) must equal len(offsets) - 1 = "
+                         f"{offsets.shape[0] - 1}")
+    max_seq_len = check_max_seq_len(max_seq_len)
+    if bias is not None:
+        check_float(bias, "bias", 4)
+        check_same({"q": q, "bias": bias}, dtype=False)
+        expected = (B, H, Tq, max_seq_len)
+        if tuple(bias.shape) != expected:
+            raise ValueError(f"bias must be [B, H, Tq, max_seq_len] = {expected} (expand a "
+                             f"broadcastable bias first), got {tuple(bias.shape)}")
+
+
+def jagged_dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    max_seq_len: int,
+    *,
+    bias: Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Dense queries attending over the jagged sequence of their batch element (target attention).
+
+    Args:
+        q: ``[B, Tq, H, D]`` queries, e.g. Tq candidate items per user (Tq >= 1).
+        k, v: ``[T, H, D]`` jagged keys and values, same dtype and device as q; float32,
+            bfloat16 or float16 (float64 on the torch backend); D a multiple of 8 in [16, 256].
+            Last dims are made contiguous if they are not; other strides are free.
+        offsets: ``[B+1]`` int64 or int32; user b's keys are rows ``offsets[b]:offsets[b+1]``.
+        max_seq_len: host int N; only the first N keys of each sequence are attended to (the
+            others get zero gradients).
+        bias: optional ``[B, H, Tq, N]`` additive score bias, any float dtype and any strides (an
+            ``expand``-ed bias is read in place); it receives a gradient. Columns past a
+            sequence's length are ignored (their gradient is zero); -inf masks a key.
+        scale: score scale, default ``1 / sqrt(D)``.
+        backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA).
+
+    Returns:
+        ``out [B, Tq, H, D]`` in q's dtype,
+        ``out[b, i] = sum_j softmax_j(scale * q[b, i] . k[j] + bias[b, :, i, j]) v[j]`` over user
+        b's keys j; a query with no key (empty sequence, or all keys masked) gives zeros.
+    """
+    if torch.is_autocast_enabled(q.device.type):
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
+                   for t in (q, k, v))
+    _check_inputs(q, k, v, offsets, max_seq_len, bias)
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
+    resolved = pick_backend(backend, q)
+    out, _ = torch.ops.jagged.dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale,
+                                                  resolved)
+    return out

@@ -1,0 +1,159 @@
+"""Jagged flash attention: softmax self-attention within each sequence of a jagged batch.
+
+Layers: the torch reference (``kernels._attention_reference``), the Triton kernels and their
+launchers (``kernels._flash_attention_triton``), two custom ops ``jagged::flash_attention_fwd``
+and ``jagged::flash_attention_bwd`` (both backends go through them, so ``torch.compile`` sees one
+opaque op with a fake implementation), the autograd registration, and the public function.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._attention_reference import flash_attention_reference, flash_attention_reference_bwd
+from kernels._jagged_common import pick_backend, register_autocast
+from kernels._validation import (
+    check_float,
+    check_head_dim,
+    check_max_seq_len,
+    check_offsets,
+    check_offsets_device,
+    check_same,
+)
+
+Tensor = torch.Tensor
+
+
+# ---- custom ops ---------------------------------------------------------------------------
+
+
+@torch.library.custom_op("jagged::flash_attention_fwd", mutates_args=())
+def _flash_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, causal: bool,
+    scale: float, backend: str,
+) -> tuple[Tensor, Tensor]:
+    if backend == "triton":
+        from kernels._flash_attention_triton import flash_attention_fwd
+
+        return flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale)
+    with torch.no_grad():
+        out, lse = flash_attention_reference(q, k, v, offsets, max_seq_len, causal, scale)
+    return out, lse.to(torch.float32)
+
+
+@_flash_fwd_op.register_fake
+def _(q, k, v, offsets, max_seq_len, causal, scale, backend):
+    T, H, D = q.shape
+    return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("jagged::flash_attention_bwd", mutates_args=())
+def _flash_bwd_op(
+    dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    offsets: Tensor, max_seq_len: int, causal: bool, scale: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "triton":
+        from kernels._flash_attention_triton import flash_attention_bwd
+
+        return flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal,
+                                   scale)
+    return flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len, causal, scale)
+
+
+@_flash_bwd_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, offsets, max_seq_len, causal, scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, offsets)
+    ctx.args = (max_seq_len, causal, scale, backend)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, offsets = ctx.saved_tensors
+    if dout is None and dlse is None:
+        return (None,) * 8
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = torch.ops.jagged.flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets,
+                                                      *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+# Under autocast the op runs in the autocast dtype, like torch's own attention.
+register_autocast("flash_attention_fwd", "lowp")
+
+
+# ---- public function ----------------------------------------------------------------------
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_float(t, name, 3)
+    check_same({"q": q, "k": k, "v": v})
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape [T, H, D] = {tuple(q.shape)}, "
+                             f"got {tuple(t.shape)}")
+    if q.shape[1] < 1:
+        raise ValueError(f"q must have at least one head (H >= 1), got shape {tuple(q.shape)}")
+    check_head_dim(q.shape[2], "head dim D = q.shape[2]")
+    check_offsets(offsets, "offsets", total=q.shape[0])
+    check_offsets_device(offsets, q, "offsets")
+    check_max_seq_len(max_seq_len)
+
+
+def jagged_flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    max_seq_len: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Softmax attention within each sequence of a jagged batch (FlashAttention-2 on the GPU).
+
+    Args:
+        q, k, v: ``[T, H, D]`` float32, bfloat16 or float16 (float64 on the torch backend), same
+            dtype and device; T = total rows, H >= 1 heads, D a multiple of 8 in [16, 256].
+            The last dim must be contiguous (it is made so otherwise); other strides are free,
+            so slices of a fused qkv projection need no copy.
+        offsets: ``[B+1]`` int64 or int32; sequence b is rows ``offsets[b]:offsets[b+1]``.
+        max_seq_len: host int; only the first ``max_seq_len`` rows of each sequence take part,
+            the outputs and gradients of the other rows are zero.
+        causal: query i attends to keys j <= i (positions within its sequence).
+        scale: score scale, default ``1 / sqrt(D)``.
+        return_lse: also return ``lse [H, T]`` fp32, the natural-log log-sum-exp of each query
+            row's scaled scores (-inf for rows that do not take part); it is differentiable.
+        backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA).
+
+    Returns:
+        ``out [T, H, D]`` in the inputs' dtype, with
+        ``out[t] = sum_j softmax_j(scale * q[t] . k[j]) v[j]`` over the keys j of t's sequence;
+        ``(out, lse)`` when ``return_lse``.
+    """
+    if torch.is_autocast_enabled(q.device.type) and q.dtype != torch.float64:
+        # the registered autocast rule casts inside the op; casting here too keeps the checks
+        # below (same dtype for q, k, v) meaningful for mixed inputs under autocast
+        dt = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
+                   for t in (q, k, v))
+    _check_inputs(q, k, v, offsets, max_seq_len)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    resolved = pick_backend(backend, q)
+    out, lse = torch.ops.jagged.flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale,
+                                                    resolved)
+    return (out, lse) if return_lse else out

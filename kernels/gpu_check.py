@@ -1,0 +1,161 @@
+"""Compile every attention kernel for a GPU target on any machine, no GPU needed.
+
+    python -m kernels.gpu_check [--arch 90] [--dtypes bf16,fp16,fp32] [--dims 16,48,...] [--ptxas]
+
+The launchers are run on "meta" tensors with their kernels swapped for recorders, so exactly
+the configurations the launchers would launch (block sizes, warps, stages, constexprs) are then
+compiled by Triton's own compiler down to a cubin for the chosen architecture. It catches
+compile errors before any GPU time is spent and, with --ptxas, prints registers, spills and
+shared memory per kernel: the numbers to look at when tuning block sizes (issue 4). Pointer
+alignment and stride divisibility are not specialised here, so the code differs slightly from
+what runs on the GPU; compile errors and resource use are what this is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import time
+
+import torch
+
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+          torch.int64: "i64", torch.int32: "i32"}
+
+
+class _Recorder:
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+
+
+def _record(run) -> list:
+    """Run `run()` with every attention kernel replaced by a recorder; return the launches."""
+    from kernels import _dense_attention_triton as dense
+    from kernels import _flash_attention_triton as flash
+
+    calls: list = []
+    saved = []
+    for mod in (flash, dense):
+        for name in dir(mod):
+            obj = getattr(mod, name)
+            if name.endswith("_kernel") and hasattr(obj, "arg_names"):
+                saved.append((mod, name, obj))
+                setattr(mod, name, _Recorder(obj, calls))
+    try:
+        run()
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+    return calls
+
+
+def _signature(fn, args, kwargs):
+    sig, const = {}, {}
+    params = [p for p in fn.params]
+    positional = iter(args)
+    for p in params:
+        name = p.name
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+            const[name] = kwargs[name]
+            continue
+        a = next(positional)
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + _TYPES[a.dtype]
+        elif isinstance(a, bool):
+            sig[name] = "i1"
+        elif isinstance(a, int):
+            sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+        else:
+            sig[name] = "fp32"
+    return sig, const
+
+
+def _ptxas_report(ptx: str, arch: int) -> str:
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    path = "/tmp/_jagged_gpu_check.ptx"
+    with open(path, "w") as f:
+        f.write(ptx)
+    res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", "/dev/null"],
+                         capture_output=True, text=True)
+    text = res.stderr + res.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return (f"regs={regs.group(1) if regs else '?'} "
+            f"spill={spill.group(1) + '/' + spill.group(2) if spill else '?'}")
+
+
+def _workloads(dtype, D):
+    """(label, thunk) pairs that call every launcher once on meta tensors."""
+    from kernels._dense_attention_triton import dense_attention_bwd, dense_attention_fwd
+    from kernels._flash_attention_triton import flash_attention_bwd, flash_attention_fwd
+
+    T, H, B, N, Tq = 64, 2, 2, 32, 8
+    m = dict(device="meta", dtype=dtype)
+    q, k, v = (torch.empty(T, H, D, **m) for _ in range(3))
+    off = torch.empty(B + 1, device="meta", dtype=torch.int64)
+    lse = torch.empty(H, T, device="meta", dtype=torch.float32)
+    qd = torch.empty(B, Tq, H, D, **m)
+    bias = torch.empty(B, H, Tq, N, **m)
+    lse_d = torch.empty(H, B, Tq, device="meta", dtype=torch.float32)
+    for causal in (False, True):
+        yield f"flash causal={causal}", lambda c=causal: (
+            flash_attention_fwd(q, k, v, off, N, c, 0.1),
+            flash_attention_bwd(q, None, q, k, v, q, lse, off, N, c, 0.1))
+    for b in (None, bias):
+        yield f"dense bias={b is not None}", lambda b=b: (
+            dense_attention_fwd(qd, k, v, off, N, b, 0.1),
+            dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, b is not None))
+
+
+def main(argv=None) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--dtypes", default="bf16,fp16,fp32")
+    ap.add_argument("--dims", default="16,24,48,64,96,128,136,200,256")
+    ap.add_argument("--ptxas", action="store_true", help="report registers and spills")
+    a = ap.parse_args(argv)
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    target = GPUTarget("cuda", a.arch, 32)
+    failures, seen = 0, set()
+    for dt in a.dtypes.split(","):
+        for D in (int(x) for x in a.dims.split(",")):
+            for label, thunk in _workloads(names[dt], D):
+                for fn, args, kwargs in _record(thunk):
+                    sig, const = _signature(fn, args, kwargs)
+                    key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted(const.items())),
+                           kwargs.get("num_warps"), kwargs.get("num_stages"))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+                    t0 = time.time()
+                    try:
+                        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                                           target=target, options=opts)
+                    except Exception as e:  # report and go on: the point is the full list
+                        failures += 1
+                        print(f"FAIL {dt} D={D} {label} {fn.__name__}: {str(e)[:2000]}")
+                        continue
+                    extra = _ptxas_report(k.asm["ptx"], a.arch) if a.ptxas else ""
+                    blocks = {c: v for c, v in const.items() if c.startswith("BLOCK")}
+                    print(f"ok   {dt} D={D} {label} {fn.__name__} {blocks} {opts} "
+                          f"smem={k.metadata.shared} {extra} ({time.time() - t0:.1f}s)",
+                          flush=True)
+    print(f"{len(seen)} kernels compiled for sm_{a.arch}, {failures} failures")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

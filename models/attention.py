@@ -1,0 +1,98 @@
+"""The three layouts of a batch of histories and the attention each one runs.
+
+Every backend receives the same jagged batch. ``jagged`` keeps ``[T, D]`` values + offsets
+end to end and calls the ``kernels`` ops. ``dense`` and ``sdpa`` pad once, on the device,
+right after the embeddings (``jagged_to_padded``: that copy, and every op over the padding
+afterwards, is their cost) and run the encoder on ``[B, N, D]`` with N = max_seq_len.
+
+Padded rows never reach the output: keys are masked, pooled values are masked, and the target
+attention of an empty history is zeroed. An empty history attends to all of its (zero) padding
+instead of to nothing, so that no softmax row is all ``-inf`` (no NaN in any backend); the
+result is then multiplied by 0, as the jagged kernels return 0 for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    jagged_dense_attention,
+    jagged_dense_bmm,
+    jagged_flash_attention,
+    jagged_jagged_bmm,
+    jagged_to_padded,
+)
+
+
+def _padded_attention(q, k, v, key_mask, impl: str):
+    """q [B, Nq, H, Dh], k/v [B, N, H, Dh], key_mask [B, N] bool (True = attend) -> [B, Nq, H, Dh]."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, *, Dh]
+    mask = key_mask[:, None, None, :]  # [B, 1, 1, N]
+    if impl == "sdpa":
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, H, Nq, N]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        # softmax in at least fp32 (bf16/fp16 under autocast), fp64 stays fp64
+        p = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+        out = p.to(v.dtype) @ v
+    return out.transpose(1, 2)  # [B, Nq, H, Dh]
+
+
+class Histories:
+    """A batch of histories in one backend's layout, and the sequence ops of that layout.
+
+    offsets: [B+1] int64 of the jagged batch (lengths already <= max_seq_len upstream).
+    max_seq_len: host int, N of the padded layout and the kernels' max_seq_len.
+    """
+
+    def __init__(self, offsets: torch.Tensor, max_seq_len: int, backend: str, kernel_backend: str = "auto"):
+        self.offsets = offsets
+        self.max_seq_len = int(max_seq_len)
+        self.backend = backend
+        self.kernel_backend = kernel_backend
+        self.lengths = offsets[1:] - offsets[:-1]  # [B]
+        self.padded = backend != "jagged"
+        if self.padded:
+            pos = torch.arange(self.max_seq_len, device=offsets.device)
+            self.mask = pos[None, :] < self.lengths[:, None]  # [B, N] real items
+            self.key_mask = self.mask | (self.lengths == 0)[:, None]  # empty rows attend padding
+
+    def layout(self, x: torch.Tensor) -> torch.Tensor:
+        """Jagged [T, D] -> this layout: [T, D] (jagged) or [B, N, D] (padded, zeros)."""
+        if not self.padded:
+            return x
+        return jagged_to_padded(x, self.offsets, self.max_seq_len, backend=self.kernel_backend)
+
+    def self_attention(self, q, k, v) -> torch.Tensor:
+        """q, k, v [T, H, Dh] or [B, N, H, Dh] -> the same shape; bidirectional within a history."""
+        if not self.padded:
+            return jagged_flash_attention(
+                q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend
+            )
+        return _padded_attention(q, k, v, self.key_mask, self.backend)
+
+    def target_attention(self, q, k, v) -> torch.Tensor:
+        """q [B, 1, H, Dh] over k, v in this layout -> [B, 1, H, Dh]; zeros for empty histories."""
+        if not self.padded:
+            return jagged_dense_attention(
+                q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend
+            )
+        out = _padded_attention(q, k, v, self.key_mask, self.backend)
+        return out * (self.lengths > 0).to(out.dtype)[:, None, None, None]
+
+    def scores(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Per-item scores x_t . w_b: x in this layout, w [B, D, K] -> [T, K] or [B, N, K]."""
+        if not self.padded:
+            return jagged_dense_bmm(x, self.offsets, w, self.max_seq_len, backend=self.kernel_backend)
+        return x @ w
+
+    def pool(self, s: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """sum_t s_t^T x_t over real items: s [*, K], x [*, D] in this layout -> [B, K, D]."""
+        if not self.padded:
+            return jagged_jagged_bmm(s, x, self.offsets, self.max_seq_len, backend=self.kernel_backend)
+        s = s * self.mask[..., None].to(s.dtype)  # padded rows of x carry garbage: drop them
+        return s.transpose(1, 2) @ x

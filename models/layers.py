@@ -1,0 +1,104 @@
+"""Building blocks of the ranker. Each works on any layout: per-row ops see ``[..., D]``,
+sequence ops go through :class:`models.attention.Histories`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from models.attention import Histories
+
+_MAX_AGE_DAYS = 3650.0
+
+
+class HistoryEmbedding(nn.Module):
+    """Item + action + age-bucket embeddings of the history rows, summed: -> [T, D].
+
+    The item table is shared with the candidate (:attr:`item`). Ages (days, >= 0) fall into
+    log-spaced buckets from one hour to ten years.
+    """
+
+    def __init__(self, vocab_size: int, n_actions: int, dim: int, num_age_buckets: int):
+        super().__init__()
+        self.item = nn.Embedding(vocab_size, dim)
+        self.action = nn.Embedding(n_actions, dim)
+        self.age = nn.Embedding(num_age_buckets, dim)
+        edges = torch.logspace(math.log10(1 / 24), math.log10(_MAX_AGE_DAYS), num_age_buckets - 1)
+        self.register_buffer("age_edges", edges, persistent=False)
+        for table in (self.item, self.action, self.age):
+            nn.init.normal_(table.weight, std=dim**-0.5)
+
+    def forward(self, item: torch.Tensor, action: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
+        buckets = torch.bucketize(age.float(), self.age_edges)  # [T] in [0, num_age_buckets)
+        return self.item(item) + self.action(action.long()) + self.age(buckets)  # [T, D]
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm transformer block: x + Attn(LN(x)), then x + FFN(LN(x))."""
+
+    def __init__(self, dim: int, num_heads: int, ffn_mult: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim))
+
+    def forward(self, x: torch.Tensor, hist: Histories) -> torch.Tensor:
+        """x [T, D] (jagged) or [B, N, D] (padded) -> same shape."""
+        qkv = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1))  # [..., 3, H, Dh]
+        q, k, v = qkv.unbind(-3)  # [..., H, Dh]
+        x = x + self.proj(hist.self_attention(q, k, v).flatten(-2))
+        return x + self.ffn(self.norm2(x))
+
+
+class TargetAttention(nn.Module):
+    """The candidate attends over the encoded history: -> [B, D] (zeros for an empty history)."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, cand: torch.Tensor, x: torch.Tensor, hist: Histories) -> torch.Tensor:
+        q = self.q(cand).unflatten(-1, (1, self.num_heads, -1))  # [B, 1, H, Dh]
+        k, v = self.kv(x).unflatten(-1, (2, self.num_heads, -1)).unbind(-3)  # [..., H, Dh]
+        return self.proj(hist.target_attention(q, k, v).flatten(-3))  # [B, D]
+
+
+class HistoryInteraction(nn.Module):
+    """K candidate-conditioned poolings of the history (second-order candidate x item x item).
+
+    The candidate gives K probe vectors C_b [D, K]; every history item gets scores
+    s_t = x_t C_b / sqrt(D) (``jagged_dense_bmm``); the pooling P_b = sum_t s_t^T x_t / len_b
+    (``jagged_jagged_bmm``) is [K, D]. Output: LayerNorm(flatten(P)) [B, K * D].
+    """
+
+    def __init__(self, dim: int, pool_heads: int):
+        super().__init__()
+        self.pool_heads = pool_heads
+        self.probe = nn.Linear(dim, dim * pool_heads)
+        self.norm = nn.LayerNorm(dim * pool_heads)
+
+    def forward(self, cand: torch.Tensor, x: torch.Tensor, hist: Histories) -> torch.Tensor:
+        dim = cand.shape[-1]
+        probes = self.probe(cand).unflatten(-1, (dim, self.pool_heads))  # [B, D, K]
+        s = hist.scores(x, probes.to(x.dtype)) * dim**-0.5  # [T, K] or [B, N, K]
+        pooled = hist.pool(s, x)  # [B, K, D]
+        pooled = pooled / hist.lengths.clamp(min=1).to(pooled.dtype)[:, None, None]
+        return self.norm(pooled.flatten(1))  # [B, K * D]
+
+
+def mlp(in_dim: int, dims: list[int]) -> nn.Sequential:
+    """Linear-ReLU stack ending in one logit."""
+    layers: list[nn.Module] = []
+    for d in dims:
+        layers += [nn.Linear(in_dim, d), nn.ReLU()]
+        in_dim = d
+    layers.append(nn.Linear(in_dim, 1))
+    return nn.Sequential(*layers)

@@ -1,0 +1,78 @@
+"""The ranker: history encoder, target attention, interaction, MLP -> one logit per example."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.attention import Histories
+from models.config import RankerConfig
+from models.layers import EncoderBlock, HistoryEmbedding, HistoryInteraction, TargetAttention, mlp
+
+
+class Ranker(nn.Module):
+    """Click-through ranker over a user's history and one candidate item.
+
+    item embeddings (shared by history and candidate) + action + age-bucket embeddings
+    -> ``num_layers`` pre-norm self-attention blocks over the history (layout by
+    ``cfg.backend``) -> target attention of the candidate over the encoded history
+    -> candidate-conditioned pooling of the history (interaction block)
+    -> MLP over [candidate, mean of the encoded history, target attention, pooling,
+    dense features, log1p(length)] -> logit.
+
+    The parameters do not depend on the backend: a state_dict of one loads into the others.
+    """
+
+    def __init__(self, cfg: RankerConfig, *, vocab_size: int, n_actions: int, n_dense: int):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.embed_dim
+        self.embed = HistoryEmbedding(vocab_size, n_actions, d, cfg.num_age_buckets)
+        self.blocks = nn.ModuleList(EncoderBlock(d, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(d)
+        self.target = TargetAttention(d, cfg.num_heads) if cfg.target_attention else None
+        self.interaction = HistoryInteraction(d, cfg.pool_heads) if cfg.interaction else None
+        self.dense_proj = nn.Linear(n_dense, d) if n_dense > 0 else None
+        in_dim = d * (2 + cfg.target_attention + cfg.pool_heads * cfg.interaction + (n_dense > 0)) + 1
+        self.head = mlp(in_dim, cfg.mlp_dims)
+
+    def forward(
+        self,
+        hist_item: torch.Tensor,
+        hist_action: torch.Tensor,
+        hist_age: torch.Tensor,
+        offsets: torch.Tensor,
+        max_seq_len: int,
+        cand_item: torch.Tensor,
+        dense: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits [B] (float32; float64 for a float64 model).
+
+        hist_item [T] int32/int64, hist_action [T] integer, hist_age [T] float (days): the
+        histories, jagged by offsets [B+1] int64 (each at most max_seq_len long, most recent
+        items kept); cand_item [B] integer; dense [B, n_dense] float.
+        """
+        hist = Histories(offsets, max_seq_len, self.cfg.backend, self.cfg.kernel_backend)
+        x = hist.layout(self.embed(hist_item, hist_action, hist_age))  # [T, D] or [B, N, D]
+        for block in self.blocks:
+            x = block(x, hist)
+        x = self.norm(x)
+        cand = self.embed.item(cand_item)  # [B, D]
+        feats = [cand, self._mean(x, hist)]
+        if self.target is not None:
+            feats.append(self.target(cand, x, hist))
+        if self.interaction is not None:
+            feats.append(self.interaction(cand, x, hist))
+        if self.dense_proj is not None:
+            feats.append(self.dense_proj(dense))
+        feats.append(torch.log1p(hist.lengths.to(cand.dtype))[:, None])
+        feats = [f.to(cand.dtype) for f in feats]
+        logits = self.head(torch.cat(feats, dim=-1)).squeeze(-1)  # [B]
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
+
+    @staticmethod
+    def _mean(x: torch.Tensor, hist: Histories) -> torch.Tensor:
+        """Mean of the encoded history over real items -> [B, D] (zeros when empty)."""
+        ones = x.new_ones(*x.shape[:-1], 1)  # [T, 1] or [B, N, 1]
+        total = hist.pool(ones, x).squeeze(1)  # [B, D]
+        return total / hist.lengths.clamp(min=1).to(total.dtype)[:, None]

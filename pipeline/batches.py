@@ -1,0 +1,130 @@
+"""Jagged batches from a Parquet split, without per-row Python loops.
+
+A split is read once (through ``data_gen.schema.read_split``) into flat numpy buffers that
+view Arrow's memory: the list columns become one values array plus one row-offsets array.
+A batch is an index array; ``JaggedSplit.gather`` cuts every row's most recent
+``max_seq_len`` items out of the values with one computed index vector (np.repeat / cumsum),
+so its cost is a handful of vectorised gathers whatever the batch size.
+
+A DataLoader over :class:`BatchDataset` with ``batch_size=None`` and an
+:class:`EpochBatchSampler` hands each worker process whole index arrays; the sampler's order
+depends only on (seed, epoch), and it can skip the batches a resumed run already trained on.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch.utils.data import Dataset, Sampler
+
+HIST_COLUMNS = ("hist_item", "hist_action", "hist_age")
+
+
+def _list_buffers(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
+    """A list column -> (values, offsets [R+1] int64) without copying the values."""
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    offsets = arr.offsets.to_numpy().astype(np.int64)  # absolute into arr.values, even if sliced
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return values, offsets
+
+
+def _flat(col: pa.ChunkedArray) -> np.ndarray:
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    return arr.to_numpy(zero_copy_only=False)
+
+
+class JaggedSplit:
+    """One split as flat arrays: histories (values + row offsets), candidate, dense, label."""
+
+    def __init__(self, table: pa.Table, n_dense: int):
+        self.num_rows = table.num_rows
+        hist = {name: _list_buffers(table.column(name)) for name in HIST_COLUMNS}
+        self.row_offsets = hist["hist_item"][1]  # [R+1]
+        lengths = np.diff(self.row_offsets)
+        for name in HIST_COLUMNS[1:]:
+            if not np.array_equal(np.diff(hist[name][1]), lengths):
+                raise ValueError(f"{name} is not aligned with hist_item (different list lengths)")
+            if hist[name][1][0] != self.row_offsets[0]:  # same offsets base keeps one index vector
+                raise ValueError(f"{name} and hist_item lists start at different offsets")
+        self.item = hist["hist_item"][0].astype(np.int32, copy=False)
+        self.action = hist["hist_action"][0].astype(np.int8, copy=False)
+        self.age = hist["hist_age"][0].astype(np.float32, copy=False)
+        self.cand = _flat(table.column("cand_item")).astype(np.int32, copy=False)
+        self.dense = np.stack(
+            [_flat(table.column(f"dense_{i}")).astype(np.float32, copy=False) for i in range(n_dense)], axis=1
+        ) if n_dense else np.zeros((self.num_rows, 0), np.float32)  # [R, n_dense]
+        self.label = _flat(table.column("label")).astype(np.float32)
+
+    def gather(self, idx: np.ndarray, max_seq_len: int) -> dict:
+        """The batch of rows `idx` [B]: jagged histories cut to their most recent max_seq_len."""
+        end = self.row_offsets[idx + 1]
+        keep = np.minimum(end - self.row_offsets[idx], max_seq_len)  # [B]
+        offsets = np.zeros(len(idx) + 1, np.int64)
+        np.cumsum(keep, out=offsets[1:])
+        total = int(offsets[-1])
+        # row t of the batch reads values[end_b - keep_b + (t - offsets_b)]
+        src = np.arange(total, dtype=np.int64) + np.repeat(end - keep - offsets[:-1], keep)
+        return {
+            "hist_item": torch.from_numpy(self.item[src]),  # [T] int32
+            "hist_action": torch.from_numpy(self.action[src]),  # [T] int8
+            "hist_age": torch.from_numpy(self.age[src]),  # [T] float32
+            "offsets": torch.from_numpy(offsets),  # [B+1] int64
+            "cand_item": torch.from_numpy(self.cand[idx]),  # [B] int32
+            "dense": torch.from_numpy(self.dense[idx]),  # [B, n_dense] float32
+            "label": torch.from_numpy(self.label[idx]),  # [B] float32
+            "n_tokens": total,
+            "max_seq_len": int(max_seq_len),
+        }
+
+
+class BatchDataset(Dataset):
+    """Item i is a whole batch: ``dataset[index_array]`` -> the gathered batch dict."""
+
+    def __init__(self, split: JaggedSplit, max_seq_len: int):
+        self.split = split
+        self.max_seq_len = max_seq_len
+
+    def __len__(self) -> int:
+        return self.split.num_rows
+
+    def __getitem__(self, idx: np.ndarray) -> dict:
+        return self.split.gather(idx, self.max_seq_len)
+
+
+class EpochBatchSampler(Sampler):
+    """Yields index arrays of one epoch; the order is a function of (seed, epoch) only.
+
+    shuffle=False keeps file order (evaluation). Within a batch, indices are sorted: the same
+    examples, gathered with better memory locality. ``skip_next(n)`` makes the next epoch
+    started skip its first n batches (a resumed run continues where it stopped).
+    """
+
+    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int = 0):
+        self.num_rows, self.batch_size = num_rows, batch_size
+        self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
+        self.epoch = 0
+        self._skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def skip_next(self, n: int) -> None:
+        self._skip = n
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_rows // self.batch_size
+        return -(-self.num_rows // self.batch_size)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
+        else:
+            order = np.arange(self.num_rows)
+        skip, self._skip = self._skip, 0
+        for b in range(skip, len(self)):
+            idx = order[b * self.batch_size : (b + 1) * self.batch_size]
+            yield np.sort(idx) if self.shuffle else idx

@@ -1,0 +1,197 @@
+"""The main job: train one ranker per attention backend on the same data and compare them.
+
+    python -m pipeline.experiment --preset small --data data/small --backends dense sdpa jagged
+    make experiment [PRESET=paper]                       # the same, after `make data`
+
+Each backend trains in a fresh process (``python -m pipeline fit --config base.yaml --config
+<preset>.yaml --config <backend>.yaml``, so GPU memory statistics and caches never leak from
+one to the next) as a child of one MLflow parent run. At the end: one comparison table on
+stdout, the same table as markdown in ``experiments/results/main_<preset>_<cpu|cuda>.md`` and
+as an artifact of the parent run, and where to find the runs in MLflow. Extra arguments after
+``--`` go to every ``pipeline fit`` (e.g. ``-- --trainer.max_epochs 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from models import BACKENDS
+from pipeline.errors import ConfigError
+from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
+
+CONFIGS = REPO_ROOT / "experiments" / "configs"
+EXPERIMENT = "main-job"
+
+
+def fit_command(preset: str, backend: str, data: str, experiment: str, parent_id: str, extra: list[str]) -> list[str]:
+    configs = ["base.yaml", f"{preset}.yaml", f"{backend}.yaml"]
+    cmd = [sys.executable, "-m", "pipeline", "fit"]
+    for name in configs:
+        cmd += ["--config", str(CONFIGS / name)]
+    return cmd + [
+        "--data.data_dir", data,
+        "--mlflow.experiment_name", experiment,
+        "--mlflow.parent_run_id", parent_id,
+        "--mlflow.run_name", f"{preset}-{backend}",
+        *extra,
+    ]
+
+
+def child_run(client: MlflowClient, experiment_id: str, parent_id: str, backend: str):
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent_id}' and tags.backend = '{backend}'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    return runs[0] if runs else None
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_rows(results: list[dict], cuda: bool) -> tuple[list[str], list[list[str]]]:
+    mem_key, mem_name = ("mem/train_peak_allocated_mb", "peak GPU mem (MB)") if cuda else ("mem/peak_rss_mb", "peak RSS (MB)")
+    header = ["backend", "status", "test AUC", "test NE", "test log loss", "train ex/s", "tokens/s",
+              "step (ms)", mem_name, "wall (s)", "MLflow run"]
+    rows = []
+    for r in results:
+        m = r["metrics"]
+        rows.append([
+            r["backend"], r["status"], _fmt(m.get("test/auc"), ".4f"), _fmt(m.get("test/ne"), ".4f"),
+            _fmt(m.get("test/logloss"), ".4f"), _fmt(m.get("perf/train_examples_per_s"), ",.0f"),
+            _fmt(m.get("perf/train_tokens_per_s"), ",.0f"), _fmt(m.get("perf/step_time_ms"), ".1f"),
+            _fmt(m.get(mem_key), ",.0f"), f"{r['wall_s']:.0f}", r["run_id"] or "-",
+        ])
+    return header, rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tuple[str, str]:
+    """(markdown document, plain-text table)."""
+    header, rows = table_rows(results, env["accelerator"] == "cuda")
+    oracle = meta["splits"]["test"].get("oracle", {})
+    lines = [
+        f"# Main job: dense vs sdpa vs jagged rankers, preset `{args.preset}`",
+        "",
+        f"- command: `python -m pipeline.experiment --preset {args.preset} --data {args.data} "
+        f"--backends {' '.join(args.backends)}`" + (f" `-- {' '.join(args.extra)}`" if args.extra else ""),
+        f"- device: {env['device']}; torch {env['torch_version']}, triton {env['triton_version']}, "
+        f"CUDA {env['cuda_version']}, Python {env['python_version']}",
+        f"- git commit: `{env['git_commit']}`; data digest: `{meta['digest']}` ({args.data})",
+        f"- date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}; total wall time {total_s:.0f} s",
+        f"- test split oracle (the planted model): AUC {_fmt(oracle.get('auc'), '.4f')}, "
+        f"NE {_fmt(oracle.get('ne'), '.4f')}",
+        f"- MLflow: experiment `{args.experiment_name}`, parent run `{parent.info.run_id}`",
+        "",
+        markdown_table(header, rows),
+        "",
+        "Throughput is over steady-state training steps (warm-up and validation excluded); "
+        "tokens are real history items. Wall time is the whole process (start-up, data loading, "
+        "training, validation, test).",
+    ]
+    return "\n".join(lines) + "\n", text_table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(prog="python -m pipeline.experiment", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="small", help="experiments/configs/<preset>.yaml (tiny, small, paper)")
+    p.add_argument("--data", default=None, help="data directory (default: data/<preset>)")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--experiment-name", default=EXPERIMENT, help="MLflow experiment")
+    p.add_argument("--results-dir", default=str(REPO_ROOT / "experiments" / "results"),
+                   help="where the markdown table goes ('' for nowhere)")
+    args = p.parse_args(argv)
+    args.extra = extra
+    args.data = args.data or f"data/{args.preset}"
+    args.data_dir = str(Path(args.data).resolve())
+    try:
+        meta = _preflight(args)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return run(args, meta)
+
+
+def _preflight(args) -> dict:
+    if not (CONFIGS / f"{args.preset}.yaml").is_file():
+        presets = sorted(f.stem for f in CONFIGS.glob("*.yaml") if f.stem not in ("base", *BACKENDS))
+        raise ConfigError(f"no config for preset {args.preset!r} in {CONFIGS}; one of {presets}")
+    meta_path = Path(args.data_dir) / "meta.json"
+    if not meta_path.is_file():
+        raise ConfigError(f"no data set at {args.data}: run `make data PRESET={args.preset}` first")
+    check_tracking(tracking_uri())
+    return json.loads(meta_path.read_text())
+
+
+def run(args, meta: dict) -> int:
+    mlflow.set_tracking_uri(tracking_uri())
+    experiment_id = mlflow.set_experiment(args.experiment_name).experiment_id
+    client = MlflowClient()
+    env = environment_tags()
+    t_start = time.perf_counter()
+    parent = mlflow.start_run(run_name=f"main-{args.preset}", tags={**env, "preset": args.preset, "kind": "main-job"})
+    results, status = [], "FINISHED"
+    try:
+        for i, backend in enumerate(args.backends):
+            print(f"\n=== [{i + 1}/{len(args.backends)}] {backend} ranker, preset {args.preset} ===", flush=True)
+            cmd = fit_command(args.preset, backend, args.data_dir, args.experiment_name, parent.info.run_id, args.extra)
+            t0 = time.perf_counter()
+            rc = subprocess.run(cmd, cwd=REPO_ROOT).returncode
+            wall = time.perf_counter() - t0
+            run_ = child_run(client, experiment_id, parent.info.run_id, backend)
+            results.append({
+                "backend": backend, "wall_s": wall,
+                "status": run_.info.status if run_ else "NOT STARTED" if rc else "?",
+                "run_id": run_.info.run_id if run_ else None,
+                "metrics": dict(run_.data.metrics) if run_ else {},
+            })
+            if rc != 0:
+                status = "FAILED"
+                print(f"--- {backend} failed (exit status {rc}); going on with the others", file=sys.stderr)
+    except BaseException:
+        mlflow.end_run("KILLED")
+        raise
+    total = time.perf_counter() - t_start
+    md, text = report(args, results, parent, meta, env, total)
+    mlflow.log_text(md, "main_job.md")
+    mlflow.end_run(status)
+    if args.results_dir:
+        out = Path(args.results_dir) / f"main_{args.preset}_{env['accelerator']}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(md)
+    print(f"\n{text}\n")
+    print(f"MLflow tracking URI: {tracking_uri()}")
+    print(f"experiment '{args.experiment_name}' (id {experiment_id}), parent run {parent.info.run_id}")
+    print("runs: " + ", ".join(f"{r['backend']}={r['run_id']}" for r in results))
+    print(f"dashboard: `make ui`, then http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{parent.info.run_id}")
+    if args.results_dir:
+        print(f"table written to {out}")
+    return 0 if status == "FINISHED" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""Ranking metrics of our own as torchmetrics ``Metric``s, all fed with logits.
+
+- ``LogLoss``: mean binary cross-entropy (natural log).
+- ``NormalizedEntropy``: log loss / entropy of a base CTR (the TRAINING CTR): 1.0 is what
+  always predicting the base rate scores; lower is better.
+- ``Calibration``: sum of predicted probabilities / sum of labels (1.0 is calibrated).
+
+States are float64 sums, so results do not drift over large evaluation sets, and they reduce
+by summation across processes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torchmetrics import Metric
+from torchmetrics.classification import BinaryAUROC
+
+
+class LogLoss(Metric):
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("loss_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        """logits [N] (any float), target [N] in {0, 1}."""
+        loss = F.binary_cross_entropy_with_logits(logits.double(), target.double(), reduction="sum")
+        self.loss_sum += loss
+        self.count += target.numel()
+
+    def compute(self) -> torch.Tensor:
+        return self.loss_sum / self.count
+
+
+def binary_entropy(p: float) -> float:
+    """Entropy (nats) of a Bernoulli(p)."""
+    return -(p * math.log(p) + (1 - p) * math.log(1 - p))
+
+
+class NormalizedEntropy(LogLoss):
+    def __init__(self, base_ctr: float, **kwargs) -> None:
+        if not 0.0 < base_ctr < 1.0:
+            raise ValueError(f"NormalizedEntropy needs a base CTR in (0, 1), got {base_ctr}")
+        super().__init__(**kwargs)
+        self.base_ctr = float(base_ctr)
+        self.base_entropy = binary_entropy(self.base_ctr)
+
+    def compute(self) -> torch.Tensor:
+        return super().compute() / self.base_entropy
+
+
+class Calibration(Metric):
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.add_state("pred_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("label_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        self.pred_sum += torch.sigmoid(logits.double()).sum()
+        self.label_sum += target.double().sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.pred_sum / self.label_sum  # inf (or nan) when there are no positives
+
+
+class AUC(BinaryAUROC):
+    """Exact ROC AUC fed with logits like the others (sigmoid applied here, never guessed)."""
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:  # type: ignore[override]
+        super().update(torch.sigmoid(logits.float()), target.long())
+
+
+def ranking_metrics(base_ctr: float) -> dict[str, Metric]:
+    """The evaluation set: auc, logloss, ne, calibration (all updated with logits, labels)."""
+    return {
+        "auc": AUC(),
+        "logloss": LogLoss(),
+        "ne": NormalizedEntropy(base_ctr),
+        "calibration": Calibration(),
+    }

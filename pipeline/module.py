@@ -1,0 +1,118 @@
+"""LightningModule around :class:`models.Ranker`: BCE loss, AdamW, ranking metrics.
+
+Logged names (MLflow metric keys): ``train/loss_step``, ``train/loss_epoch``,
+``{val,test}/{auc,logloss,ne,calibration}``. NE is normalised by the entropy of the TRAINING
+CTR (``data_spec["train_ctr"]``) for every split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+
+from models import Ranker, RankerConfig
+from pipeline.metrics import ranking_metrics
+
+_MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The training loss became NaN or inf; the message names the first such step."""
+
+
+class RankerModule(pl.LightningModule):
+    """Args:
+    ranker: the architecture (``models.RankerConfig``; ``backend`` picks dense/sdpa/jagged).
+    lr, weight_decay, betas: AdamW.
+    data_spec: sizes and training CTR of the data set; the CLI links it from ``data.spec``.
+    """
+
+    def __init__(
+        self,
+        ranker: RankerConfig = RankerConfig(),
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.98),
+        data_spec: dict | None = None,
+    ):
+        super().__init__()
+        if data_spec is None:
+            raise ValueError("RankerModule needs data_spec (vocab_size, n_actions, n_dense, train_ctr)")
+        if isinstance(ranker, dict):  # e.g. from a checkpoint's hyper_parameters
+            ranker = RankerConfig(**ranker)
+        # plain types only: checkpoints stay loadable with torch.load(weights_only=True)
+        self.save_hyperparameters(
+            {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
+             "data_spec": dict(data_spec)},
+            logger=False,
+        )
+        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.model = Ranker(
+            ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"], n_dense=data_spec["n_dense"]
+        )
+        self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
+        self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
+        # the epoch's running mean is checkpointed, so a run resumed mid-epoch logs the same mean
+        self.train_loss = MeanMetric()
+        self.train_loss.persistent(True)
+        # first step whose loss was not finite (-1: none); checked without a sync every step
+        self.register_buffer("_bad_step", torch.tensor(-1, dtype=torch.int64), persistent=False)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.model(**{k: batch[k] for k in _MODEL_INPUTS})
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        logits = self(batch)
+        loss = F.binary_cross_entropy_with_logits(logits, batch["label"])
+        bad = ~torch.isfinite(loss.detach())
+        self._bad_step.copy_(torch.where(bad & (self._bad_step < 0), self.global_step, self._bad_step))
+        self.log("train/loss_step", loss, on_step=True, prog_bar=True)
+        self.train_loss.update(loss.detach(), weight=logits.numel())
+        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        # reading the flag syncs a GPU: do it when the progress bar / logger sync anyway
+        if (batch_idx + 1) % self.trainer.log_every_n_steps == 0:
+            self.check_finite_loss()
+
+    def on_train_epoch_end(self) -> None:
+        self.check_finite_loss()
+
+    def check_finite_loss(self) -> None:
+        step = int(self._bad_step)
+        if step >= 0:
+            raise NonFiniteLossError(
+                f"training loss is NaN/inf at step {step} (global step, 0-based): lower model.lr, "
+                "check the data (python -m data_gen validate ...) or use fp32 precision"
+            )
+
+    def _eval_step(self, metrics: nn.ModuleDict, batch: dict) -> None:
+        logits = self(batch)
+        for metric in metrics.values():
+            metric.update(logits, batch["label"])
+
+    def _log_eval(self, metrics: nn.ModuleDict, prefix: str) -> None:
+        self.log_dict({f"{prefix}/{name}": m.compute() for name, m in metrics.items()}, prog_bar=False)
+        for m in metrics.values():
+            m.reset()
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(self.val_metrics, batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval(self.val_metrics, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(self.test_metrics, batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval(self.test_metrics, "test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)

@@ -1,0 +1,204 @@
+"""MLflow: where runs go, what every run records, and who ends a run with which status.
+
+- Tracking URI: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlflow.db`` (the
+  database ``make ui`` serves). It is checked before anything is trained.
+- :class:`MLflowRun` (the CLI's ``mlflow.*`` options) starts or resumes one run through
+  ``mlflow.start_run(..., log_system_metrics=True)`` (CPU/memory, and GPU utilisation/memory/
+  power where nvidia-ml-py is installed); Lightning's ``MLFlowLogger`` writes the metrics into
+  that same run. The run id travels in every checkpoint, so ``fit --ckpt_path`` continues it.
+- A run that raises is ended FAILED (``on_exception``, or :func:`fail_active_run` for errors
+  outside the trainer), never left RUNNING; a finished fit + test ends it FINISHED.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import mlflow
+import pytorch_lightning as pl
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipeline.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_EXPERIMENT = "jagged-rankers"
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
+
+
+def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
+    """Raise ConfigError, saying what to do, if runs cannot be recorded at `uri`."""
+    fix = "unset MLFLOW_TRACKING_URI to use the local sqlite database, or start the server (`make ui`)"
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
+                if resp.status == 200:
+                    return
+                raise OSError(f"HTTP {resp.status}")
+        except (OSError, urllib.error.URLError) as err:
+            raise ConfigError(f"MLflow tracking server {uri} is unreachable ({err}): {fix}") from None
+    elif uri.startswith("sqlite:///"):
+        parent = Path(uri[len("sqlite:///"):]).parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: directory {parent} does not exist or is not writable")
+    elif uri.startswith("file:") or "://" not in uri:
+        raise ConfigError(
+            f"MLFLOW_TRACKING_URI={uri}: MLflow's file store is not supported here; "
+            f"use sqlite:///<absolute path>/mlflow.db or an http:// server"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def git_commit() -> str:
+    """HEAD of the repo, with '-dirty' when tracked files differ; 'unknown' outside git."""
+    try:
+        run = functools.partial(subprocess.run, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        sha = run(["git", "rev-parse", "HEAD"]).stdout.strip()
+        dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return (platform.processor() or platform.machine()) + f" ({os.cpu_count()} cores)"
+
+
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def environment_tags() -> dict[str, str]:
+    return {
+        "git_commit": git_commit(),
+        "device": device_name(),
+        "accelerator": "cuda" if torch.cuda.is_available() else "cpu",
+        "torch_version": torch.__version__,
+        "triton_version": _version("triton"),
+        "cuda_version": str(torch.version.cuda),
+        "python_version": platform.python_version(),
+        "lightning_version": pl.__version__,
+    }
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, str]:
+    """Nested config -> {"a.b.c": "value"}; lists and dicts of lists as JSON."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value if isinstance(value, str) else json.dumps(value)
+    return out
+
+
+class MLflowRun(pl.Callback):
+    """The MLflow run of one CLI invocation (a LightningCLI callback: ``mlflow.*`` options).
+
+    Args:
+        experiment_name: MLflow experiment of a new run.
+        run_name: name of a new run (default: ``<backend>-L<max_seq_len>``).
+        run_id: continue this run instead of creating one (set from ``--ckpt_path`` on resume).
+        parent_run_id: make the run a child of this one (sweeps, the main job).
+        system_metrics: sample CPU/GPU utilisation and memory into the run.
+    """
+
+    def __init__(
+        self,
+        experiment_name: str = DEFAULT_EXPERIMENT,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+        system_metrics: bool = True,
+    ):
+        self.experiment_name, self.run_name, self.run_id = experiment_name, run_name, run_id
+        self.parent_run_id, self.system_metrics = parent_run_id, system_metrics
+        self.resumed = run_id is not None
+
+    @property
+    def state_key(self) -> str:
+        return "MLflowRun"
+
+    def state_dict(self) -> dict:
+        return {"run_id": self.run_id}
+
+    def start(self, tags: dict[str, str]) -> str:
+        """Start (or resume) the run in this process; returns its id."""
+        mlflow.set_tracking_uri(tracking_uri())
+        if self.run_id is None:
+            experiment_id = mlflow.set_experiment(self.experiment_name).experiment_id
+            run = mlflow.start_run(
+                experiment_id=experiment_id, run_name=self.run_name, parent_run_id=self.parent_run_id,
+                tags=tags, log_system_metrics=self.system_metrics,
+            )
+        else:
+            try:
+                MlflowClient().get_run(self.run_id)
+            except mlflow.exceptions.MlflowException as err:
+                raise ConfigError(f"cannot resume MLflow run {self.run_id} at {tracking_uri()}: {err}") from None
+            run = mlflow.start_run(run_id=self.run_id, log_system_metrics=self.system_metrics)
+            mlflow.set_tags(tags)
+        self.run_id = run.info.run_id
+        return self.run_id
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if fail_active_run() is not None:
+            print(f"MLflow run {self.run_id} marked FAILED ({type(exception).__name__}: {exception})",
+                  file=sys.stderr)
+
+
+def end_run(status: str) -> None:
+    """End the active run (FINISHED / FAILED / KILLED), if any; stops system metrics."""
+    if mlflow.active_run() is not None:
+        mlflow.end_run(status)
+
+
+def fail_active_run() -> str | None:
+    run = mlflow.active_run()
+    if run is None:
+        return None
+    end_run("FAILED")
+    return run.info.run_id
+
+
+def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: bool) -> None:
+    """Params and the YAML of the resolved config, and the data's meta.json, into the active run.
+
+    A resumed run keeps its original params (MLflow forbids changing them); the config it was
+    resumed with is added as ``config_resumed.yaml``.
+    """
+    params = flatten(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        name = "config_resumed.yaml" if resumed else "config.yaml"
+        (Path(tmp) / name).write_text(config_yaml)
+        mlflow.log_artifact(str(Path(tmp) / name))
+    if not resumed:
+        items = list(params.items())
+        for i in range(0, len(items), 100):
+            mlflow.log_params({k: v[:6000] for k, v in items[i : i + 100]})
+        mlflow.log_artifact(str(meta_path), artifact_path="data")

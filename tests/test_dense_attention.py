@@ -1,0 +1,123 @@
+"""jagged_dense_attention: Triton (interpreter on CPU, compiled on GPU) and torch backends
+against the fp32/fp64 reference, forward and the q, k, v and bias gradients."""
+
+import random
+
+import pytest
+import torch
+
+import attention_checks
+from attention_checks import check_dense, make_offsets
+from kernels import jagged_dense_attention
+from kernels._attention_reference import dense_attention_reference
+from kernels._jagged_common import set_poison_outputs
+from kernels._validation import set_debug_checks
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _error_summary():
+    start = len(attention_checks.RECORDS)
+    yield
+    attention_checks.dump_summary(attention_checks.RECORDS[start:], "dense")
+
+
+@pytest.fixture(autouse=True)
+def _poison_and_debug():
+    set_poison_outputs(True)
+    set_debug_checks(True)
+    yield
+    set_poison_outputs(False)
+    set_debug_checks(False)
+
+
+CPU_CASES = [
+    # lengths, Tq, H, D, max_seq_len, bias, dtype
+    ([0, 1, 17, 40], 3, 2, 16, 40, True, F32),
+    ([0, 1, 17, 40], 1, 1, 16, 40, False, F32),
+    ([33, 0, 5], 17, 1, 48, 33, True, BF16),
+    ([33, 0, 5], 2, 3, 48, 33, False, F16),
+    ([40, 3, 20], 5, 1, 24, 17, True, BF16),  # keys past max_seq_len
+    ([2], 1, 1, 96, 2, True, F16),
+    ([0, 0], 4, 1, 16, 6, True, F32),  # only empty sequences: zeros, zero grads
+]
+
+
+@pytest.mark.parametrize("lengths,Tq,H,D,N,bias,dtype", CPU_CASES)
+def test_dense_triton_cpu(lengths, Tq, H, D, N, bias, dtype):
+    check_dense(lengths, Tq, H, D, N, bias, dtype, "cpu")
+
+
+def test_dense_triton_cpu_masked_bias_and_scale():
+    # -inf bias entries mask keys; a fully masked row gives zeros, never NaN
+    check_dense([20, 0, 9], 3, 2, 16, 20, True, F32, "cpu", scale=0.4, bias_mask=True)
+
+
+def test_dense_max_seq_len_zero():
+    check_dense([3, 0, 2], 2, 1, 16, 0, True, F32, "cpu")
+
+
+def test_dense_expanded_bias_and_int32_offsets():
+    lengths, Tq, H, D, N = [9, 0, 17], 4, 2, 16, 17
+    off = make_offsets(lengths, "cpu")
+    q = torch.randn(3, Tq, H, D, requires_grad=True)
+    k, v = (torch.randn(26, H, D, requires_grad=True) for _ in range(2))
+    b0 = torch.randn(1, H, 1, N, requires_grad=True)
+    bias = b0.expand(3, H, Tq, N)  # stride 0: read in place
+    got = jagged_dense_attention(q, k, v, off.to(torch.int32), N, bias=bias, backend="triton")
+    g = torch.autograd.grad(got.sum(), (q, k, v, b0))
+    want = dense_attention_reference(q, k, v, off, N, bias)[0]
+    w = torch.autograd.grad(want.sum(), (q, k, v, b0))
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    for a, b in zip(g, w):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_torch_backend(with_bias):
+    check_dense([0, 1, 9, 23], 5, 2, 16, 20, with_bias, torch.float64, "cpu", backend="torch")
+    check_dense([5, 12], 3, 1, 24, 12, with_bias, BF16, "cpu", backend="torch")
+
+
+def test_dense_reference_gradcheck():
+    off = make_offsets([0, 2, 3], "cpu")
+    q = torch.randn(3, 2, 2, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(5, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(3, 2, 2, 2, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(
+        lambda a, b, c, d: dense_attention_reference(a, b, c, off, 2, d)[0], (q, k, v, bias))
+    torch.autograd.gradcheck(
+        lambda a, b, c, d: jagged_dense_attention(a, b, c, off, 2, bias=d, backend="torch"),
+        (q, k, v, bias))
+
+
+# ---- GPU ----------------------------------------------------------------------------------
+
+GPU_CONFIGS = [(dt, d, b) for dt, dims in ((BF16, (16, 48, 64, 96, 128, 256)),
+                                            (F16, (64, 96, 256)), (F32, (48, 128)))
+               for d in dims for b in (False, True)]
+
+
+def _gpu_shapes():
+    rng = random.Random(4321)
+    many = [rng.choice([0, 1, rng.randint(2, 200)]) for _ in range(300)]
+    return {
+        "awkward": ([0, 1, 127, 129, 1000], 64, 3, 1000),
+        "many": (many, 1, 2, 160),  # B = 300, Tq = 1, some keys past max_seq_len
+        "long_tq": ([50, 0, 700], 300, 1, 512),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["awkward", "many", "long_tq"])
+@pytest.mark.parametrize("dtype,D,with_bias", GPU_CONFIGS)
+def test_dense_triton_gpu(dtype, D, with_bias, shape):
+    lengths, Tq, H, N = _gpu_shapes()[shape]
+    check_dense(lengths, Tq, H, D, N, with_bias, dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_dense_triton_gpu_extras():
+    check_dense([300, 0, 77], 33, 2, 64, 300, True, BF16, "cuda", scale=0.2, bias_mask=True)
+    check_dense([129, 3], 7, 1, 128, 129, True, F32, "cuda", backend="torch")

@@ -1,0 +1,139 @@
+"""jagged_flash_attention: Triton (interpreter on CPU, compiled on GPU) and torch backends
+against the fp32/fp64 reference, forward and every gradient; gradcheck of the references."""
+
+import random
+
+import pytest
+import torch
+
+import attention_checks
+from attention_checks import check_flash, make_offsets
+from kernels import jagged_flash_attention
+from kernels._attention_reference import flash_attention_reference
+from kernels._jagged_common import set_poison_outputs
+from kernels._validation import set_debug_checks
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _error_summary():
+    start = len(attention_checks.RECORDS)
+    yield
+    attention_checks.dump_summary(attention_checks.RECORDS[start:], "flash")
+
+
+@pytest.fixture(autouse=True)
+def _poison_and_debug():
+    # NaN-filled outputs catch any element a kernel forgets to write; debug checks validate
+    # offsets on the GPU too
+    set_poison_outputs(True)
+    set_debug_checks(True)
+    yield
+    set_poison_outputs(False)
+    set_debug_checks(False)
+
+
+# ---- CPU: the Triton kernels through the interpreter (blocks of 16, tiny shapes) ----------
+
+CPU_CASES = [
+    # lengths, H, D, max_seq_len, causal, dtype
+    ([0, 1, 17, 40], 2, 16, 40, False, F32),
+    ([0, 1, 17, 40], 2, 16, 40, True, F32),
+    ([33, 0, 5], 1, 48, 33, True, BF16),
+    ([33, 0, 5], 3, 48, 33, False, F16),
+    ([40, 3, 20], 1, 24, 17, False, BF16),  # sequences longer than max_seq_len
+    ([40, 3, 20], 2, 24, 17, True, F32),
+    ([1], 1, 96, 1, True, F16),
+    ([0, 0], 1, 16, 4, False, F32),  # nothing but empty sequences
+    ([19, 2], 1, 128, 19, True, BF16),
+]
+
+
+@pytest.mark.parametrize("lengths,H,D,N,causal,dtype", CPU_CASES)
+def test_flash_triton_cpu(lengths, H, D, N, causal, dtype):
+    check_flash(lengths, H, D, N, causal, dtype, "cpu")
+
+
+def test_flash_triton_cpu_lse_grad_scale_int32_offsets():
+    check_flash([18, 0, 7], 2, 16, 18, True, F32, "cpu", lse_grad=True, scale=0.3)
+
+
+def test_flash_triton_cpu_fused_qkv_strides():
+    # q, k, v are strided views of one [T, 3, H, D] tensor: no copy, same results
+    check_flash([21, 4], 2, 16, 21, False, BF16, "cpu", layout="fused")
+
+
+def test_flash_max_seq_len_zero():
+    check_flash([3, 0, 2], 1, 16, 0, False, F32, "cpu")
+
+
+def test_flash_int32_offsets_and_noncontiguous_last_dim():
+    lengths, H, D = [9, 0, 17], 2, 16
+    off = make_offsets(lengths, "cpu")
+    q, k, v = (torch.randn(26, D, H).transpose(1, 2) for _ in range(3))  # stride(-1) != 1
+    want = flash_attention_reference(q, k, v, off, 17, True)[0]
+    got = jagged_flash_attention(q, k, v, off.to(torch.int32), 17, causal=True, backend="triton")
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_torch_backend(causal):
+    # the torch backend's explicit backward against autograd through the reference, in fp64
+    check_flash([0, 1, 9, 23], 2, 16, 20, causal, torch.float64, "cpu", backend="torch",
+                lse_grad=True)
+    check_flash([5, 12], 1, 24, 12, causal, BF16, "cpu", backend="torch")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_reference_gradcheck(causal):
+    off = make_offsets([0, 2, 3, 1], "cpu")
+    q, k, v = (torch.randn(6, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def ref(a, b, c):  # out and the finite part of lse (rows past max_seq_len have -inf)
+        out, lse = flash_attention_reference(a, b, c, off, 2, causal)
+        return out, torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+    torch.autograd.gradcheck(ref, (q, k, v))
+    torch.autograd.gradcheck(
+        lambda a, b, c: jagged_flash_attention(a, b, c, off, 3, causal=causal, backend="torch"),
+        (q, k, v))
+
+
+def test_flash_auto_backend_on_cpu_is_torch():
+    off = make_offsets([4, 2], "cpu")
+    q, k, v = (torch.randn(6, 1, 16) for _ in range(3))
+    out = jagged_flash_attention(q, k, v, off, 4)
+    torch.testing.assert_close(out, flash_attention_reference(q, k, v, off, 4)[0])
+
+
+# ---- GPU: compiled kernels, bigger and more awkward shapes --------------------------------
+
+GPU_CONFIGS = [(dt, d, c) for dt, dims in ((BF16, (16, 48, 64, 96, 128, 256)),
+                                            (F16, (64, 96, 256)), (F32, (16, 48, 128)))
+               for d in dims for c in (False, True)]
+
+
+def _gpu_shapes():
+    rng = random.Random(1234)
+    many = [rng.choice([0, 1, rng.randint(2, 200)]) for _ in range(300)]
+    return {
+        "awkward": ([0, 1, 127, 129, 1000], 3, 1000),
+        "many": (many, 1, 160),  # B = 300, some sequences past max_seq_len
+        "truncated": ([1000, 5, 300], 2, 700),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["awkward", "many", "truncated"])
+@pytest.mark.parametrize("dtype,D,causal", GPU_CONFIGS)
+def test_flash_triton_gpu(dtype, D, causal, shape):
+    lengths, H, N = _gpu_shapes()[shape]
+    check_flash(lengths, H, D, N, causal, dtype, "cuda")
+
+
+@pytest.mark.gpu
+def test_flash_triton_gpu_extras():
+    check_flash([300, 0, 77], 2, 64, 300, True, BF16, "cuda", lse_grad=True, scale=0.2)
+    check_flash([300, 0, 77], 2, 64, 300, False, BF16, "cuda", layout="fused")
+    check_flash([129, 3], 1, 128, 129, True, F32, "cuda", backend="torch")

@@ -1,0 +1,299 @@
+"""Jagged feature-interaction ops: Triton kernels vs the fp32 references, forward and backward.
+
+Every op, its output and every input gradient, over awkward shapes (length 0 and 1, lengths that
+are no multiple of any block, sequences longer than max_seq_len, B = 1, non-power-of-two dims)
+and all dtypes, with the flash-attn rule of tests/tolerance.py: the kernel's error against an
+fp64 oracle is at most 2x the error of the torch backend in the same dtype, plus a small floor.
+Kernel outputs are NaN-poisoned before launch, so an unwritten element fails the finite check.
+On CPU the kernels run in the Triton interpreter (small shapes); `gpu` cases add big ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+from kernels import (
+    jagged_dense_bmm,
+    jagged_dense_elementwise_add,
+    jagged_dense_elementwise_mul,
+    jagged_jagged_bmm,
+    jagged_softmax,
+    jagged_to_padded,
+    padded_to_jagged,
+)
+from kernels._jagged_common import set_poison_outputs
+from kernels.bmm import jagged_dense_bmm_reference, jagged_jagged_bmm_reference
+from kernels.conversions import jagged_to_padded_reference, padded_to_jagged_reference
+from kernels.elementwise import jagged_dense_elementwise_reference
+from kernels.softmax import jagged_softmax_reference
+from tolerance import assert_close_to_oracle, max_abs_err
+
+# the Triton interpreter's scalar loads trip a numpy deprecation on every program
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    set_poison_outputs(True)
+    yield
+    set_poison_outputs(False)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    lengths: tuple[int, ...]
+    N: int  # max_seq_len
+    D: int  # feature dim (the K of the bmm ops)
+    M: int  # the other bmm dim
+
+
+def _power_law_lengths(B: int, top: int, seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(B, generator=gen)
+    return tuple(int(x) for x in (top * u**3).long())  # many short, a few long, some 0
+
+
+CPU_CASES = [
+    Case("mixed", (0, 1, 127, 129, 5), N=128, D=48, M=16),  # 129 is truncated to 128
+    Case("b1", (129,), N=160, D=16, M=64),  # B = 1, padding past the length
+    Case("trunc", (3, 0, 40, 17), N=16, D=64, M=48),  # most sequences longer than N
+]
+GPU_CASES = [
+    Case("long", (1000, 0, 1, 999, 513), N=1000, D=128, M=96),
+    Case("many", _power_law_lengths(300, 1200, seed=1), N=1024, D=96, M=128),
+    Case("many_d48", _power_law_lengths(200, 600, seed=2), N=256, D=48, M=40),
+]
+DEVICE_CASES = [pytest.param("cpu", c, id=f"cpu-{c.name}") for c in CPU_CASES] + [
+    pytest.param("cuda", c, id=f"cuda-{c.name}", marks=pytest.mark.gpu) for c in CPU_CASES + GPU_CASES
+]
+
+
+def make_offsets(lengths, device="cpu", dtype=torch.int64) -> torch.Tensor:
+    off = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    off[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return off.to(device=device, dtype=dtype)
+
+
+def randn(*shape, dtype, device, scale=1.0) -> torch.Tensor:
+    return (scale * torch.randn(*shape)).to(device=device, dtype=dtype)
+
+
+# ---- one description per op: inputs, the public call, the plain reference (the oracle) ----
+
+
+@dataclass
+class OpCase:
+    inputs: list[torch.Tensor]  # the float inputs, all differentiated
+    call: Callable[[list[torch.Tensor], str], torch.Tensor]  # (inputs, backend) -> output
+    oracle: Callable[[list[torch.Tensor]], torch.Tensor]  # plain torch reference, autograd
+
+
+def _op_to_padded(c: Case, off, dt, dev) -> OpCase:
+    T, pad = int(off[-1]), -1.5
+    return OpCase(
+        [randn(T, c.D, dtype=dt, device=dev)],
+        lambda x, be: jagged_to_padded(x[0], off, c.N, pad, backend=be),
+        lambda x: jagged_to_padded_reference(x[0], off, c.N, pad),
+    )
+
+
+def _op_to_jagged(c: Case, off, dt, dev) -> OpCase:
+    T, B = int(off[-1]), off.numel() - 1
+    total = T if c.name != "b1" else None  # both ways of getting T
+    return OpCase(
+        [randn(B, c.N, c.D, dtype=dt, device=dev)],
+        lambda x, be: padded_to_jagged(x[0], off, total=total, backend=be),
+        lambda x: padded_to_jagged_reference(x[0], off, T),
+    )
+
+
+def _op_softmax(c: Case, off, dt, dev) -> OpCase:
+    return OpCase(
+        [randn(int(off[-1]), c.D, dtype=dt, device=dev, scale=3.0)],
+        lambda x, be: jagged_softmax(x[0], off, c.N, backend=be),
+        lambda x: jagged_softmax_reference(x[0], off, c.N),
+    )
+
+
+def _op_dense_bmm(c: Case, off, dt, dev) -> OpCase:
+    B = off.numel() - 1
+    return OpCase(
+        [randn(int(off[-1]), c.D, dtype=dt, device=dev), randn(B, c.D, c.M, dtype=dt, device=dev)],
+        lambda x, be: jagged_dense_bmm(x[0], off, x[1], c.N, backend=be),
+        lambda x: jagged_dense_bmm_reference(x[0], off, x[1], c.N),
+    )
+
+
+def _op_jagged_bmm(c: Case, off, dt, dev) -> OpCase:
+    T = int(off[-1])
+    return OpCase(
+        [randn(T, c.D, dtype=dt, device=dev), randn(T, c.M, dtype=dt, device=dev)],
+        lambda x, be: jagged_jagged_bmm(x[0], x[1], off, c.N, backend=be),
+        lambda x: jagged_jagged_bmm_reference(x[0], x[1], off, c.N),
+    )
+
+
+def _op_elementwise(fn, is_mul) -> Callable:
+    def make(c: Case, off, dt, dev) -> OpCase:
+        B = off.numel() - 1
+        return OpCase(
+            [randn(int(off[-1]), c.D, dtype=dt, device=dev), randn(B, c.N, c.D, dtype=dt, device=dev)],
+            lambda x, be: fn(x[0], off, x[1], backend=be),
+            lambda x: jagged_dense_elementwise_reference(x[0], off, x[1], is_mul),
+        )
+
+    return make
+
+
+OPS = {
+    "jagged_to_padded": _op_to_padded,
+    "padded_to_jagged": _op_to_jagged,
+    "jagged_softmax": _op_softmax,
+    "jagged_dense_bmm": _op_dense_bmm,
+    "jagged_jagged_bmm": _op_jagged_bmm,
+    "elementwise_add": _op_elementwise(jagged_dense_elementwise_add, is_mul=False),
+    "elementwise_mul": _op_elementwise(jagged_dense_elementwise_mul, is_mul=True),
+}
+
+
+def _run(op: OpCase, inputs: list[torch.Tensor], grad: torch.Tensor, fn) -> tuple:
+    xs = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(xs)
+    grads = torch.autograd.grad(out, xs, grad.to(out.dtype))
+    return out.detach(), grads
+
+
+def check_op(op: OpCase) -> float:
+    """Triton output and gradients vs the fp64 oracle, bounded by the torch backend's error.
+
+    Returns the worst max|kernel - oracle| / max(1, max|oracle|) over the output and gradients.
+    """
+    probe = op.call(op.inputs, "torch")
+    grad = torch.randn(probe.shape).to(device=probe.device, dtype=probe.dtype)
+    out, grads = _run(op, op.inputs, grad, lambda x: op.call(x, "triton"))
+    out_t, grads_t = _run(op, op.inputs, grad, lambda x: op.call(x, "torch"))
+    out_o, grads_o = _run(op, [x.double() for x in op.inputs], grad.double(), op.oracle)
+    assert out.dtype == op.inputs[0].dtype
+    assert_close_to_oracle(out, out_o, out_t, "output")
+    for i, (g, g_t, g_o) in enumerate(zip(grads, grads_t, grads_o)):
+        assert g.dtype == op.inputs[i].dtype
+        assert_close_to_oracle(g, g_o, g_t, f"grad of input {i}")
+    pairs = [(out, out_o), *zip(grads, grads_o)]
+    return max(max_abs_err(a, o) / max(1.0, o.abs().max().item() if o.numel() else 0.0) for a, o in pairs)
+
+
+@pytest.mark.parametrize("device,case", DEVICE_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_op_matches_reference(op_name, dtype, device, case):
+    off = make_offsets(case.lengths, device)
+    check_op(OPS[op_name](case, off, dtype, device))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_int32_offsets_empty_and_all_zero_lengths(op_name, device):
+    # int32 offsets; B with only empty sequences (T = 0); max_seq_len 0 (everything truncated)
+    for lengths, N in (((5, 0, 33), 20), ((0, 0), 8), ((4, 2), 0)):
+        case = Case("edge", lengths, N=N, D=24, M=40)
+        off = make_offsets(lengths, device, torch.int32)
+        check_op(OPS[op_name](case, off, torch.float32, device))
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """Same values, non-unit innermost stride (a non-contiguous view)."""
+    y = torch.empty(*x.shape, 2, dtype=x.dtype, device=x.device)[..., 0]
+    return y.copy_(x)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_non_contiguous_inputs(op_name, device):
+    case = Case("strided", (7, 0, 40), N=32, D=40, M=24)
+    off = make_offsets(case.lengths, device)
+    op = OPS[op_name](case, off, torch.float32, device)
+    call = op.call
+    op.call = lambda x, be: call([_strided(t) for t in x], be)
+    check_op(op)
+    # and the other way round: transposed views (column-major values, transposed dense)
+    op.call = lambda x, be: call([t.transpose(-1, -2).contiguous().transpose(-1, -2) for t in x], be)
+    check_op(op)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_conversions_exact_and_padding_value(device):
+    off = make_offsets((3, 0, 9, 1), device)
+    values = torch.randn(13, 20, device=device)
+    for be in ("torch", "triton"):
+        padded = jagged_to_padded(values, off, 6, float("-inf"), backend=be)
+        assert torch.isneginf(padded[0, 3:]).all() and torch.isneginf(padded[1]).all()
+        back = padded_to_jagged(padded, off, backend=be)
+        keep = torch.tensor([1, 1, 1] + [1] * 6 + [0] * 3 + [1], dtype=torch.bool, device=device)
+        assert torch.equal(back[keep], values[keep]) and (back[~keep] == 0).all()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_softmax_extreme_values(device):
+    # huge logits (a naive exp overflows) and -inf entries (masked items) stay finite
+    off = make_offsets((4, 70, 1), device)
+    x = torch.randn(75, 3, device=device) * 1e4
+    x[5:30, 1] = float("-inf")
+    for be in ("torch", "triton"):
+        y = jagged_softmax(x, off, 128, backend=be)
+        assert torch.isfinite(y).all()
+        sums = torch.stack([y[0:4].sum(0), y[4:74].sum(0), y[74:].sum(0)])
+        torch.testing.assert_close(sums, torch.ones_like(sums))
+        assert (y[5:30, 1] == 0).all()
+
+
+# ---- references: fp64 gradcheck of every op's torch backend (its custom-op backward) --------
+
+
+def _gradcheck_inputs(op_name: str):
+    lengths, N, D, M = (2, 0, 3), 2, 3, 2  # the 3-long sequence is truncated
+    case = Case("tiny", lengths, N=N, D=D, M=M)
+    off = make_offsets(lengths)
+    return OPS[op_name](case, off, torch.float64, "cpu")
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_reference_gradcheck_fp64(op_name):
+    op = _gradcheck_inputs(op_name)
+    xs = [x.clone().requires_grad_() for x in op.inputs]
+    assert torch.autograd.gradcheck(lambda *x: op.call(list(x), "torch"), xs, eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("op_name", ["jagged_to_padded", "padded_to_jagged", "jagged_dense_bmm", "jagged_jagged_bmm"])
+def test_reference_gradgradcheck_fp64(op_name):
+    # these ops' backwards are made of the forward ops, so they are twice differentiable
+    op = _gradcheck_inputs(op_name)
+    xs = [x.clone().requires_grad_() for x in op.inputs]
+    assert torch.autograd.gradgradcheck(lambda *x: op.call(list(x), "torch"), xs, eps=1e-6, atol=1e-8)
+
+
+# ---- GPU: a larger randomized sweep (every dtype, any dims) ---------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_random_sweep_gpu(op_name):
+    gen = torch.Generator().manual_seed(1234)
+    worst = {dtype: 0.0 for dtype in DTYPES}
+    for i in range(12):
+        B = int(torch.randint(1, 512, (1,), generator=gen))
+        top = int(torch.randint(1, 2048, (1,), generator=gen))
+        N = int(torch.randint(1, 1536, (1,), generator=gen))
+        D = int(torch.randint(1, 257, (1,), generator=gen))
+        M = int(torch.randint(1, 257, (1,), generator=gen))
+        dtype = DTYPES[i % 3]
+        case = Case(f"sweep{i}", _power_law_lengths(B, top, seed=i), N=N, D=D, M=M)
+        off = make_offsets(case.lengths, "cuda")
+        worst[dtype] = max(worst[dtype], check_op(OPS[op_name](case, off, dtype, "cuda")))
+    print(f"\n{op_name}: 12 random cases passed; worst relative error " + ", ".join(
+        f"{str(dt).removeprefix('torch.')} {err:.2e}" for dt, err in worst.items()))

@@ -1,0 +1,133 @@
+"""The training CLI in-process: what a run records in MLflow, seeding, and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline.cli import main
+from test_pipeline_data import tiny_data_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "experiments" / "configs"
+QUALITY = ("train/loss_step", "train/loss_epoch", "val/auc", "val/ne", "val/logloss", "val/calibration",
+           "test/auc", "test/ne", "test/logloss", "test/calibration")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_data_dir(tmp_path_factory)
+
+
+@pytest.fixture
+def tracking(tmp_path, monkeypatch) -> str:
+    monkeypatch.setattr(sys, "argv", ["pipeline"])  # main(args) runs as if from the command line
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def fit_args(data: Path, root: Path, *extra: str) -> list[str]:
+    return [
+        "fit", "--config", str(CONFIGS / "base.yaml"), "--config", str(CONFIGS / "tiny.yaml"),
+        "--data.data_dir", str(data), "--trainer.default_root_dir", str(root),
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false", *extra,
+    ]
+
+
+def all_runs(uri: str) -> dict:
+    mlflow.set_tracking_uri(uri)
+    return {r.info.run_name: r for r in mlflow.search_runs(search_all_experiments=True, output_format="list")}
+
+
+def history(uri: str, run_id: str, keys=QUALITY) -> dict[str, dict[int, float]]:
+    """Metric histories keyed by step (a resumed run re-logs the step it resumed from)."""
+    client = MlflowClient(uri)
+    return {k: {m.step: m.value for m in client.get_metric_history(run_id, k)} for k in keys}
+
+
+def test_fit_records_the_run_and_is_seeded(tiny, tracking, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    main(fit_args(tiny, tmp_path, "--mlflow.run_name", "a"))
+    main(fit_args(tiny, tmp_path, "--mlflow.run_name", "b", "--mlflow.system_metrics", "false"))
+    main(fit_args(tiny, tmp_path, "--mlflow.run_name", "c", "--mlflow.system_metrics", "false",
+                  "--seed_everything", "1"))
+    runs = all_runs(tracking)
+    a, b, c = runs["a"], runs["b"], runs["c"]
+    assert {r.info.status for r in (a, b, c)} == {"FINISHED"}
+    ha, hb, hc = (history(tracking, r.info.run_id) for r in (a, b, c))
+    assert all(ha[k] for k in QUALITY), {k: v for k, v in ha.items() if not v}
+    assert ha == hb, "same config and seed must give the same metrics on CPU"
+    assert ha["train/loss_step"] != hc["train/loss_step"]
+    assert len(ha["val/auc"]) == 2  # one per epoch
+
+    meta = json.loads((tiny / "meta.json").read_text())
+    tags, params, metrics = a.data.tags, a.data.params, a.data.metrics
+    assert tags["backend"] == "jagged" and tags["seed"] == "0" and tags["data_digest"] == meta["digest"]
+    for key in ("git_commit", "device", "torch_version", "triton_version"):
+        assert tags[key]
+    assert params["model.ranker.backend"] == "jagged" and params["data.max_seq_len"] == "32"
+    assert params["trainer.max_epochs"] == "2" and "ckpt_path" not in params
+    for key in ("perf/train_examples_per_s", "perf/train_tokens_per_s", "perf/step_time_ms", "mem/peak_rss_mb"):
+        assert metrics[key] > 0, key
+    assert any(k.startswith("system/cpu") for k in metrics), "system metrics were not sampled"
+    client = MlflowClient(tracking)
+    assert {f.path for f in client.list_artifacts(a.info.run_id)} >= {"config.yaml", "data"}
+    assert [f.path for f in client.list_artifacts(a.info.run_id, "data")] == ["data/meta.json"]
+
+
+def test_backends_train_the_same_function(tiny, tracking, tmp_path):
+    """Same seed, same data: dense and jagged start from the same weights and stay close."""
+    for backend in ("dense", "jagged"):
+        main(fit_args(tiny, tmp_path, "--config", str(CONFIGS / f"{backend}.yaml"), "--mlflow.run_name", backend,
+                      "--mlflow.system_metrics", "false", "--trainer.max_epochs", "1"))
+    runs = all_runs(tracking)
+    hd, hj = (history(tracking, runs[b].info.run_id, ("train/loss_step", "test/auc")) for b in ("dense", "jagged"))
+    assert runs["dense"].data.tags["backend"] == "dense"
+    assert hd["train/loss_step"].keys() == hj["train/loss_step"].keys()
+    for step, value in hd["train/loss_step"].items():
+        assert hj["train/loss_step"][step] == pytest.approx(value, abs=1e-4)
+    assert hj["test/auc"][8] == pytest.approx(hd["test/auc"][8], abs=1e-3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "extra,env_uri,message",
+    [
+        (["--model.ranker.backend", "flash"], None, "Expected a typing.Literal.*Got value: flash"),
+        (["--data.max_seq_len", "0"], None, "data.max_seq_len must be > 0"),
+        (["--data.data_dir", "/nonexistent/data"], None, "no data set at.*make data"),
+        (["--trainer.no_such_key", "1"], None, "unrecognized arguments: --trainer.no_such_key"),
+        ([], "http://127.0.0.1:{port}", "tracking server .* is unreachable"),
+        (["--ckpt_path", "/nonexistent.ckpt"], None, "no such checkpoint"),
+    ],
+)
+def test_bad_input_fails_before_training(tiny, tracking, tmp_path, monkeypatch, capsys, extra, env_uri, message):
+    if env_uri:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", env_uri.format(port=_free_port()))
+    with pytest.raises(SystemExit) as exc:
+        main(fit_args(tiny, tmp_path, *extra))
+    assert exc.value.code == 2
+    assert re.search(message, capsys.readouterr().err), message
+    assert all_runs(tracking) == {}, "nothing may be recorded for a run that cannot start"
+
+
+def test_nan_loss_fails_the_run_and_names_the_step(tiny, tracking, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(fit_args(tiny, tmp_path, "--model.lr", "1e30", "--mlflow.run_name", "nan",
+                      "--mlflow.system_metrics", "false"))
+    assert exc.value.code == 1
+    assert "loss is NaN/inf at step" in capsys.readouterr().err
+    assert all_runs(tracking)["nan"].info.status == "FAILED"

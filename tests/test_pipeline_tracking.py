@@ -1,0 +1,145 @@
+"""Runs in separate processes: kill and resume, the MLflow server's REST API, the main job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+
+from pipeline.cli import main, run_id_from_checkpoint
+from test_pipeline_cli import CONFIGS, QUALITY, _free_port, all_runs, fit_args, history
+from test_pipeline_data import tiny_data_dir
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+class KillAfterStep(pl.Callback):
+    """Dies like `kill -9` once `step` optimizer steps are done: no cleanup, no MLflow status."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            os._exit(137)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_data_dir(tmp_path_factory)
+
+
+def _env(uri: str) -> dict:
+    return {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(TESTS)}
+
+
+def _fit(args: list[str], uri: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pipeline", *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(uri), capture_output=True, text=True, timeout=300)
+
+
+def test_killed_run_resumes_into_the_same_mlflow_run(tiny, tmp_path, monkeypatch):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    common = ["--mlflow.system_metrics", "false", "--checkpoint.every_n_train_steps", "3"]
+    main(fit_args(tiny, tmp_path / "full", "--mlflow.run_name", "full", *common))
+
+    kill = tmp_path / "kill.yaml"  # tiny: 8 steps an epoch; last checkpoint at step 9, killed at 11
+    kill.write_text("trainer:\n  callbacks:\n    - class_path: test_pipeline_tracking.KillAfterStep\n"
+                    "      init_args: {step: 11}\n")
+    root = tmp_path / "killed"
+    proc = _fit(fit_args(tiny, root, "--mlflow.run_name", "killed", *common, "--config", str(kill)), uri)
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    killed = all_runs(uri)["killed"]
+    assert killed.info.status == "RUNNING"  # what a SIGKILL leaves behind
+    ckpt = next(root.rglob("last.ckpt"))
+    assert run_id_from_checkpoint(str(ckpt)) == killed.info.run_id
+    before = history(uri, killed.info.run_id)
+    assert max(before["train/loss_step"]) >= 9 and not before["test/auc"]
+
+    proc = _fit(fit_args(tiny, root, *common, "--ckpt_path", str(ckpt)), uri)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = all_runs(uri)
+    assert set(runs) == {"full", "killed"}, "the resumed fit must continue the same run"
+    assert runs["killed"].info.status == "FINISHED"
+    after = history(uri, killed.info.run_id)
+    for key, steps in before.items():  # nothing logged before the kill is lost
+        assert steps.items() <= after[key].items(), key
+    full = history(uri, runs["full"].info.run_id)
+    assert after.keys() == full.keys()
+    for key in QUALITY:
+        assert after[key].keys() == full[key].keys(), key
+        for step, value in full[key].items():
+            assert after[key][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, step)
+
+
+def _wait_for(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+
+
+def test_main_job_and_mlflow_server_rest_api(tiny, tmp_path):
+    """`python -m pipeline.experiment` on tiny data, then the runs read back over REST."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "pipeline.experiment", "--preset", "tiny", "--data", str(tiny),
+           "--backends", "dense", "jagged", "--results-dir", str(results), "--",
+           "--trainer.max_epochs", "1", "--mlflow.system_metrics", "false",
+           "--trainer.default_root_dir", str(tmp_path / "ckpt")]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(uri), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for text in ("backend", "test AUC", "train ex/s", "peak RSS (MB)", "wall (s)", "MLflow tracking URI", "make ui"):
+        assert text in out, text
+    md = (results / "main_tiny_cpu.md").read_text()
+    assert "| dense | FINISHED |" in md and "| jagged | FINISHED |" in md and "git commit" in md
+
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_for(f"{base}/health", server)
+        with urllib.request.urlopen(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=main-job",
+                                    timeout=10) as resp:
+            exp_id = json.load(resp)["experiment"]["experiment_id"]
+        body = json.dumps({"experiment_ids": [exp_id], "max_results": 100}).encode()
+        req = urllib.request.Request(f"{base}/api/2.0/mlflow/runs/search", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            runs = json.load(resp)["runs"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+    by_name = {r["info"]["run_name"]: r for r in runs}
+    assert set(by_name) == {"main-tiny", "tiny-dense", "tiny-jagged"}
+    assert all(r["info"]["status"] == "FINISHED" for r in runs)
+    child = by_name["tiny-jagged"]
+    tags = {t["key"]: t["value"] for t in child["data"]["tags"]}
+    assert tags["mlflow.parentRunId"] == by_name["main-tiny"]["info"]["run_id"] and tags["backend"] == "jagged"
+    assert "test/auc" in {m["key"] for m in child["data"]["metrics"]}
