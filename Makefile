@@ -13,6 +13,7 @@ endif
 PRESET ?= small
 DATA ?= data/$(PRESET)
 ABLATION ?= seq_len
+RESULTS ?= experiments/results
 SUITE ?= paper
 BACKENDS ?= dense sdpa jagged
 MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
@@ -21,8 +22,7 @@ export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-fast test-gpu data data-validate data-report experiment ui \
-        bench sweep report reproduce clean \
-        experiment-seq_len experiment-sparsity experiment-history_value experiment-model
+        bench sweep report reproduce clean
 
 help: ## list every target with one line each
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -68,17 +68,20 @@ ui: setup ## serve the MLflow dashboard on 127.0.0.1:5000 (same database as the 
 bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
 	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
 
-sweep: data ## run one ablation (ABLATION=seq_len|sparsity|history_value|model)
-	$(PY) -m pipeline.sweep experiments/ablations/$(ABLATION).yaml
+sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|smoke; SWEEP_ARGS=...)
+	$(PY) -m pipeline.sweep experiments/ablations/$(ABLATION).yaml $(SWEEP_ARGS)
 
-experiment-seq_len experiment-sparsity experiment-history_value experiment-model: experiment-%: setup ## run an ablation sweep
-	$(PY) -m pipeline.sweep experiments/ablations/$*.yaml
+# a pattern rule (not .PHONY, which would skip it): one target per experiments/ablations/<name>.yaml
+experiment-%: experiments/ablations/%.yaml setup ## run the ablation %.yaml, resumable (SWEEP_ARGS="--dry-run" | "--max-runs N" | "--set k=v")
+	$(PY) -m pipeline.sweep experiments/ablations/$*.yaml $(SWEEP_ARGS)
 
-report: setup ## tables and plots from a sweep's MLflow runs (PARENT=<run id or name>)
-	$(PY) -m pipeline.report --parent $(PARENT)
+report: setup ## tables + plots of a sweep into RESULTS/<ablation>/ and its parent run (PARENT=<run id or name>)
+	@test -n "$(PARENT)" || { echo "usage: make report PARENT=<sweep parent run id or name, e.g. seq_len>"; exit 2; }
+	$(PY) -m pipeline.report --parent $(PARENT) --out $(RESULTS) $(REPORT_ARGS)
 
-reproduce: setup ## rerun one MLflow run from its logged config and compare metrics (RUN=<run id>)
-	$(PY) -m pipeline.reproduce --run $(RUN)
+reproduce: setup ## rerun one MLflow run from its logged config and data digest, compare metrics (RUN=<run id>)
+	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<MLflow run id> [REPRODUCE_ARGS='--rtol 5e-3']"; exit 2; }
+	$(PY) -m pipeline.reproduce --run $(RUN) $(REPRODUCE_ARGS)
 
 clean: ## remove caches and checkpoints (keeps data/ and mlflow.db)
 	rm -rf .pytest_cache checkpoints lightning_logs

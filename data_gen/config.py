@@ -30,42 +30,43 @@ class DataConfig:
     it). The planted label model is described in `data_gen/planted.py`.
     """
 
-    rows: int = 6_000
+    rows: int = 6_000  # examples across the three splits
     val_fraction: float = 0.1
     test_fraction: float = 0.1
-    # items: Zipf popularity over vocab_size ids, grouped into n_clusters latent interests
+    # items: Zipf popularity p(rank k) ~ k^-alpha over vocab_size ids, in n_clusters interests
     vocab_size: int = 1_000_000
-    alpha: float = 1.0
+    alpha: float = 1.0  # any alpha > 0, including <= 1
     n_clusters: int = 1_000
-    # users: two sparse interest mixtures (current and past) of interests_per_user clusters each
+    # users: a current and a past sparse mixture of interests_per_user clusters each
     interests_per_user: int = 3
-    interest_concentration: float = 0.5
-    noise: float = 0.15
-    switch_mean: float = 64.0
-    history_days: float = 365.0
-    n_actions: int = 4
-    # history lengths
+    interest_concentration: float = 0.5  # Dirichlet concentration of the weights (small: sparse)
+    noise: float = 0.15  # fraction of history items drawn from global popularity
+    switch_mean: float = 64.0  # mean number of most recent items drawn from current interests
+    history_days: float = 365.0  # time span of the longest histories (ages are in days)
+    n_actions: int = 4  # action types; higher = more engaged, weighs more in the label
+    # history lengths on [min_len, max_len]: power (P(n) ~ (n + s)^-length_exponent), uniform,
+    # or lognormal (sigma length_sigma); power and lognormal are solved for mean mean_len
     length_dist: str = "power"
     min_len: int = 0
     max_len: int = 2_048
     mean_len: float = 128.0
     length_exponent: float = 2.0
     length_sigma: float = 1.0
-    # candidates and the planted label model
-    cand_current: float = 0.25
-    cand_past: float = 0.30
-    cand_reconsume: float = 0.15
-    recent_halflife: float = 16.0
-    far_start: int = 256
-    freq_cap: float = 16.0
+    # candidate kinds (random popular items take the rest) and the planted label model
+    cand_current: float = 0.25  # from the current interests
+    cand_past: float = 0.30  # from the past interests
+    cand_reconsume: float = 0.15  # an item seen at least far_start items ago
+    recent_halflife: float = 16.0  # items; decay of the recency-weighted cluster match R
+    far_start: int = 256  # re-consumption X counts only items at least this far back
+    freq_cap: float = 16.0  # cluster matches over the whole history saturate F here
     bias: float = -2.6
-    w_recent: float = 2.0
-    w_freq: float = 2.0
-    w_item: float = 2.5
-    quality_sd: float = 0.3
-    n_dense: int = 8
-    dense_sd: float = 0.3
-    oracle_ks: tuple[int, ...] = (0, 64, 256, 1024)
+    w_recent: float = 2.0  # logit weight of R
+    w_freq: float = 2.0  # logit weight of F
+    w_item: float = 2.5  # logit weight of X
+    quality_sd: float = 0.3  # sd of the per-item logit offset
+    n_dense: int = 8  # dense features; the first half carry signal
+    dense_sd: float = 0.3  # sd of their logit weights
+    oracle_ks: tuple[int, ...] = (0, 64, 256, 1024)  # windows of the oracle AUCs in meta.json
     # files
     rows_per_shard: int = 65_536
     row_group_size: int = 16_384
@@ -174,13 +175,15 @@ def validate_config(cfg: DataConfig) -> None:
     _check(cfg.length_dist in LENGTH_DISTS,
            f"length_dist must be one of {', '.join(LENGTH_DISTS)}, got {cfg.length_dist!r}")
     _check(0 <= cfg.min_len <= cfg.max_len <= 1 << 17,
-           f"need 0 <= min_len <= max_len <= 131072, got min_len={cfg.min_len}, max_len={cfg.max_len}")
+           f"need 0 <= min_len <= max_len <= 131072, got min_len={cfg.min_len}, "
+           f"max_len={cfg.max_len}")
     _check(_finite(cfg.mean_len) and cfg.mean_len >= 0, "mean_len must be >= 0")
     _check(_finite(cfg.length_exponent) and cfg.length_exponent > 0, "length_exponent must be > 0")
     _check(_finite(cfg.length_sigma) and cfg.length_sigma > 0, "length_sigma must be > 0")
     mix = (cfg.cand_current, cfg.cand_past, cfg.cand_reconsume)
     _check(all(_finite(p) and p >= 0 for p in mix) and sum(mix) <= 1 + 1e-9,
-           f"cand_current + cand_past + cand_reconsume must be probabilities summing <= 1, got {mix}")
+           "cand_current + cand_past + cand_reconsume must be probabilities summing <= 1, "
+           f"got {mix}")
     _check(_finite(cfg.recent_halflife) and cfg.recent_halflife > 0, "recent_halflife must be > 0")
     _check(cfg.far_start >= 0, "far_start must be >= 0")
     _check(_finite(cfg.freq_cap) and cfg.freq_cap > 0, "freq_cap must be > 0")
@@ -197,3 +200,15 @@ def validate_config(cfg: DataConfig) -> None:
 
     build_length_model(cfg)  # raises ConfigError when mean_len is out of the family's reach
 
+
+
+def config_from_dict(d: dict[str, Any]) -> DataConfig:
+    """The DataConfig recorded in a meta.json `config` (derived keys such as length_model are
+    ignored), validated."""
+    names = {f.name for f in dataclasses.fields(DataConfig)}
+    values = {k: v for k, v in d.items() if k in names}
+    if "oracle_ks" in values:
+        values["oracle_ks"] = tuple(values["oracle_ks"])
+    cfg = DataConfig(**values)
+    validate_config(cfg)
+    return cfg

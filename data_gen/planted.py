@@ -38,17 +38,18 @@ CURRENT, PAST, RECONSUME, RANDOM = 0, 1, 2, 3
 
 def sample_candidates(world: World, cfg: DataConfig, rng: np.random.Generator, users: Users,
                       hist: History) -> tuple[np.ndarray, np.ndarray]:
-    """One candidate per row: (item int32 [B], cluster int64 [B])."""
+    """One candidate per row: (item int32 [B], cluster int32 [B])."""
     b = users.switch.size
     bounds = np.cumsum([cfg.cand_current, cfg.cand_past, cfg.cand_reconsume])
     kind = np.searchsorted(bounds, rng.random(b), side="right")  # [B] in 0..3
     n_far = np.diff(hist.offsets) - cfg.far_start  # [B] items at recency >= far_start
     kind[(kind == RECONSUME) & (n_far <= 0)] = PAST
     item = np.empty(b, dtype=np.int32)
-    cluster = np.empty(b, dtype=np.int64)
+    cluster = np.empty(b, dtype=np.int32)
 
     rows = np.flatnonzero(kind <= PAST)
-    cluster[rows] = users.pick_clusters(rows, kind[rows], rng.random(rows.size))
+    group = (2 * rows + kind[rows]).astype(np.int32)  # the user's current or past mixture
+    cluster[rows] = users.pick_clusters(group, rng.random(rows.size, dtype=np.float32))
     rand = np.flatnonzero(kind == RANDOM)
     cluster[rand] = world.sample_clusters_by_mass(rng.random(rand.size))
     drawn = np.flatnonzero(kind != RECONSUME)

@@ -110,21 +110,26 @@ def _check_digest(data_dir: Path, meta: dict[str, Any]) -> None:
             f"{dataset_digest(shas)}", file=data_dir / META_FILE)
 
 
-def validate_dataset(data_dir: str | Path, *, check_digest: bool = True,
-                     deep: bool = True) -> dict[str, Any]:
+def validate_dataset(data_dir: str | Path, *, check_digest: bool = True, deep: bool = True,
+                     progress: bool = False) -> dict[str, Any]:
     """Check every shard of every split; return meta.
 
     check_digest: recompute each file's sha256 and the data digest and compare with meta.json.
     deep: read every shard and check schema, nulls, alignment and value ranges (else only the
-    footer: schema and row count). Raises DataValidationError on the first problem.
+    footer: schema and row count). progress: a progress bar over the files.
+    Raises DataValidationError on the first problem.
     """
     data_dir = Path(data_dir)
     meta = load_meta(data_dir)
     if check_digest:
         _check_digest(data_dir, meta)
-    for split in SPLITS:
-        for entry in meta["splits"][split]["files"]:
-            _validate_file(data_dir, entry, meta, check_digest=check_digest, deep=deep)
+    entries = [e for split in SPLITS for e in meta["splits"][split]["files"]]
+    if progress:
+        from tqdm.auto import tqdm
+
+        entries = tqdm(entries, desc=f"validate {data_dir}", unit="file")
+    for entry in entries:
+        _validate_file(data_dir, entry, meta, check_digest=check_digest, deep=deep)
     return meta
 
 

@@ -9,10 +9,10 @@ Every item draw picks a cluster first and then an item within it, from the clust
 popularity p(k) / Z_c. When clusters are chosen with probability Z_c / Z (which the user model
 does on average), the marginal over items is exactly the global Zipf law.
 
-Within-cluster sampling is the inverse CDF over a precomputed cumulative table, with a guide
-table (Chen and Asau, 1974) so that a draw costs one lookup plus a short forward scan instead
-of a 20-step binary search over the vocabulary: this keeps 1M rows x 256 items within the
-generator's time budget on two CPU cores.
+Both draws use alias tables (Walker's method): O(1) per draw whatever the skew, which keeps
+1M rows x 256 items within the generator's time budget on two CPU cores. (An inverse-CDF
+search was tried first; a cluster holding a head item puts ~99% of its mass on it, and the
+search through its tail made the draws several times slower.)
 """
 
 from __future__ import annotations
@@ -23,24 +23,87 @@ import numpy as np
 
 from .config import DataConfig
 
-# Guide buckets per item of a cluster: 2 keeps the expected forward scan below one step.
-_GUIDE_PER_ITEM = 2
+def _vose(p: np.ndarray) -> tuple[list[float], list[int]]:
+    """Walker's alias table for one distribution (Vose's O(n) construction), as lists."""
+    n = p.size
+    q = (p * (n / p.sum())).tolist()
+    alias = list(range(n))
+    small = [i for i, x in enumerate(q) if x < 1.0]
+    large = [i for i, x in enumerate(q) if x >= 1.0]
+    while small and large:
+        s, big = small.pop(), large[-1]
+        alias[s] = big
+        q[big] -= 1.0 - q[s]  # the large entry gives away the small one's deficit
+        if q[big] < 1.0:
+            small.append(large.pop())
+    for i in small + large:  # rounding leftovers: keep themselves
+        q[i] = 1.0
+    return q, alias
+
+
+# One 16-byte record per position, so that a draw touches a single cache line.
+ALIAS_RECORD = np.dtype([("keep", "<f4"), ("value", "<i4"), ("alias", "<i4"), ("pad", "<i4")])
+
+
+@dataclass(frozen=True)
+class AliasTable:
+    """Exact O(1) sampling for several discrete distributions stored back to back.
+
+    Distribution c owns positions [start[c], start[c] + size[c]). A draw picks a position
+    uniformly in its distribution and returns its value with probability keep, else its alias's
+    value (Walker, 1977). One uniform serves both choices: scaled by the distribution's size,
+    its integer part picks the position and its fraction decides keep-or-alias. Unlike an
+    inverse-CDF search, the cost does not depend on how skewed a distribution is (a cluster
+    holding a head item puts ~99% of its mass on it). `keep` in float32 has relative precision
+    6e-8, far below any sampling error the data could show.
+    """
+
+    table: np.ndarray  # [P] ALIAS_RECORD
+    start: np.ndarray  # [C] int32 (int64 if P does not fit)
+    size: np.ndarray  # [C] float64, positions per distribution
+
+    @classmethod
+    def build(cls, p: np.ndarray, start: np.ndarray, values: np.ndarray) -> "AliasTable":
+        """p: float64 [P] weights laid out by distribution (start: int [C + 1]); values:
+        int32 [P], what a draw of each position returns."""
+        table = np.zeros(p.size, dtype=ALIAS_RECORD)
+        table["value"] = values
+        for c in range(start.size - 1):  # Python loop: ~1 s per million positions, once
+            lo, hi = int(start[c]), int(start[c + 1])
+            q, a = _vose(p[lo:hi])
+            table["keep"][lo:hi] = q
+            table["alias"][lo:hi] = values[lo:hi][a]
+        dtype = np.int32 if p.size < 2**31 else np.int64
+        return cls(table=table, start=start[:-1].astype(dtype),
+                   size=np.diff(start).astype(np.float64))
+
+    def sample(self, which: np.ndarray | None, u: np.ndarray,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """Values drawn from distribution `which` (int [N]; None: the only one) with uniforms
+        u in [0, 1) (float64 [N]). Returns int32 [N] (into out if given)."""
+        x = u * (self.size[0] if which is None else self.size[which])  # [N]
+        pos = x.astype(self.start.dtype)
+        x -= pos  # the fraction: uniform in [0, 1) and independent of the position
+        if which is not None:
+            pos += self.start[which]
+        rec = self.table[pos]  # [N] records
+        if out is None:
+            out = np.empty(u.shape, dtype=np.int32)
+        np.copyto(out, rec["alias"])
+        np.copyto(out, rec["value"], where=x < rec["keep"])
+        return out
 
 
 @dataclass(frozen=True)
 class World:
     """Tables shared by every shard; built once from the world seed and never mutated.
 
-    Cluster c's items sit in positions [start[c], start[c + 1]) of the `seg_*` tables, most
-    popular first. V = vocab_size, K = n_clusters, G = guide buckets per cluster.
+    V = vocab_size, K = n_clusters. Cluster c's items are distribution c of `items`.
     """
 
-    seg_cdf: np.ndarray  # [V] float64, within-cluster CDF; 1.0 at each cluster's last position
-    seg_item: np.ndarray  # [V] int32, item id at each position
-    start: np.ndarray  # [K + 1] int64
-    guide: np.ndarray  # [K * G] int64, first position whose CDF may exceed the bucket's floor
-    guide_size: int  # G
-    mass_cdf: np.ndarray  # [K] float64, cumulative cluster mass Z_c / Z (last = 1.0)
+    items: AliasTable  # within-cluster popularity, one distribution per cluster
+    clusters: AliasTable  # cluster mass Z_c / Z, one distribution over the K clusters
+    mass: np.ndarray  # [K] float64, Z_c / Z
     item_cluster: np.ndarray  # [V] int32, cluster of each item id
     item_rank: np.ndarray  # [V] int32, popularity rank of each item id (0 = most popular)
     quality: np.ndarray  # [V] float32, per-item logit offset in the planted label model
@@ -48,61 +111,26 @@ class World:
 
     @property
     def n_clusters(self) -> int:
-        return int(self.start.size - 1)
+        return int(self.mass.size)
 
     def sample_clusters_by_mass(self, u: np.ndarray) -> np.ndarray:
-        """Clusters with probability Z_c / Z for uniforms u in [0, 1): int64, shape of u."""
-        return np.searchsorted(self.mass_cdf, u, side="right")
+        """Clusters with probability Z_c / Z for uniforms u (float64) in [0, 1): int32."""
+        return self.clusters.sample(None, u.reshape(-1)).reshape(u.shape)
 
-    def sample_items(self, cluster: np.ndarray, u: np.ndarray) -> np.ndarray:
-        """Item ids drawn from each cluster's popularity, by inverse CDF of uniforms u.
+    def sample_items(self, cluster: np.ndarray, u: np.ndarray,
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """Item ids drawn from each cluster's popularity p(k) / Z_c with uniforms u.
 
-        cluster: int [N] in [0, K); u: float64 [N] in [0, 1). Returns int32 [N]. The answer for
-        one draw is the first position j of the cluster with seg_cdf[j] > u.
+        cluster: int [N] in [0, K); u: float64 [N] in [0, 1); out: optional int32 [N] to fill.
+        Returns int32 [N]. (The exact item law needs u's full float64 resolution.)
         """
-        g = self.guide_size
-        # u * g can round up to g for u just below 1: clamp to the cluster's last bucket.
-        within = np.minimum((u * g).astype(np.int64), g - 1)  # [N]
-        bucket = cluster.astype(np.int64) * g + within  # [N]
-        pos = self.guide[bucket]  # [N], never past the answer
-        todo = np.flatnonzero(self.seg_cdf[pos] <= u)
-        while todo.size:  # a few rounds on a shrinking set; the cluster's last CDF is 1.0 > u
-            pos[todo] += 1
-            todo = todo[self.seg_cdf[pos[todo]] <= u[todo]]
-        return self.seg_item[pos]
+        return self.items.sample(cluster, u, out=out)
 
 
 def zipf_probs(vocab_size: int, alpha: float) -> np.ndarray:
     """p(rank k) = k^-alpha / Z for k = 1..V, as float64 [V] (index 0 = rank 1)."""
     w = np.exp(-alpha * np.log(np.arange(1, vocab_size + 1, dtype=np.float64)))
     return w / w.sum()
-
-
-def _cluster_tables(p_pos: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Within-cluster CDFs and cluster masses for probabilities laid out cluster by cluster."""
-    cdf = np.empty_like(p_pos)
-    mass = np.empty(start.size - 1)
-    for c in range(start.size - 1):  # K small numpy calls; exact per-cluster cumsums
-        seg = p_pos[start[c]:start[c + 1]]
-        mass[c] = seg.sum()
-        cdf[start[c]:start[c + 1]] = np.cumsum(seg) / mass[c]
-        cdf[start[c + 1] - 1] = 1.0
-    return cdf, mass
-
-
-def _guide_table(cdf: np.ndarray, start: np.ndarray, g: int) -> np.ndarray:
-    """guide[c * g + b] = first position of cluster c whose CDF exceeds (b / g), minus slack.
-
-    The slack (1e-9 relative) keeps the guide at or before the answer even when u * g rounds
-    up to the next bucket, so the forward-only scan in `sample_items` is always exact.
-    """
-    k = start.size - 1
-    floors = np.arange(g, dtype=np.float64) / g * (1.0 - 1e-9)
-    guide = np.empty(k * g, dtype=np.int64)
-    for c in range(k):
-        seg = cdf[start[c]:start[c + 1]]
-        guide[c * g:(c + 1) * g] = start[c] + np.searchsorted(seg, floors, side="right")
-    return guide
 
 
 def build_world(cfg: DataConfig, seed: np.random.SeedSequence) -> World:
@@ -114,10 +142,8 @@ def build_world(cfg: DataConfig, seed: np.random.SeedSequence) -> World:
     cluster_of_rank = (rng.permutation(v) % k).astype(np.int32)  # equal sizes, random members
     order = np.lexsort((np.arange(v), cluster_of_rank))  # by cluster, then by rank
     start = np.searchsorted(cluster_of_rank[order], np.arange(k + 1)).astype(np.int64)
-    seg_cdf, mass = _cluster_tables(p_rank[order], start)
-    g = _GUIDE_PER_ITEM * int(np.diff(start).max())
-    mass_cdf = np.cumsum(mass) / mass.sum()
-    mass_cdf[-1] = 1.0
+    p_pos = p_rank[order]  # [V] probability of each position
+    mass = np.add.reduceat(p_pos, start[:-1])  # [K] Z_c / Z
     item_cluster = np.empty(v, dtype=np.int32)
     item_cluster[item_of_rank] = cluster_of_rank
     item_rank = np.empty(v, dtype=np.int32)
@@ -126,7 +152,8 @@ def build_world(cfg: DataConfig, seed: np.random.SeedSequence) -> World:
     # Half of the dense features carry signal, half are noise a model should learn to ignore.
     dense_w = rng.standard_normal(cfg.n_dense) * cfg.dense_sd
     dense_w[cfg.n_dense // 2 + cfg.n_dense % 2:] = 0.0
-    return World(seg_cdf=seg_cdf, seg_item=item_of_rank[order], start=start,
-                 guide=_guide_table(seg_cdf, start, g), guide_size=g, mass_cdf=mass_cdf,
-                 item_cluster=item_cluster, item_rank=item_rank, quality=quality,
-                 dense_w=dense_w)
+    return World(
+        items=AliasTable.build(p_pos, start, item_of_rank[order]),
+        clusters=AliasTable.build(mass, np.array([0, k]), np.arange(k, dtype=np.int32)),
+        mass=mass, item_cluster=item_cluster, item_rank=item_rank, quality=quality,
+        dense_w=dense_w)

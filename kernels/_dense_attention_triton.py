@@ -233,9 +233,10 @@ def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
     bd = triton.next_power_of_2(head_dim)
     bm = max(16, min(64 if bd <= 128 else 32, triton.next_power_of_2(num_queries)))
     bn = 64 if bd <= 128 else 32
+    warps = 8 if bd >= 128 else 4
     if dtype == torch.float32:
-        bm, bn = max(bm // 2, 16), max(bn // 2, 16)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, num_warps=4,
+        bm, bn = max(bm // 2, 16), (32 if bd <= 64 else 16)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, num_warps=warps,
                 num_stages=1 if dtype == torch.float32 else 2)
 
 

@@ -7,7 +7,6 @@ tests, not for speed). "triton" on CPU tensors needs ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -15,14 +14,22 @@ import torch
 BACKENDS = ("torch", "triton", "auto")
 
 
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
+def _import_triton() -> bool:
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except Exception:  # pragma: no cover - depends on the machine
         return False
     return True
+
+
+# Decided once at import: a plain bool is free to read under torch.compile, where a cached
+# function call makes Dynamo warn.
+_TRITON_AVAILABLE = _import_triton()
+
+
+def triton_available() -> bool:
+    return _TRITON_AVAILABLE
 
 
 def interpreter_on() -> bool:

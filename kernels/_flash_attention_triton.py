@@ -307,19 +307,20 @@ def _interpreting() -> bool:
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """BLOCK_M, BLOCK_N (BLOCK_M % BLOCK_N == 0), num_warps, num_stages for the forward."""
+    """BLOCK_M, BLOCK_N (BLOCK_M % BLOCK_N == 0), num_warps, num_stages for the forward.
+
+    Picked so that ptxas reports no (or few) spills for sm_90 (``python -m kernels.gpu_check
+    --ptxas``); fp32 inputs use IEEE FMA dots, whose tiles must stay small.
+    """
     if _interpreting():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-    big = dtype == torch.float32
     bd = triton.next_power_of_2(head_dim)
-    if bd <= 64:
-        bm, bn, warps, stages = 128, 64, 4, 3
+    if dtype == torch.float32:
+        bm, bn, warps, stages = (64, 32, 8, 1) if bd <= 64 else (16, 16, 4, 1)
     elif bd <= 128:
         bm, bn, warps, stages = 128, 64, 8, 3
     else:
-        bm, bn, warps, stages = 64, 32, 4, 2
-    if big:
-        bm, bn, stages = max(bm // 2, 16), max(bn // 2, 16), 2
+        bm, bn, warps, stages = 128, 32, 8, 3
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
@@ -328,16 +329,17 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     if _interpreting():
         return dict(M_KV=16, N_KV=16, M_Q=16, N_Q=16, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
-    if bd <= 64:
-        cfg = dict(M_KV=64, N_KV=64, M_Q=64, N_Q=64, num_warps=4, num_stages=2)
-    elif bd <= 128:
-        cfg = dict(M_KV=32, N_KV=64, M_Q=64, N_Q=32, num_warps=4, num_stages=2)
-    else:
-        cfg = dict(M_KV=32, N_KV=32, M_Q=32, N_Q=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
-        cfg = {k: (max(v // 2, 16) if k[0] in "MN" else v) for k, v in cfg.items()}
-        cfg["num_stages"] = 1
-    return cfg
+        m_kv, n_kv, m_q, n_q, warps, stages = (
+            (32, 32, 32, 32, 8, 1) if bd <= 64 else
+            (16, 32, 32, 16, 4, 1) if bd <= 128 else (16, 16, 16, 16, 4, 1))
+    elif bd <= 64:
+        m_kv, n_kv, m_q, n_q, warps, stages = 64, 64, 64, 64, 4, 2
+    elif bd <= 128:
+        m_kv, n_kv, m_q, n_q, warps, stages = 32, 64, 64, 32, 8, 2
+    else:
+        m_kv, n_kv, m_q, n_q, warps, stages = 32, 32, 32, 32, 8, 1
+    return dict(M_KV=m_kv, N_KV=n_kv, M_Q=m_q, N_Q=n_q, num_warps=warps, num_stages=stages)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:

@@ -63,14 +63,17 @@ def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
 
 @functools.lru_cache(maxsize=None)
 def git_commit() -> str:
-    """HEAD of the repo, with '-dirty' when tracked files differ; 'unknown' outside git."""
+    """HEAD of the repo ('-dirty' when tracked files differ); else $GIT_COMMIT (a machine without
+    .git, e.g. the GPU box: pass `GIT_COMMIT=$(git rev-parse HEAD)`); else 'unknown'."""
     try:
         run = functools.partial(subprocess.run, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
         sha = run(["git", "rev-parse", "HEAD"]).stdout.strip()
         dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
-        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
-        return "unknown"
+        sha = dirty = ""
+    if sha:
+        return sha + ("-dirty" if dirty else "")
+    return os.environ.get("GIT_COMMIT") or "unknown"
 
 
 def device_name() -> str:

@@ -70,3 +70,26 @@ def test_attention_gpu_sweep():
         print(f"  {dt}: worst err {s['worst_err']:.3e}, worst err/bound {s['worst_ratio']:.3f}"
               f" ({s['worst_case']})")
     assert not failures, "\n".join(failures[:20])
+
+
+ALL_DIMS = list(range(16, 257, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", ALL_DIMS, ids=[f"D{d}" for d in ALL_DIMS])
+def test_every_head_dim_gpu(D):
+    # every supported head dim, both ops, forward and backward (bf16; causal on every other);
+    # JAGGED_DIM_SHARD="i/n" runs one shard of the dims (to spread compilation over processes)
+    shard = os.environ.get("JAGGED_DIM_SHARD")
+    if shard:
+        i, n = map(int, shard.split("/"))
+        if ALL_DIMS.index(D) % n != i:
+            pytest.skip(f"shard {shard}")
+    set_poison_outputs(True)
+    start = len(ac.RECORDS)
+    try:
+        ac.check_flash([0, 37, 130, 1], 2, D, 100, D % 16 == 0, torch.bfloat16, "cuda")
+        ac.check_dense([0, 37, 130, 1], 5, 2, D, 100, True, torch.bfloat16, "cuda")
+    finally:
+        set_poison_outputs(False)
+        ac.dump_summary(ac.RECORDS[start:], f"D{D}")

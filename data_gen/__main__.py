@@ -1,0 +1,118 @@
+"""Command line: `python -m data_gen generate|validate|report ...` (see --help).
+
+Exit status: 0 on success, 1 for data that fails validation, 2 for bad arguments (which are
+all checked before any work starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .config import PRESETS, ConfigError, DataConfig, resolve_config
+from .schema import DataValidationError
+
+
+def _config_help() -> str:
+    import dataclasses
+
+    keys = ", ".join(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(DataConfig))
+    return ("Any config field can be overridden as --key value (dashes or underscores), "
+            f"e.g. --rows 100000 --alpha 0.8 --max-len 4096. Fields: {keys}. "
+            "See data_gen/config.py for their meaning and defaults.")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m data_gen",
+                                description="Synthetic long-tail sequence data for rankers.")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a data set", epilog=_config_help())
+    g.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)}")
+    g.add_argument("--out", required=True, help="output directory")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--workers", type=int, default=None, help="processes (default: CPUs)")
+    g.add_argument("--overwrite", action="store_true", help="replace a data set in --out")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    v = sub.add_parser("validate", help="check a data set: files, checksums, schema, values")
+    v.add_argument("data_dir")
+    v.add_argument("--no-digest", action="store_true", help="skip the sha256 checks")
+    v.add_argument("--shallow", action="store_true", help="footers only, not the values")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+    r = sub.add_parser("report", help="length/popularity plots and a markdown summary")
+    r.add_argument("data_dir")
+    r.add_argument("--out", default=None, help="output directory (default DATA_DIR/report)")
+    return p
+
+
+def _overrides(tokens: list[str]) -> dict[str, str]:
+    """['--alpha', '0.8', '--rows=5'] -> {'alpha': '0.8', 'rows': '5'} (values may be '-5')."""
+    out, i = {}, 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if not tok.startswith("--") or len(tok) == 2:
+            raise ConfigError(f"unexpected argument {tok!r} (options are --key value)")
+        if "=" in tok:
+            key, value = tok[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(tokens):
+                raise ConfigError(f"{tok} needs a value")
+            key, value = tok[2:], tokens[i + 1]
+            i += 2
+        out[key] = value
+    return out
+
+
+def _generate(args: argparse.Namespace, extra: list[str]) -> None:
+    from .generate import generate_dataset  # after the argument checks: imports polars
+
+    cfg = resolve_config(args.preset, _overrides(extra))
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    start = time.perf_counter()
+    meta = generate_dataset(cfg, args.seed, args.out, preset=args.preset, workers=args.workers,
+                            progress=not args.quiet, overwrite=args.overwrite)
+    seconds = time.perf_counter() - start
+    tr = meta["splits"]["train"]
+    o = tr["oracle"]
+    recent = ", ".join(f"last {k}: {o[f'auc_recent_{k}']:.3f}" for k in cfg.oracle_ks)
+    print(f"wrote {cfg.rows:,} rows to {args.out} in {seconds:.1f} s; digest {meta['digest']}")
+    print(f"train: mean length {tr['length_stats']['mean']:.1f}, CTR {tr['ctr']:.3f}, "
+          f"oracle AUC {o['auc']:.3f} ({recent})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; return the exit status (errors are printed, not raised)."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        if args.command != "generate" and extra:
+            raise ConfigError(f"unexpected arguments {extra}")
+        if args.command == "generate":
+            _generate(args, extra)
+        elif args.command == "validate":
+            from .schema import validate_dataset
+
+            meta = validate_dataset(args.data_dir, check_digest=not args.no_digest,
+                                    deep=not args.shallow, progress=not args.quiet)
+            n = sum(len(meta["splits"][s]["files"]) for s in meta["splits"])
+            print(f"{args.data_dir}: valid ({n} files, digest {meta['digest']})")
+        else:
+            from .report import write_report
+
+            paths = write_report(args.data_dir, args.out, progress=True)
+            print("wrote " + ", ".join(str(p) for p in paths.values()))
+    except DataValidationError as err:
+        print(f"invalid data: {err}", file=sys.stderr)
+        return 1
+    except (ConfigError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: spawned workers re-import this module
+    sys.exit(main())

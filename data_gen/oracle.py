@@ -1,0 +1,61 @@
+"""Recompute the planted model from the files: the oracle for any history window.
+
+The label model of planted.py is a function of the stored columns alone (history, actions,
+candidate, dense features) plus the item world, which the seed and config in meta.json
+rebuild exactly. So the oracle logit can be recomputed from the data for any window k, e.g.
+a model's own max_seq_len, and the recomputed full-history p must equal the stored p_true
+(which is how the tests check that nothing hidden leaks into the labels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from .config import config_from_dict
+from .generate import plan_shards
+from .history import History
+from .planted import planted_logits
+from .schema import load_meta, read_split
+from .world import World, build_world
+
+
+def _history(world: World, table: pa.Table) -> tuple[History, np.ndarray, np.ndarray,
+                                                      np.ndarray]:
+    """History, candidate items, candidate clusters and dense features of a table's rows."""
+    def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
+        arr = table.column(name).combine_chunks()
+        off = arr.offsets.to_numpy().astype(np.int64)
+        vals = arr.values.slice(off[0], off[-1] - off[0]).to_numpy(zero_copy_only=False)
+        return off - off[0], vals
+
+    offsets, item = flat("hist_item")
+    action, age = flat("hist_action")[1], flat("hist_age")[1]
+    lengths = np.diff(offsets)
+    row = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
+    recency = (np.repeat(offsets[1:] - 1, lengths) - np.arange(item.size)).astype(np.int32)
+    hist = History(offsets=offsets, item=item, action=action, age=age,
+                   cluster=world.item_cluster[item], row=row, recency=recency)
+    cand = table.column("cand_item").to_numpy()
+    n_dense = sum(1 for n in table.column_names if n.startswith("dense_"))
+    dense = np.stack([table.column(f"dense_{i}").to_numpy() for i in range(n_dense)], axis=1) \
+        if n_dense else np.zeros((lengths.size, 0), np.float32)
+    return hist, cand, world.item_cluster[cand], dense
+
+
+def oracle_logits(data_dir: str | Path, split: str, ks: list[int]) -> dict[str, np.ndarray]:
+    """Planted logits of every row of `split` seeing only the last k items, for each k in ks
+    (0 = no history), plus "full" (the logit p_true was drawn from). float64 [N] each."""
+    meta = load_meta(data_dir)
+    cfg = config_from_dict(meta["config"])
+    cfg = dataclasses.replace(cfg, oracle_ks=tuple(sorted(set(int(k) for k in ks))))
+    world = build_world(cfg, plan_shards(cfg, int(meta["seed"]))[0])
+    table = read_split(data_dir, split)
+    hist, cand, cand_cluster, dense = _history(world, table)
+    logits = planted_logits(world, cfg, hist, cand, cand_cluster, dense)
+    out = {str(k): logits[i] for i, k in enumerate(cfg.oracle_ks)}
+    out["full"] = logits[-1]
+    return out

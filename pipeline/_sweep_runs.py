@@ -1,0 +1,161 @@
+"""A sweep's runs in MLflow as one polars frame: what the sweep summary and the report read.
+
+Tags a sweep writes (``sweep.*`` and ``status``) and where:
+
+- parent: ``sweep.role=parent``, ``sweep.name``, ``sweep.file``, ``sweep.description``,
+  ``sweep.axes`` (JSON: axis -> labels in grid order), ``sweep.report`` (JSON), ``sweep.set``
+  (JSON: overrides of every run), ``sweep.hashes`` (JSON: config hashes of the current grid).
+- child: ``sweep.name``, ``sweep.point`` (``axis=label/...``), ``sweep.axis.<axis>``,
+  ``sweep.config_hash``, ``sweep.overrides`` (JSON), ``status`` (OK | OOM | FAILED | KILLED),
+  ``sweep.error`` (the last error line of a run that did not finish); metric
+  ``sweep/process_wall_s`` (the whole process, start-up and data loading included).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import mlflow
+import polars as pl
+from mlflow.entities import Run
+from mlflow.tracking import MlflowClient
+
+from pipeline.errors import ConfigError
+
+METRICS = {  # metric key -> (column title, format)
+    "test/auc": ("test AUC", ".4f"),
+    "test/ne": ("test NE", ".4f"),
+    "test/logloss": ("test log loss", ".4f"),
+    "perf/train_examples_per_s": ("train ex/s", ",.0f"),
+    "perf/train_tokens_per_s": ("tokens/s", ",.0f"),
+    "perf/step_time_ms": ("step (ms)", ".1f"),
+    "mem/train_peak_allocated_mb": ("peak GPU mem (MB)", ",.0f"),
+    "mem/peak_rss_mb": ("peak RSS (MB)", ",.0f"),
+    "sweep/process_wall_s": ("wall (s)", ".0f"),
+}
+ENV_TAGS = ("device", "accelerator", "torch_version", "triton_version", "cuda_version", "python_version",
+            "lightning_version", "git_commit", "data_digest", "data_dir", "backend")
+_STATUS_ORDER = {"OK": 0, "OOM": 1}
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def quote(value: str) -> str:
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None = None) -> Run:
+    """A sweep's parent run by id, or by name (the newest parent of that name)."""
+    if _RUN_ID.match(ref):
+        try:
+            return client.get_run(ref)
+        except mlflow.exceptions.MlflowException:
+            pass
+    ids = experiment_ids or [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(
+        ids, filter_string=f"tags.mlflow.runName = {quote(ref)} and tags.`sweep.role` = 'parent'",
+        order_by=["attributes.start_time DESC"], max_results=1,
+    )
+    if not runs:
+        raise ConfigError(f"no sweep parent run with id or name {ref!r} at {mlflow.get_tracking_uri()}")
+    return runs[0]
+
+
+def child_runs(parent: Run) -> list[Run]:
+    return mlflow.search_runs(
+        experiment_ids=[parent.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = {quote(parent.info.run_id)}",
+        order_by=["attributes.start_time ASC"], output_format="list",
+    )
+
+
+def run_status(run: Run) -> str:
+    tag = run.data.tags.get("status")
+    if tag:
+        return tag
+    return "OK" if run.info.status == "FINISHED" else run.info.status
+
+
+def runs_frame(runs: list[Run], axes: list[str]) -> pl.DataFrame:
+    """One row per run: ids, status, axis labels (column = axis name), metrics, env tags."""
+    metric_keys = sorted({k for r in runs for k in r.data.metrics} | set(METRICS))
+    cols: dict[str, list] = {k: [] for k in ("run_id", "run_name", "state", "status", "start_ms", "end_ms",
+                                             "config_hash", "point", "error")}
+    cols.update({a: [] for a in axes})
+    cols.update({f"tag.{t}": [] for t in ENV_TAGS})
+    cols.update({m: [] for m in metric_keys})
+    for r in runs:
+        tags = r.data.tags
+        cols["run_id"].append(r.info.run_id)
+        cols["run_name"].append(r.info.run_name)
+        cols["state"].append(r.info.status)
+        cols["status"].append(run_status(r))
+        cols["start_ms"].append(r.info.start_time)
+        cols["end_ms"].append(r.info.end_time)
+        cols["config_hash"].append(tags.get("sweep.config_hash") or r.info.run_id)
+        cols["point"].append(tags.get("sweep.point") or r.info.run_name)
+        cols["error"].append(tags.get("sweep.error"))
+        for a in axes:
+            cols[a].append(tags.get(f"sweep.axis.{a}"))
+        for t in ENV_TAGS:
+            cols[f"tag.{t}"].append(tags.get(t))
+        for m in metric_keys:
+            cols[m].append(r.data.metrics.get(m))
+    schema = {k: (pl.Float64 if k in metric_keys else pl.Int64 if k.endswith("_ms") else pl.Utf8) for k in cols}
+    return pl.DataFrame(cols, schema=schema)
+
+
+def best_per_point(df: pl.DataFrame, key: str = "config_hash") -> pl.DataFrame:
+    """One row per `key`: a finished run if any, else an OOM record, else the newest attempt."""
+    order = pl.col("status").replace_strict(_STATUS_ORDER, default=2, return_dtype=pl.Int64)
+    return (df.with_columns(_pref=order)
+              .sort(["_pref", "start_ms"], descending=[False, True])
+              .unique(subset=[key], keep="first", maintain_order=True)
+              .drop("_pref"))
+
+
+def sort_by_grid(df: pl.DataFrame, axes: dict[str, list[str]]) -> pl.DataFrame:
+    """Rows in grid order (axes in file order, values in file order)."""
+    keys = []
+    for axis, labels in axes.items():
+        if axis in df.columns:
+            rank = {label: i for i, label in enumerate(labels)}
+            keys.append(pl.col(axis).replace_strict(rank, default=len(labels), return_dtype=pl.Int64))
+    return df.sort(keys) if keys else df
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def summary_rows(df: pl.DataFrame, axes: list[str]) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of the summary: axis labels, status, quality, speed, memory, wall, run id."""
+    cuda = any(a == "cuda" for a in df["tag.accelerator"].to_list() if a)
+    shown = [k for k in METRICS if not (k == "mem/peak_rss_mb" and cuda) and not
+             (k == "mem/train_peak_allocated_mb" and not cuda)]
+    header = [*axes, "status", *(METRICS[k][0] for k in shown), "run"]
+    rows = []
+    for row in df.iter_rows(named=True):
+        status = row["status"] if row["status"] != "FAILED" or not row["error"] else f"FAILED: {row['error'][:80]}"
+        rows.append([*(row[a] or "-" for a in axes), status,
+                     *(fmt(row.get(k), METRICS[k][1]) for k in shown), row["run_id"]])
+    return header, rows
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    esc = [[str(c).replace("|", "\\|") for c in r] for r in rows]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in esc])
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    """A polars frame of strings, printed without dtypes or shape."""
+    frame = pl.DataFrame([list(col) for col in zip(*rows)] if rows else [[] for _ in header],
+                         schema=[(h, pl.Utf8) for h in header], orient="col")
+    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=250, fmt_str_lengths=100,
+                   tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
+        return str(frame)
+
+
+def parent_axes(parent: Run) -> dict[str, list[str]]:
+    return json.loads(parent.data.tags.get("sweep.axes") or "{}")

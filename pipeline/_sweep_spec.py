@@ -1,0 +1,256 @@
+"""An ablation file, parsed: the grid expanded into runs, each with its overrides, data and hash.
+
+The file format (``experiments/ablations/*.yaml``; :mod:`pipeline.sweep` documents it for
+users). Every key but ``name`` and ``grid`` is optional::
+
+    name: seq_len                # the MLflow parent run's name and experiments/results/<name>/
+    description: one line        # shown in the report
+    experiment: ablations        # MLflow experiment of the parent and its children
+    configs: [base, paper]       # experiments/configs/<name>.yaml, applied in this order
+    dataset: {preset: paper}     # the data of every run (see below)
+    set: {trainer.max_steps: 60} # config overrides of every run (dotted keys of `pipeline fit`)
+    timeout_s: 900               # wall-clock limit of one run (killed and recorded past it)
+    grid:                        # one run per point of the product of the axes
+      model.ranker.backend: [dense, sdpa, jagged]   # a key axis: named after the key's last part
+      fill:                                         # a named axis: label -> overrides of the point
+        "0.25": {dataset: {name: fill025, preset: paper, mean_len: 256}}
+    report: {x: max_seq_len, series: backend, baseline: jagged, oracle: false}
+
+A dataset is ``{dir: PATH}`` (must exist) or ``{preset: P, [name: N], [seed: S], [<data_gen
+key>: value ...]}``: the directory ``<data root>/<name or preset>``, written by ``python -m
+data_gen generate --preset P [--seed S] [--<key> value ...] --out DIR`` when it has no
+meta.json yet; an existing one generated with other settings is an error, not silently reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.errors import ConfigError
+from pipeline.tracking import REPO_ROOT
+
+CONFIGS = REPO_ROOT / "experiments" / "configs"
+DEFAULT_EXPERIMENT = "ablations"
+_TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "report"}
+_REPORT_KEYS = {"x", "series", "baseline", "oracle"}
+
+
+@dataclass
+class Dataset:
+    """Where a run's data lives and, for generated data, how to make it."""
+
+    dir: Path
+    preset: str | None = None
+    seed: int | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def meta_path(self) -> Path:
+        return self.dir / "meta.json"
+
+    def digest(self) -> str | None:
+        if not self.meta_path.is_file():
+            return None
+        return str(json.loads(self.meta_path.read_text()).get("digest", "")) or None
+
+    def generate_command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "data_gen", "generate", "--preset", str(self.preset), "--out", str(self.dir)]
+        if self.seed is not None:
+            cmd += ["--seed", str(self.seed)]
+        for key, value in self.overrides.items():
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        return cmd
+
+    def ensure(self) -> str:
+        """The data's digest; generates the data set first if it is absent."""
+        if self.preset is None:
+            if not self.meta_path.is_file():
+                raise ConfigError(f"no data set at {self.dir} (no meta.json): generate it with "
+                                  f"`python -m data_gen generate --preset ... --out {self.dir}`")
+        elif self.meta_path.is_file():
+            self._check_matches()
+        else:
+            print(f"--- generating {self.dir}: {' '.join(self.generate_command()[1:])}", flush=True)
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            if subprocess.run(self.generate_command(), cwd=REPO_ROOT).returncode != 0:
+                raise ConfigError(f"generating {self.dir} failed (see the output above)")
+        digest = self.digest()
+        if digest is None:
+            raise ConfigError(f"{self.meta_path} has no digest")
+        return digest
+
+    def _check_matches(self) -> None:
+        from data_gen.config import ConfigError as DataConfigError, resolve_config
+
+        try:
+            want = resolve_config(self.preset, self.overrides).to_dict()
+        except DataConfigError as err:
+            raise ConfigError(f"dataset {self.dir}: {err}") from None
+        meta = json.loads(self.meta_path.read_text())
+        have = meta.get("config", {})
+        diff = sorted(k for k, v in want.items() if k in have and json.dumps(have[k]) != json.dumps(v))
+        seed_diff = self.seed is not None and meta.get("seed") != self.seed
+        if diff or seed_diff:
+            what = ", ".join(f"{k}={have[k]!r} (want {want[k]!r})" for k in diff) or f"seed={meta.get('seed')}"
+            raise ConfigError(f"{self.dir} exists but was generated with other settings: {what}; "
+                              f"delete it or give the dataset another name")
+
+
+@dataclass
+class Point:
+    """One run of the grid."""
+
+    labels: dict[str, str]  # axis -> label of the value
+    overrides: dict[str, Any]  # dotted config key -> value
+    dataset: Dataset
+
+    @property
+    def name(self) -> str:
+        return "/".join(f"{axis}={label}" for axis, label in self.labels.items())
+
+
+@dataclass
+class Ablation:
+    name: str
+    path: Path
+    description: str
+    experiment: str
+    configs: list[Path]
+    timeout_s: float | None
+    report: dict[str, Any]
+    axes: list[str]
+    points: list[Point]
+    raw: dict[str, Any]
+
+    def config_hash(self, point: Point, digest: str | None) -> str:
+        """Same configs, overrides and data digest -> same hash (comments and order do not count)."""
+        configs = [yaml.safe_load(p.read_text()) or {} for p in self.configs]
+        d = point.dataset  # data not made yet: its recipe stands in for its digest
+        data = digest or {"dir": str(d.dir), "preset": d.preset, "seed": d.seed, "overrides": d.overrides}
+        blob = json.dumps({"configs": configs, "set": point.overrides, "data": data},
+                          sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _dataset(spec: Any, data_root: Path, where: str) -> Dataset:
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{where}: a dataset is a mapping ({{dir: PATH}} or {{preset: P, ...}}), got {spec!r}")
+    spec = dict(spec)
+    if "dir" in spec:
+        if len(spec) != 1:
+            raise ConfigError(f"{where}: a {{dir: ...}} dataset takes no other keys, got {sorted(spec)}")
+        return Dataset(dir=(REPO_ROOT / str(spec["dir"])).resolve())
+    preset = spec.pop("preset", None)
+    if preset is None:
+        raise ConfigError(f"{where}: a dataset needs `preset` (tiny|small|paper) or `dir`")
+    name = spec.pop("name", None)
+    seed = spec.pop("seed", None)
+    if spec and name is None:
+        raise ConfigError(f"{where}: a dataset with data_gen overrides ({sorted(spec)}) needs a `name`")
+    return Dataset(dir=(data_root / str(name or preset)).resolve(), preset=str(preset),
+                   seed=None if seed is None else int(seed), overrides=spec)
+
+
+def _axes(grid: Any) -> list[tuple[str, list[tuple[str, dict[str, Any]]]]]:
+    """[(axis, [(label, overrides)])] in file order."""
+    if not isinstance(grid, dict) or not grid:
+        raise ConfigError("`grid` must be a non-empty mapping of axes")
+    axes = []
+    for key, values in grid.items():
+        if isinstance(values, list):  # a key axis
+            axis = str(key).split(".")[-1]
+            points = [(_label(v), {str(key): v}) for v in values]
+        elif isinstance(values, dict):  # a named axis
+            axis = str(key)
+            points = []
+            for label, over in values.items():
+                if not isinstance(over, dict):
+                    raise ConfigError(f"grid.{key}.{label}: a named value is a mapping of overrides, got {over!r}")
+                points.append((_label(label), dict(over)))
+        else:
+            raise ConfigError(f"grid.{key}: a list of values or a mapping label -> overrides, got {values!r}")
+        if not points:
+            raise ConfigError(f"grid.{key} has no values")
+        if axis in (a for a, _ in axes):
+            raise ConfigError(f"grid: two axes are named {axis!r}")
+        axes.append((axis, points))
+    return axes
+
+
+def _label(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (dict, list, bool)) or value is None else str(value)
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """``key=value`` strings (values read as YAML) -> overrides."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value (e.g. trainer.max_steps=50)")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def load(path: str | Path, data_root: Path, data_dir: str | None = None,
+         extra_set: dict[str, Any] | None = None) -> Ablation:
+    """Parse and expand an ablation file; raises ConfigError saying what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        known = sorted(p.stem for p in (REPO_ROOT / "experiments" / "ablations").glob("*.yaml"))
+        raise ConfigError(f"no ablation file {path}; the shipped ones: {', '.join(known)}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    unknown = set(raw) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
+    if not raw.get("name"):
+        raise ConfigError(f"{path}: `name` is required")
+    configs = [CONFIGS / (c if str(c).endswith(".yaml") else f"{c}.yaml") for c in raw.get("configs", ["base"])]
+    missing = [str(c) for c in configs if not c.is_file()]
+    if missing:
+        raise ConfigError(f"{path}: config files not found: {', '.join(missing)}")
+    default = Dataset(dir=Path(data_dir).resolve()) if data_dir else None
+    if default is None:
+        default = _dataset(raw["dataset"], data_root, "dataset") if "dataset" in raw else \
+            Dataset(dir=(REPO_ROOT / "data" / "small").resolve(), preset="small")
+    report = dict(raw.get("report") or {})
+    if set(report) - _REPORT_KEYS:
+        raise ConfigError(f"{path}: unknown report keys {sorted(set(report) - _REPORT_KEYS)}")
+    axes = _axes(raw.get("grid"))
+    points = []
+    for combo in itertools.product(*(vals for _, vals in axes)):
+        labels, over, dataset = {}, dict(raw.get("set") or {}), default
+        for (axis, _), (label, point_over) in zip(axes, combo):
+            labels[axis] = label
+            point_over = dict(point_over)
+            if "dataset" in point_over:
+                dataset = _dataset(point_over.pop("dataset"), data_root, f"grid.{axis}.{label}.dataset")
+            over.update(point_over)
+        over.update(extra_set or {})  # --set wins over the file
+        if "data.data_dir" in over:
+            raise ConfigError(f"{path}: set the data with `dataset` (or --data), not data.data_dir")
+        points.append(Point(labels, over, dataset))
+    for key in ("x", "series"):
+        if report.get(key) and report[key] not in labels:
+            raise ConfigError(f"{path}: report.{key} {report[key]!r} is not an axis ({list(labels)})")
+    return Ablation(
+        name=str(raw["name"]), path=path.resolve(), description=str(raw.get("description", "")),
+        experiment=str(raw.get("experiment", DEFAULT_EXPERIMENT)), configs=configs,
+        timeout_s=raw.get("timeout_s"), report=report, axes=[a for a, _ in axes], points=points, raw=raw,
+    )
+
+
+def cli_value(value: Any) -> str:
+    """A config value as one `--key value` argument that jsonargparse reads back the same."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value)

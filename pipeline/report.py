@@ -1,0 +1,214 @@
+"""Tables and plots of a sweep, regenerated from its MLflow runs.
+
+    python -m pipeline.report --parent <run id or name> [--out experiments/results] [--commit SHA]
+    make report PARENT=seq_len
+
+Reads the parent's children with ``mlflow.search_runs`` into polars (one row per grid point:
+its finished run, else its OOM record, else its latest attempt; runs of an older grid or
+budget are left out), then writes into ``<out>/<ablation>/``:
+
+- ``report.md``: device, versions, commit and data digest (from the runs' tags), the budget,
+  one row per point (status, test AUC/NE/log loss, examples/s, tokens/s, step time, peak
+  memory, wall time), the ratios of the baseline series (jagged) over every other series
+  (padded backends) and, for history-length ablations, the oracle AUCs from meta.json;
+- ``runs.csv`` (every column of the frame) and the plots ``throughput.png``, ``memory.png``,
+  ``speedup.png`` (baseline over each other series) and ``auc.png`` (with the oracle lines);
+
+and logs the same files as artifacts of the parent run (``report/``). Peak memory is the
+training phase's ``torch.cuda.max_memory_allocated`` on CUDA and the process's peak RSS on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import mlflow
+import polars as pl
+from mlflow.entities import Run
+from mlflow.tracking import MlflowClient
+
+from pipeline import _sweep_plots as plots
+from pipeline import _sweep_runs as runs_
+from pipeline.errors import ConfigError
+from pipeline.tracking import REPO_ROOT, tracking_uri
+
+THROUGHPUT = "perf/train_examples_per_s"
+
+
+def load_frame(parent: Run) -> tuple[pl.DataFrame, dict[str, list[str]]]:
+    """(one row per current grid point in grid order, axes -> labels)."""
+    axes = runs_.parent_axes(parent)
+    df = runs_.runs_frame(runs_.child_runs(parent), list(axes))
+    hashes = json.loads(parent.data.tags.get("sweep.hashes") or "[]")
+    if hashes:
+        df = df.filter(pl.col("config_hash").is_in(hashes))
+    return runs_.sort_by_grid(runs_.best_per_point(df), axes), axes
+
+
+def memory_metric(df: pl.DataFrame) -> tuple[str, str]:
+    if "cuda" in df["tag.accelerator"].to_list():
+        return "mem/train_peak_allocated_mb", "peak GPU memory allocated, training (MB)"
+    return "mem/peak_rss_mb", "peak process RSS (MB; CPU run)"
+
+
+def ratios(df: pl.DataFrame, axes: list[str], series: str, baseline: str, mem: str) -> dict[str, dict[str, list]]:
+    """Baseline over each other series value, matched on every other axis: throughput and memory."""
+    others = [a for a in axes if a != series]
+    rows = {(tuple(r[a] for a in others), r[series]): r for r in df.iter_rows(named=True)}
+    out: dict[str, dict[str, list]] = {}
+    for value in dict.fromkeys(df[series].to_list()):
+        if value == baseline:
+            continue
+        cur = out.setdefault(f"{baseline} / {value}", {"x": [], "throughput": [], "memory": [], "key": [], "note": []})
+        for key in dict.fromkeys(k for k, _ in rows):
+            b, o = rows.get((key, baseline)), rows.get((key, value))
+            if b is None or o is None:
+                continue
+            ok = b["status"] == "OK" and o["status"] == "OK"
+            cur["key"].append(key)
+            cur["x"].append(key[0] if key else "")
+            cur["throughput"].append(_div(b.get(THROUGHPUT), o.get(THROUGHPUT)) if ok else None)
+            cur["memory"].append(_div(o.get(mem), b.get(mem)) if ok else None)
+            cur["note"].append("" if ok else f"{value} {o['status']}" if o["status"] != "OK" else f"{baseline} {b['status']}")
+    return out
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def _distinct(df: pl.DataFrame, col: str) -> str:
+    values = [v for v in dict.fromkeys(df[col].to_list()) if v]
+    return ", ".join(f"`{v}`" for v in values) or "-"
+
+
+def header_lines(parent: Run, df: pl.DataFrame, commit: str | None) -> list[str]:
+    tags = parent.data.tags
+    name = tags.get("sweep.name", parent.info.run_name)
+    counts = {s: df["status"].to_list().count(s) for s in dict.fromkeys(df["status"].to_list())}
+    commits = _distinct(df, "tag.git_commit")
+    if commit and commits in ("-", "`unknown`"):
+        commits = f"`{commit}` (given to the report; the runs recorded {commits})"
+    ok = df.filter(pl.col("status") == "OK")
+    env = ok if ok.height else df
+    data = ", ".join(f"`{d}` ({Path(p).name if p else '?'})" for d, p in
+                     dict.fromkeys(zip(env["tag.data_digest"].to_list(), env["tag.data_dir"].to_list())) if d)
+    return [
+        f"# Ablation `{name}`", "", tags.get("sweep.description", ""), "",
+        f"- MLflow: parent run `{parent.info.run_id}` ({parent.info.status}), experiment id "
+        f"`{parent.info.experiment_id}`; file `{tags.get('sweep.file', '?')}`; command `{tags.get('sweep.command', '?')}`",
+        f"- points: {df.height} ({', '.join(f'{n} {s}' for s, n in counts.items())})",
+        f"- device: {_distinct(env, 'tag.device')}; torch {_distinct(env, 'tag.torch_version')}, "
+        f"triton {_distinct(env, 'tag.triton_version')}, CUDA {_distinct(env, 'tag.cuda_version')}, "
+        f"Python {_distinct(env, 'tag.python_version')}, Lightning {_distinct(env, 'tag.lightning_version')}",
+        f"- git commit: {commits}",
+        f"- data digest: {data or '-'}",
+        f"- budget and overrides of every run: `{tags.get('sweep.set', '{}')}`",
+        f"- written {dt.datetime.now().astimezone().isoformat(timespec='seconds')} by "
+        f"`python -m pipeline.report --parent {name}`",
+        "",
+        "Throughput is over steady-state training steps (warm-up and validation excluded); tokens are "
+        "real history items. Wall time is the whole run's process (start-up and data loading included).",
+    ]
+
+
+def ratio_section(rat: dict[str, dict[str, list]], x: str) -> list[str]:
+    lines = ["", "## Speed-up and memory saving of the baseline over the other series", "",
+             "| series | " + x + " | train ex/s ratio | peak memory ratio (other / baseline) | note |",
+             "|---|---|---|---|---|"]
+    for name, r in rat.items():
+        for xv, t, m, note in zip(r["x"], r["throughput"], r["memory"], r["note"]):
+            lines.append(f"| {name} | {xv} | {runs_.fmt(t, '.2f')}x | {runs_.fmt(m, '.2f')}x | {note} |")
+    return lines
+
+
+def oracle_of(client: MlflowClient, df: pl.DataFrame) -> dict | None:
+    """The test split's oracle figures from the meta.json logged by the first finished run."""
+    for run_id in df.filter(pl.col("status") == "OK")["run_id"].to_list():
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                path = client.download_artifacts(run_id, "data/meta.json", tmp)
+            except mlflow.exceptions.MlflowException:
+                continue
+            return json.loads(Path(path).read_text())["splits"]["test"].get("oracle")
+    return None
+
+
+def oracle_section(df: pl.DataFrame, x: str, oracle: dict) -> list[str]:
+    lines = ["", "## Test AUC against the oracle (the planted label model, meta.json)", "",
+             f"Oracle: full history {oracle.get('auc', float('nan')):.4f}, no history "
+             f"{oracle.get('auc_recent_0', float('nan')):.4f}.", "",
+             f"| {x} | model test AUC | oracle AUC from the last {x} items |", "|---|---|---|"]
+    for row in df.iter_rows(named=True):
+        lines.append(f"| {row[x]} | {runs_.fmt(row.get('test/auc'), '.4f')} | "
+                     f"{runs_.fmt(oracle.get(f'auc_recent_{row[x]}'), '.4f')} |")
+    return lines
+
+
+def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bool = True) -> Path:
+    """Write report.md, runs.csv and the plots under out_root/<ablation>/; returns that folder."""
+    client = MlflowClient(tracking_uri())
+    df, axes = load_frame(parent)
+    if df.height == 0:
+        raise ConfigError(f"parent run {parent.info.run_id} has no child runs of its current grid")
+    spec = json.loads(parent.data.tags.get("sweep.report") or "{}")
+    names = list(axes)
+    x = spec.get("x") or names[-1]
+    series = [a for a in names if a != x]
+    order = axes.get(x, [])
+    out = out_root / parent.data.tags.get("sweep.name", parent.info.run_name)
+    out.mkdir(parents=True, exist_ok=True)
+    mem, mem_label = memory_metric(df)
+    header, rows = runs_.summary_rows(df, names)
+    lines = [*header_lines(parent, df, commit), "", "## Runs", "", runs_.markdown_table(header, rows)]
+    made = [
+        plots.line_plot(df, x, order, series, THROUGHPUT, "train examples/s", "Training throughput", out / "throughput.png"),
+        plots.line_plot(df, x, order, series, mem, mem_label, "Peak memory", out / "memory.png"),
+    ]
+    base, ser = spec.get("baseline"), spec.get("series")
+    if base and ser in names and base in df[ser].to_list():
+        rat = ratios(df, [x, *(a for a in names if a not in (x, ser))], ser, base, mem)
+        lines += ratio_section(rat, x)
+        made.append(plots.ratio_plot(rat, x, order, f"{base} over the other {ser} values", out / "speedup.png"))
+    oracle = oracle_of(client, df) if spec.get("oracle") else None
+    if oracle:
+        lines += oracle_section(df, x, oracle)
+    made.append(plots.line_plot(df, x, order, series, "test/auc", "test AUC", "Test AUC", out / "auc.png",
+                                extra=plots.oracle_lines(oracle) if oracle else None))
+    made = [p for p in made if p is not None]
+    lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in made)]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    df.write_csv(out / "runs.csv")
+    if log:
+        for path in [out / "report.md", out / "runs.csv", *made]:
+            client.log_artifact(parent.info.run_id, str(path), artifact_path="report")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.split("\n")[0])
+    p.add_argument("--parent", required=True, help="the sweep's parent run: id or name (the ablation's name)")
+    p.add_argument("--out", default=str(REPO_ROOT / "experiments" / "results"), help="results root")
+    p.add_argument("--commit", default=None, help="git commit to state when the runs recorded 'unknown'")
+    p.add_argument("--no-log", action="store_true", help="do not log the files to the parent run")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    mlflow.set_tracking_uri(tracking_uri())
+    try:
+        parent = runs_.find_parent(MlflowClient(tracking_uri()), args.parent)
+        out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print((out / "report.md").read_text())
+    print(f"written to {out}/ and logged to parent run {parent.info.run_id} (artifacts: report/)"
+          if not args.no_log else f"written to {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

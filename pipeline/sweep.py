@@ -1,0 +1,369 @@
+"""Run an ablation: a base config plus a grid of overrides, one fresh process per run.
+
+    python -m pipeline.sweep experiments/ablations/seq_len.yaml [--dry-run] [--max-runs N]
+        [--data DIR] [--data-root data] [--set key=value ...] [--where axis=label[,label]]
+        [--deadline-s S] [--timeout S] [--retry-oom] [--new]
+    make experiment-seq_len [SWEEP_ARGS="--max-runs 3"]
+
+Every run is ``python -m pipeline fit --config <configs...> --<key> <value> ...`` in its own
+process (GPU memory statistics and caches never leak between runs), recorded in MLflow as a
+child of one parent run named after the ablation. A rerun finds that parent by name and
+skips the points whose child FINISHED with the same config hash (configs, overrides and data
+digest); a point recorded as out of memory with the same hash is skipped too (it is a result;
+``--retry-oom`` reruns it). A run that fails is recorded (tag ``status``: OOM for a CUDA out of
+memory error, FAILED otherwise, KILLED past ``timeout_s``) and the sweep goes on. At the end a
+summary table is printed and logged to the parent (``summary.md``, ``summary.csv``); then
+``python -m pipeline.report --parent <name>`` writes the tables and plots.
+
+The file format is described in :mod:`pipeline._sweep_spec` and at the top of every file in
+experiments/ablations/. Exit status: 0 when every point finished (or is a recorded OOM), 1
+when some failed or were not run, 2 for a bad ablation file, data set or tracking URI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlflow
+from mlflow.entities import Run
+from mlflow.tracking import MlflowClient
+
+from pipeline import _sweep_runs as runs_
+from pipeline._sweep_spec import Ablation, Point, cli_value, load, parse_set
+from pipeline.errors import ConfigError
+from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
+
+FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapper that injects failures
+_OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED")
+_TAIL_BYTES = 64 * 1024
+
+
+def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
+    cmd = list(FIT_COMMAND)
+    for cfg in abl.configs:
+        cmd += ["--config", str(cfg)]
+    for key, value in point.overrides.items():
+        cmd += [f"--{key}", cli_value(value)]
+    return cmd + [
+        "--data.data_dir", str(point.dataset.dir),
+        "--mlflow.experiment_name", abl.experiment,
+        "--mlflow.parent_run_id", parent_id,
+        "--mlflow.run_name", point.name,
+    ]
+
+
+def child_env(tags: dict[str, str]) -> dict[str, str]:
+    """The child's environment: our tracking URI, the sweep tags (set by MLflow at run creation)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")}
+    env.update(MLFLOW_TRACKING_URI=tracking_uri(), MLFLOW_RUN_CONTEXT=json.dumps(tags), PYTHONUNBUFFERED="1")
+    return env
+
+
+def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None) -> tuple[int, str, bool]:
+    """Run `cmd`, echoing its output live; (exit status, last 64 KiB of output, timed out)."""
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    tail = bytearray()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def pump() -> None:
+        for chunk in iter(lambda: proc.stdout.read1(8192), b""):
+            tail.extend(chunk)
+            del tail[:-_TAIL_BYTES]
+            sys.stdout.write(decoder.decode(chunk))
+            sys.stdout.flush()
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    except BaseException:  # Ctrl-C reaches the child too; give it time to record its run
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+    reader.join(timeout=10)
+    return proc.returncode, bytes(tail).decode("utf-8", errors="replace"), timed_out
+
+
+def error_line(output: str) -> str:
+    lines = [ln.strip() for ln in output.replace("\r", "\n").splitlines() if ln.strip()]
+    for pattern in (r"^error: ", r"^[\w.]*(Error|Exception|Interrupt)\b"):
+        hits = [ln for ln in lines if re.match(pattern, ln)]
+        if hits:
+            return hits[-1][:500]
+    return (lines[-1] if lines else "no output")[:500]
+
+
+class Sweep:
+    def __init__(self, abl: Ablation, args: argparse.Namespace):
+        self.abl, self.args = abl, args
+        mlflow.set_tracking_uri(tracking_uri())
+        self.client = MlflowClient(tracking_uri())
+        exp = self.client.get_experiment_by_name(abl.experiment)
+        self.experiment_id = exp.experiment_id if exp else None  # created when the sweep runs
+        self.parent: Run | None = None
+        self.hashes: dict[str, str] = {}  # point name -> config hash
+
+    # --- the parent ------------------------------------------------------------------------
+    def existing_parent(self) -> Run | None:
+        if self.args.new or self.experiment_id is None:
+            return None
+        try:
+            return runs_.find_parent(self.client, self.abl.name, [self.experiment_id])
+        except ConfigError:
+            return None
+
+    def open_parent(self) -> str:
+        if self.experiment_id is None:
+            self.experiment_id = self.client.create_experiment(self.abl.experiment)
+        parent = self.existing_parent()
+        axes = {a: list(dict.fromkeys(p.labels[a] for p in self.abl.points)) for a in self.abl.axes}
+        tags = {
+            **environment_tags(), "sweep.role": "parent", "sweep.name": self.abl.name,
+            "sweep.file": str(self.abl.path.relative_to(REPO_ROOT) if self.abl.path.is_relative_to(REPO_ROOT)
+                              else self.abl.path),
+            "sweep.description": self.abl.description, "sweep.axes": json.dumps(axes),
+            "sweep.report": json.dumps(self.abl.report), "sweep.set": json.dumps(self.abl.raw.get("set") or {}),
+            "sweep.command": " ".join(["python -m pipeline.sweep", *self.args.argv]),
+        }
+        if parent is None:
+            run = self.client.create_run(self.experiment_id, run_name=self.abl.name, tags=tags)
+            print(f"MLflow parent run {run.info.run_id} ({self.abl.name}), experiment {self.abl.experiment}")
+        else:
+            run = parent
+            self.client.update_run(run.info.run_id, status="RUNNING")
+            for k, v in tags.items():
+                self.client.set_tag(run.info.run_id, k, v)
+            print(f"resuming MLflow parent run {run.info.run_id} ({self.abl.name})")
+        self.client.log_artifact(run.info.run_id, str(self.abl.path))
+        self.parent = self.client.get_run(run.info.run_id)
+        return run.info.run_id
+
+    def previous(self) -> dict[str, list[Run]]:
+        """Children of the parent by config hash; stale RUNNING ones (a killed sweep) are ended KILLED."""
+        out: dict[str, list[Run]] = {}
+        if self.parent is None:
+            return out
+        for run in runs_.child_runs(self.parent):
+            if run.info.status == "RUNNING" and not self.args.dry_run:
+                self.client.set_tag(run.info.run_id, "status", "KILLED")
+                self.client.set_terminated(run.info.run_id, "KILLED")
+                run = self.client.get_run(run.info.run_id)
+            out.setdefault(run.data.tags.get("sweep.config_hash", ""), []).append(run)
+        return out
+
+    def done_status(self, previous: list[Run]) -> str | None:
+        statuses = {runs_.run_status(r) for r in previous}
+        if "OK" in statuses:
+            return "OK"
+        if "OOM" in statuses and not self.args.retry_oom:
+            return "OOM"
+        return None
+
+    # --- one point -----------------------------------------------------------------------
+    def child_tags(self, point: Point, config_hash: str) -> dict[str, str]:
+        return {"sweep.name": self.abl.name, "sweep.point": point.name, "sweep.config_hash": config_hash,
+                "sweep.overrides": json.dumps(point.overrides, default=str)[:5000],
+                **{f"sweep.axis.{a}": label for a, label in point.labels.items()}}
+
+    def find_child(self, config_hash: str, since_ms: int) -> Run | None:
+        found = self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.mlflow.parentRunId = {runs_.quote(self.parent.info.run_id)} and "
+                          f"tags.`sweep.config_hash` = {runs_.quote(config_hash)} and "
+                          f"attributes.start_time >= {since_ms}",
+            order_by=["attributes.start_time DESC"], max_results=1,
+        )
+        return found[0] if found else None
+
+    def record(self, point: Point, config_hash: str, child: Run | None, status: str, output: str,
+               error: str | None, wall_s: float | None) -> str:
+        """Tag the child with its outcome; a run that never started gets a record of its own."""
+        if child is None:
+            child = self.client.create_run(
+                self.experiment_id, run_name=point.name,
+                tags={"mlflow.parentRunId": self.parent.info.run_id, **self.child_tags(point, config_hash)})
+        run_id = child.info.run_id
+        self.client.set_tag(run_id, "status", status)
+        if wall_s is not None:
+            self.client.log_metric(run_id, "sweep/process_wall_s", wall_s)
+        if status != "OK":
+            self.client.set_tag(run_id, "sweep.error", error or "")
+            self.client.log_text(run_id, output[-_TAIL_BYTES:], "sweep/output_tail.txt")
+            if self.client.get_run(run_id).info.status == "RUNNING":
+                self.client.set_terminated(run_id, "KILLED" if status == "KILLED" else "FAILED")
+        return run_id
+
+    def run_point(self, point: Point, config_hash: str) -> str:
+        cmd = fit_command(self.abl, point, self.parent.info.run_id)
+        since = int(time.time() * 1000) - 1000
+        t0 = time.perf_counter()
+        rc, output, timed_out = stream(cmd, child_env(self.child_tags(point, config_hash)), self.timeout_s)
+        wall = time.perf_counter() - t0
+        child = self.find_child(config_hash, since)
+        if rc == 0 and child is not None and child.info.status == "FINISHED":
+            status, error = "OK", None
+        elif timed_out:
+            status, error = "KILLED", f"timed out after {self.timeout_s:.0f} s"
+        elif _OOM.search(output):
+            status, error = "OOM", error_line(output)
+        else:
+            status = "FAILED"
+            error = error_line(output) if rc != 0 else "exited 0 without a FINISHED MLflow run"
+        self.record(point, config_hash, child, status, output, error, wall)
+        return status
+
+    @property
+    def timeout_s(self) -> float | None:
+        return self.args.timeout or self.abl.timeout_s
+
+    # --- the whole grid --------------------------------------------------------------------
+    def selected(self) -> list[Point]:
+        points = self.abl.points
+        for cond in self.args.where:
+            axis, _, labels = cond.partition("=")
+            if axis not in self.abl.axes:
+                raise ConfigError(f"--where {cond}: {axis!r} is not an axis ({', '.join(self.abl.axes)})")
+            points = [p for p in points if p.labels[axis] in labels.split(",")]
+        return points
+
+    def plan(self) -> int:
+        """--dry-run: what each point would do, without generating data or running anything."""
+        self.parent = self.existing_parent()
+        previous = self.previous()
+        print(f"ablation {self.abl.name}: {len(self.abl.points)} points, parent "
+              f"{self.parent.info.run_id if self.parent else '(new)'}, tracking {tracking_uri()}")
+        for i, point in enumerate(self.selected()):
+            digest = point.dataset.digest()
+            h = self.abl.config_hash(point, digest)
+            done = self.done_status(previous.get(h, []))
+            data = str(point.dataset.dir) + ("" if digest else " (absent: generated first)")
+            action = f"skip ({done})" if done else "run"
+            print(f"[{i + 1}] {point.name}: {action}; hash {h if digest else '(after generation)'}; data {data}")
+            print("    python " + " ".join(fit_command(self.abl, point, "<parent>")[1:]))
+        return 0
+
+    def run(self) -> int:
+        parent_id = self.open_parent()
+        previous = self.previous()
+        points, executed, results, t_start = self.selected(), 0, {}, time.monotonic()
+        try:
+            for i, point in enumerate(points):
+                head = f"=== [{i + 1}/{len(points)}] {self.abl.name}: {point.name}"
+                try:
+                    digest = point.dataset.ensure()
+                except ConfigError as err:
+                    h = self.abl.config_hash(point, None)
+                    self.hashes[point.name] = h
+                    print(f"{head}: FAILED before starting: {err}", file=sys.stderr)
+                    self.record(point, h, None, "FAILED", str(err), str(err), None)
+                    results[point.name] = "FAILED"
+                    continue
+                h = self.hashes[point.name] = self.abl.config_hash(point, digest)
+                done = self.done_status(previous.get(h, []))
+                if done:
+                    print(f"{head}: skipped, already {done} (hash {h})", flush=True)
+                    results[point.name] = done
+                    continue
+                late = self.args.deadline_s is not None and time.monotonic() - t_start > self.args.deadline_s
+                if late or (self.args.max_runs is not None and executed >= self.args.max_runs):
+                    print(f"{head}: not started ({'past --deadline-s' if late else '--max-runs reached'})")
+                    results[point.name] = "NOT RUN"
+                    continue
+                print(f"\n{head} (hash {h}) ===", flush=True)
+                executed += 1
+                results[point.name] = self.run_point(point, h)
+                print(f"=== {point.name}: {results[point.name]}", flush=True)
+        except KeyboardInterrupt:
+            self.client.set_terminated(parent_id, "KILLED")
+            print("\ninterrupted: the parent run is marked KILLED; rerun the same command to resume", file=sys.stderr)
+            return 130
+        return self.finish(parent_id, results)
+
+    def finish(self, parent_id: str, results: dict[str, str]) -> int:
+        for point in self.abl.points:  # the whole grid, so that the report sees it whatever --where said
+            if point.name not in self.hashes and point.dataset.digest() is not None:
+                self.hashes[point.name] = self.abl.config_hash(point, point.dataset.digest())
+        self.client.set_tag(parent_id, "sweep.hashes", json.dumps(sorted(set(self.hashes.values()))))
+        header, rows = self.summary(parent_id)
+        self.client.log_text(parent_id, runs_.markdown_table(header, rows) + "\n", "summary.md")
+        self.client.log_text(parent_id, "\n".join(",".join(f'"{c}"' for c in r) for r in [header, *rows]) + "\n",
+                             "summary.csv")
+        counts = {s: list(results.values()).count(s) for s in dict.fromkeys(results.values())}
+        bad = any(s not in ("OK", "OOM") for s in results.values())
+        self.client.set_terminated(parent_id, "KILLED" if "NOT RUN" in counts else "FAILED" if bad else "FINISHED")
+        print(f"\n{runs_.text_table(header, rows)}\n")
+        print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+        print(f"MLflow: {tracking_uri()}, experiment '{self.abl.experiment}', parent run {parent_id}")
+        print(f"report: python -m pipeline.report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
+        return 1 if bad else 0
+
+    def summary(self, parent_id: str) -> tuple[list[str], list[list[str]]]:
+        """Every point of the grid: its best run, or a row saying it has not run."""
+        self.parent = self.client.get_run(parent_id)
+        df = runs_.runs_frame(runs_.child_runs(self.parent), self.abl.axes)
+        df = runs_.best_per_point(df.filter(df["config_hash"].is_in(list(self.hashes.values()))))
+        header, rows = runs_.summary_rows(runs_.sort_by_grid(df, runs_.parent_axes(self.parent)), self.abl.axes)
+        by_point = {tuple(r[: len(self.abl.axes)]): r for r in rows}
+        out = []
+        for point in self.abl.points:
+            key = tuple(point.labels[a] for a in self.abl.axes)
+            out.append(by_point.get(key) or [*key, "not run", *("-" for _ in header[len(key) + 1:])])
+        return header, out
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pipeline.sweep", description=__doc__.split("\n")[0])
+    p.add_argument("ablation", help="experiments/ablations/<name>.yaml")
+    p.add_argument("--data", default=None, help="data directory of the runs that declare no dataset of their own")
+    p.add_argument("--data-root", default=str(REPO_ROOT / "data"), help="where declared datasets live / are generated")
+    p.add_argument("--dry-run", action="store_true", help="print each point's action and command, run nothing")
+    p.add_argument("--max-runs", type=int, default=None, help="start at most N runs (skipped points do not count)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override for every run, e.g. trainer.max_steps=50 (changes the config hash)")
+    p.add_argument("--where", action="append", default=[], metavar="AXIS=LABEL[,LABEL]",
+                   help="only the points with these labels, e.g. max_seq_len=1024,4096")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="start no new run after this many seconds (a run in progress finishes); rerun to go on")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (default: the file's timeout_s)")
+    p.add_argument("--retry-oom", action="store_true", help="rerun points recorded as OOM")
+    p.add_argument("--new", action="store_true", help="start a new parent run instead of resuming")
+    args = p.parse_args(argv)
+    args.argv = argv
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
+        check_tracking(tracking_uri())
+        sweep = Sweep(abl, args)
+        return sweep.plan() if args.dry_run else sweep.run()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The report and reproduce commands on the session's smoke sweep (see test_sweep.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import polars as pl
+import pytest
+from mlflow.tracking import MlflowClient
+
+from pipeline import report, reproduce
+from test_sweep import _uri_env, smoke_sweep, the_parent
+
+
+@pytest.fixture
+def smoke(tmp_path_factory):
+    state = smoke_sweep(tmp_path_factory)
+    mp = _uri_env(state.uri)  # the real `pipeline fit` from here on (no injected failures)
+    yield state
+    mp.undo()
+
+
+def ok_run(uri: str):
+    client = MlflowClient(uri)
+    parent = the_parent(uri)
+    (run,) = client.search_runs([parent.info.experiment_id],
+                                f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.status = 'OK'")
+    return run
+
+
+def test_report_files_and_artifacts(smoke, tmp_path, capsys):
+    parent = the_parent(smoke.uri)
+    assert report.main(["--parent", "smoke", "--out", str(tmp_path)]) == 0
+    out = tmp_path / "smoke"
+    md = (out / "report.md").read_text()
+    run = ok_run(smoke.uri)
+    tags = run.data.tags
+    for stated in (tags["device"], tags["torch_version"], tags["git_commit"], tags["data_digest"], parent.info.run_id):
+        assert stated in md
+    assert "| jagged | 16 | OK |" in md and "| jagged | 24 | OOM |" in md and "FAILED: error: data.max_seq_len" in md
+    for png in ("throughput.png", "memory.png", "auc.png"):
+        assert (out / png).stat().st_size > 1000, png
+    frame = pl.read_csv(out / "runs.csv")
+    assert frame.height == 3 and set(frame["status"]) == {"OK", "OOM", "FAILED"}
+    logged = {f.path for f in MlflowClient(smoke.uri).list_artifacts(parent.info.run_id, "report")}
+    assert {"report/report.md", "report/runs.csv", "report/auc.png"} <= logged
+    # by id as well as by name; an unknown parent is a clear error
+    assert report.main(["--parent", parent.info.run_id, "--out", str(tmp_path), "--no-log"]) == 0
+    assert report.main(["--parent", "no-such-sweep", "--out", str(tmp_path)]) == 2
+    assert "no sweep parent run" in capsys.readouterr().err
+
+
+def test_ratios_and_oracle_section():
+    df = pl.DataFrame({
+        "max_seq_len": ["256", "256", "256", "4096", "4096"],
+        "backend": ["jagged", "sdpa", "dense", "jagged", "dense"],
+        "status": ["OK", "OK", "OK", "OK", "OOM"],
+        report.THROUGHPUT: [300.0, 100.0, 50.0, 80.0, None],
+        "mem/train_peak_allocated_mb": [10.0, 30.0, 40.0, 20.0, None],
+        "test/auc": [0.7, 0.7, 0.7, 0.75, None],
+    })
+    rat = report.ratios(df, ["max_seq_len", "backend"], "backend", "jagged", "mem/train_peak_allocated_mb")
+    assert rat["jagged / sdpa"]["throughput"] == [3.0] and rat["jagged / sdpa"]["memory"] == [3.0]
+    assert rat["jagged / dense"]["x"] == ["256", "4096"] and rat["jagged / dense"]["throughput"] == [6.0, None]
+    assert rat["jagged / dense"]["note"] == ["", "dense OOM"]
+    lines = report.oracle_section(df.filter(pl.col("backend") == "jagged"), "max_seq_len",
+                                  {"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81})
+    assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | - |" in lines
+
+
+def test_reproduce_is_exact_on_cpu(smoke, capsys):
+    run = ok_run(smoke.uri)
+    assert reproduce.main(["--run", run.info.run_id]) == 0
+    out = capsys.readouterr().out
+    assert "REPRODUCED: quality metrics, exact equality" in out
+    client = MlflowClient(smoke.uri)
+    (new,) = client.search_runs([run.info.experiment_id], f"tags.reproduces = '{run.info.run_id}'")
+    assert new.info.status == "FINISHED" and "mlflow.parentRunId" not in new.data.tags
+    quality = {k: v for k, v in run.data.metrics.items() if k.startswith(("train/", "val/", "test/"))}
+    assert quality and {k: new.data.metrics[k] for k in quality} == quality
+
+
+def test_reproduce_refuses_other_data(smoke, tmp_path, capsys):
+    run = ok_run(smoke.uri)
+    other = tmp_path / "tiny_copy"
+    shutil.copytree(smoke.root / "data" / "tiny", other)
+    meta = json.loads((other / "meta.json").read_text())
+    meta["digest"] = "0" * 64
+    (other / "meta.json").write_text(json.dumps(meta))
+    assert reproduce.main(["--run", run.info.run_id, "--data", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert "data digest mismatch" in err and "python -m data_gen generate --preset tiny" in err
+    assert reproduce.main(["--run", "0" * 32]) == 2

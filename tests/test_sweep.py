@@ -1,0 +1,184 @@
+"""The sweep driver through the real `pipeline fit` processes, on tiny data, into a temp sqlite MLflow.
+
+One smoke sweep per session (smoke.yaml's budgets, grid max_seq_len 16 / 24 / 0): 16 trains,
+24 is made to raise a CUDA out-of-memory error inside training (a wrapper patches the training
+step of the real CLI), 0 fails the CLI's pre-flight check before any MLflow run exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlflow
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from pipeline import sweep
+from pipeline._sweep_spec import load
+from pipeline.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+ABLATIONS = REPO / "experiments" / "ablations"
+WRAPPER = """\
+import sys
+sys.path.insert(0, {repo!r})
+args = sys.argv[1:]
+if "--data.max_seq_len" in args and args[args.index("--data.max_seq_len") + 1] == "24":
+    import torch
+    import pipeline.module
+    def _oom(self, batch, batch_idx):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected by the test)")
+    pipeline.module.RankerModule.training_step = _oom
+from pipeline.cli import main
+main()
+"""
+_SESSION: dict = {}
+
+
+def _uri_env(uri: str):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", uri)
+    mp.delenv("MLFLOW_RUN_ID", raising=False)
+    # mlflow.set_tracking_uri is process-global: give the value back to the other tests afterwards
+    mp.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", None, raising=False)
+    return mp
+
+
+def smoke_sweep(tmp_path_factory) -> SimpleNamespace:
+    """Run the smoke sweep once per session; later callers get the same result."""
+    if "smoke" in _SESSION:
+        return _SESSION["smoke"]
+    root = tmp_path_factory.mktemp("sweep")
+    spec = yaml.safe_load((ABLATIONS / "smoke.yaml").read_text())
+    spec["grid"] = {"model.ranker.backend": ["jagged"], "data.max_seq_len": [16, 24, 0]}
+    spec["set"]["trainer.default_root_dir"] = str(root / "ckpt")
+    abl = root / "smoke_test.yaml"
+    abl.write_text(yaml.safe_dump(spec, sort_keys=False))
+    (root / "wrapper.py").write_text(WRAPPER.format(repo=str(REPO)))
+    state = SimpleNamespace(root=root, uri=f"sqlite:///{root}/mlflow.db", ablation=abl,
+                            argv=[str(abl), "--data-root", str(root / "data")])
+    mp = _uri_env(state.uri)
+    mp.setattr(sweep, "FIT_COMMAND", (sys.executable, str(root / "wrapper.py"), "fit"))
+    try:
+        state.rc = sweep.main(state.argv)
+    finally:
+        mp.undo()
+    _SESSION["smoke"] = state
+    return state
+
+
+@pytest.fixture
+def smoke(tmp_path_factory):
+    state = smoke_sweep(tmp_path_factory)
+    mp = _uri_env(state.uri)
+    mp.setattr(sweep, "FIT_COMMAND", (sys.executable, str(state.root / "wrapper.py"), "fit"))
+    yield state
+    mp.undo()
+
+
+def children(uri: str, parent_id: str) -> dict[str, list]:
+    client = MlflowClient(uri)
+    parent = client.get_run(parent_id)
+    out: dict[str, list] = {}
+    for run in client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'"):
+        out.setdefault(run.data.tags["sweep.point"], []).append(run)
+    return out
+
+
+def the_parent(uri: str):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("ablations")
+    (parent,) = client.search_runs([exp.experiment_id], "tags.`sweep.role` = 'parent'")
+    return parent
+
+
+def test_shipped_ablations_expand():
+    counts = {"seq_len": 15, "sparsity": 12, "history_value": 4, "model": 10, "smoke": 2}
+    for name, n in counts.items():
+        abl = load(ABLATIONS / f"{name}.yaml", REPO / "data")
+        assert abl.name == name and len(abl.points) == n, name
+        text = (ABLATIONS / f"{name}.yaml").read_text()
+        assert text.startswith("#") and "make experiment-" in text and "Format" in text, name
+    sparsity = load(ABLATIONS / "sparsity.yaml", Path("/d"))
+    dirs = {p.labels["fill"]: p.dataset for p in sparsity.points}
+    assert {k: v.overrides["mean_len"] for k, v in dirs.items()} == {"0.10": 102.4, "0.25": 256, "0.50": 512, "0.75": 768}
+    assert dirs["0.25"].dir == Path("/d/fill025") and dirs["0.25"].overrides["max_len"] == 1024
+    assert all(p.overrides["data.max_seq_len"] == 1024 for p in sparsity.points)
+    model = load(ABLATIONS / "model.yaml", REPO / "data")
+    by = {p.labels["variant"]: p.overrides for p in model.points}
+    assert by["no_target_attention"]["model.ranker.target_attention"] is False
+    assert by["no_interaction"]["model.ranker.interaction"] is False
+
+
+def test_config_hash_and_overrides(tmp_path):
+    abl = load(ABLATIONS / "smoke.yaml", tmp_path, extra_set={"trainer.max_steps": 5})
+    a, b = abl.points
+    assert a.overrides["trainer.max_steps"] == 5 and a.name == "backend=jagged/max_seq_len=16"
+    assert abl.config_hash(a, "d1") == abl.config_hash(a, "d1") != abl.config_hash(a, "d2")
+    assert abl.config_hash(a, "d1") != abl.config_hash(b, "d1")
+    plain = load(ABLATIONS / "smoke.yaml", tmp_path)
+    assert plain.config_hash(plain.points[0], "d1") != abl.config_hash(a, "d1")  # --set changes the hash
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bogus": 1}, "unknown keys"),
+    ({"configs": ["base", "nope"]}, "config files not found"),
+    ({"report": {"x": "nope"}}, "not an axis"),
+    ({"grid": {"f": {"a": {"dataset": {"preset": "tiny", "mean_len": 9}}}}}, "needs a `name`"),
+    ({"set": {"data.data_dir": "x"}}, "not data.data_dir"),
+    ({"grid": {}}, "non-empty"),
+])
+def test_bad_ablation_files(tmp_path, change, message):
+    spec = {**yaml.safe_load((ABLATIONS / "smoke.yaml").read_text()), **change}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match=message):
+        load(path, tmp_path)
+
+
+def test_error_line():
+    out = "Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory.\n"
+    assert sweep.error_line(out).startswith("torch.OutOfMemoryError") and sweep._OOM.search(out)
+    assert sweep.error_line("lots\nerror: data.max_seq_len must be > 0\n") == "error: data.max_seq_len must be > 0"
+
+
+def test_smoke_sweep_records_every_outcome(smoke):
+    assert smoke.rc == 1  # one point failed: reported, not raised
+    parent = the_parent(smoke.uri)
+    assert parent.info.run_name == "smoke" and parent.info.status == "FAILED"
+    assert json.loads(parent.data.tags["sweep.axes"]) == {"backend": ["jagged"], "max_seq_len": ["16", "24", "0"]}
+    kids = children(smoke.uri, parent.info.run_id)
+    assert sorted(kids) == ["backend=jagged/max_seq_len=0", "backend=jagged/max_seq_len=16", "backend=jagged/max_seq_len=24"]
+    (ok,), (oom,), (bad,) = (kids[f"backend=jagged/max_seq_len={n}"] for n in (16, 24, 0))
+    assert ok.info.status == "FINISHED" and ok.data.tags["status"] == "OK"
+    assert ok.data.metrics["test/auc"] > 0 and ok.data.params["data.max_seq_len"] == "16"
+    assert ok.data.tags["sweep.config_hash"] and ok.data.tags["data_digest"]
+    assert oom.info.status == "FAILED" and oom.data.tags["status"] == "OOM"
+    assert "out of memory" in oom.data.tags["sweep.error"]
+    assert bad.info.status == "FAILED" and bad.data.tags["status"] == "FAILED"
+    assert "max_seq_len must be > 0" in bad.data.tags["sweep.error"]
+    client = MlflowClient(smoke.uri)
+    assert {"summary.md", "summary.csv", "smoke_test.yaml"} <= {f.path for f in client.list_artifacts(parent.info.run_id)}
+    assert "sweep/output_tail.txt" in {f.path for f in client.list_artifacts(oom.info.run_id, "sweep")}
+    assert (smoke.root / "data" / "tiny" / "meta.json").is_file()  # generated on demand
+
+
+def test_rerun_skips_finished_and_oom_children(smoke, capsys):
+    parent = the_parent(smoke.uri)
+    before = children(smoke.uri, parent.info.run_id)
+    assert sweep.main([*smoke.argv, "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    assert "max_seq_len=16: skip (OK)" in plan and "max_seq_len=24: skip (OOM)" in plan
+    assert "max_seq_len=0: run" in plan
+    assert sweep.main(smoke.argv) == 1
+    out = capsys.readouterr().out
+    assert "skipped, already OK" in out and "skipped, already OOM" in out
+    after = children(smoke.uri, parent.info.run_id)
+    assert the_parent(smoke.uri).info.run_id == parent.info.run_id  # found by name, resumed
+    assert {k: len(v) for k, v in after.items()} == {k: len(v) + k.endswith("=0") for k, v in before.items()}
+    assert "not run" not in out and "FAILED" in out  # the summary covers the whole grid
