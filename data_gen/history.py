@@ -16,6 +16,7 @@ nothing loops over rows or items in Python.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +69,7 @@ def action_strength(n_actions: int) -> np.ndarray:
     return 2.0 * np.arange(1, n_actions + 1) / (n_actions + 1)
 
 
+@functools.lru_cache(maxsize=8)
 def _action_table(n_actions: int) -> np.ndarray:
     """Action of each 16-bit uniform: interest draws at [0, 2^16), noise draws at [2^16, 2^17).
     A table lookup is ~3x cheaper than comparing against A - 1 thresholds; the price is that

@@ -22,7 +22,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._flash_attention_triton import LOG2E, _interpreting, attention_bwd_delta
+from kernels._flash_attention_triton import (
+    LOG2E,
+    _interpreting,
+    _last_dim_contiguous,
+    attention_bwd_delta,
+)
 from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import _zero_rows, dot_precision
 
@@ -249,10 +254,6 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
     if bias is None:
         return (fallback, 0, 0, 0, 0)
     return (_ptr(bias, fallback), *bias.stride())
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # ---- launchers ----------------------------------------------------------------------------

@@ -377,8 +377,10 @@ def flash_attention_fwd(
     return out, lse
 
 
-def attention_bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
-    """delta [H, R] fp32 = rowsum(dout * out) - dlse, for out, dout [R, H, D] (last dim contiguous)."""
+def attention_bwd_delta(
+    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
+) -> torch.Tensor:
+    """delta [H, R] fp32 = rowsum(dout * out) - dlse; out, dout [R, H, D], last dim contiguous."""
     R, H, D = out.shape
     delta = torch.empty((H, R), dtype=torch.float32, device=out.device)
     if R == 0:

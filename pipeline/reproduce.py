@@ -23,7 +23,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import mlflow
@@ -108,11 +107,12 @@ def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
     cmd = [*sweep.FIT_COMMAND, "--config", str(config_path), "--data.data_dir", data_dir,
            "--mlflow.parent_run_id", "null", "--mlflow.run_name", f"reproduce-{run.info.run_name}"]
     print(f"rerunning {run_id} ({run.info.run_name}) from its config.yaml on {data_dir}\n  " + " ".join(cmd[1:]), flush=True)
-    since = int(time.time() * 1000) - 1000
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    query = f"tags.reproduces = {runs_.quote(run_id)}"
+    known = {r.info.run_id for r in client.search_runs(experiments, query)}
     rc, output, _ = sweep.stream(cmd, sweep.child_env({"reproduces": run_id}), None)
-    found = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                               filter_string=f"tags.reproduces = {runs_.quote(run_id)} and attributes.start_time >= {since}",
-                               order_by=["attributes.start_time DESC"], max_results=1)
+    found = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()], query,
+                                           order_by=["attributes.start_time DESC"]) if r.info.run_id not in known]
     if rc != 0 or not found or found[0].info.status != "FINISHED":
         print(f"error: the rerun failed ({sweep.error_line(output)})", file=sys.stderr)
         return 1

@@ -186,15 +186,16 @@ class Sweep:
                 "sweep.overrides": json.dumps(point.overrides, default=str)[:5000],
                 **{f"sweep.axis.{a}": label for a, label in point.labels.items()}}
 
-    def find_child(self, config_hash: str, since_ms: int) -> Run | None:
+    def find_child(self, config_hash: str, known: set[str]) -> Run | None:
+        """The run the child process created: the newest with this hash that was not there before."""
         found = self.client.search_runs(
             [self.experiment_id],
             filter_string=f"tags.mlflow.parentRunId = {runs_.quote(self.parent.info.run_id)} and "
-                          f"tags.`sweep.config_hash` = {runs_.quote(config_hash)} and "
-                          f"attributes.start_time >= {since_ms}",
-            order_by=["attributes.start_time DESC"], max_results=1,
+                          f"tags.`sweep.config_hash` = {runs_.quote(config_hash)}",
+            order_by=["attributes.start_time DESC"],
         )
-        return found[0] if found else None
+        fresh = [r for r in found if r.info.run_id not in known]
+        return fresh[0] if fresh else None
 
     def record(self, point: Point, config_hash: str, child: Run | None, status: str, output: str,
                error: str | None, wall_s: float | None) -> str:
@@ -216,11 +217,11 @@ class Sweep:
 
     def run_point(self, point: Point, config_hash: str) -> str:
         cmd = fit_command(self.abl, point, self.parent.info.run_id)
-        since = int(time.time() * 1000) - 1000
+        known = {r.info.run_id for r in runs_.child_runs(self.parent)}
         t0 = time.perf_counter()
         rc, output, timed_out = stream(cmd, child_env(self.child_tags(point, config_hash)), self.timeout_s)
         wall = time.perf_counter() - t0
-        child = self.find_child(config_hash, since)
+        child = self.find_child(config_hash, known)
         if rc == 0 and child is not None and child.info.status == "FINISHED":
             status, error = "OK", None
         elif timed_out:

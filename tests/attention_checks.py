@@ -108,7 +108,8 @@ def check_flash(lengths, H, D, max_seq_len, causal, dtype, device, backend="trit
 def check_dense(lengths, Tq, H, D, max_seq_len, with_bias, dtype, device, backend="triton",
                 scale=None, bias_mask=False):
     """One case of jagged_dense_attention, forward + backward (dq, dk, dv, dbias)."""
-    tag = f"dense L={list(lengths)[:6]} N={max_seq_len} Tq={Tq} H={H} D={D} bias={with_bias} {dtype}"
+    tag = (f"dense L={list(lengths)[:6]} N={max_seq_len} Tq={Tq} H={H} D={D} bias={with_bias} "
+           f"{dtype}")
     B = len(lengths)
     off = make_offsets(lengths, device)
     T = int(sum(lengths))

@@ -24,8 +24,6 @@ def tiny_data_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.getbasetemp() / "data_tiny"
     if not (out / "meta.json").is_file():
         cmd = [sys.executable, "-m", "data_gen", "generate", "--preset", "tiny", "--out", str(out)]
-        if not (REPO / "data_gen" / "__main__.py").exists():  # TEMP until the data_gen CLI lands
-            cmd = [sys.executable, "-c", "import sys; from data_gen.config import resolve_config; from data_gen.generate import generate_dataset; generate_dataset(resolve_config('tiny'), 0, sys.argv[1], preset='tiny', progress=False)", str(out)]
         subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     return out
 

@@ -15,7 +15,7 @@ import pytest
 import pytorch_lightning as pl
 
 from pipeline.cli import main, run_id_from_checkpoint
-from test_pipeline_cli import CONFIGS, QUALITY, _free_port, all_runs, fit_args, history
+from test_pipeline_cli import QUALITY, _free_port, all_runs, fit_args, fresh_tracking_uri, history
 from test_pipeline_data import tiny_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,9 +47,10 @@ def _fit(args: list[str], uri: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=_env(uri), capture_output=True, text=True, timeout=300)
 
 
-def test_killed_run_resumes_into_the_same_mlflow_run(tiny, tmp_path, monkeypatch):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_killed_run_resumes_into_the_same_mlflow_run(tiny, tmp_path, tmp_path_factory, monkeypatch):
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr(sys, "argv", ["pipeline"])
     common = ["--mlflow.system_metrics", "false", "--checkpoint.every_n_train_steps", "3"]
     main(fit_args(tiny, tmp_path / "full", "--mlflow.run_name", "full", *common))
 
@@ -96,9 +97,9 @@ def _wait_for(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
-def test_main_job_and_mlflow_server_rest_api(tiny, tmp_path):
+def test_main_job_and_mlflow_server_rest_api(tiny, tmp_path, tmp_path_factory):
     """`python -m pipeline.experiment` on tiny data, then the runs read back over REST."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
     results = tmp_path / "results"
     cmd = [sys.executable, "-m", "pipeline.experiment", "--preset", "tiny", "--data", str(tiny),
            "--backends", "dense", "jagged", "--results-dir", str(results), "--",
