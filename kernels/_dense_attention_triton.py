@@ -5,10 +5,12 @@ by offsets [B+1]; bias [B, H, Tq, N] (any strides: an expanded bias costs nothin
 max_seq_len; lse and delta [H, B, Tq] fp32. Sequence b's keys are its first
 L_b = min(len_b, N) rows; key rows past N get zero gradients, as do the bias columns >= L_b.
 
-Work partitioning: the forward and the dQ(+dBias) pass run one program per (query block, sequence,
-head) looping over the sequence's key blocks; the dK/dV pass one per (key block, sequence, head)
-looping over the Tq queries. Every output element has exactly one writer: no atomics. dBias is
-dS itself (the bias enters the scores unscaled), so the dQ pass stores it on the way.
+Work partitioning: the forward and the dQ(+dBias) programs run one per (query block, sequence,
+head) looping over the sequence's key blocks; the dK/dV programs one per (key block, sequence,
+head) looping over the Tq queries, over the flat slot list of the self-attention kernels (grid
+sized from T and B on the host, no sync; see ``_locate``). The backward is one launch: its first
+programs do dQ, the rest dK/dV. Every output element has exactly one writer: no atomics. dBias
+is dS itself (the bias enters the scores unscaled), so the dQ programs store it on the way.
 
 Numerics as in the self-attention kernels (exp2 with prescaled scores, fp32 statistics and
 accumulators), plus: a query may see no finite score (empty sequence, or a bias of -inf), so the
@@ -23,10 +25,12 @@ import triton
 import triton.language as tl
 
 from kernels._flash_attention_triton import (
+    _INTERPRET,
     LOG2E,
-    _interpreting,
     _last_dim_contiguous,
+    _locate,
     attention_bwd_delta,
+    num_slots,
 )
 from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import _zero_rows, dot_precision
@@ -113,9 +117,9 @@ def _load_lse2_delta(LSE, DELTA, row0, offs_m, m_ok):
     return lse2, delta
 
 
-@triton.jit(do_not_specialize=_NO_SPEC)
-def _dense_bwd_dq_kernel(
-    Q, K, V, Bias, DO, DQ, DBias, LSE, DELTA, Offsets,
+@triton.jit
+def _dense_bwd_dq(
+    pid, Q, K, V, Bias, DO, DQ, DBias, LSE, DELTA, Offsets,
     stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh, stride_dbb, stride_dbh, stride_dbq, stride_dbn,
@@ -123,8 +127,7 @@ def _dense_bwd_dq_kernel(
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One program: dQ (and dBias rows) of BLOCK_M queries of one (sequence, head)."""
-    pid = tl.program_id(0)
+    """Program `pid`: dQ (and dBias rows) of BLOCK_M queries of one (sequence, head)."""
     h = pid % num_heads
     b = ((pid // num_heads) % num_seqs).to(tl.int64)
     m_blk = pid // (num_heads * num_seqs)
@@ -167,32 +170,32 @@ def _dense_bwd_dq_kernel(
                    BLOCK_N, BLOCK_M)
 
 
-@triton.jit(do_not_specialize=_NO_SPEC + ["num_n_blocks"])
-def _dense_bwd_dkdv_kernel(
-    Q, K, V, Bias, DO, DK, DV, LSE, DELTA, Offsets,
+@triton.jit
+def _dense_bwd_dkdv(
+    pid, Q, K, V, Bias, DO, DK, DV, LSE, DELTA, Offsets,
     stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs, num_n_blocks,
+    qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One program: dK, dV of BLOCK_N key rows of one (sequence, head), over all Tq queries."""
-    pid = tl.program_id(0)
+    """Program `pid` (a slot): dK, dV of BLOCK_N key rows of one (sequence, head), over all Tq
+    queries."""
     h = pid % num_heads
-    b = ((pid // num_heads) % num_seqs).to(tl.int64)
-    n_blk = pid // (num_heads * num_seqs)
-    seq_start, n_rows, seq_len = _seq_bounds(Offsets, b, max_seq_len)
+    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK_N)
+    b = b.to(tl.int64)
+    seq_len = tl.minimum(n_rows, max_seq_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     dk_base = DK + seq_start * stride_dkt + h * stride_dkh
     dv_base = DV + seq_start * stride_dvt + h * stride_dvh
     if n_rows > max_seq_len:
-        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, n_blk,
-                   num_n_blocks, BLOCK_N, BLOCK_D)
-        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, n_blk,
-                   num_n_blocks, BLOCK_N, BLOCK_D)
-    start_n = n_blk * BLOCK_N
+        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
+                   BLOCK_N, BLOCK_D)
+        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
+                   BLOCK_N, BLOCK_D)
+    start_n = j * BLOCK_N
     if start_n >= seq_len:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -228,12 +231,44 @@ def _dense_bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
+@triton.jit(do_not_specialize=_NO_SPEC + ["num_dq_programs"])
+def _dense_bwd_kernel(
+    Q, K, V, Bias, DO, DQ, DK, DV, DBias, LSE, DELTA, Offsets,
+    stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
+    stride_dqb, stride_dqt, stride_dqh, stride_dbb, stride_dbh, stride_dbq, stride_dbn,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs, num_dq_programs,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    M_KV: tl.constexpr, N_KV: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """The first num_dq_programs programs: dQ (+ dBias) per query block; the rest: dK, dV per
+    key slot. The dQ programs, which loop over whole sequences, are dispatched first."""
+    pid = tl.program_id(0)
+    if pid < num_dq_programs:
+        _dense_bwd_dq(pid, Q, K, V, Bias, DO, DQ, DBias, LSE, DELTA, Offsets,
+                      stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                      stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot,
+                      stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_dbb, stride_dbh,
+                      stride_dbq, stride_dbn, qk_scale, sm_scale, max_seq_len, num_queries,
+                      num_heads, num_seqs, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_BIAS,
+                      STORE_DBIAS, DOT_PREC)
+    else:
+        _dense_bwd_dkdv(pid - num_dq_programs, Q, K, V, Bias, DO, DK, DV, LSE, DELTA, Offsets,
+                        stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                        stride_vh, stride_bb, stride_bh, stride_bq, stride_bn, stride_dob,
+                        stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                        qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs,
+                        HEAD_D, BLOCK_D, M_KV, N_KV, HAS_BIAS, DOT_PREC)
+
+
 # ---- block sizes --------------------------------------------------------------------------
 
 
 def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
     """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim."""
-    if _interpreting():
+    if _INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     bm = max(16, min(64 if bd <= 128 else 32, triton.next_power_of_2(num_queries)))
@@ -243,6 +278,22 @@ def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
         bm, bn = max(bm // 2, 16), (32 if bd <= 64 else 16)
     return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, num_warps=warps,
                 num_stages=1 if dtype == torch.float32 else 2)
+
+
+# block sizes and constexprs per (head dim, Tq, dtype): built once (fp32's DOT_PREC follows a
+# torch setting, so fp32 is not cached)
+_KW: dict = {}
+
+
+def _dense_kw(D: int, Tq: int, dtype: torch.dtype) -> dict:
+    key = (D, Tq, dtype)
+    kw = _KW.get(key)
+    if kw is None:
+        kw = dict(dense_config(D, Tq, dtype), HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
+                  DOT_PREC=dot_precision(dtype))
+        if dtype != torch.float32:
+            _KW[key] = kw
+    return kw
 
 
 def _ptr(t: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
@@ -264,24 +315,24 @@ def dense_attention_fwd(
     bias: torch.Tensor | None, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Tq, H, D] (q's dtype), lse [H, B, Tq] fp32. Inputs already validated."""
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     B, Tq, H, D = q.shape
     out = new_output((B, Tq, H, D), q)
-    lse = new_output((H, B, Tq), q.new_empty(0, dtype=torch.float32))
+    lse = new_output((H, B, Tq), q, torch.float32)
     if B == 0 or Tq == 0:
         return out, lse
-    cfg = dense_config(D, Tq, q.dtype)
-    grid = (triton.cdiv(Tq, cfg["BLOCK_M"]) * B * H,)
+    kw = _dense_kw(D, Tq, q.dtype)
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     bias_args = _bias_args(bias, q)
     with device_guard(q):
-        _dense_fwd_kernel[grid](
+        _dense_fwd_kernel[(triton.cdiv(Tq, kw["BLOCK_M"]) * B * H,)](
             q, _ptr(k, q), _ptr(v, q), bias_args[0], out, lse, offsets,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), *bias_args[1:], out.stride(0), out.stride(1), out.stride(2),
-            scale * LOG2E, max_seq_len, Tq, H, B,
-            HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"], HAS_BIAS=bias is not None, DOT_PREC=dot_precision(q.dtype),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            qs[0], qs[1], qs[2], ks[0], ks[1], vs[0], vs[1], *bias_args[1:],
+            os_[0], os_[1], os_[2], scale * LOG2E, max_seq_len, Tq, H, B,
+            HEAD_D=D, BLOCK_D=kw["BLOCK_D"], BLOCK_M=kw["BLOCK_M"], BLOCK_N=kw["BLOCK_N"],
+            HAS_BIAS=bias is not None, DOT_PREC=kw["DOT_PREC"], num_warps=kw["num_warps"],
+            num_stages=kw["num_stages"],
         )
     return out, lse
 
@@ -292,8 +343,10 @@ def dense_attention_bwd(
     scale: float, need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq [B, Tq, H, D], dk, dv [T, H, D], dbias [B, H, Tq, N] in bias's dtype (or None)."""
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    dout = dout.contiguous()
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if not dout.is_contiguous():
+        dout = dout.contiguous()
     B, Tq, H, D = q.shape
     T = k.shape[0]
     dq, dk, dv = new_output(q.shape, q), new_output(k.shape, k), new_output(v.shape, v)
@@ -303,29 +356,21 @@ def dense_attention_bwd(
         return dq, dk, dv, dbias
     if Tq == 0:  # no query: every key gradient is zero
         return dq, dk.zero_(), dv.zero_(), dbias
-    delta = attention_bwd_delta(out.reshape(B * Tq, H, D), dout.reshape(B * Tq, H, D), None)
-    cfg = dense_config(D, Tq, q.dtype)
-    common = dict(HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), HAS_BIAS=bias is not None,
-                  DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
-    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), v.stride(0),
-                   v.stride(1))
+    delta = attention_bwd_delta(out.view(B * Tq, H, D), dout.view(B * Tq, H, D), None)
+    kw = _dense_kw(D, Tq, q.dtype)
+    n_dq = triton.cdiv(Tq, kw["BLOCK_M"]) * B * H
+    n_kv = num_slots(T, B, kw["N_KV"]) * H if T > 0 else 0
+    qs, ks, vs, dos, dqs = q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride()
     bias_args = _bias_args(bias, q)
-    do_strides = (dout.stride(0), dout.stride(1), dout.stride(2))
     with device_guard(q):
-        _dense_bwd_dq_kernel[(triton.cdiv(Tq, cfg["BLOCK_M"]) * B * H,)](
-            q, _ptr(k, q), _ptr(v, q), bias_args[0], dout, dq, _ptr(dbias, dq), lse, delta, offsets,
-            *qkv_strides, *bias_args[1:], *do_strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        _dense_bwd_kernel[(n_dq + n_kv,)](
+            q, _ptr(k, q), _ptr(v, q), bias_args[0], dout, dq, _ptr(dk, dq), _ptr(dv, dq),
+            _ptr(dbias, dq), lse, delta, offsets,
+            qs[0], qs[1], qs[2], ks[0], ks[1], vs[0], vs[1], *bias_args[1:],
+            dos[0], dos[1], dos[2], dqs[0], dqs[1], dqs[2],
             *(dbias.stride() if store_dbias else (0, 0, 0, 0)),
-            scale * LOG2E, scale, max_seq_len, Tq, H, B,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], STORE_DBIAS=store_dbias, **common,
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            scale * LOG2E, scale, max_seq_len, Tq, H, B, n_dq,
+            HAS_BIAS=bias is not None, STORE_DBIAS=store_dbias, **kw,
         )
-        if T > 0:
-            num_n = max(triton.cdiv(max_seq_len, cfg["N_KV"]), 1)
-            _dense_bwd_dkdv_kernel[(num_n * B * H,)](
-                q, k, v, bias_args[0], dout, dk, dv, lse, delta, offsets,
-                *qkv_strides, *bias_args[1:], *do_strides, dk.stride(0), dk.stride(1),
-                dv.stride(0), dv.stride(1), scale * LOG2E, scale, max_seq_len, Tq, H, B, num_n,
-                BLOCK_M=cfg["M_KV"], BLOCK_N=cfg["N_KV"], **common,
-            )
     return dq, dk, dv, dbias

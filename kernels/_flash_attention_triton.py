@@ -4,13 +4,22 @@ Layout: q, k, v, out [T, H, D] (last dim contiguous, any row/head strides); offs
 lse and delta [H, T] fp32. Sequence b is rows offsets[b]:offsets[b+1]; only its first
 L_b = min(len_b, max_seq_len) rows take part, the others get zeros (lse -inf).
 
-Work partitioning (FA2): the forward and the dQ pass run one program per (query block, sequence,
-head); the dK/dV pass one per (key block, sequence, head), looping over the query blocks, so no
-program writes what another writes: no atomics anywhere. A tiny pre-pass computes
-delta = rowsum(dO * O) (minus dlse when lse itself has a gradient). The grid is 1-D over
-num_blocks(max_seq_len) x B x H, head fastest (the heads of one token sit side by side in
-memory); a program whose block starts past its sequence's length only zeroes its share of the
-truncated tail (rows past max_seq_len, usually none) and exits.
+Work: a flat list of (block of rows, sequence) slots, times H heads (head fastest: the heads of
+one token sit side by side in memory). Sequence b owns the slots [s(b), s(b+1)) with
+s(b) = offsets[b] // BLOCK + b, at least cdiv(len_b, BLOCK) of them and one spare at most, so
+the grid, s(B) = T // BLOCK + B slots, is sized on the host without reading offsets (no sync)
+and wastes at most one program per sequence (a grid over cdiv(max_seq_len, BLOCK) blocks per
+sequence wastes most of its programs on long-tailed lengths). A program finds its sequence by a
+two-level search over offsets (`_locate`). A slot past its sequence's blocks zeroes its share
+of the truncated tail (rows past max_seq_len, usually none) and exits.
+
+Forward: one program per (query block, head) against all its keys (causal: the heaviest,
+last, blocks of a sequence first). Backward: a pre-pass computes delta = rowsum(dO * O) (minus
+dlse when lse has a gradient); then one program per (block of rows, head) computes dK, dV of
+those rows as keys (looping over query blocks) and then dQ of the same rows as queries (looping
+over key blocks), as in Triton's fused-attention tutorial: one launch, no atomics, every output
+element has one writer. Only the blocks that straddle the sequence end (or the causal diagonal)
+carry masks.
 
 Numerics: scores are prescaled by scale * log2(e) so the softmax uses exp2; the running max,
 the running sum, the accumulators and lse are fp32; P and dS are cast to the input dtype only as
@@ -54,9 +63,50 @@ def _patch_interpreter_bf16_dot() -> None:
     builder._jagged_bf16_dot = True
 
 
+# @triton.jit picks the interpreter when this module is imported; so do the block sizes.
+_INTERPRET = interpreter_on()
+if _INTERPRET:
+    _patch_interpreter_bf16_dot()
+
+# ---- work slots ---------------------------------------------------------------------------
+_FINE = tl.constexpr(64)
+_COARSE = tl.constexpr(256)
+
+
+@triton.jit
+def _locate(Offsets, slot, num_seqs, BLOCK: tl.constexpr):
+    """(b, j, seq_start, n_rows, n_slots): work slot `slot` is the j-th of sequence b's n_slots.
+
+    b = #{i in [1, B): s(i) <= slot} (s strictly increasing), counted on every _FINE-th i
+    first, then on the _FINE indices after the last one passed: two rounds of loads.
+    """
+    cnt = tl.zeros([], tl.int32)
+    for c0 in range(0, tl.cdiv(num_seqs, _FINE), _COARSE):
+        c = c0 + tl.arange(0, _COARSE)
+        i = c * _FINE
+        ok = (c >= 1) & (i < num_seqs)
+        s = tl.load(Offsets + i, mask=ok, other=0).to(tl.int64) // BLOCK + i
+        cnt += tl.sum((ok & (s <= slot)).to(tl.int32), 0)
+    base = cnt * _FINE
+    i = base + tl.arange(0, _FINE)
+    ok = (i > base) & (i < num_seqs)
+    s = tl.load(Offsets + i, mask=ok, other=0).to(tl.int64) // BLOCK + i
+    b = base + tl.sum((ok & (s <= slot)).to(tl.int32), 0)
+    seq_start = tl.load(Offsets + b).to(tl.int64)
+    seq_end = tl.load(Offsets + b + 1).to(tl.int64)
+    first = seq_start // BLOCK + b
+    n_slots = (seq_end // BLOCK + b + 1 - first).to(tl.int32)
+    return b, (slot - first).to(tl.int32), seq_start, (seq_end - seq_start).to(tl.int32), n_slots
+
+
+def num_slots(total_rows: int, num_seqs: int, block: int) -> int:
+    """Grid size (per head) of the slot layout: s(B) = T // BLOCK + B."""
+    return total_rows // block + num_seqs
+
+
 # ---- kernels ------------------------------------------------------------------------------
 # Sizes that change from batch to batch are not specialised on (no recompile per batch shape).
-_NO_SPEC = ["stride_lh", "max_seq_len", "num_heads", "num_seqs", "num_m_blocks", "num_n_blocks"]
+_NO_SPEC = ["stride_lh", "max_seq_len", "num_heads", "num_seqs"]
 
 
 @triton.jit
@@ -90,36 +140,34 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=_NO_SPEC[:5])
+@triton.jit(do_not_specialize=_NO_SPEC)
 def _flash_fwd_kernel(
     Q, K, V, O, LSE, Offsets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lh, qk_scale, max_seq_len, num_heads, num_seqs, num_m_blocks,
+    stride_lh, qk_scale, max_seq_len, num_heads, num_seqs,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """One program: BLOCK_M query rows of one (sequence, head) against all its keys."""
     pid = tl.program_id(0)
     h = pid % num_heads
-    b = (pid // num_heads) % num_seqs
-    m_blk = pid // (num_heads * num_seqs)
-    seq_start = tl.load(Offsets + b).to(tl.int64)
-    n_rows = (tl.load(Offsets + b + 1).to(tl.int64) - seq_start).to(tl.int32)
+    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK_M)
     seq_len = tl.minimum(n_rows, max_seq_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     o_base = O + seq_start * stride_ot + h * stride_oh
     lse_base = LSE + h * stride_lh + seq_start
-    if n_rows > max_seq_len:  # truncated tail: zeros, lse -inf (grid-strided over m blocks)
-        _zero_rows(o_base, stride_ot, 1, max_seq_len, n_rows, offs_d, d_ok, m_blk, num_m_blocks,
+    if n_rows > max_seq_len:  # truncated tail: zeros, lse -inf (grid-strided over the slots)
+        _zero_rows(o_base, stride_ot, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
                    BLOCK_M, BLOCK_D)
         offs_r = tl.arange(0, BLOCK_M)
-        for r0 in range(max_seq_len + m_blk * BLOCK_M, n_rows, num_m_blocks * BLOCK_M):
+        for r0 in range(max_seq_len + j * BLOCK_M, n_rows, n_slots * BLOCK_M):
             tl.store(lse_base + r0 + offs_r, tl.full([BLOCK_M], float("-inf"), tl.float32),
                      mask=r0 + offs_r < n_rows)
-    start_m = m_blk * BLOCK_M
-    if start_m >= seq_len:
+    n_blk = tl.cdiv(seq_len, BLOCK_M)
+    if j >= n_blk:
         return
+    start_m = (n_blk - 1 - j if CAUSAL else j) * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     m_ok = offs_m < seq_len
@@ -171,148 +219,166 @@ def _attn_bwd_preprocess_kernel(
     tl.store(DELTA + h * stride_dh + rows, delta, mask=r_ok)
 
 
-@triton.jit(do_not_specialize=_NO_SPEC[:4] + _NO_SPEC[5:])
-def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, Offsets,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, num_n_blocks,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, hi, seq_len,
+    offs_n, offs_d, d_ok, qk_scale,
+    BLOCK_M: tl.constexpr, MASK_LEN: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    """One program: dK, dV of BLOCK_N key rows of one (sequence, head), over its query blocks."""
-    pid = tl.program_id(0)
-    h = pid % num_heads
-    b = (pid // num_heads) % num_seqs
-    n_blk = pid // (num_heads * num_seqs)
-    seq_start = tl.load(Offsets + b).to(tl.int64)
-    n_rows = (tl.load(Offsets + b + 1).to(tl.int64) - seq_start).to(tl.int32)
-    seq_len = tl.minimum(n_rows, max_seq_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
-    dk_base = DK + seq_start * stride_dkt + h * stride_dkh
-    dv_base = DV + seq_start * stride_dvt + h * stride_dvh
-    if n_rows > max_seq_len:
-        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, n_blk,
-                   num_n_blocks, BLOCK_N, BLOCK_D)
-        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, n_blk,
-                   num_n_blocks, BLOCK_N, BLOCK_D)
-    start_n = n_blk * BLOCK_N
-    if start_n >= seq_len:
-        return
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    kv_mask = (offs_n[:, None] < seq_len) & d_ok[None, :]
-    k = tl.load(K + seq_start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt
-                + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + seq_start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt
-                + offs_d[None, :], mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    q_base = Q + seq_start * stride_qt + h * stride_qh
-    do_base = DO + seq_start * stride_dot + h * stride_doh
-    lse_base = LSE + h * stride_lh + seq_start
-    delta_base = DELTA + h * stride_lh + seq_start
-    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    for start_m in range(lo, seq_len, BLOCK_M):
+    """dK, dV of the keys offs_n over the query blocks [lo, hi)."""
+    for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < seq_len
-        q_mask = m_ok[:, None] & d_ok[None, :]
+        if MASK_LEN:  # rows past the sequence get lse = +inf, hence P = 0
+            m_ok = offs_m < seq_len
+            q_mask = m_ok[:, None] & d_ok[None, :]
+            lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        else:
+            q_mask = d_ok[None, :]
+            lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
+            delta = tl.load(delta_base + offs_m)
         q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=q_mask, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=q_mask,
                      other=0.0)
-        # rows past the sequence get lse = +inf, hence P = 0: no extra mask on the query side
-        lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
-        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BN, BM]
         p_t = tl.math.exp2(s_t - lse2[None, :])
-        if CAUSAL:
+        if CAUSAL_MASK:
             p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-    tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    return dk, dv
 
 
-@triton.jit(do_not_specialize=_NO_SPEC[:5])
-def _flash_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, Offsets,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_lh,
-    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, num_m_blocks,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, seq_len,
+    offs_m, offs_d, d_ok, qk_scale,
+    BLOCK_N: tl.constexpr, MASK_LEN: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    """One program: dQ of BLOCK_M query rows of one (sequence, head), over its key blocks."""
+    """dQ of the queries offs_m over the key blocks [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = d_ok[None, :]
+        if MASK_LEN:
+            kv_mask = kv_mask & (offs_n[:, None] < seq_len)
+        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASK_LEN:  # a zero key still scores 0, and exp2(-lse2) may overflow: mask it
+            p = tl.where(offs_n[None, :] < seq_len, p, 0.0)
+        if CAUSAL_MASK:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _flash_bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, Offsets,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M1: tl.constexpr,
+    BLOCK_N2: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One program: dK, dV, then dQ, of BLOCK rows of one (sequence, head)."""
     pid = tl.program_id(0)
     h = pid % num_heads
-    b = (pid // num_heads) % num_seqs
-    m_blk = pid // (num_heads * num_seqs)
-    seq_start = tl.load(Offsets + b).to(tl.int64)
-    n_rows = (tl.load(Offsets + b + 1).to(tl.int64) - seq_start).to(tl.int32)
+    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK)
     seq_len = tl.minimum(n_rows, max_seq_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     dq_base = DQ + seq_start * stride_dqt + h * stride_dqh
+    dk_base = DK + seq_start * stride_dkt + h * stride_dkh
+    dv_base = DV + seq_start * stride_dvt + h * stride_dvh
     if n_rows > max_seq_len:
-        _zero_rows(dq_base, stride_dqt, 1, max_seq_len, n_rows, offs_d, d_ok, m_blk,
-                   num_m_blocks, BLOCK_M, BLOCK_D)
-    start_m = m_blk * BLOCK_M
-    if start_m >= seq_len:
+        _zero_rows(dq_base, stride_dqt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
+                   BLOCK, BLOCK_D)
+        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
+                   BLOCK, BLOCK_D)
+        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
+                   BLOCK, BLOCK_D)
+    n_blk = tl.cdiv(seq_len, BLOCK)
+    if j >= n_blk:
         return
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < seq_len
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + seq_start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
-                + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + seq_start * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
-                 + offs_d[None, :], mask=q_mask, other=0.0)
-    lse2 = tl.load(LSE + h * stride_lh + seq_start + offs_m, mask=m_ok,
-                   other=float("inf")) * 1.4426950408889634
-    delta = tl.load(DELTA + h * stride_lh + seq_start + offs_m, mask=m_ok, other=0.0)
+    start = (n_blk - 1 - j if CAUSAL else j) * BLOCK
+    offs_r = start + tl.arange(0, BLOCK)
+    r_ok = offs_r < seq_len
+    rd_mask = r_ok[:, None] & d_ok[None, :]
+    q_base = Q + seq_start * stride_qt + h * stride_qh
     k_base = K + seq_start * stride_kt + h * stride_kh
     v_base = V + seq_start * stride_vt + h * stride_vh
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(start_m + BLOCK_M, seq_len) if CAUSAL else seq_len
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < seq_len
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
-        ok = n_ok[None, :]
-        if CAUSAL:
-            ok = ok & (offs_n[None, :] <= offs_m[:, None])
-        p = tl.where(ok, tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-    tl.store(dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
+    do_base = DO + seq_start * stride_dot + h * stride_doh
+    lse_base = LSE + h * stride_lh + seq_start
+    delta_base = DELTA + h * stride_lh + seq_start
+
+    # dK, dV of the rows as keys: the causal diagonal, whole query blocks, the ragged end
+    k = tl.load(k_base + offs_r[:, None] * stride_kt + offs_d[None, :], mask=rd_mask, other=0.0)
+    v = tl.load(v_base + offs_r[:, None] * stride_vt + offs_d[None, :], mask=rd_mask, other=0.0)
+    dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    if CAUSAL:
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                 stride_dot, start, tl.minimum(start + BLOCK, seq_len), seq_len,
+                                 offs_r, offs_d, d_ok, qk_scale, BLOCK_M1, True, True, DOT_PREC)
+        lo = start + BLOCK
+    else:
+        lo = 0
+    mid = lo + tl.maximum(seq_len - lo, 0) // BLOCK_M1 * BLOCK_M1
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                             stride_dot, lo, mid, seq_len, offs_r, offs_d, d_ok, qk_scale,
+                             BLOCK_M1, False, False, DOT_PREC)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                             stride_dot, mid, seq_len, seq_len, offs_r, offs_d, d_ok, qk_scale,
+                             BLOCK_M1, True, False, DOT_PREC)
+    tl.store(dk_base + offs_r[:, None] * stride_dkt + offs_d[None, :],
+             (dk * sm_scale).to(DK.dtype.element_ty), mask=rd_mask)
+    tl.store(dv_base + offs_r[:, None] * stride_dvt + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=rd_mask)
+
+    # dQ of the same rows as queries: whole key blocks, then the diagonal / ragged end
+    q = tl.load(q_base + offs_r[:, None] * stride_qt + offs_d[None, :], mask=rd_mask, other=0.0)
+    do = tl.load(do_base + offs_r[:, None] * stride_dot + offs_d[None, :], mask=rd_mask,
+                 other=0.0)
+    lse2 = tl.load(lse_base + offs_r, mask=r_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_base + offs_r, mask=r_ok, other=0.0)
+    dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
+    if CAUSAL:
+        mid = start  # a multiple of BLOCK_N2, and every key before it is in the sequence
+        hi = tl.minimum(start + BLOCK, seq_len)
+    else:
+        mid = seq_len // BLOCK_N2 * BLOCK_N2
+        hi = seq_len
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 0, mid,
+                       seq_len, offs_r, offs_d, d_ok, qk_scale, BLOCK_N2, False, False, DOT_PREC)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, mid, hi,
+                       seq_len, offs_r, offs_d, d_ok, qk_scale, BLOCK_N2, True, CAUSAL, DOT_PREC)
+    tl.store(dq_base + offs_r[:, None] * stride_dqt + offs_d[None, :],
+             (dq * sm_scale).to(DQ.dtype.element_ty), mask=rd_mask)
 
 
-# ---- block-size heuristics ----------------------------------------------------------------
-# Hand-picked per head dim for now (issue 4 autotunes them, keyed on head dim and length).
+# ---- block sizes --------------------------------------------------------------------------
+# Measured on an H100 (kernels/TUNING.md); keyed on the head dim, the dtype and causality.
 
 
 def _interpreting() -> bool:
-    if interpreter_on():
-        _patch_interpreter_bf16_dot()
-        return True
-    return False
+    return _INTERPRET
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
+def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
     """BLOCK_M, BLOCK_N (BLOCK_M % BLOCK_N == 0), num_warps, num_stages for the forward.
 
     Picked so that ptxas reports no (or few) spills for sm_90 (``python -m kernels.gpu_check
     --ptxas``); fp32 inputs use IEEE FMA dots, whose tiles must stay small.
     """
-    if _interpreting():
+    if _INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
@@ -324,22 +390,49 @@ def fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Block sizes of the dK/dV pass (M_KV, N_KV) and of the dQ pass (M_Q, N_Q)."""
-    if _interpreting():
-        return dict(M_KV=16, N_KV=16, M_Q=16, N_Q=16, num_warps=4, num_stages=1)
+def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
+    """BLOCK rows per program (dK/dV and dQ of them), BLOCK_M1 query rows per step of the dK/dV
+    loop, BLOCK_N2 key rows per step of the dQ loop (both divide BLOCK), warps, stages."""
+    if _INTERPRET:
+        return dict(BLOCK=32, BLOCK_M1=16, BLOCK_N2=16, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
-        m_kv, n_kv, m_q, n_q, warps, stages = (
-            (32, 32, 32, 32, 8, 1) if bd <= 64 else
-            (16, 32, 32, 16, 4, 1) if bd <= 128 else (16, 16, 16, 16, 4, 1))
+        blk, m1, n2, warps, stages = ((32, 32, 32, 8, 1) if bd <= 64 else
+                                      (32, 16, 16, 4, 1) if bd <= 128 else (16, 16, 16, 4, 1))
     elif bd <= 64:
-        m_kv, n_kv, m_q, n_q, warps, stages = 64, 64, 64, 64, 4, 2
+        blk, m1, n2, warps, stages = 64, 64, 64, 4, 2
     elif bd <= 128:
-        m_kv, n_kv, m_q, n_q, warps, stages = 32, 64, 64, 32, 8, 2
+        blk, m1, n2, warps, stages = 64, 32, 32, 8, 2
     else:
-        m_kv, n_kv, m_q, n_q, warps, stages = 32, 32, 32, 32, 8, 1
-    return dict(M_KV=m_kv, N_KV=n_kv, M_Q=m_q, N_Q=n_q, num_warps=warps, num_stages=stages)
+        blk, m1, n2, warps, stages = 32, 32, 32, 8, 1
+    return dict(BLOCK=blk, BLOCK_M1=m1, BLOCK_N2=n2, num_warps=warps, num_stages=stages)
+
+
+# launch keywords (constexprs and options) per (head dim, dtype, causal): built once
+_FWD_KW: dict = {}
+_BWD_KW: dict = {}
+
+
+def _fwd_kw(D: int, dtype: torch.dtype, causal: bool) -> dict:
+    key = (D, dtype, causal)
+    kw = _FWD_KW.get(key)
+    if kw is None:
+        kw = dict(fwd_config(D, dtype, causal), HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
+                  CAUSAL=causal, DOT_PREC=dot_precision(dtype))
+        if dtype != torch.float32:  # fp32's DOT_PREC follows a torch setting: not cached
+            _FWD_KW[key] = kw
+    return kw
+
+
+def _bwd_kw(D: int, dtype: torch.dtype, causal: bool) -> dict:
+    key = (D, dtype, causal)
+    kw = _BWD_KW.get(key)
+    if kw is None:
+        kw = dict(bwd_config(D, dtype, causal), HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
+                  CAUSAL=causal, DOT_PREC=dot_precision(dtype))
+        if dtype != torch.float32:
+            _BWD_KW[key] = kw
+    return kw
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -354,25 +447,22 @@ def flash_attention_fwd(
     max_seq_len: int, causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, D] (q's dtype), lse [H, T] fp32. Inputs already validated by the caller."""
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     T, H, D = q.shape
-    B = offsets.numel() - 1
+    B = offsets.shape[0] - 1
     out = new_output((T, H, D), q)
-    lse = new_output((H, T), q.new_empty(0, dtype=torch.float32))
+    lse = new_output((H, T), q, torch.float32)
     if B == 0 or T == 0:
         return out, lse
-    cfg = fwd_config(D, q.dtype)
-    num_m = max(triton.cdiv(max_seq_len, cfg["BLOCK_M"]), 1)
-    grid = (num_m * B * H,)
+    kw = _fwd_kw(D, q.dtype, causal)
+    grid = (num_slots(T, B, kw["BLOCK_M"]) * H,)
     with device_guard(q):
         _flash_fwd_kernel[grid](
             q, k, v, out, lse, offsets,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1), lse.stride(0),
-            scale * LOG2E, max_seq_len, H, B, num_m,
-            HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_M=cfg["BLOCK_M"],
-            BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, DOT_PREC=dot_precision(q.dtype),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            scale * LOG2E, max_seq_len, H, B, **kw,
         )
     return out, lse
 
@@ -385,7 +475,7 @@ def attention_bwd_delta(
     delta = torch.empty((H, R), dtype=torch.float32, device=out.device)
     if R == 0:
         return delta
-    block_r = 16 if _interpreting() else 64
+    block_r = 16 if _INTERPRET else 64
     has_dlse = dlse is not None
     if has_dlse:
         dlse = dlse.to(torch.float32).contiguous()
@@ -404,33 +494,21 @@ def flash_attention_bwd(
     max_seq_len: int, causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv [T, H, D] in the inputs' dtype."""
-    q, k, v, out, dout = (_last_dim_contiguous(t) for t in (q, k, v, out, dout))
+    if dout.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
     T, H, D = q.shape
-    B = offsets.numel() - 1
+    B = offsets.shape[0] - 1
     dq, dk, dv = new_output((T, H, D), q), new_output((T, H, D), k), new_output((T, H, D), v)
     if B == 0 or T == 0:
         return dq, dk, dv
     delta = attention_bwd_delta(out, dout, dlse)
-    cfg = bwd_config(D, q.dtype)
-    common = dict(HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal,
-                  DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"],
-                  num_stages=cfg["num_stages"])
-    num_n = max(triton.cdiv(max_seq_len, cfg["N_KV"]), 1)
-    num_m = max(triton.cdiv(max_seq_len, cfg["M_Q"]), 1)
+    kw = _bwd_kw(D, q.dtype, causal)
     with device_guard(q):
-        _flash_bwd_dkdv_kernel[(num_n * B * H,)](
-            q, k, v, dout, dk, dv, lse, delta, offsets,
+        _flash_bwd_kernel[(num_slots(T, B, kw["BLOCK"]) * H,)](
+            q, k, v, dout, dq, dk, dv, lse, delta, offsets,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
-            dv.stride(1), lse.stride(0), scale * LOG2E, scale, max_seq_len, H, B, num_n,
-            BLOCK_M=cfg["M_KV"], BLOCK_N=cfg["N_KV"], **common,
-        )
-        _flash_bwd_dq_kernel[(num_m * B * H,)](
-            q, k, v, dout, dq, lse, delta, offsets,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-            scale * LOG2E, scale, max_seq_len, H, B, num_m,
-            BLOCK_M=cfg["M_Q"], BLOCK_N=cfg["N_Q"], **common,
+            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), dk.stride(0),
+            dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+            scale * LOG2E, scale, max_seq_len, H, B, **kw,
         )
     return dq, dk, dv
-

@@ -22,16 +22,24 @@ def set_poison_outputs(enabled: bool) -> None:
     _poison_outputs = bool(enabled)
 
 
-def new_output(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """Uninitialised output for a kernel that writes every element (NaN-poisoned under tests)."""
+def new_output(shape: tuple[int, ...], like: torch.Tensor,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Uninitialised output for a kernel that writes every element (NaN-poisoned under tests);
+    on `like`'s device, in `dtype` (default: `like`'s)."""
     if _poison_outputs:
-        return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
-    return torch.empty(shape, dtype=like.dtype, device=like.device)
+        return torch.full(shape, float("nan"), dtype=dtype or like.dtype, device=like.device)
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+_NO_GUARD = contextlib.nullcontext()
 
 
 def device_guard(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    # Triton launches on the current CUDA device; make it the tensors' device.
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+    # Triton launches on the current CUDA device; make it the tensors' device (a no-op context
+    # when it already is, the usual case: entering torch.cuda.device costs a few microseconds).
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return _NO_GUARD
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

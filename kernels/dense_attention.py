@@ -2,8 +2,9 @@
 
 Layers: the torch reference (``kernels._attention_reference``), the Triton kernels and their
 launchers (``kernels._dense_attention_triton``), the custom ops ``jagged::dense_attention_fwd``
-and ``jagged::dense_attention_bwd`` (both backends go through them), the autograd registration,
-and the public function.
+and ``jagged::dense_attention_bwd`` (what ``torch.compile`` sees, for both backends), the
+autograd registration, and the public function. Eager calls on the Triton backend take a plain
+``torch.autograd.Function`` over the same launchers instead (see ``kernels.flash_attention``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import torch
 
 from kernels._attention_reference import dense_attention_reference, dense_attention_reference_bwd
 from kernels._jagged_common import pick_backend, register_autocast
+from kernels.flash_attention import _eager_triton
 from kernels._validation import (
     check_float,
+    debug_checks_enabled,
     check_head_dim,
     check_max_seq_len,
     check_offsets,
@@ -96,7 +99,57 @@ _dense_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 register_autocast("dense_attention_fwd", "lowp")
 
 
+# ---- eager Triton path ----------------------------------------------------------------------
+
+
+class _DenseAttnFn(torch.autograd.Function):
+    """The eager Triton path: saves tensors and calls the launchers, nothing else."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, max_seq_len, bias, scale):
+        from kernels._dense_attention_triton import dense_attention_fwd
+
+        out, lse = dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale)
+        ctx.save_for_backward(q, k, v, out, lse, offsets, bias)
+        ctx.args = (max_seq_len, scale)
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        from kernels._dense_attention_triton import dense_attention_bwd
+
+        if dout is None:
+            return (None,) * 7
+        q, k, v, out, lse, offsets, bias = ctx.saved_tensors
+        max_seq_len, scale = ctx.args
+        need_dbias = bias is not None and ctx.needs_input_grad[5]
+        dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
+                                                bias, scale, need_dbias)
+        return dq, dk, dv, None, None, (dbias if need_dbias else None), None
+
+
 # ---- public function ----------------------------------------------------------------------
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _inputs_ok(q, k, v, offsets, max_seq_len, bias) -> bool:
+    """True only when every check of _check_inputs passes: a fast accept for the common case;
+    anything else goes through the full checks and their messages."""
+    try:
+        B, Tq, H, D = q.shape
+        return (q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+                and k.dim() == 3 and v.dim() == 3 and k.shape[1] == H and k.shape[2] == D
+                and v.shape == k.shape and H >= 1 and 16 <= D <= 256 and D % 8 == 0
+                and type(max_seq_len) is int and max_seq_len >= 0
+                and offsets.dim() == 1 and offsets.dtype in (torch.int64, torch.int32)
+                and offsets.shape[0] == B + 1 and offsets.is_cuda and not debug_checks_enabled()
+                and q.device == k.device == v.device == offsets.device
+                and (bias is None or (bias.dtype in _KERNEL_DTYPES and bias.device == q.device
+                                      and bias.shape == (B, H, Tq, max_seq_len))))
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return False
 
 
 def _check_inputs(q, k, v, offsets, max_seq_len, bias) -> None:
@@ -165,9 +218,20 @@ def jagged_dense_attention(
         dt = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
                    for t in (q, k, v))
-    _check_inputs(q, k, v, offsets, max_seq_len, bias)
+    if not _inputs_ok(q, k, v, offsets, max_seq_len, bias):
+        _check_inputs(q, k, v, offsets, max_seq_len, bias)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
+    if _eager_triton(resolved):
+        if torch.is_autocast_enabled(q.device.type) and bias is not None and (
+                bias.dtype != torch.float64):  # as the op's autocast rule casts it
+            bias = bias.to(torch.get_autocast_dtype(q.device.type))
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (bias is not None and bias.requires_grad)):
+            return _DenseAttnFn.apply(q, k, v, offsets, max_seq_len, bias, scale)
+        from kernels._dense_attention_triton import dense_attention_fwd
+
+        return dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale)[0]
     out, _ = torch.ops.jagged.dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale,
                                                   resolved)
     return out

@@ -2,8 +2,13 @@
 
 Layers: the torch reference (``kernels._attention_reference``), the Triton kernels and their
 launchers (``kernels._flash_attention_triton``), two custom ops ``jagged::flash_attention_fwd``
-and ``jagged::flash_attention_bwd`` (both backends go through them, so ``torch.compile`` sees one
-opaque op with a fake implementation), the autograd registration, and the public function.
+and ``jagged::flash_attention_bwd`` (what ``torch.compile`` sees: one opaque op with a fake
+implementation, for both backends), their autograd registration, and the public function.
+
+Eager calls on the Triton backend skip the custom-op machinery (tens of microseconds of Python
+dispatch per call, more than the kernels take on short sequences): a plain
+``torch.autograd.Function`` calls the same launchers, and without autograd the launcher is
+called directly. Under ``torch.compile`` (or functorch transforms) the custom ops are used.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from kernels._attention_reference import flash_attention_reference, flash_attent
 from kernels._jagged_common import pick_backend, register_autocast
 from kernels._validation import (
     check_float,
+    debug_checks_enabled,
     check_head_dim,
     check_max_seq_len,
     check_offsets,
@@ -91,7 +97,59 @@ _flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 register_autocast("flash_attention_fwd", "lowp")
 
 
+# ---- eager Triton path ----------------------------------------------------------------------
+
+
+class _FlashAttnFn(torch.autograd.Function):
+    """The eager Triton path: saves tensors and calls the launchers, nothing else."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, max_seq_len, causal, scale):
+        from kernels._flash_attention_triton import flash_attention_fwd
+
+        out, lse = flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse, offsets)
+        ctx.args = (max_seq_len, causal, scale)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from kernels._flash_attention_triton import flash_attention_bwd
+
+        if dout is None and dlse is None:
+            return (None,) * 7
+        q, k, v, out, lse, offsets = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def _eager_triton(resolved: str) -> bool:
+    return (resolved == "triton" and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active())
+
+
 # ---- public function ----------------------------------------------------------------------
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _inputs_ok(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int) -> bool:
+    """True only when every check of _check_inputs passes: a fast accept (a few microseconds)
+    for the common case; anything else goes through the full checks and their messages."""
+    try:
+        D = q.shape[2]
+        return (q.dim() == 3 and q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype
+                and v.dtype == q.dtype and k.shape == q.shape and v.shape == q.shape
+                and q.shape[1] >= 1 and 16 <= D <= 256 and D % 8 == 0
+                and type(max_seq_len) is int and max_seq_len >= 0
+                and offsets.dim() == 1 and offsets.dtype in (torch.int64, torch.int32)
+                and offsets.shape[0] >= 1 and offsets.is_cuda and not debug_checks_enabled()
+                and q.device == k.device == v.device == offsets.device)
+    except (AttributeError, IndexError, TypeError):
+        return False
 
 
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int) -> None:
@@ -149,11 +207,20 @@ def jagged_flash_attention(
         dt = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
                    for t in (q, k, v))
-    _check_inputs(q, k, v, offsets, max_seq_len)
+    if not _inputs_ok(q, k, v, offsets, max_seq_len):
+        _check_inputs(q, k, v, offsets, max_seq_len)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
-    out, lse = torch.ops.jagged.flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale,
-                                                    resolved)
+    if _eager_triton(resolved):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _FlashAttnFn.apply(q, k, v, offsets, max_seq_len, causal, scale)
+        else:
+            from kernels._flash_attention_triton import flash_attention_fwd
+
+            out, lse = flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale)
+    else:
+        out, lse = torch.ops.jagged.flash_attention_fwd(q, k, v, offsets, max_seq_len, causal,
+                                                        scale, resolved)
     return (out, lse) if return_lse else out

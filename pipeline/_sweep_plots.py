@@ -19,12 +19,13 @@ def numeric(labels: list[str]) -> list[float] | None:
         return None
 
 
-def _style_x(ax, x_name: str, labels: list[str]) -> None:
+def _style_x(ax, x_name: str, labels: list[str], extra_ticks: tuple[float, ...] = ()) -> None:
     values = numeric(labels)
     ax.set_xlabel(x_name)
-    if values and min(values) > 0 and max(values) / min(values) >= 8:
+    if values and min(values) > 0 and max(values) / min(values) >= 4:  # lengths: powers of two
+        ticks = sorted(set(values) | set(extra_ticks))
         ax.set_xscale("log", base=2)
-        ax.set_xticks(values, labels)
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.minorticks_off()
     elif not values:
         ax.tick_params(axis="x", labelrotation=30)
@@ -51,7 +52,8 @@ def series_groups(df: pl.DataFrame, x: str, series: list[str]) -> dict[str, pl.D
 
 
 def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], metric: str, ylabel: str,
-              title: str, path: Path, extra=None, logy: bool = False) -> Path | None:
+              title: str, path: Path, extra=None, extra_ticks: tuple[float, ...] = (),
+              logy: bool = False) -> Path | None:
     """`metric` vs `x` per series; OOM and failed points are named in the legend."""
     if metric not in df.columns or df[metric].is_null().all():
         return None
@@ -66,7 +68,7 @@ def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], met
         ax.plot(_xs(ok[x].to_list(), order), ok[metric].to_list(), marker="o", label=label)
     if extra is not None:
         extra(ax)
-    _style_x(ax, x, order)
+    _style_x(ax, x, order, extra_ticks)
     if logy:
         ax.set_yscale("log")
     ax.set_ylabel(ylabel)
@@ -103,11 +105,15 @@ def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], tit
     return path
 
 
+def oracle_ks(oracle: dict) -> list[int]:
+    """The k > 0 of the oracle's auc_recent_<k> figures."""
+    return sorted(k for k in (int(key.rsplit("_", 1)[1]) for key in oracle if key.startswith("auc_recent_")) if k > 0)
+
+
 def oracle_lines(oracle: dict):
     """An `extra` for line_plot: the planted model's AUC, and its AUC from the last k items."""
     def draw(ax) -> None:
-        ks = sorted(int(k.rsplit("_", 1)[1]) for k in oracle if k.startswith("auc_recent_"))
-        pos = [k for k in ks if k > 0]
+        pos = oracle_ks(oracle)
         if pos:
             ax.plot(pos, [oracle[f"auc_recent_{k}"] for k in pos], ls="--", marker="s", color="black",
                     label="oracle from the last k items (meta.json)")

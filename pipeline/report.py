@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -139,14 +140,16 @@ def oracle_of(client: MlflowClient, df: pl.DataFrame) -> dict | None:
     return None
 
 
-def oracle_section(df: pl.DataFrame, x: str, oracle: dict) -> list[str]:
+def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = ()) -> list[str]:
     lines = ["", "## Test AUC against the oracle (the planted label model, meta.json)", "",
              f"Oracle: full history {oracle.get('auc', float('nan')):.4f}, no history "
              f"{oracle.get('auc_recent_0', float('nan')):.4f}.", "",
-             f"| {x} | model test AUC | oracle AUC from the last {x} items |", "|---|---|---|"]
+             "| " + " | ".join([*series, x, "model test AUC", f"oracle AUC from the last {x} items"]) + " |",
+             "|" + "---|" * (len(series) + 3)]
     for row in df.iter_rows(named=True):
-        lines.append(f"| {row[x]} | {runs_.fmt(row.get('test/auc'), '.4f')} | "
-                     f"{runs_.fmt(oracle.get(f'auc_recent_{row[x]}'), '.4f')} |")
+        lines.append("| " + " | ".join([*(str(row[s]) for s in series), str(row[x]),
+                                        runs_.fmt(row.get("test/auc"), ".4f"),
+                                        runs_.fmt(oracle.get(f"auc_recent_{row[x]}"), ".4f")]) + " |")
     return lines
 
 
@@ -177,9 +180,10 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
         made.append(plots.ratio_plot(rat, x, order, f"{base} over the other {ser} values", out / "speedup.png"))
     oracle = oracle_of(client, df) if spec.get("oracle") else None
     if oracle:
-        lines += oracle_section(df, x, oracle)
+        lines += oracle_section(df, x, oracle, series)
     made.append(plots.line_plot(df, x, order, series, "test/auc", "test AUC", "Test AUC", out / "auc.png",
-                                extra=plots.oracle_lines(oracle) if oracle else None))
+                                extra=plots.oracle_lines(oracle) if oracle else None,
+                                extra_ticks=tuple(plots.oracle_ks(oracle)) if oracle else ()))
     made = [p for p in made if p is not None]
     lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in made)]
     (out / "report.md").write_text("\n".join(lines) + "\n")
@@ -191,6 +195,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     p = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.split("\n")[0])
     p.add_argument("--parent", required=True, help="the sweep's parent run: id or name (the ablation's name)")
     p.add_argument("--out", default=str(REPO_ROOT / "experiments" / "results"), help="results root")

@@ -17,6 +17,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -67,11 +68,12 @@ def git_commit() -> str:
     .git, e.g. the GPU box: pass `GIT_COMMIT=$(git rev-parse HEAD)`); else 'unknown'."""
     try:
         run = functools.partial(subprocess.run, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        sha = run(["git", "rev-parse", "HEAD"]).stdout.strip()
-        dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip()
+        head = run(["git", "rev-parse", "--verify", "--quiet", "HEAD"])
+        sha = head.stdout.strip() if head.returncode == 0 else ""
+        dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip() if sha else ""
     except (OSError, subprocess.SubprocessError):
         sha = dirty = ""
-    if sha:
+    if re.fullmatch(r"[0-9a-f]{40}", sha):
         return sha + ("-dirty" if dirty else "")
     return os.environ.get("GIT_COMMIT") or "unknown"
 
