@@ -27,6 +27,7 @@ import codecs
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -71,7 +72,9 @@ def child_env(tags: dict[str, str]) -> dict[str, str]:
 
 def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None) -> tuple[int, str, bool]:
     """Run `cmd`, echoing its output live; (exit status, last 64 KiB of output, timed out)."""
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # its own process group: a timeout ends the run's loader workers too, not only the trainer
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     tail = bytearray()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -89,20 +92,24 @@ def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None) -> tupl
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         timed_out = True
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    except BaseException:  # Ctrl-C reaches the child too; give it time to record its run
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc, signal.SIGTERM, grace_s=30)
+    except BaseException:  # Ctrl-C: pass it on, and give the run time to record itself
+        _stop(proc, signal.SIGINT, grace_s=60)
         raise
     reader.join(timeout=10)
     return proc.returncode, bytes(tail).decode("utf-8", errors="replace"), timed_out
+
+
+def _stop(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
+    """Send `sig` to the child's process group; SIGKILL it if it is still there after grace_s."""
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
 
 
 def error_line(output: str) -> str:
@@ -211,7 +218,7 @@ class Sweep:
         if status != "OK":
             self.client.set_tag(run_id, "sweep.error", error or "")
             self.client.log_text(run_id, output[-_TAIL_BYTES:], "sweep/output_tail.txt")
-            if self.client.get_run(run_id).info.status == "RUNNING":
+            if self.client.get_run(run_id).info.status in ("RUNNING", "FINISHED"):
                 self.client.set_terminated(run_id, "KILLED" if status == "KILLED" else "FAILED")
         return run_id
 
@@ -219,7 +226,14 @@ class Sweep:
         cmd = fit_command(self.abl, point, self.parent.info.run_id)
         known = {r.info.run_id for r in runs_.child_runs(self.parent)}
         t0 = time.perf_counter()
-        rc, output, timed_out = stream(cmd, child_env(self.child_tags(point, config_hash)), self.timeout_s)
+        try:
+            rc, output, timed_out = stream(cmd, child_env(self.child_tags(point, config_hash)), self.timeout_s)
+        except KeyboardInterrupt:  # a run that FINISHED before the signal is a result; else it is KILLED
+            child = self.find_child(config_hash, known)
+            done = child is not None and child.info.status == "FINISHED"
+            self.record(point, config_hash, child, "OK" if done else "KILLED", "", "interrupted (Ctrl-C)",
+                        time.perf_counter() - t0)
+            raise
         wall = time.perf_counter() - t0
         child = self.find_child(config_hash, known)
         if rc == 0 and child is not None and child.info.status == "FINISHED":

@@ -182,3 +182,14 @@ def test_rerun_skips_finished_and_oom_children(smoke, capsys):
     assert the_parent(smoke.uri).info.run_id == parent.info.run_id  # found by name, resumed
     assert {k: len(v) for k, v in after.items()} == {k: len(v) + k.endswith("=0") for k, v in before.items()}
     assert "not run" not in out and "FAILED" in out  # the summary covers the whole grid
+
+
+def test_a_run_past_its_timeout_is_killed_and_recorded(smoke, tmp_path, monkeypatch, capsys):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16", "--timeout", "2"]
+    assert sweep.main(argv) == 1
+    assert "KILLED" in capsys.readouterr().out
+    (run,) = children(uri, the_parent(uri).info.run_id)["backend=jagged/max_seq_len=16"]
+    assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
+    assert run.data.tags["sweep.error"] == "timed out after 2 s"
