@@ -15,11 +15,12 @@ of the truncated tail (rows past max_seq_len, usually none) and exits.
 
 Forward: one program per (query block, head) against all its keys (causal: the heaviest,
 last, blocks of a sequence first). Backward: a pre-pass computes delta = rowsum(dO * O) (minus
-dlse when lse has a gradient); then one program per (block of rows, head) computes dK, dV of
-those rows as keys (looping over query blocks) and then dQ of the same rows as queries (looping
-over key blocks), as in Triton's fused-attention tutorial: one launch, no atomics, every output
-element has one writer. Only the blocks that straddle the sequence end (or the causal diagonal)
-carry masks.
+dlse when lse has a gradient); then one launch whose first programs compute dK, dV of a key
+block (looping over query blocks) and whose other programs compute dQ of a query block (looping
+over key blocks), each over its own slot list: no atomics, every output element has one writer,
+and the two roles never share registers (one program doing both in turn spilled). Only the
+forward's blocks that straddle the sequence end (or the causal diagonal) carry masks; the
+backward masks every block (a split loop cost registers and spilled at D = 128).
 
 Numerics: scores are prescaled by scale * log2(e) so the softmax uses exp2; the running max,
 the running sum, the accumulators and lse are fp32; P and dS are cast to the input dtype only as
@@ -279,89 +280,127 @@ def _bwd_dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=_NO_SPEC)
-def _flash_bwd_kernel(
-    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, Offsets,
+@triton.jit
+def _bwd_dkdv_program(
+    pid, Q, K, V, DO, DK, DV, LSE, DELTA, Offsets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
     qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
-    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M1: tl.constexpr,
-    BLOCK_N2: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One program: dK, dV, then dQ, of BLOCK rows of one (sequence, head)."""
-    pid = tl.program_id(0)
+    """Program `pid`: dK, dV of BLOCK_N key rows of one (sequence, head), over its queries."""
     h = pid % num_heads
-    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK)
+    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK_N)
+    seq_len = tl.minimum(n_rows, max_seq_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_D
+    dk_base = DK + seq_start * stride_dkt + h * stride_dkh
+    dv_base = DV + seq_start * stride_dvt + h * stride_dvh
+    if n_rows > max_seq_len:
+        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
+                   BLOCK_N, BLOCK_D)
+        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
+                   BLOCK_N, BLOCK_D)
+    n_blk = tl.cdiv(seq_len, BLOCK_N)
+    if j < n_blk:
+        start = (n_blk - 1 - j if CAUSAL else j) * BLOCK_N  # causal: the heaviest blocks first
+        offs_n = start + tl.arange(0, BLOCK_N)
+        kv_mask = (offs_n[:, None] < seq_len) & d_ok[None, :]
+        k = tl.load(K + seq_start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + seq_start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        q_base = Q + seq_start * stride_qt + h * stride_qh
+        do_base = DO + seq_start * stride_dot + h * stride_doh
+        lse_base = LSE + h * stride_lh + seq_start
+        delta_base = DELTA + h * stride_lh + seq_start
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        # one loop, every block masked: splitting off the few blocks that need masks costs
+        # more registers (spills at D = 128) than the masks cost time
+        lo = start if CAUSAL else 0
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
+                                 stride_dot, lo, seq_len, seq_len, offs_n, offs_d, d_ok,
+                                 qk_scale, BLOCK_M, True, CAUSAL, DOT_PREC)
+        tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :],
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq_program(
+    pid, Q, K, V, DO, DQ, LSE, DELTA, Offsets,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_lh,
+    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Program `pid`: dQ of BLOCK_M query rows of one (sequence, head), over its keys."""
+    h = pid % num_heads
+    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK_M)
     seq_len = tl.minimum(n_rows, max_seq_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     dq_base = DQ + seq_start * stride_dqt + h * stride_dqh
-    dk_base = DK + seq_start * stride_dkt + h * stride_dkh
-    dv_base = DV + seq_start * stride_dvt + h * stride_dvh
     if n_rows > max_seq_len:
         _zero_rows(dq_base, stride_dqt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
-                   BLOCK, BLOCK_D)
-        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
-                   BLOCK, BLOCK_D)
-        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
-                   BLOCK, BLOCK_D)
-    n_blk = tl.cdiv(seq_len, BLOCK)
-    if j >= n_blk:
-        return
-    start = (n_blk - 1 - j if CAUSAL else j) * BLOCK
-    offs_r = start + tl.arange(0, BLOCK)
-    r_ok = offs_r < seq_len
-    rd_mask = r_ok[:, None] & d_ok[None, :]
-    q_base = Q + seq_start * stride_qt + h * stride_qh
-    k_base = K + seq_start * stride_kt + h * stride_kh
-    v_base = V + seq_start * stride_vt + h * stride_vh
-    do_base = DO + seq_start * stride_dot + h * stride_doh
-    lse_base = LSE + h * stride_lh + seq_start
-    delta_base = DELTA + h * stride_lh + seq_start
+                   BLOCK_M, BLOCK_D)
+    n_blk = tl.cdiv(seq_len, BLOCK_M)
+    if j < n_blk:
+        start = (n_blk - 1 - j if CAUSAL else j) * BLOCK_M
+        offs_m = start + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < seq_len
+        q_mask = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(Q + seq_start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
+                    + offs_d[None, :], mask=q_mask, other=0.0)
+        do = tl.load(DO + seq_start * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
+                     + offs_d[None, :], mask=q_mask, other=0.0)
+        # rows past the sequence get lse = +inf, hence P = 0
+        lse2 = tl.load(LSE + h * stride_lh + seq_start + offs_m, mask=m_ok,
+                       other=float("inf")) * 1.4426950408889634
+        delta = tl.load(DELTA + h * stride_lh + seq_start + offs_m, mask=m_ok, other=0.0)
+        k_base = K + seq_start * stride_kt + h * stride_kh
+        v_base = V + seq_start * stride_vt + h * stride_vh
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = tl.minimum(start + BLOCK_M, seq_len) if CAUSAL else seq_len
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 0, hi,
+                           seq_len, offs_m, offs_d, d_ok, qk_scale, BLOCK_N, True, CAUSAL,
+                           DOT_PREC)
+        tl.store(dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :],
+                 (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
-    # dK, dV of the rows as keys: the causal diagonal, whole query blocks, the ragged end
-    k = tl.load(k_base + offs_r[:, None] * stride_kt + offs_d[None, :], mask=rd_mask, other=0.0)
-    v = tl.load(v_base + offs_r[:, None] * stride_vt + offs_d[None, :], mask=rd_mask, other=0.0)
-    dk = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    if CAUSAL:
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                 stride_dot, start, tl.minimum(start + BLOCK, seq_len), seq_len,
-                                 offs_r, offs_d, d_ok, qk_scale, BLOCK_M1, True, True, DOT_PREC)
-        lo = start + BLOCK
-    else:
-        lo = 0
-    mid = lo + tl.maximum(seq_len - lo, 0) // BLOCK_M1 * BLOCK_M1
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                             stride_dot, lo, mid, seq_len, offs_r, offs_d, d_ok, qk_scale,
-                             BLOCK_M1, False, False, DOT_PREC)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                             stride_dot, mid, seq_len, seq_len, offs_r, offs_d, d_ok, qk_scale,
-                             BLOCK_M1, True, False, DOT_PREC)
-    tl.store(dk_base + offs_r[:, None] * stride_dkt + offs_d[None, :],
-             (dk * sm_scale).to(DK.dtype.element_ty), mask=rd_mask)
-    tl.store(dv_base + offs_r[:, None] * stride_dvt + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=rd_mask)
 
-    # dQ of the same rows as queries: whole key blocks, then the diagonal / ragged end
-    q = tl.load(q_base + offs_r[:, None] * stride_qt + offs_d[None, :], mask=rd_mask, other=0.0)
-    do = tl.load(do_base + offs_r[:, None] * stride_dot + offs_d[None, :], mask=rd_mask,
-                 other=0.0)
-    lse2 = tl.load(lse_base + offs_r, mask=r_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_base + offs_r, mask=r_ok, other=0.0)
-    dq = tl.zeros([BLOCK, BLOCK_D], tl.float32)
-    if CAUSAL:
-        mid = start  # a multiple of BLOCK_N2, and every key before it is in the sequence
-        hi = tl.minimum(start + BLOCK, seq_len)
-    else:
-        mid = seq_len // BLOCK_N2 * BLOCK_N2
-        hi = seq_len
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 0, mid,
-                       seq_len, offs_r, offs_d, d_ok, qk_scale, BLOCK_N2, False, False, DOT_PREC)
-    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, mid, hi,
-                       seq_len, offs_r, offs_d, d_ok, qk_scale, BLOCK_N2, True, CAUSAL, DOT_PREC)
-    tl.store(dq_base + offs_r[:, None] * stride_dqt + offs_d[None, :],
-             (dq * sm_scale).to(DQ.dtype.element_ty), mask=rd_mask)
+@triton.jit(do_not_specialize=_NO_SPEC + ["num_kv_programs"])
+def _flash_bwd_kernel(
+    Q, K, V, DO, DQ, DK, DV, LSE, DELTA, Offsets,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
+    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, num_kv_programs,
+    HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M1: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROLES: tl.constexpr,
+):
+    """ROLES 3: the first num_kv_programs programs compute dK, dV per slot of BLOCK_N1 keys
+    (query steps of BLOCK_M1), the others dQ per slot of BLOCK_M2 queries (key steps of
+    BLOCK_N2). ROLES 1 or 2: only the dK/dV or only the dQ programs (two launches)."""
+    pid = tl.program_id(0)
+    if ROLES == 2:
+        pid += num_kv_programs
+    if ROLES != 2 and pid < num_kv_programs:
+        _bwd_dkdv_program(pid, Q, K, V, DO, DK, DV, LSE, DELTA, Offsets,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                          stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                          stride_lh, qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
+                          HEAD_D, BLOCK_D, BLOCK_N1, BLOCK_M1, CAUSAL, DOT_PREC)
+    elif ROLES != 1:
+        _bwd_dq_program(pid - num_kv_programs, Q, K, V, DO, DQ, LSE, DELTA, Offsets,
+                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                        stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh,
+                        qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
+                        HEAD_D, BLOCK_D, BLOCK_M2, BLOCK_N2, CAUSAL, DOT_PREC)
 
 
 # ---- block sizes --------------------------------------------------------------------------
@@ -391,21 +430,25 @@ def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
 
 
 def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
-    """BLOCK rows per program (dK/dV and dQ of them), BLOCK_M1 query rows per step of the dK/dV
-    loop, BLOCK_N2 key rows per step of the dQ loop (both divide BLOCK), warps, stages."""
+    """dK/dV programs: BLOCK_N1 keys, query steps of BLOCK_M1; dQ programs: BLOCK_M2 queries,
+    key steps of BLOCK_N2 (BLOCK_M1 divides BLOCK_N1, BLOCK_N2 divides BLOCK_M2); warps, stages
+    shared by both (one launch)."""
     if _INTERPRET:
-        return dict(BLOCK=32, BLOCK_M1=16, BLOCK_N2=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_N1=32, BLOCK_M1=16, BLOCK_M2=32, BLOCK_N2=16, num_warps=4,
+                    num_stages=1, ROLES=3)
     bd = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
-        blk, m1, n2, warps, stages = ((32, 32, 32, 8, 1) if bd <= 64 else
-                                      (32, 16, 16, 4, 1) if bd <= 128 else (16, 16, 16, 4, 1))
+        n1, m1, m2, n2, warps, stages = ((32, 32, 32, 32, 8, 1) if bd <= 64 else
+                                         (32, 16, 32, 16, 4, 1) if bd <= 128 else
+                                         (16, 16, 16, 16, 4, 1))
     elif bd <= 64:
-        blk, m1, n2, warps, stages = 64, 64, 64, 4, 2
+        n1, m1, m2, n2, warps, stages = 64, 64, 64, 64, 4, 2
     elif bd <= 128:
-        blk, m1, n2, warps, stages = 64, 32, 32, 8, 2
+        n1, m1, m2, n2, warps, stages = 64, 32, 64, 32, 8, 2
     else:
-        blk, m1, n2, warps, stages = 32, 32, 32, 8, 1
-    return dict(BLOCK=blk, BLOCK_M1=m1, BLOCK_N2=n2, num_warps=warps, num_stages=stages)
+        n1, m1, m2, n2, warps, stages = 32, 32, 32, 32, 8, 1
+    return dict(BLOCK_N1=n1, BLOCK_M1=m1, BLOCK_M2=m2, BLOCK_N2=n2, num_warps=warps,
+                num_stages=stages, ROLES=3)
 
 
 # launch keywords (constexprs and options) per (head dim, dtype, causal): built once
@@ -456,13 +499,11 @@ def flash_attention_fwd(
     if B == 0 or T == 0:
         return out, lse
     kw = _fwd_kw(D, q.dtype, causal)
-    grid = (num_slots(T, B, kw["BLOCK_M"]) * H,)
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
     with device_guard(q):
-        _flash_fwd_kernel[grid](
-            q, k, v, out, lse, offsets,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0),
-            scale * LOG2E, max_seq_len, H, B, **kw,
+        _flash_fwd_kernel[(num_slots(T, B, kw["BLOCK_M"]) * H,)](
+            q, k, v, out, lse, offsets, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
+            H * D, D, T, scale * LOG2E, max_seq_len, H, B, **kw,
         )
     return out, lse
 
@@ -503,12 +544,17 @@ def flash_attention_bwd(
         return dq, dk, dv
     delta = attention_bwd_delta(out, dout, dlse)
     kw = _bwd_kw(D, q.dtype, causal)
+    n_kv = num_slots(T, B, kw["BLOCK_N1"]) * H
+    n_q = num_slots(T, B, kw["BLOCK_M2"]) * H
+    qs, ks, vs, dos, dqs = q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride()
+    args = (q, k, v, dout, dq, dk, dv, lse, delta, offsets,
+            qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], dos[0], dos[1], dqs[0], dqs[1],
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+            scale * LOG2E, scale, max_seq_len, H, B, n_kv)
     with device_guard(q):
-        _flash_bwd_kernel[(num_slots(T, B, kw["BLOCK"]) * H,)](
-            q, k, v, dout, dq, dk, dv, lse, delta, offsets,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), dk.stride(0),
-            dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-            scale * LOG2E, scale, max_seq_len, H, B, **kw,
-        )
+        if kw["ROLES"] == 3:
+            _flash_bwd_kernel[(n_kv + n_q,)](*args, **kw)
+        else:  # one launch per role: the kernel of both roles would spill
+            _flash_bwd_kernel[(n_kv,)](*args, **dict(kw, ROLES=1))
+            _flash_bwd_kernel[(n_q,)](*args, **dict(kw, ROLES=2))
     return dq, dk, dv

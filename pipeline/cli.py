@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 import yaml
@@ -68,6 +69,11 @@ class RankerCLI(LightningCLI):
         return {k: v for k, v in LightningCLI.subcommands().items() if k in ("fit", "validate", "test")}
 
     def add_arguments_to_parser(self, parser) -> None:
+        parser.add_argument(
+            "--torch_num_threads", type=Optional[int], default=None,
+            help="intra-op CPU threads of torch (default: torch's choice); 1 is the robust choice on "
+            "a small CPU shared with other work, where spinning OpenMP threads stall each other",
+        )
         parser.add_lightning_class_args(MLflowRun, "mlflow")
         parser.add_lightning_class_args(PerfMonitor, "perf")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -78,6 +84,10 @@ class RankerCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         check_tracking(tracking_uri())
         cfg = self.config[self.subcommand]
+        if cfg.torch_num_threads is not None:
+            if cfg.torch_num_threads <= 0:
+                raise ConfigError(f"torch_num_threads must be > 0, got {cfg.torch_num_threads}")
+            torch.set_num_threads(cfg.torch_num_threads)
         if cfg.get("ckpt_path"):
             stored = run_id_from_checkpoint(cfg.ckpt_path)
             given = cfg.mlflow.run_id

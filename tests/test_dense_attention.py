@@ -49,6 +49,13 @@ def test_dense_triton_cpu(lengths, Tq, H, D, N, bias, dtype):
     check_dense(lengths, Tq, H, D, N, bias, dtype, "cpu")
 
 
+def test_dense_triton_cpu_many_sequences():
+    # B > 64 reaches the coarse level of the dK/dV programs' search for their sequence
+    rng = random.Random(7)
+    lengths = [rng.choice([0, 1, 16, 17, rng.randint(2, 40)]) for _ in range(80)]
+    check_dense(lengths, 3, 1, 16, 33, True, F32, "cpu")
+
+
 def test_dense_triton_cpu_masked_bias_and_scale():
     # -inf bias entries mask keys; a fully masked row gives zeros, never NaN
     check_dense([20, 0, 9], 3, 2, 16, 20, True, F32, "cpu", scale=0.4, bias_mask=True)

@@ -55,6 +55,15 @@ def test_flash_triton_cpu(lengths, H, D, N, causal, dtype):
     check_flash(lengths, H, D, N, causal, dtype, "cpu")
 
 
+@pytest.mark.parametrize("causal,dtype", [(True, F32), (False, BF16)])
+def test_flash_triton_cpu_many_sequences(causal, dtype):
+    # B > 64 reaches the coarse level of the kernels' search for their sequence; lengths around
+    # the block sizes, empty ones, and some past max_seq_len
+    rng = random.Random(7)
+    lengths = [rng.choice([0, 1, 16, 17, rng.randint(2, 40)]) for _ in range(80)]
+    check_flash(lengths, 1, 16, 33, causal, dtype, "cpu")
+
+
 def test_flash_triton_cpu_lse_grad_scale_int32_offsets():
     check_flash([18, 0, 7], 2, 16, 18, True, F32, "cpu", lse_grad=True, scale=0.3)
 
