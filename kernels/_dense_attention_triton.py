@@ -2,14 +2,15 @@
 
 Layout: q, out [B, Tq, H, D] (last dim contiguous, other strides free); k, v [T, H, D] jagged
 by offsets [B+1]; bias [B, H, Tq, N] (any strides: an expanded bias costs nothing), N =
-max_seq_len; lse and delta [H, B, Tq] fp32. Sequence b's keys are its first
+max_seq_len; lse [H, B, Tq] fp32. Sequence b's keys are its first
 L_b = min(len_b, N) rows; key rows past N get zero gradients, as do the bias columns >= L_b.
 
 Work partitioning: the forward and the dQ(+dBias) programs run one per (query block, sequence,
 head) looping over the sequence's key blocks; the dK/dV programs one per (key block, sequence,
 head) looping over the Tq queries, over the flat slot list of the self-attention kernels (grid
 sized from T and B on the host, no sync; see ``_locate``). The backward is one launch: its first
-programs do dQ, the rest dK/dV. Every output element has exactly one writer: no atomics. dBias
+programs do dQ, the rest dK/dV; each computes delta = rowsum(dO * O) of its few query rows
+itself (no pre-pass launch). Every output element has exactly one writer: no atomics. dBias
 is dS itself (the bias enters the scores unscaled), so the dQ programs store it on the way.
 
 Numerics as in the self-attention kernels (exp2 with prescaled scores, fp32 statistics and
@@ -29,7 +30,6 @@ from kernels._flash_attention_triton import (
     LOG2E,
     _last_dim_contiguous,
     _locate,
-    attention_bwd_delta,
     num_slots,
 )
 from kernels._jagged_common import device_guard, new_output
@@ -109,17 +109,20 @@ def _dense_fwd_kernel(
 
 
 @triton.jit
-def _load_lse2_delta(LSE, DELTA, row0, offs_m, m_ok):
-    """lse in log2 units with -inf (no keys) and padding rows mapped to +inf (P = 0)."""
+def _load_lse2_delta(LSE, row0, offs_m, m_ok, o_ptrs, q_mask, do):
+    """lse in log2 units with -inf (no keys) and padding rows mapped to +inf (P = 0), and
+    delta = rowsum(dO * O), computed here from the Tq query rows (few: cheaper than a pre-pass
+    launch)."""
     lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=float("inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + row0 + offs_m, mask=m_ok, other=0.0)
+    o = tl.load(o_ptrs, mask=q_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     return lse2, delta
 
 
 @triton.jit
 def _dense_bwd_dq(
-    pid, Q, K, V, Bias, DO, DQ, DBias, LSE, DELTA, Offsets,
+    pid, Q, K, V, Bias, DO, DQ, DBias, LSE, O, Offsets,
     stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh, stride_dbb, stride_dbh, stride_dbq, stride_dbn,
@@ -141,7 +144,9 @@ def _dense_bwd_dq(
                 mask=q_mask, other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot
                  + offs_d[None, :], mask=q_mask, other=0.0)
-    lse2, delta = _load_lse2_delta(LSE, DELTA, (h * num_seqs + b) * num_queries, offs_m, m_ok)
+    lse2, delta = _load_lse2_delta(LSE, (h * num_seqs + b) * num_queries, offs_m, m_ok,
+                                   O + b * stride_dob + h * stride_doh + offs_m[:, None]
+                                   * stride_dot + offs_d[None, :], q_mask, do)
     k_base = K + seq_start * stride_kt + h * stride_kh
     v_base = V + seq_start * stride_vt + h * stride_vh
     bias_base = Bias + b * stride_bb + h * stride_bh + offs_m[:, None] * stride_bq
@@ -172,7 +177,7 @@ def _dense_bwd_dq(
 
 @triton.jit
 def _dense_bwd_dkdv(
-    pid, Q, K, V, Bias, DO, DK, DV, LSE, DELTA, Offsets,
+    pid, Q, K, V, Bias, DO, DK, DV, LSE, O, Offsets,
     stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -209,6 +214,7 @@ def _dense_bwd_dkdv(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
+    o_base = O + b * stride_dob + h * stride_doh
     bias_base = Bias + b * stride_bb + h * stride_bh + offs_n[:, None] * stride_bn
     for start_m in range(0, num_queries, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -217,7 +223,9 @@ def _dense_bwd_dkdv(
         q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=q_mask, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=q_mask,
                      other=0.0)
-        lse2, delta = _load_lse2_delta(LSE, DELTA, (h * num_seqs + b) * num_queries, offs_m, m_ok)
+        lse2, delta = _load_lse2_delta(LSE, (h * num_seqs + b) * num_queries, offs_m, m_ok,
+                                       o_base + offs_m[:, None] * stride_dot + offs_d[None, :],
+                                       q_mask, do)
         s_t = _scores(k, q, bias_base + offs_m[None, :] * stride_bq, n_ok[:, None] & m_ok[None, :],
                       qk_scale, HAS_BIAS, DOT_PREC)  # [BN, BM]
         p_t = tl.math.exp2(s_t - lse2[None, :])
@@ -233,7 +241,7 @@ def _dense_bwd_dkdv(
 
 @triton.jit(do_not_specialize=_NO_SPEC + ["num_dq_programs"])
 def _dense_bwd_kernel(
-    Q, K, V, Bias, DO, DQ, DK, DV, DBias, LSE, DELTA, Offsets,
+    Q, K, V, Bias, DO, DQ, DK, DV, DBias, LSE, O, Offsets,
     stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
     stride_dqb, stride_dqt, stride_dqh, stride_dbb, stride_dbh, stride_dbq, stride_dbn,
@@ -244,10 +252,11 @@ def _dense_bwd_kernel(
     DOT_PREC: tl.constexpr,
 ):
     """The first num_dq_programs programs: dQ (+ dBias) per query block; the rest: dK, dV per
-    key slot. The dQ programs, which loop over whole sequences, are dispatched first."""
+    key slot. The dQ programs, which loop over whole sequences, are dispatched first. O (the
+    forward's output) has DO's strides (both contiguous)."""
     pid = tl.program_id(0)
     if pid < num_dq_programs:
-        _dense_bwd_dq(pid, Q, K, V, Bias, DO, DQ, DBias, LSE, DELTA, Offsets,
+        _dense_bwd_dq(pid, Q, K, V, Bias, DO, DQ, DBias, LSE, O, Offsets,
                       stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot,
                       stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_dbb, stride_dbh,
@@ -255,7 +264,7 @@ def _dense_bwd_kernel(
                       num_heads, num_seqs, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_BIAS,
                       STORE_DBIAS, DOT_PREC)
     else:
-        _dense_bwd_dkdv(pid - num_dq_programs, Q, K, V, Bias, DO, DK, DV, LSE, DELTA, Offsets,
+        _dense_bwd_dkdv(pid - num_dq_programs, Q, K, V, Bias, DO, DK, DV, LSE, O, Offsets,
                         stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                         stride_vh, stride_bb, stride_bh, stride_bq, stride_bn, stride_dob,
                         stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
@@ -356,7 +365,8 @@ def dense_attention_bwd(
         return dq, dk, dv, dbias
     if Tq == 0:  # no query: every key gradient is zero
         return dq, dk.zero_(), dv.zero_(), dbias
-    delta = attention_bwd_delta(out.view(B * Tq, H, D), dout.view(B * Tq, H, D), None)
+    if out.stride() != dout.stride():  # the kernel reads O with dO's strides
+        out = out.contiguous()
     kw = _dense_kw(D, Tq, q.dtype)
     n_dq = triton.cdiv(Tq, kw["BLOCK_M"]) * B * H
     n_kv = num_slots(T, B, kw["N_KV"]) * H if T > 0 else 0
@@ -365,7 +375,7 @@ def dense_attention_bwd(
     with device_guard(q):
         _dense_bwd_kernel[(n_dq + n_kv,)](
             q, _ptr(k, q), _ptr(v, q), bias_args[0], dout, dq, _ptr(dk, dq), _ptr(dv, dq),
-            _ptr(dbias, dq), lse, delta, offsets,
+            _ptr(dbias, dq), lse, out, offsets,
             qs[0], qs[1], qs[2], ks[0], ks[1], vs[0], vs[1], *bias_args[1:],
             dos[0], dos[1], dos[2], dqs[0], dqs[1], dqs[2],
             *(dbias.stride() if store_dbias else (0, 0, 0, 0)),

@@ -57,14 +57,21 @@ class RankerModule(pl.LightningModule):
         )
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
-        # the epoch's running mean is checkpointed, so a run resumed mid-epoch logs the same mean
+        # the epoch's running mean and its epoch are checkpointed, so a run resumed mid-epoch
+        # logs the same mean as an uninterrupted one (and one resumed at an epoch end starts afresh)
         self.train_loss = MeanMetric()
         self.train_loss.persistent(True)
+        self.register_buffer("train_loss_epoch", torch.tensor(-1, dtype=torch.int64))
         # first step whose loss was not finite (-1: none); checked without a sync every step
         self.register_buffer("_bad_step", torch.tensor(-1, dtype=torch.int64), persistent=False)
 
     def forward(self, batch: dict) -> torch.Tensor:
         return self.model(**{k: batch[k] for k in _MODEL_INPUTS})
+
+    def on_train_epoch_start(self) -> None:
+        if int(self.train_loss_epoch) != self.current_epoch:
+            self.train_loss.reset()
+            self.train_loss_epoch.fill_(self.current_epoch)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         logits = self(batch)

@@ -87,12 +87,16 @@ def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None) -> tupl
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    timed_out = False
+    timed_out, deadline = False, None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _stop(proc, signal.SIGTERM, grace_s=30)
+        # poll: a SIGINT that the OS hands to the reader thread reaches the main thread only
+        # when it wakes up, and a blocking wait() would not wake before the child exits
+        while proc.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                timed_out = True
+                _stop(proc, signal.SIGTERM, grace_s=30)
+                break
+            time.sleep(0.2)
     except BaseException:  # Ctrl-C: pass it on, and give the run time to record itself
         _stop(proc, signal.SIGINT, grace_s=60)
         raise
@@ -150,7 +154,7 @@ class Sweep:
             "sweep.file": str(self.abl.path.relative_to(REPO_ROOT) if self.abl.path.is_relative_to(REPO_ROOT)
                               else self.abl.path),
             "sweep.description": self.abl.description, "sweep.axes": json.dumps(axes),
-            "sweep.report": json.dumps(self.abl.report), "sweep.set": json.dumps(self.abl.raw.get("set") or {}),
+            "sweep.report": json.dumps(self.abl.report), "sweep.set": json.dumps({**(self.abl.raw.get("set") or {}), **parse_set(self.args.set)}),
             "sweep.command": " ".join(["python -m pipeline.sweep", *self.args.argv]),
         }
         if parent is None:
