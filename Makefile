@@ -60,7 +60,7 @@ data-report: data ## write length/popularity plots and a summary of the PRESET d
 	$(PY) -m data_gen report $(DATA)
 
 experiment: data ## the main job: train dense, sdpa and jagged rankers and compare them in MLflow
-	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --backends $(BACKENDS)
+	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --backends $(BACKENDS) $(EXPERIMENT_ARGS)
 
 ui: setup ## serve the MLflow dashboard on 127.0.0.1:5000 (same database as the runs)
 	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000

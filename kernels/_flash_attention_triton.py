@@ -408,23 +408,21 @@ def _flash_bwd_kernel(
 # fp32 are picked for no spills, not measured.
 
 
-def _interpreting() -> bool:
-    return _INTERPRET
-
-
-def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
+def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False,
+               short: bool = False) -> dict:
     """BLOCK_M, BLOCK_N (BLOCK_M % BLOCK_N == 0), num_warps, num_stages for the forward.
 
-    Picked so that ptxas reports no (or few) spills for sm_90 (``python -m kernels.gpu_check
-    --ptxas``); fp32 inputs use IEEE FMA dots, whose tiles must stay small.
+    `short`: the mean sequence length (T / B, known on the host) is under 256. fp32 inputs use
+    IEEE FMA dots, whose tiles must stay small.
     """
     if _INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
         bm, bn, warps, stages = (64, 32, 8, 1) if bd <= 64 else (16, 16, 4, 1)
-    elif bd <= 64:  # H100: 0.20 ms vs 0.22 (128, 64, 8 warps) at the headline shape, and
-        bm, bn, warps, stages = 64, 64, 4, 3  # 0.18 vs 0.29 on short sequences (TUNING.md)
+    elif bd <= 64:  # 64-row query blocks: 0.20 ms vs 0.22 (128 rows) at the headline shape and
+        # 0.13 vs 0.29 on short sequences; 32-key steps win below a mean length of 256 only
+        bm, bn, warps, stages = 64, (32 if short else 64), 4, 3
     elif bd <= 128:
         bm, bn, warps, stages = 64, 32, 4, 3
     else:
@@ -446,8 +444,8 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
                                          (16, 16, 16, 16, 4, 1))
     elif bd <= 64:
         n1, m1, m2, n2, warps, stages = 64, 32, 64, 32, 4, 3
-    elif bd <= 128:
-        n1, m1, m2, n2, warps, stages = 64, 16, 64, 16, 4, 2
+    elif bd <= 128:  # 16-row steps, 3 stages: 0.72 ms vs 1.01 (32-row steps, 8 warps)
+        n1, m1, m2, n2, warps, stages = 64, 16, 64, 16, 4, 3
     else:
         n1, m1, m2, n2, warps, stages = 32, 32, 32, 32, 8, 1
     return dict(BLOCK_N1=n1, BLOCK_M1=m1, BLOCK_M2=m2, BLOCK_N2=n2, num_warps=warps,
@@ -459,11 +457,12 @@ _FWD_KW: dict = {}
 _BWD_KW: dict = {}
 
 
-def _fwd_kw(D: int, dtype: torch.dtype, causal: bool) -> dict:
-    key = (D, dtype, causal)
+def _fwd_kw(D: int, dtype: torch.dtype, causal: bool, short: bool) -> dict:
+    key = (D, dtype, causal, short)
     kw = _FWD_KW.get(key)
     if kw is None:
-        kw = dict(fwd_config(D, dtype, causal), HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
+        kw = dict(fwd_config(D, dtype, causal, short), HEAD_D=D,
+                  BLOCK_D=triton.next_power_of_2(D),
                   CAUSAL=causal, DOT_PREC=dot_precision(dtype))
         if dtype != torch.float32:  # fp32's DOT_PREC follows a torch setting: not cached
             _FWD_KW[key] = kw
@@ -501,7 +500,7 @@ def flash_attention_fwd(
     lse = new_output((H, T), q, torch.float32)
     if B == 0 or T == 0:
         return out, lse
-    kw = _fwd_kw(D, q.dtype, causal)
+    kw = _fwd_kw(D, q.dtype, causal, T < 256 * B)  # mean length under 256: no sync needed
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     with device_guard(q):
         _flash_fwd_kernel[(num_slots(T, B, kw["BLOCK_M"]) * H,)](

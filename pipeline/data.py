@@ -110,12 +110,19 @@ class RankerData(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is None or not trainer.ckpt_path:
             return
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        limit = trainer.limit_train_batches
-        n = len(sampler) if limit is None else min(len(sampler), int(limit if isinstance(limit, int) else len(sampler) * limit))
-        epoch = trainer.current_epoch + done // max(n, 1)
-        sampler.set_epoch(epoch)
-        sampler.skip_next(done % max(n, 1))
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # batches trained
+        n = _batches_per_epoch(len(sampler), trainer.limit_train_batches)
+        sampler.set_epoch(trainer.current_epoch + done // n)  # a checkpoint at an epoch's end
+        sampler.skip_next(done % n)
+
+
+def _batches_per_epoch(available: int, limit: int | float | None) -> int:
+    """Training batches per epoch under Lightning's limit_train_batches (count or fraction)."""
+    if limit is None:
+        return max(available, 1)
+    if isinstance(limit, float) and limit <= 1.0:
+        return max(int(available * limit), 1)
+    return max(min(available, int(limit)), 1)
 
 
 def _check_data_dir(data_dir: str) -> dict:
