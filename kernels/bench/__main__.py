@@ -55,7 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _paths(out: str, slug: str, what: str, suites: list[str]) -> tuple[str, str]:
     if out.endswith(".json"):
         return out, os.path.dirname(os.path.abspath(out))
-    return os.path.join(out, f"bench-{slug}-{what}-{'+'.join(suites)}.json"), out
+    # '_' joins suites: result files keep to [A-Za-z0-9._-] so every copier and transfer keeps them
+    return os.path.join(out, f"bench-{slug}-{what}-{'_'.join(suites)}.json"), out
 
 
 def print_summary(rows: list[dict], ceilings: dict | None) -> None:
