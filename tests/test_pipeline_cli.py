@@ -65,7 +65,9 @@ def history(uri: str, run_id: str, keys=QUALITY) -> dict[str, dict[int, float]]:
 
 
 def test_fit_records_the_run_and_is_seeded(tiny, tracking, tmp_path, monkeypatch):
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")
+    # sample often: a tiny CPU run can end within one default interval, before any publish
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
     main(fit_args(tiny, tmp_path, "--mlflow.run_name", "a"))
     main(fit_args(tiny, tmp_path, "--mlflow.run_name", "b", "--mlflow.system_metrics", "false"))
     main(fit_args(tiny, tmp_path, "--mlflow.run_name", "c", "--mlflow.system_metrics", "false",
