@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-fast test-gpu data data-validate data-report experiment ui \
-        bench sweep report reproduce clean
+        bench sweep report reproduce profile clean
 
 help: ## list every target with one line each
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -82,6 +82,10 @@ report: setup ## tables + plots of a sweep into RESULTS/<ablation>/ and its pare
 reproduce: setup ## rerun one MLflow run from its logged config and data digest, compare metrics (RUN=<run id>)
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<MLflow run id> [REPRODUCE_ARGS='--rtol 5e-3']"; exit 2; }
 	$(PY) -m pipeline.reproduce --run $(RUN) $(REPRODUCE_ARGS)
+
+profile: data ## one-step profile per backend: the share of attention in step time
+	$(PY) -m pipeline.profile --config experiments/configs/base.yaml --config experiments/configs/$(PRESET).yaml \
+	  --data.data_dir $(DATA) --backends $(BACKENDS) $(PROFILE_ARGS)
 
 clean: ## remove caches and checkpoints (keeps data/ and mlflow.db)
 	rm -rf .pytest_cache checkpoints lightning_logs

@@ -17,6 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from kernels import (
     jagged_dense_attention,
@@ -69,20 +70,22 @@ class Histories:
 
     def self_attention(self, q, k, v) -> torch.Tensor:
         """q, k, v [T, H, Dh] or [B, N, H, Dh] -> the same shape; bidirectional within a history."""
-        if not self.padded:
-            return jagged_flash_attention(
-                q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend
-            )
-        return _padded_attention(q, k, v, self.key_mask, self.backend)
+        with record_function("attention/self"):  # a profiler range (pipeline.profile); no-op otherwise
+            if not self.padded:
+                return jagged_flash_attention(
+                    q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend
+                )
+            return _padded_attention(q, k, v, self.key_mask, self.backend)
 
     def target_attention(self, q, k, v) -> torch.Tensor:
         """q [B, 1, H, Dh] over k, v in this layout -> [B, 1, H, Dh]; zeros for empty histories."""
-        if not self.padded:
-            return jagged_dense_attention(
-                q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend
-            )
-        out = _padded_attention(q, k, v, self.key_mask, self.backend)
-        return out * (self.lengths > 0).to(out.dtype)[:, None, None, None]
+        with record_function("attention/target"):  # a profiler range (pipeline.profile); no-op otherwise
+            if not self.padded:
+                return jagged_dense_attention(
+                    q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend
+                )
+            out = _padded_attention(q, k, v, self.key_mask, self.backend)
+            return out * (self.lengths > 0).to(out.dtype)[:, None, None, None]
 
     def scores(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Per-item scores x_t . w_b: x in this layout, w [B, D, K] -> [T, K] or [B, N, K]."""

@@ -26,6 +26,7 @@ from mlflow.tracking import MlflowClient
 
 from models import BACKENDS
 from pipeline.errors import ConfigError
+from pipeline.sweep import child_fit_command
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"
@@ -33,17 +34,8 @@ EXPERIMENT = "main-job"
 
 
 def fit_command(preset: str, backend: str, data: str, experiment: str, parent_id: str, extra: list[str]) -> list[str]:
-    configs = ["base.yaml", f"{preset}.yaml", f"{backend}.yaml"]
-    cmd = [sys.executable, "-m", "pipeline", "fit"]
-    for name in configs:
-        cmd += ["--config", str(CONFIGS / name)]
-    return cmd + [
-        "--data.data_dir", data,
-        "--mlflow.experiment_name", experiment,
-        "--mlflow.parent_run_id", parent_id,
-        "--mlflow.run_name", f"{preset}-{backend}",
-        *extra,
-    ]
+    configs = [CONFIGS / name for name in ("base.yaml", f"{preset}.yaml", f"{backend}.yaml")]
+    return child_fit_command(configs, {}, data, experiment, parent_id, f"{preset}-{backend}", extra)
 
 
 def child_run(client: MlflowClient, experiment_id: str, parent_id: str, backend: str):

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import mlflow
 from mlflow.entities import Run
@@ -48,18 +49,25 @@ _OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAIL
 _TAIL_BYTES = 64 * 1024
 
 
-def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
+def child_fit_command(configs, overrides: dict[str, Any], data_dir, experiment: str, parent_id: str,
+                      run_name: str, extra: list[str] = ()) -> list[str]:
+    """`python -m pipeline fit` for one child run of a parent (the sweep's and the main job's)."""
     cmd = list(FIT_COMMAND)
-    for cfg in abl.configs:
+    for cfg in configs:
         cmd += ["--config", str(cfg)]
-    for key, value in point.overrides.items():
+    for key, value in overrides.items():
         cmd += [f"--{key}", cli_value(value)]
     return cmd + [
-        "--data.data_dir", str(point.dataset.dir),
-        "--mlflow.experiment_name", abl.experiment,
+        "--data.data_dir", str(data_dir),
+        "--mlflow.experiment_name", experiment,
         "--mlflow.parent_run_id", parent_id,
-        "--mlflow.run_name", point.name,
+        "--mlflow.run_name", run_name,
+        *extra,
     ]
+
+
+def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
+    return child_fit_command(abl.configs, point.overrides, point.dataset.dir, abl.experiment, parent_id, point.name)
 
 
 def child_env(tags: dict[str, str]) -> dict[str, str]:

@@ -1,0 +1,337 @@
+"""``python -m pipeline.profile --config base.yaml --config <preset>.yaml [--backends ...] [--key value]``.
+
+A profile of training steps per backend: how much of a step is attention. For each backend it
+builds the ranker, its AdamW and one real training batch through the training CLI's own parser
+and classes (:class:`pipeline.cli.RankerCLI`, :class:`pipeline.module.RankerModule`,
+:class:`pipeline.data.RankerData`; no trainer, no MLflow run), runs ``--warmup`` steps
+(forward, backward, optimizer step: ``RankerModule.training_step``, under the config's autocast
+precision), times ``--steps`` steps without the profiler, then runs them again under
+``torch.profiler`` (CPU and, on a GPU, CUDA activities).
+
+What is measured:
+
+* attention forward: the ``attention/self`` and ``attention/target`` ``record_function`` ranges
+  of :class:`models.attention.Histories` (every self-attention layer and the target attention);
+* attention backward: the autograd nodes that the forward ops inside those ranges created,
+  linked by the profiler's own (``sequence_nr``, forward thread) pairs to their
+  ``autograd::engine::evaluate_function: ...`` events (the link torch uses for backward stacks);
+* on a GPU the time of an op is the GPU kernel time it launched; on CPU, its wall time;
+* the step time is the wall time of a profiled step (synchronised), and the share is
+  (attention forward + backward) / step time. The projections (qkv, out, target q/kv) are not
+  attention here: only the op that mixes the history (scores, mask, softmax, weighted sum).
+
+    python -m pipeline.profile --config experiments/configs/base.yaml \
+        --config experiments/configs/paper.yaml --data.data_dir data/paper
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from models.config import BACKENDS
+from pipeline.cli import RankerCLI
+from pipeline.errors import ConfigError
+
+ATTENTION_RANGES = ("attention/self", "attention/target")
+_STEP_RANGE = "profile/step"
+_BACKWARD_SCOPE = 1  # at::RecordScope::BACKWARD_FUNCTION
+
+
+class _BuildCLI(RankerCLI):
+    """The training CLI's parser and classes without a trainer or an MLflow run."""
+
+    def before_instantiate_classes(self) -> None:
+        threads = self.config.torch_num_threads
+        if threads is not None:
+            if threads <= 0:
+                raise ConfigError(f"torch_num_threads must be > 0, got {threads}")
+            torch.set_num_threads(threads)
+
+    def instantiate_trainer(self, **kwargs):
+        return None
+
+
+def build(cli_args: list[str]):
+    """(module, datamodule, config) as ``python -m pipeline fit <cli_args>`` would build them."""
+    cli = _BuildCLI(args=cli_args, run=False)
+    return cli.model, cli.datamodule, cli.config
+
+
+def first_batch(dm) -> dict:
+    """The first training batch of epoch 0, as the training loader yields it."""
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    it = iter(loader)
+    batch = next(it)
+    del it, loader
+    return batch
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def autocast_for(precision, device: torch.device):
+    p = str(precision)
+    if p.startswith("bf16") and "mixed" in p:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    if p.startswith("16") and "mixed" in p:
+        return torch.autocast(device.type, dtype=torch.float16)
+    return nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(module, opt, batch: dict, amp, device) -> None:
+    """One step as training runs it: training_step (forward + loss), backward, AdamW step."""
+    opt.zero_grad(set_to_none=True)
+    with amp:
+        loss = module.training_step(batch, 0)
+    loss.backward()
+    opt.step()
+
+
+def _is_backward(evt) -> bool:
+    return getattr(evt, "scope", 0) == _BACKWARD_SCOPE
+
+
+def _descendants(evt):
+    for ch in evt.cpu_children:
+        yield ch
+        yield from _descendants(ch)
+
+
+def _has_ancestor(evt, chosen: set[int]) -> bool:
+    p = evt.cpu_parent
+    while p is not None:
+        if id(p) in chosen:
+            return True
+        p = p.cpu_parent
+    return False
+
+
+def attention_times(events, cuda: bool) -> dict:
+    """Microseconds inside attention (forward ranges, linked backward nodes) and per step."""
+    t = (lambda e: e.device_time_total) if cuda else (lambda e: e.cpu_time_total)
+    cpu_events = [e for e in events if e.device_type.name == "CPU"]
+    ranges = [e for e in cpu_events if e.name in ATTENTION_RANGES]
+    fwd = {name: sum(t(e) for e in ranges if e.name == name) for name in ATTENTION_RANGES}
+    links = {(d.sequence_nr, d.thread) for r in ranges for d in _descendants(r) if d.sequence_nr >= 0}
+    bwd_events = [
+        e for e in cpu_events
+        if _is_backward(e) and e.fwd_thread is not None and (e.sequence_nr, e.fwd_thread) in links
+    ]
+    chosen = {id(e) for e in bwd_events}
+    top = [e for e in bwd_events if not _has_ancestor(e, chosen)]  # no double counting of nesting
+    steps = [e for e in cpu_events if e.name == _STEP_RANGE]
+    return {
+        "fwd_self": fwd["attention/self"], "fwd_target": fwd["attention/target"],
+        "bwd": sum(t(e) for e in top), "bwd_ops": sorted({e.name.split(": ")[-1] for e in top}),
+        "step_wall": [e.cpu_time_total for e in steps], "ranges": len(ranges),
+    }
+
+
+def top_ops(prof, cuda: bool, n: int) -> list[tuple[str, float]]:
+    """The n ops with the most self time (GPU kernel time on CUDA), in us per profiled run."""
+    skip = {*ATTENTION_RANGES, _STEP_RANGE}
+    key = (lambda a: a.self_device_time_total) if cuda else (lambda a: a.self_cpu_time_total)
+    avgs = [  # host-side ops; on CUDA each with the kernel time it launched (not the kernels again)
+        a for a in prof.key_averages()
+        if a.device_type.name == "CPU" and a.key not in skip and not a.key.startswith("ProfilerStep")
+    ]
+    avgs.sort(key=key, reverse=True)
+    return [(a.key, key(a)) for a in avgs[:n] if key(a) > 0]
+
+
+def profile_backend(backend: str, configs: list[str], extra: list[str], steps: int, warmup: int,
+                    batches: dict, n_top: int) -> dict:
+    args = [a for c in configs for a in ("--config", c)] + extra + ["--model.ranker.backend", backend]
+    module, dm, cfg = build(args)
+    accel = str(cfg.trainer.accelerator)
+    device = torch.device("cuda" if torch.cuda.is_available() and accel in ("auto", "gpu", "cuda") else "cpu")
+    key = (str(dm.data_dir), dm.batch_size, dm.max_seq_len, dm.seed)
+    if key not in batches:  # every backend reads the same batch
+        batches[key] = first_batch(dm)
+    batch = to_device(batches[key], device)
+    module = module.to(device).train()
+    opt = module.configure_optimizers()
+    amp = autocast_for(cfg.trainer.precision, device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(warmup):
+        train_step(module, opt, batch, amp, device)
+    _sync(device)
+    plain = []
+    for _ in range(steps):  # step time without the profiler's overhead
+        t0 = time.perf_counter()
+        train_step(module, opt, batch, amp, device)
+        _sync(device)
+        plain.append(time.perf_counter() - t0)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function(_STEP_RANGE):
+                train_step(module, opt, batch, amp, device)
+                _sync(device)
+    events = prof.events()
+    times = attention_times(events, cuda)
+    if times["ranges"] == 0:
+        raise RuntimeError("no attention/* ranges in the profile: models/attention.py lost its record_function")
+    if times["fwd_self"] + times["fwd_target"] <= 0:
+        print(f"warning: {backend}: no {'GPU kernel' if cuda else 'CPU'} time inside the attention ranges",
+              file=sys.stderr)
+    step_us = sum(times["step_wall"]) / max(len(times["step_wall"]), 1)
+    attn_us = (times["fwd_self"] + times["fwd_target"] + times["bwd"]) / steps
+    gpu_us = None
+    if cuda:
+        gpu_us = sum(  # every kernel, memcpy and memset once (the device-side events)
+            e.self_device_time_total for e in events
+            if e.device_type.name != "CPU" and not getattr(e, "is_user_annotation", False)
+        ) / steps
+    return {
+        "backend": backend, "device": str(device), "precision": str(cfg.trainer.precision),
+        "batch_size": dm.batch_size, "max_seq_len": dm.max_seq_len, "n_tokens": int(batch["n_tokens"]),
+        "step_ms": 1e3 * sorted(plain)[len(plain) // 2], "prof_step_ms": step_us / 1e3,
+        "gpu_ms": None if gpu_us is None else gpu_us / 1e3,
+        "attn_fwd_self_ms": times["fwd_self"] / steps / 1e3, "attn_fwd_target_ms": times["fwd_target"] / steps / 1e3,
+        "attn_bwd_ms": times["bwd"] / steps / 1e3, "attn_ms": attn_us / 1e3,
+        "share": attn_us / step_us if step_us > 0 else float("nan"),
+        "bwd_ops": times["bwd_ops"],
+        "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
+        "top": [(name, us / steps / 1e3) for name, us in top_ops(prof, cuda, n_top)],
+    }
+
+
+def git_commit() -> str:
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[1])
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def device_slug() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0).replace("NVIDIA", "").strip().split()[0].lower()
+    return "cpu"
+
+
+def _f(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(results: list[dict], args, extra: list[str]) -> str:
+    try:
+        import triton
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = "none"
+    r0 = results[0]
+    cuda = r0["device"].startswith("cuda")
+    unit = "GPU kernel time" if cuda else "CPU wall time"
+    lines = [
+        f"# One-step profile per backend: the share of attention in step time",
+        "",
+        f"- device: {device_name()}; torch {torch.__version__}; triton {triton_v}; "
+        f"python {platform.python_version()}",
+        f"- commit: {git_commit()}; date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}",
+        f"- configs: {' '.join(args.config)}" + (f"; overrides: {' '.join(extra)}" if extra else ""),
+        f"- batch: {r0['batch_size']} examples, max_seq_len {r0['max_seq_len']}, {r0['n_tokens']} history "
+        f"items (fill {r0['n_tokens'] / (r0['batch_size'] * r0['max_seq_len']):.2f}); precision {r0['precision'] if r0['precision'] != 'None' else '32 (default)'}; "
+        f"{args.warmup} warm-up steps, {args.steps} timed and {args.steps} profiled steps on the same batch",
+        "",
+        "| backend | step ms | profiled step ms | "
+        + ("GPU busy ms | " if cuda else "")
+        + "attn fwd self ms | attn fwd target ms | attn bwd ms | attn ms | attn share | "
+        + ("peak GB | " if cuda else ""),
+        "|---|---:|---:|" + ("---:|" if cuda else "") + "---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
+    ]
+    for r in results:
+        row = [r["backend"], _f(r["step_ms"]), _f(r["prof_step_ms"])]
+        if cuda:
+            row.append(_f(r["gpu_ms"]))
+        row += [_f(r["attn_fwd_self_ms"]), _f(r["attn_fwd_target_ms"]), _f(r["attn_bwd_ms"]), _f(r["attn_ms"]),
+                _f(r["share"], ".3f")]
+        if cuda:
+            row.append(_f(r["peak_mem_gb"]))
+        lines.append("| " + " | ".join(row) + " |")
+    lines[-len(results) - 2] = lines[-len(results) - 2].rstrip()
+    lines += [
+        "",
+        f"What was measured: step ms is the median wall time of a training step (forward, BCE loss, "
+        f"backward, AdamW step; synchronised) without the profiler; the other columns come from the "
+        f"profiled steps, per step. Attention is {unit} inside the `attention/self` (all encoder layers) "
+        f"and `attention/target` record_function ranges (forward), plus the backward autograd nodes "
+        f"of the ops in those ranges, linked by the profiler's (sequence_nr, forward thread); "
+        f"projections and FFN are not attention. attn share = attn ms / profiled step ms.",
+        "",
+        "Top ops by self " + ("GPU kernel time" if cuda else "CPU time") + " (ms per step):",
+        "",
+    ]
+    for r in results:
+        ops = "; ".join(f"`{name}` {ms:.2f}" for name, ms in r["top"])
+        lines.append(f"- {r['backend']}: {ops}")
+        lines.append(f"  - attention backward nodes: {', '.join(r['bwd_ops']) or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.profile", description=__doc__.split("\n")[0],
+                                epilog="Any other --key value goes to the training CLI (e.g. --data.data_dir data/paper).")
+    p.add_argument("--config", action="append", required=True, help="a training config (repeatable, in order)")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--steps", type=int, default=3, help="timed and profiled steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (Triton autotuning, caches)")
+    p.add_argument("--top", type=int, default=6, help="ops listed per backend")
+    p.add_argument("--out", default=None,
+                   help="markdown file (default: experiments/results/profile_<preset>_<device>.md)")
+    args, extra = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.steps <= 0 or args.warmup < 0:
+        p.error("--steps must be > 0 and --warmup >= 0")
+    out = Path(args.out or f"experiments/results/profile_{Path(args.config[-1]).stem}_{device_slug()}.md")
+    warnings.filterwarnings("ignore", message=".*self.log.*")  # training_step logs; no trainer here
+    warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")  # our own argv
+    batches: dict = {}
+    results = []
+    try:
+        for backend in args.backends:
+            print(f"profiling {backend} ...", file=sys.stderr, flush=True)
+            results.append(profile_backend(backend, args.config, extra, args.steps, args.warmup, batches, args.top))
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    text = markdown(results, args, extra)
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"written {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""pipeline.profile on CPU, tiny data: one table row per backend, an attention share, the file."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeline.profile import main
+from test_pipeline_data import tiny_data_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "experiments" / "configs"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_data_dir(tmp_path_factory)
+
+
+def test_profile_reports_the_attention_share_of_every_backend(tiny, tmp_path, capsys):
+    out = tmp_path / "profile_tiny_cpu.md"
+    rc = main([
+        "--config", str(CONFIGS / "base.yaml"), "--config", str(CONFIGS / "tiny.yaml"),
+        "--data.data_dir", str(tiny), "--trainer.accelerator", "cpu",
+        "--steps", "2", "--warmup", "1", "--out", str(out),
+    ])
+    assert rc == 0
+    assert out.is_file()
+    text = out.read_text()
+    assert "torch " in text and "commit: " in text
+    header = next(line for line in text.splitlines() if line.startswith("| backend"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    share_col = cols.index("attn share")
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\| (dense|sdpa|jagged) \|", line)
+        if m:
+            rows[m.group(1)] = [c.strip() for c in line.strip().strip("|").split("|")]
+    assert set(rows) == {"dense", "sdpa", "jagged"}
+    for backend, cells in rows.items():
+        share = float(cells[share_col])
+        assert 0 < share <= 1, (backend, share)
+        assert float(cells[cols.index("attn bwd ms")]) > 0, backend  # backward nodes were linked
+    assert "| backend" in capsys.readouterr().out  # the table is printed too
