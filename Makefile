@@ -30,7 +30,7 @@ help: ## list every target with one line each
 	@echo "  variables: PRESET=$(PRESET) DATA=$(DATA) PY=$(PY) SETUP=$(SETUP) (none: use installed packages)"
 
 ifeq ($(SETUP),none)
-setup: ## create .venv with every dependency (idempotent; a no-op with SETUP=none)
+setup:
 	@true
 else
 setup: $(VENV)/.installed ## create .venv with every dependency (idempotent; a no-op with SETUP=none)
