@@ -58,6 +58,26 @@ class JaggedSplit:
         ) if n_dense else np.zeros((self.num_rows, 0), np.float32)  # [R, n_dense]
         self.label = _flat(table.column("label")).astype(np.float32)
 
+    ARRAYS = ("row_offsets", "item", "action", "age", "cand", "dense", "label")  # the whole state
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The split's flat arrays by name (see ARRAYS): what ``from_arrays`` rebuilds it from."""
+        return {name: getattr(self, name) for name in self.ARRAYS}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray]) -> "JaggedSplit":
+        """A split over arrays saved from ``arrays()`` (e.g. memory-mapped .npy files)."""
+        self = cls.__new__(cls)
+        for name in cls.ARRAYS:
+            setattr(self, name, arrays[name])
+        self.num_rows = len(self.cand)
+        n_items = int(self.row_offsets[-1]) if len(self.row_offsets) else -1
+        if (len(self.row_offsets) != self.num_rows + 1 or self.dense.ndim != 2
+                or len(self.dense) != self.num_rows or len(self.label) != self.num_rows
+                or min(len(self.item), len(self.action), len(self.age)) < n_items):
+            raise ValueError("inconsistent split arrays (row counts or history lengths differ)")
+        return self
+
     def gather(self, idx: np.ndarray, max_seq_len: int) -> dict:
         """The batch of rows `idx` [B]: jagged histories cut to their most recent max_seq_len."""
         end = self.row_offsets[idx + 1]

@@ -5,24 +5,44 @@
 Every backend reads the same jagged batches (see :mod:`pipeline.batches`): histories cut to
 their most recent ``max_seq_len`` items, as values + offsets. The data directory is checked
 when the module is built (before any training): meta.json, the three splits, their schema.
+
+Decoded splits are cached (``cache=True``, the default): after the first, fully validated read
+of a split its flat arrays are saved as .npy files under
+``<data_dir>/.cache/<digest[:16]>/<split>/`` (a temp dir renamed into place, a marker file
+written last), and later processes memory-map them instead of decoding the Parquet shards. A
+cache is used only for the digest meta.json names now, and only while every shard of the split
+has the size and mtime recorded in the marker; otherwise the split is read and checked in full
+again and the cache rebuilt.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import re
+import shutil
+import tempfile
 import time
+import warnings
 from pathlib import Path
+
+import numpy as np
 
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from data_gen.schema import DataValidationError, read_split, validate_dataset
+from data_gen.schema import DataValidationError, dataset_digest, load_meta, read_split, validate_dataset
 from pipeline.batches import HIST_COLUMNS, BatchDataset, EpochBatchSampler, JaggedSplit
 from pipeline.errors import ConfigError
 
 SPLITS = ("train", "val", "test")
+CACHE_DIR = ".cache"  # under the data directory
+CACHE_VERSION = 1  # bump when JaggedSplit's arrays change meaning
+CACHE_MARKER = "complete.json"  # written last: a split directory without it is never read
+log = logging.getLogger(__name__)
 
 
 def _columns(n_dense: int) -> list[str]:
@@ -39,6 +59,8 @@ class RankerData(pl.LightningDataModule):
         max_seq_len: histories keep their most recent max_seq_len items (> 0).
         num_workers: loader worker processes (0: load in the training process).
         seed: the training order is a function of (seed, epoch) only.
+        cache: reuse the decoded arrays of earlier processes (memory-mapped .npy files under
+            ``<data_dir>/.cache/``; see the module docstring), and write them after a full read.
     """
 
     def __init__(
@@ -49,6 +71,7 @@ class RankerData(pl.LightningDataModule):
         max_seq_len: int = 256,
         num_workers: int = 2,
         seed: int = 0,
+        cache: bool = True,
     ):
         super().__init__()
         if max_seq_len <= 0:
@@ -60,6 +83,7 @@ class RankerData(pl.LightningDataModule):
         self.data_dir = str(data_dir)
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
         self.max_seq_len, self.num_workers, self.seed = max_seq_len, num_workers, seed
+        self.cache = cache
         self.meta = _check_data_dir(self.data_dir)
         cfg = self.meta["config"]
         self.spec = {
@@ -75,8 +99,7 @@ class RankerData(pl.LightningDataModule):
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage, SPLITS)
         for split in wanted:
             if split not in self._splits:
-                table = read_split(self.data_dir, split, columns=_columns(self.spec["n_dense"]))
-                self._splits[split] = JaggedSplit(table, self.spec["n_dense"])
+                self._splits[split] = load_split(self.data_dir, split, self.spec["n_dense"], cache=self.cache)
 
     def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
         data = self._splits[split]
@@ -123,6 +146,114 @@ def _batches_per_epoch(available: int, limit: int | float | None) -> int:
     if isinstance(limit, float) and limit <= 1.0:
         return max(int(available * limit), 1)
     return max(min(available, int(limit)), 1)
+
+
+def load_split(data_dir: str | Path, split: str, n_dense: int, *, cache: bool = True) -> JaggedSplit:
+    """One split as a JaggedSplit: from a valid cache, else a full validated read (then cached)."""
+    if not cache:
+        return JaggedSplit(read_split(data_dir, split, columns=_columns(n_dense)), n_dense)
+    data_dir = Path(data_dir)
+    meta = load_meta(data_dir)
+    entries = meta["splits"][split]["files"] if split in meta["splits"] else []
+    digest = str(meta["digest"])
+    usable = bool(re.fullmatch(r"[0-9a-f]{16,}", digest)) and bool(entries)
+    if usable:
+        cached = _read_cache(data_dir, split, n_dense, meta)
+        if cached is not None:
+            return cached
+    before = _shard_stats(data_dir, entries)
+    data = JaggedSplit(read_split(data_dir, split, columns=_columns(n_dense)), n_dense)  # hashes every shard
+    if usable and before is not None and _shard_stats(data_dir, entries) == before:  # unchanged while read
+        marker = {"version": CACHE_VERSION, "digest": digest, "split": split, "n_dense": n_dense,
+                  "files": before, "arrays": {k: [list(a.shape), a.dtype.str] for k, a in data.arrays().items()}}
+        try:
+            _write_cache(data_dir, split, data, marker)
+        except OSError as err:  # a read-only data directory, a full disk: train uncached
+            warnings.warn(f"could not cache the {split} split under {data_dir / CACHE_DIR}: {err}", stacklevel=2)
+    return data
+
+
+def _split_cache(data_dir: Path, digest: str, split: str) -> Path:
+    return data_dir / CACHE_DIR / digest[:16] / split
+
+
+def _shard_stats(data_dir: Path, entries: list[dict]) -> list[dict] | None:
+    """[{path, sha256, rows, size, mtime_ns}] of the split's shards; None if one is missing."""
+    out = []
+    for e in entries:
+        try:
+            st = os.stat(data_dir / str(e.get("path", "")))
+        except OSError:
+            return None
+        out.append({"path": e.get("path"), "sha256": e.get("sha256"), "rows": e.get("rows"),
+                    "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def _read_cache(data_dir: Path, split: str, n_dense: int, meta: dict) -> JaggedSplit | None:
+    """The cached split if complete and current (digest, shard sizes and mtimes), else None."""
+    digest = meta["digest"]
+    shas = [f.get("sha256", "") for s in SPLITS for f in meta["splits"][s]["files"]]
+    if dataset_digest(shas) != digest:
+        return None  # meta.json contradicts itself: the full read reports it
+    path = _split_cache(data_dir, digest, split)
+    try:
+        marker = json.loads((path / CACHE_MARKER).read_text())
+        if (marker.get("version") != CACHE_VERSION or marker.get("digest") != digest
+                or marker.get("split") != split or marker.get("n_dense") != n_dense
+                or marker.get("files") != _shard_stats(data_dir, meta["splits"][split]["files"])
+                or set(marker.get("arrays", {})) != set(JaggedSplit.ARRAYS)):
+            return None
+        arrays = {}
+        for name, (shape, dtype) in marker["arrays"].items():
+            arr = np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+            if list(arr.shape) != shape or arr.dtype.str != dtype:
+                return None
+            arrays[name] = np.asarray(arr)  # a plain ndarray over the mapping
+        data = JaggedSplit.from_arrays(arrays)
+    except FileNotFoundError:
+        return None  # no cache (yet)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        log.warning("ignoring the unreadable cache %s: %s", path, err)
+        return None
+    log.info("%s split: memory-mapped from the cache %s", split, path)
+    return data
+
+
+def _write_cache(data_dir: Path, split: str, data: JaggedSplit, marker: dict) -> None:
+    """Save the split's arrays, marker last, in a temp dir renamed into place; drop stale caches."""
+    root = data_dir / CACHE_DIR
+    final = _split_cache(data_dir, marker["digest"], split)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    for old in root.iterdir():  # caches of earlier contents of this directory (another digest)
+        if old != final.parent and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    for old in final.parent.glob(".tmp-*"):  # left by killed processes (an hour is long enough)
+        if time.time() - old.stat().st_mtime > 3600:
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{split}-", dir=final.parent))
+    try:
+        for name, arr in data.arrays().items():
+            _write_synced(tmp / f"{name}.npy", lambda f, a=arr: np.save(f, a, allow_pickle=False))
+        _write_synced(tmp / CACHE_MARKER, lambda f: f.write(json.dumps(marker, indent=1).encode()))
+        if final.exists():  # incomplete or stale: move it aside (a rename) before ours goes in
+            aside = Path(tempfile.mkdtemp(prefix=f".tmp-{split}-old-", dir=final.parent))
+            os.replace(final, aside / split)
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if not (final / CACHE_MARKER).is_file():  # else another process was faster: use theirs
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_synced(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _check_data_dir(data_dir: str) -> dict:
