@@ -13,14 +13,28 @@ Every comparison is also appended to RECORDS (name, dtype, error, bound) for the
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels._attention_reference import dense_attention_reference, flash_attention_reference
+from kernels._jagged_common import set_poison_outputs
+from kernels._validation import set_debug_checks
 from kernels.dense_attention import jagged_dense_attention
 from kernels.flash_attention import jagged_flash_attention
 from tolerance import _FLOORS, assert_close_to_oracle, max_abs_err
 
 RECORDS: list[dict] = []
+
+
+@pytest.fixture(autouse=True)
+def poison_and_debug():
+    """Autouse in every test module that imports it: NaN-filled outputs catch any element a
+    kernel forgets to write; debug checks validate offsets on the GPU too."""
+    set_poison_outputs(True)
+    set_debug_checks(True)
+    yield
+    set_poison_outputs(False)
+    set_debug_checks(False)
 
 
 def make_offsets(lengths: list[int], device) -> torch.Tensor:

@@ -7,11 +7,10 @@ import pytest
 import torch
 
 import attention_checks
+from attention_checks import poison_and_debug  # noqa: F401  (autouse fixture)
 from attention_checks import check_flash, make_offsets
 from kernels import jagged_flash_attention
 from kernels._attention_reference import flash_attention_reference
-from kernels._jagged_common import set_poison_outputs
-from kernels._validation import set_debug_checks
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -21,17 +20,6 @@ def _error_summary():
     start = len(attention_checks.RECORDS)
     yield
     attention_checks.dump_summary(attention_checks.RECORDS[start:], "flash")
-
-
-@pytest.fixture(autouse=True)
-def _poison_and_debug():
-    # NaN-filled outputs catch any element a kernel forgets to write; debug checks validate
-    # offsets on the GPU too
-    set_poison_outputs(True)
-    set_debug_checks(True)
-    yield
-    set_poison_outputs(False)
-    set_debug_checks(False)
 
 
 # ---- CPU: the Triton kernels through the interpreter (blocks of 16, tiny shapes) ----------
