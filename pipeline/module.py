@@ -21,6 +21,19 @@ from pipeline.metrics import ranking_metrics
 _MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
 
 
+class RunningMean(MeanMetric):
+    """Weighted running mean whose update never synchronises the GPU.
+
+    torchmetrics' MeanMetric checks every update for NaN (``nans.any()``: a device sync per
+    training step, which stalls the host behind the GPU) and turns a Python weight into a
+    host-to-device copy. Non-finite losses are caught by RankerModule's own flag instead.
+    """
+
+    def update(self, value: torch.Tensor, weight: float = 1.0) -> None:  # type: ignore[override]
+        self.mean_value += value.detach().to(self.mean_value.dtype).sum() * weight
+        self.weight += weight * value.numel()
+
+
 class NonFiniteLossError(FloatingPointError):
     """The training loss became NaN or inf; the message names the first such step."""
 
@@ -59,7 +72,7 @@ class RankerModule(pl.LightningModule):
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         # the epoch's running mean and its epoch are checkpointed, so a run resumed mid-epoch
         # logs the same mean as an uninterrupted one (and one resumed at an epoch end starts afresh)
-        self.train_loss = MeanMetric()
+        self.train_loss = RunningMean()
         self.train_loss.persistent(True)
         self.register_buffer("train_loss_epoch", torch.tensor(-1, dtype=torch.int64))
         # first step whose loss was not finite (-1: none); checked without a sync every step
@@ -122,4 +135,8 @@ class RankerModule(pl.LightningModule):
         self._log_eval(self.test_metrics, "test")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+        # fused on CUDA: one kernel pass over every parameter instead of a dozen foreach passes
+        # (the 1M-row item table alone is 128M parameters at the paper preset)
+        fused = self.device.type == "cuda" or None
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas,
+                                 fused=fused)

@@ -32,7 +32,8 @@ def _ours(j: Jagged, cfg: RunConfig) -> Prepared:
     from kernels import jagged_flash_attention
 
     q, k, v = _leaves(j.q, j.k, j.v)
-    offsets, N = j.offsets, j.shape.N
+    # int32 offsets, as varlen_attn's cu_seqlens: the kernels read them natively (no copy)
+    offsets, N = j.offsets.to(torch.int32), j.shape.N
 
     kw = op_kwargs(jagged_flash_attention, 5, backend=cfg.ours_backend)
 

@@ -22,7 +22,7 @@ def _ours(j: Jagged, cfg: RunConfig) -> Prepared:
     from kernels import jagged_dense_attention
 
     q, k, v = _leaves(j.qd, j.k, j.v)
-    offsets, N = j.offsets, j.shape.N
+    offsets, N = j.offsets.to(torch.int32), j.shape.N  # as varlen's cu_seqlens; read natively
 
     kw = op_kwargs(jagged_dense_attention, 5, backend=cfg.ours_backend)
 
