@@ -115,7 +115,19 @@ def header_lines(parent: Run, df: pl.DataFrame, commit: str | None) -> list[str]
         "",
         "Throughput is over steady-state training steps (warm-up and validation excluded); tokens are "
         "real history items. Wall time is the whole run's process (start-up and data loading included).",
+        *shared_device_note(ok if ok.height else df),
     ]
+
+
+def shared_device_note(df: pl.DataFrame) -> list[str]:
+    """A warning when runs shared the device (`pipeline.sweep --parallel`)."""
+    shared = sorted({int(p) for p in df["parallel"].to_list() if p and int(p) > 1})
+    if not shared:
+        return []
+    return ["", f"**{df.filter(pl.col('parallel') != '1').height} of these runs shared the GPU with other runs "
+                f"(`--parallel {', '.join(map(str, shared))}`): their throughput and wall time are not "
+                "comparable with runs that had the device alone; peak memory is per process and accuracy "
+                "does not depend on it.**"]
 
 
 def ratio_section(rat: dict[str, dict[str, list]], x: str) -> list[str]:

@@ -2,7 +2,7 @@
 
     python -m pipeline.sweep experiments/ablations/seq_len.yaml [--dry-run] [--max-runs N]
         [--data DIR] [--data-root data] [--set key=value ...] [--where axis=label[,label]]
-        [--deadline-s S] [--timeout S] [--retry-oom] [--new]
+        [--deadline-s S] [--timeout S] [--parallel N] [--retry-oom] [--new]
     make experiment-seq_len [SWEEP_ARGS="--max-runs 3"]
 
 Every run is ``python -m pipeline fit --config <configs...> --<key> <value> ...`` in its own
@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, track
 FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapper that injects failures
 _OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED")
 _TAIL_BYTES = 64 * 1024
+_ECHO_LOCK = threading.Lock()
 
 
 def child_fit_command(configs, overrides: dict[str, Any], data_dir, experiment: str, parent_id: str,
@@ -78,8 +80,13 @@ def child_env(tags: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None) -> tuple[int, str, bool]:
-    """Run `cmd`, echoing its output live; (exit status, last 64 KiB of output, timed out)."""
+def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None, prefix: str = "",
+           stop: threading.Event | None = None) -> tuple[int, str, bool]:
+    """Run `cmd`, echoing its output live; (exit status, last 64 KiB of output, timed out).
+
+    prefix: put before every echoed line (concurrent runs). stop: set by another thread to end
+    the run as a Ctrl-C would (SIGINT, then KeyboardInterrupt raised here).
+    """
     # its own process group: a timeout ends the run's loader workers too, not only the trainer
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -87,11 +94,21 @@ def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None) -> tupl
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def pump() -> None:
+        pending = ""
         for chunk in iter(lambda: proc.stdout.read1(8192), b""):
             tail.extend(chunk)
             del tail[:-_TAIL_BYTES]
-            sys.stdout.write(decoder.decode(chunk))
-            sys.stdout.flush()
+            text = decoder.decode(chunk)
+            if prefix:  # whole lines only, so that concurrent runs do not interleave mid-line
+                pending += text.replace("\r", "\n")
+                *lines, pending = pending.split("\n")
+                text = "".join(f"{prefix}{ln}\n" for ln in lines)
+            with _ECHO_LOCK:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+        if prefix and pending:
+            with _ECHO_LOCK:
+                sys.stdout.write(f"{prefix}{pending}\n")
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -100,6 +117,8 @@ def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None) -> tupl
         # poll: a SIGINT that the OS hands to the reader thread reaches the main thread only
         # when it wakes up, and a blocking wait() would not wake before the child exits
         while proc.poll() is None:
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
             if deadline is not None and time.monotonic() > deadline:
                 timed_out = True
                 _stop(proc, signal.SIGTERM, grace_s=30)
@@ -203,6 +222,7 @@ class Sweep:
     def child_tags(self, point: Point, config_hash: str) -> dict[str, str]:
         return {"sweep.name": self.abl.name, "sweep.point": point.name, "sweep.config_hash": config_hash,
                 "sweep.overrides": json.dumps(point.overrides, default=str)[:5000],
+                "sweep.parallel": str(self.parallel),
                 **{f"sweep.axis.{a}": label for a, label in point.labels.items()}}
 
     def find_child(self, config_hash: str, known: set[str]) -> Run | None:
@@ -239,7 +259,9 @@ class Sweep:
         known = {r.info.run_id for r in runs_.child_runs(self.parent)}
         t0 = time.perf_counter()
         try:
-            rc, output, timed_out = stream(cmd, child_env(self.child_tags(point, config_hash)), self.timeout_s)
+            rc, output, timed_out = stream(cmd, child_env(self.child_tags(point, config_hash)), self.timeout_s,
+                                           prefix=f"[{point.name}] " if self.parallel > 1 else "",
+                                           stop=self._stop)
         except KeyboardInterrupt:  # a run that FINISHED before the signal is a result; else it is KILLED
             child = self.find_child(config_hash, known)
             done = child is not None and child.info.status == "FINISHED"
@@ -292,40 +314,62 @@ class Sweep:
 
     def run(self) -> int:
         parent_id = self.open_parent()
-        previous = self.previous()
-        points, executed, results, t_start = self.selected(), 0, {}, time.monotonic()
+        self._previous, self._executed, self._t_start = self.previous(), 0, time.monotonic()
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        points, results = self.selected(), {}
+        jobs = [(f"=== [{i + 1}/{len(points)}] {self.abl.name}: {p.name}", p) for i, p in enumerate(points)]
         try:
-            for i, point in enumerate(points):
-                head = f"=== [{i + 1}/{len(points)}] {self.abl.name}: {point.name}"
-                try:
-                    digest = point.dataset.ensure()
-                except ConfigError as err:
-                    h = self.abl.config_hash(point, None)
-                    self.hashes[point.name] = h
-                    print(f"{head}: FAILED before starting: {err}", file=sys.stderr)
-                    self.record(point, h, None, "FAILED", str(err), str(err), None)
-                    results[point.name] = "FAILED"
-                    continue
-                h = self.hashes[point.name] = self.abl.config_hash(point, digest)
-                done = self.done_status(previous.get(h, []))
-                if done:
-                    print(f"{head}: skipped, already {done} (hash {h})", flush=True)
-                    results[point.name] = done
-                    continue
-                late = self.args.deadline_s is not None and time.monotonic() - t_start > self.args.deadline_s
-                if late or (self.args.max_runs is not None and executed >= self.args.max_runs):
-                    print(f"{head}: not started ({'past --deadline-s' if late else '--max-runs reached'})")
-                    results[point.name] = "NOT RUN"
-                    continue
-                print(f"\n{head} (hash {h}) ===", flush=True)
-                executed += 1
-                results[point.name] = self.run_point(point, h)
-                print(f"=== {point.name}: {results[point.name]}", flush=True)
+            if self.parallel == 1:
+                for head, point in jobs:
+                    results[point.name] = self.attempt(head, point)
+            else:
+                with ThreadPoolExecutor(self.parallel) as pool:
+                    futures = {p.name: pool.submit(self.attempt, head, p) for head, p in jobs}
+                    try:
+                        for name, future in futures.items():
+                            results[name] = future.result()
+                    except KeyboardInterrupt:  # end the runs in flight (they record themselves KILLED)
+                        self._stop.set()
+                        pool.shutdown(wait=True, cancel_futures=True)
+                        raise
         except KeyboardInterrupt:
             self.client.set_terminated(parent_id, "KILLED")
             print("\ninterrupted: the parent run is marked KILLED; rerun the same command to resume", file=sys.stderr)
             return 130
         return self.finish(parent_id, results)
+
+    def attempt(self, head: str, point: Point) -> str:
+        """One point: its data (generated once), skipped if done, else run; -> its status."""
+        if self._stop.is_set():
+            return "NOT RUN"
+        try:
+            with self._lock:  # two points may share a data set: generate it once
+                digest = point.dataset.ensure()
+        except ConfigError as err:
+            h = self.abl.config_hash(point, None)
+            self.hashes[point.name] = h
+            print(f"{head}: FAILED before starting: {err}", file=sys.stderr)
+            self.record(point, h, None, "FAILED", str(err), str(err), None)
+            return "FAILED"
+        h = self.hashes[point.name] = self.abl.config_hash(point, digest)
+        done = self.done_status(self._previous.get(h, []))
+        if done:
+            print(f"{head}: skipped, already {done} (hash {h})", flush=True)
+            return done
+        with self._lock:
+            late = self.args.deadline_s is not None and time.monotonic() - self._t_start > self.args.deadline_s
+            if late or (self.args.max_runs is not None and self._executed >= self.args.max_runs):
+                print(f"{head}: not started ({'past --deadline-s' if late else '--max-runs reached'})")
+                return "NOT RUN"
+            self._executed += 1
+        print(f"\n{head} (hash {h}) ===", flush=True)
+        status = self.run_point(point, h)
+        print(f"=== {point.name}: {status}", flush=True)
+        return status
+
+    @property
+    def parallel(self) -> int:
+        return max(1, self.args.parallel)
 
     def finish(self, parent_id: str, results: dict[str, str]) -> int:
         for point in self.abl.points:  # the whole grid, so that the report sees it whatever --where said
@@ -373,9 +417,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no new run after this many seconds (a run in progress finishes); rerun to go on")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default: the file's timeout_s)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="run N points at once on the same device (accuracy ablations: throughput of "
+                        "concurrent runs is not comparable and the report says so; peak memory is per process)")
     p.add_argument("--retry-oom", action="store_true", help="rerun points recorded as OOM")
     p.add_argument("--new", action="store_true", help="start a new parent run instead of resuming")
     args = p.parse_args(argv)
+    if args.parallel < 1:
+        p.error(f"--parallel must be >= 1, got {args.parallel}")
     args.argv = argv
     return args
 

@@ -193,3 +193,30 @@ def test_a_run_past_its_timeout_is_killed_and_recorded(smoke, tmp_path, monkeypa
     (run,) = children(uri, the_parent(uri).info.run_id)["backend=jagged/max_seq_len=16"]
     assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
     assert run.data.tags["sweep.error"] == "timed out after 2 s"
+
+
+def test_parallel_runs_are_tagged_prefixed_and_flagged_in_the_report(smoke, tmp_path, monkeypatch, capsys):
+    from pipeline import _sweep_runs as runs_
+    from pipeline.report import shared_device_note
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16,0",
+            "--parallel", "2"]
+    assert sweep.main(argv) == 1  # max_seq_len=0 fails its pre-flight check, 16 trains
+    out = capsys.readouterr().out
+    assert "[backend=jagged/max_seq_len=16] " in out and "[backend=jagged/max_seq_len=0] " in out
+    kids = children(uri, the_parent(uri).info.run_id)
+    (ok,), (bad,) = kids["backend=jagged/max_seq_len=16"], kids["backend=jagged/max_seq_len=0"]
+    assert ok.data.tags["status"] == "OK" and bad.data.tags["status"] == "FAILED"
+    assert ok.data.tags["sweep.parallel"] == "2"
+    df = runs_.runs_frame([ok, bad], ["backend", "max_seq_len"])
+    (note,) = [ln for ln in shared_device_note(df) if ln]
+    assert "2 of these runs shared the GPU" in note and "--parallel 2" in note
+    assert shared_device_note(df.with_columns(parallel=df["parallel"].str.replace("2", "1"))) == []
+
+
+def test_parallel_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["x.yaml", "--parallel", "0"])
+    assert "--parallel must be >= 1" in capsys.readouterr().err
