@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One GPU-machine call for the ablations (issue 6): `paper` data if absent, then the PARTS asked
+# for, each a resumable sweep bounded by what is left of the call's budget, then its report.
+# Run from the repo root after the wheel install line (../shared/device/README.md), with OUT and
+# GIT_COMMIT set (no .git there). A call cut short loses nothing: rerun the same line (on the
+# same warm machine, or on a fresh one with the returned mlflow.db carried back as ./mlflow.db)
+# and finished runs are skipped.
+#
+#   PARTS="seq_len sparsity" bash experiments/gpu/ablations.sh          # throughput: one run at a time
+#   PARTS="history_value model profile" bash experiments/gpu/ablations.sh
+#
+# Parts: seq_len, sparsity, smoke (throughput and memory: runs never share the GPU), history_value,
+# model (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
+# their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
+# into experiments/results/profile_<preset>_<gpu>.md).
+# Returns $OUT/run.log, $OUT/mlflow.db, $OUT/results.tgz (experiments/results/) and the profile.
+set -uo pipefail
+: "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
+export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT
+export MLFLOW_TRACKING_URI=sqlite:///$PWD/mlflow.db
+PARTS=" ${PARTS:-seq_len sparsity history_value model profile} "
+budget=${CALL_BUDGET_S:-570}
+log=$OUT/run.log
+save() { cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null; }
+left() { echo $((budget - SECONDS)); }
+preset=${PRESET:-paper}  # the data of the runs whose ablation file names none (PRESET=tiny: a CPU check)
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; } | tee "$log"
+make data PRESET="$preset" SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
+
+sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget ends, then report
+  local name=$1; shift
+  local t=$(( $(left) - 75 ))
+  if [ "$t" -lt 60 ]; then echo "$name: not started, ${t}s left" | tee -a "$log"; return; fi
+  timeout "$t" python3 -m pipeline.sweep "experiments/ablations/$name.yaml" --data "data/$preset" \
+    --deadline-s $((t - 60)) "$@" >> "$log" 2>&1
+  echo "$name sweep rc=$? at ${SECONDS}s" | tee -a "$log"
+  timeout 45 python3 -m pipeline.report --parent "$name" --commit "$GIT_COMMIT" >> "$log" 2>&1
+  echo "$name report rc=$? at ${SECONDS}s" | tee -a "$log"
+  save
+}
+
+par=${PARALLEL:-4}
+for part in $PARTS; do
+  case $part in
+    seq_len|sparsity|smoke) sweep "$part" ;;
+    history_value|model) sweep "$part" --parallel "$par" --set data.num_workers=4 ;;
+    profile)
+      timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
+        --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1
+      echo "profile rc=$? at ${SECONDS}s" | tee -a "$log"; save ;;
+    *) echo "unknown part $part" | tee -a "$log" ;;
+  esac
+done
+save
+grep -E "rc=|: [0-9]+ (OK|OOM|FAILED|NOT RUN)" "$log" | tail -30
