@@ -12,7 +12,8 @@
 # Parts: seq_len, sparsity, smoke (throughput and memory: runs never share the GPU), history_value,
 # model (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
-# into experiments/results/profile_<preset>_<gpu>.md).
+# into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
+# seq_len jagged run at max_seq_len 1024: its metrics beside the original's, GPU tolerance).
 # Returns $OUT/run.log, $OUT/mlflow.db, $OUT/results.tgz (experiments/results/) and the profile.
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
@@ -48,6 +49,18 @@ for part in $PARTS; do
       timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
         --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1
       echo "profile rc=$? at ${SECONDS}s" | tee -a "$log"; save ;;
+    reproduce)  # rerun seq_len's jagged run at max_seq_len 1024 from its logged config (GPU tolerance)
+      run_id=$(python3 -c "
+import mlflow
+runs = mlflow.search_runs(search_all_experiments=True, output_format='list', order_by=['attributes.start_time DESC'],
+    filter_string=\"tags.\`sweep.name\` = '${REPRO_SWEEP:-seq_len}' and tags.\`sweep.axis.backend\` = 'jagged' and tags.\`sweep.axis.max_seq_len\` = '${REPRO_LEN:-1024}' and attributes.status = 'FINISHED'\")
+print(runs[0].info.run_id if runs else '')")
+      if [ -n "$run_id" ] && [ "$(left)" -gt 150 ]; then
+        timeout $(( $(left) - 30 )) python3 -m pipeline.reproduce --run "$run_id" >> "$log" 2>&1
+        echo "reproduce $run_id rc=$? at ${SECONDS}s" | tee -a "$log"
+      else
+        echo "reproduce: no finished seq_len jagged@1024 run, or under 150 s left" | tee -a "$log"
+      fi ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done
