@@ -5,7 +5,8 @@
 # (the GPU machine has no .git). Everything lands in $OUT/bench (JSON, markdown, PNG: at most
 # 7 files) and $OUT/run.log, so a call cut short still returns what was measured.
 # PARTS picks what runs (default all three; one 10-minute call fits them only with short
-# budgets: on 2026-11-23 the tests needed more than 200 s with 8 workers), e.g.
+# budgets: on 2026-11-23 the tests needed more than 200 s with 8 workers; now one per core, at
+# most 16, TEST_WORKERS to change), e.g.
 #   PARTS="tests bench_paper" bash experiments/gpu/kernels.sh
 set -uo pipefail
 PARTS=" ${PARTS:-tests bench_paper bench_recsys_long} "
@@ -14,7 +15,8 @@ export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 log=$OUT/run.log
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 if [[ $PARTS == *" tests "* ]]; then
-  python3 -c "import xdist" 2>/dev/null && par=(-n 8) || par=()
+  workers=${TEST_WORKERS:-$(nproc)}; [ "$workers" -gt 16 ] && workers=16  # the tests are mostly compiles
+  python3 -c "import xdist" 2>/dev/null && par=(-n "$workers") || par=()
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -m gpu "${par[@]}" -p no:cacheprovider tests/ \
     >> "$log" 2>&1
   echo "gpu tests rc=$?" | tee -a "$log"
