@@ -14,7 +14,10 @@ users). Every key but ``name`` and ``grid`` is optional::
       model.ranker.backend: [dense, sdpa, jagged]   # a key axis: named after the key's last part
       fill:                                         # a named axis: label -> overrides of the point
         "0.25": {dataset: {name: fill025, preset: paper, mean_len: 256}}
-    report: {x: max_seq_len, series: backend, baseline: jagged, oracle: false}
+    report: {x: max_seq_len, series: backend, baseline: jagged, oracle: false,
+             targets: [{at: {max_seq_len: "1024"}, vs: sdpa, min_speedup: 2, max_memory_ratio: 0.5,
+                        max_auc_diff: 0.002}],         # PASS/MISS table: baseline vs `vs` at `at`
+             profile: "profile_paper_*.md"}            # pipeline.profile output to quote (results root)
 
 A dataset is ``{dir: PATH}`` (must exist) or ``{preset: P, [name: N], [seed: S], [<data_gen
 key>: value ...]}``: the directory ``<data root>/<name or preset>``, written by ``python -m
@@ -41,7 +44,8 @@ from pipeline.tracking import REPO_ROOT
 CONFIGS = REPO_ROOT / "experiments" / "configs"
 DEFAULT_EXPERIMENT = "ablations"
 _TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "report"}
-_REPORT_KEYS = {"x", "series", "baseline", "oracle"}
+_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile"}
+_TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff"}
 
 
 @dataclass
@@ -242,11 +246,27 @@ def load(path: str | Path, data_root: Path, data_dir: str | None = None,
     for key in ("x", "series"):
         if report.get(key) and report[key] not in labels:
             raise ConfigError(f"{path}: report.{key} {report[key]!r} is not an axis ({list(labels)})")
+    _check_targets(path, report, points)
     return Ablation(
         name=str(raw["name"]), path=path.resolve(), description=str(raw.get("description", "")),
         experiment=str(raw.get("experiment", DEFAULT_EXPERIMENT)), configs=configs,
         timeout_s=raw.get("timeout_s"), report=report, axes=[a for a, _ in axes], points=points, raw=raw,
     )
+
+
+def _check_targets(path: Path, report: dict, points: list) -> None:
+    """report.targets: [{at: {axis: label}, vs: <series label>, min_speedup, max_memory_ratio,
+    max_auc_diff}]: the baseline series against `vs` at one point of the other axes."""
+    targets = report.get("targets") or []
+    if targets and not (report.get("series") and report.get("baseline")):
+        raise ConfigError(f"{path}: report.targets needs report.series and report.baseline")
+    for i, t in enumerate(targets):
+        where = f"{path}: report.targets[{i}]"
+        if not isinstance(t, dict) or set(t) - _TARGET_KEYS or "vs" not in t:
+            raise ConfigError(f"{where} must be a mapping with `vs` and some of {sorted(_TARGET_KEYS - {'vs'})}")
+        at = {**(t.get("at") or {}), report["series"]: str(t["vs"])}
+        if not any(all(p.labels.get(a) == str(v) for a, v in at.items()) for p in points):
+            raise ConfigError(f"{where}: no point of the grid has {at}")
 
 
 def cli_value(value: Any) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -329,7 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(f"written {out}", file=sys.stderr)
+    out.with_suffix(".json").write_text(json.dumps({  # for pipeline.report's profile section
+        "device": device_name(), "commit": git_commit(), "configs": args.config, "overrides": extra,
+        "results": results}, indent=1, default=str) + "\n")
+    print(f"written {out} and {out.with_suffix('.json').name}", file=sys.stderr)
     return 0
 
 

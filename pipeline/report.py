@@ -165,6 +165,79 @@ def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (
     return lines
 
 
+def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
+    """PASS/MISS of report.targets: the baseline series against another at one grid point."""
+    targets, ser, base = spec.get("targets") or [], spec.get("series"), spec.get("baseline")
+    if not targets:
+        return []
+    lines = ["", "## Targets", "", f"Each row compares {ser} `{base}` with another {ser} at one point of "
+             "the grid (same data, budget and seed).", "",
+             "| point | measured | target | result |", "|---|---|---|---|"]
+    for t in targets:
+        at = {a: str(v) for a, v in (t.get("at") or {}).items()}
+        rows = {}
+        for value in (base, str(t["vs"])):
+            hit = df.filter(pl.col(ser) == value)
+            for a, v in at.items():
+                hit = hit.filter(pl.col(a) == v)
+            rows[value] = hit.row(0, named=True) if hit.height else None
+        b, o = rows[base], rows[str(t["vs"])]
+        point = ", ".join(f"{a}={v}" for a, v in at.items()) + f": {base} vs {t['vs']}"
+        if b is None or o is None or b["status"] != "OK" or o["status"] != "OK":
+            status = "missing" if b is None or o is None else f"{base} {b['status']}, {t['vs']} {o['status']}"
+            lines.append(f"| {point} | - | - | NOT MEASURED ({status}) |")
+            continue
+        checks = []
+        if "min_speedup" in t:
+            checks.append(("train ex/s ratio", _div(b.get(THROUGHPUT), o.get(THROUGHPUT)), ">=", t["min_speedup"], "x"))
+        if "max_memory_ratio" in t:
+            checks.append(("peak memory ratio", _div(b.get(mem), o.get(mem)), "<=", t["max_memory_ratio"], "x"))
+        if "max_auc_diff" in t:
+            diff = None if b.get("test/auc") is None or o.get("test/auc") is None else abs(b["test/auc"] - o["test/auc"])
+            checks.append(("test AUC |difference|", diff, "<=", t["max_auc_diff"], ""))
+        for name, value, op, limit, unit in checks:
+            ok = value is not None and (value >= limit if op == ">=" else value <= limit)
+            lines.append(f"| {point} | {name} {runs_.fmt(value, '.4f' if not unit else '.2f')}{unit} | "
+                         f"{op} {limit}{unit} | {'PASS' if ok else 'MISS'} |")
+    return lines
+
+
+def profile_section(out_root: Path, pattern: str | None) -> list[str]:
+    """The newest `pipeline.profile` result matching pattern (under the results root): where a
+    training step's time goes per backend, so the throughput ratios can be read against it."""
+    if not pattern:
+        return []
+    found = sorted(out_root.glob(pattern), key=lambda p: p.stat().st_mtime)
+    head = ["", "## Where a training step's time goes (one-step profile per backend)", ""]
+    if not found:
+        return [*head, f"No profile matching `{pattern}` under `{out_root.name}/` yet: run `make profile` "
+                "with the ablation's preset on the same GPU."]
+    md, js = found[-1], found[-1].with_suffix(".json")
+    lines = [*head, f"From [`{md.name}`](../{md.name}) (its header states the device, commit and batch)."]
+    if not js.is_file():
+        return lines
+    rows = json.loads(js.read_text())["results"]
+    lines += ["", "| backend | step ms | attention ms (fwd + bwd) | rest of the step ms | attention share |",
+              "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['backend']} | {r['step_ms']:.2f} | {r['attn_ms']:.2f} | "
+                     f"{r['prof_step_ms'] - r['attn_ms']:.2f} | {r['share']:.3f} |")
+    by = {r["backend"]: r for r in rows}
+    if "jagged" in by:
+        j = by["jagged"]
+        for other in (b for b in by if b != "jagged"):
+            o = by[other]
+            lines.append(
+                f"\n- {other} -> jagged: the profiled step goes from {o['prof_step_ms']:.2f} to {j['prof_step_ms']:.2f} ms "
+                f"({_div(o['prof_step_ms'], j['prof_step_ms']):.2f}x); attention from {o['attn_ms']:.2f} to "
+                f"{j['attn_ms']:.2f} ms, the rest of the step (embeddings, projections and FFN on "
+                f"padded rows for {other}, on real rows for jagged; interaction, MLP, optimizer) from "
+                f"{o['prof_step_ms'] - o['attn_ms']:.2f} to {j['prof_step_ms'] - j['attn_ms']:.2f} ms. With attention "
+                f"free, the step could at best be {_div(o['prof_step_ms'], j['prof_step_ms'] - j['attn_ms']):.2f}x "
+                f"faster than {other}'s.")
+    return lines
+
+
 def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bool = True) -> Path:
     """Write report.md, runs.csv and the plots under out_root/<ablation>/; returns that folder."""
     client = MlflowClient(tracking_uri())
@@ -190,6 +263,8 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
         rat = ratios(df, [x, *(a for a in names if a not in (x, ser))], ser, base, mem)
         lines += ratio_section(rat, x)
         made.append(plots.ratio_plot(rat, x, order, f"{base} over the other {ser} values", out / "speedup.png"))
+    lines += targets_section(df, spec, mem)
+    lines += profile_section(out_root, spec.get("profile"))
     oracle = oracle_of(client, df) if spec.get("oracle") else None
     if oracle:
         lines += oracle_section(df, x, oracle, series)

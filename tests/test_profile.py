@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -44,3 +45,6 @@ def test_profile_reports_the_attention_share_of_every_backend(tiny, tmp_path, ca
         assert 0 < share <= 1, (backend, share)
         assert float(cells[cols.index("attn bwd ms")]) > 0, backend  # backward nodes were linked
     assert "| backend" in capsys.readouterr().out  # the table is printed too
+    data = json.loads(out.with_suffix(".json").read_text())  # the numbers, for pipeline.report
+    assert [r["backend"] for r in data["results"]] == ["dense", "sdpa", "jagged"]
+    assert all(0 < r["share"] <= 1 and r["step_ms"] > 0 for r in data["results"])

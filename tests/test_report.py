@@ -92,3 +92,35 @@ def test_reproduce_refuses_other_data(smoke, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "data digest mismatch" in err and "python -m data_gen generate --preset tiny" in err
     assert reproduce.main(["--run", "0" * 32]) == 2
+
+
+def test_targets_section_passes_misses_and_unmeasured():
+    df = pl.DataFrame({
+        "fill": ["0.25", "0.25", "0.25", "0.5"],
+        "backend": ["jagged", "sdpa", "dense", "jagged"],
+        "status": ["OK", "OK", "OOM", "OK"],
+        report.THROUGHPUT: [300.0, 100.0, None, 90.0],
+        "mem/train_peak_allocated_mb": [10.0, 30.0, None, 20.0],
+        "test/auc": [0.7010, 0.7000, None, 0.7],
+    })
+    spec = {"series": "backend", "baseline": "jagged", "targets": [
+        {"at": {"fill": "0.25"}, "vs": "sdpa", "min_speedup": 2.0, "max_memory_ratio": 0.3, "max_auc_diff": 0.002},
+        {"at": {"fill": "0.25"}, "vs": "dense", "min_speedup": 2.0}]}
+    lines = report.targets_section(df, spec, "mem/train_peak_allocated_mb")
+    assert "| fill=0.25: jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | PASS |" in lines
+    assert "| fill=0.25: jagged vs sdpa | peak memory ratio 0.33x | <= 0.3x | MISS |" in lines
+    assert "| fill=0.25: jagged vs sdpa | test AUC |difference| 0.0010 | <= 0.002 | PASS |" in lines
+    assert "| fill=0.25: jagged vs dense | - | - | NOT MEASURED (jagged OK, dense OOM) |" in lines
+    assert report.targets_section(df, {}, "x") == []
+
+
+def test_profile_section_reads_the_newest_profile(tmp_path):
+    assert "No profile matching" in " ".join(report.profile_section(tmp_path, "profile_paper_*.md"))
+    (tmp_path / "profile_paper_h100.md").write_text("# profile\n")
+    results = [dict(backend=b, step_ms=s, prof_step_ms=s, attn_ms=a, share=a / s)
+               for b, s, a in (("sdpa", 40.0, 10.0), ("jagged", 20.0, 2.0))]
+    (tmp_path / "profile_paper_h100.json").write_text(json.dumps({"results": results}))
+    text = "\n".join(report.profile_section(tmp_path, "profile_paper_*.md"))
+    assert "| sdpa | 40.00 | 10.00 | 30.00 | 0.250 |" in text and "| jagged | 20.00 | 2.00 | 18.00 | 0.100 |" in text
+    assert "from 40.00 to 20.00 ms (2.00x)" in text and "at best be 2.22x" in text
+    assert report.profile_section(tmp_path, None) == []

@@ -220,3 +220,17 @@ def test_parallel_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         sweep.parse_args(["x.yaml", "--parallel", "0"])
     assert "--parallel must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("targets, message", [
+    ([{"vs": "sdpa", "at": {"max_seq_len": "999"}}], "no point of the grid has"),
+    ([{"at": {"max_seq_len": "16"}}], "must be a mapping with `vs`"),
+    ([{"vs": "jagged", "min_speedup": 2, "typo": 1}], "must be a mapping with `vs`"),
+])
+def test_bad_report_targets(tmp_path, targets, message):
+    spec = yaml.safe_load((ABLATIONS / "smoke.yaml").read_text())
+    spec["report"] = {"x": "max_seq_len", "series": "backend", "baseline": "jagged", "targets": targets}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match=message):
+        load(path, tmp_path / "data")
