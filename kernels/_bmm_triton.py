@@ -17,38 +17,63 @@ import triton
 import triton.language as tl
 
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _zero_rows, col_block, dot_precision, dot_upcast
+from kernels._triton_common import _locate, col_block, dot_precision, dot_upcast, num_slots
 
-_BLOCK_T = 64  # rows of a sequence per tile
-_BLOCK_M = 64  # output columns per tile
-_BLOCK_K = 32  # reduction step
+# Launch parameters by element size (2: bf16/fp16, 4: fp32), module level so a tuning script can
+# override them; `bmm_config` clamps the blocks to the operands. jagged_dense_bmm: BLOCK_T rows
+# of a sequence per work slot, BLOCK_M output columns, BLOCK_K reduction step. jagged_jagged_bmm:
+# a [BLOCK_K, BLOCK_M] tile of the output, BLOCK_T rows of the sequence per reduction step.
+# fp32 tiles are smaller: the same tile takes twice the shared memory per stage.
+DENSE_BMM_CONFIGS = {
+    2: {"BLOCK_T": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    4: {"BLOCK_T": 64, "BLOCK_M": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+}
+JAGGED_BMM_CONFIGS = {
+    2: {"BLOCK_K": 128, "BLOCK_M": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 3},
+    4: {"BLOCK_K": 64, "BLOCK_M": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3},
+}
 
 
-# jagged [T, K] @ dense [B, K, M] -> jagged [T, M]. Grid (B, row blocks of N, column blocks of
-# M): one program computes a [BLOCK_T, BLOCK_M] tile of sequence b, looping over K. Programs
-# whose rows start past the sequence's length skip the product (no work on padding); rows past
-# max_seq_len are zeroed grid-stride by the row-block programs.
-@triton.jit
+def bmm_config(op: str, K: int, M: int, dtype: torch.dtype) -> dict:
+    """Launch keywords of op ("dense" or "jagged") for a [*, K] x [*, M] product in dtype."""
+    table = DENSE_BMM_CONFIGS if op == "dense" else JAGGED_BMM_CONFIGS
+    cfg = dict(table[4 if dtype.itemsize >= 4 else 2])
+    cfg["BLOCK_K"] = col_block(K, hi=cfg["BLOCK_K"])
+    cfg["BLOCK_M"] = col_block(M, hi=cfg["BLOCK_M"])
+    cfg.update(PRECISION=dot_precision(dtype), UPCAST=dot_upcast(dtype))
+    return cfg
+
+
+# jagged [T, K] @ dense [B, K, M] -> jagged [T, M]. Grid: work slots of BLOCK_T rows x column
+# blocks of M, flattened with the column blocks fastest (the programs that read one A tile run
+# side by side, so it comes from L2 after the first). One program computes the rows
+# [j * BLOCK_T, +BLOCK_T) of sequence b (see _triton_common) x BLOCK_M columns, looping over K;
+# no program is spent on padding. Rows in [max_seq_len, len_b) (the truncated tail) are written
+# with zeros: their A rows are masked to 0, and a block entirely past max_seq_len skips the
+# product.
+@triton.jit(do_not_specialize=["N", "num_seqs"])
 def _jagged_dense_bmm_kernel(
-    a_ptr, w_ptr, c_ptr, offsets_ptr, N, K, M,
+    a_ptr, w_ptr, c_ptr, offsets_ptr, N, K, M, num_seqs,
     stride_at, stride_ak, stride_wb, stride_wk, stride_wm, stride_ct, stride_cm,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    pid_t = tl.program_id(1)
-    cols = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mb = tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    b, j, begin, n_rows, _ = _locate(offsets_ptr, pid // n_mb, num_seqs, BLOCK_T)
+    if j * BLOCK_T >= n_rows:  # the spare slot of b
+        return
+    rows = j * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = (pid % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < M
-    begin = tl.load(offsets_ptr + b).to(tl.int64)
-    end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    length = tl.minimum(end - begin, N)
-    if pid_t * BLOCK_T < length:
-        rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    length = tl.minimum(n_rows, N)
+    acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+    if j * BLOCK_T < length:
         row_ok = rows < length
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + (begin + rows)[:, None] * stride_at + ks[None, :] * stride_ak
-        w_ptrs = w_ptr + b * stride_wb + ks[:, None] * stride_wk + cols[None, :] * stride_wm
-        acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+        w_ptrs = (w_ptr + b.to(tl.int64) * stride_wb + ks[:, None] * stride_wk
+                  + cols[None, :] * stride_wm)
         for k in range(0, K, BLOCK_K):
             k_ok = (k + ks) < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
@@ -58,25 +83,29 @@ def _jagged_dense_bmm_kernel(
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
-        c_ptrs = c_ptr + (begin + rows)[:, None] * stride_ct + cols[None, :] * stride_cm
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-    _zero_rows(c_ptr, stride_ct, stride_cm, begin + N, end, cols, col_ok,
-               pid_t, tl.num_programs(1), BLOCK_T, BLOCK_M)
+    c_ptrs = c_ptr + (begin + rows)[:, None] * stride_ct + cols[None, :] * stride_cm
+    c_ok = (rows < n_rows)[:, None] & col_ok[None, :]  # rows past max_seq_len store zeros
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_ok)
 
 
-# jagged [T, K]^T @ jagged [T, M] -> dense [B, K, M]. Grid (B, row blocks of K, column blocks
-# of M): one program owns a [BLOCK_K, BLOCK_M] tile of C_b and reduces over the first
-# min(len_b, N) rows of the sequence, so no atomics; an empty sequence stores zeros.
-@triton.jit
+# jagged [T, K]^T @ jagged [T, M] -> dense [B, K, M]. Grid: B x row blocks of K x column blocks
+# of M, flattened with b slowest (the programs that read one sequence run side by side, so its
+# rows come from L2 after the first). One program owns a [BLOCK_K, BLOCK_M] tile of C_b and
+# reduces over the first min(len_b, N) rows of the sequence, so no atomics; an empty sequence
+# stores zeros.
+@triton.jit(do_not_specialize=["N"])
 def _jagged_jagged_bmm_kernel(
     a_ptr, c_ptr, out_ptr, offsets_ptr, N, K, M,
     stride_at, stride_ak, stride_ct, stride_cm, stride_ob, stride_ok, stride_om,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    cols = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_kb, n_mb = tl.cdiv(K, BLOCK_K), tl.cdiv(M, BLOCK_M)
+    pid = tl.program_id(0)
+    b = (pid // (n_kb * n_mb)).to(tl.int64)
+    tile = pid % (n_kb * n_mb)
+    ks = (tile // n_mb) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = (tile % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_ok = ks < K
     col_ok = cols < M
     begin = tl.load(offsets_ptr + b).to(tl.int64)
@@ -105,16 +134,14 @@ def jagged_dense_bmm_triton(
     out = new_output((T, M), values)  # [T, M]
     if out.numel() == 0:
         return out
-    block_m = col_block(M, hi=_BLOCK_M)
-    block_k = col_block(K, hi=_BLOCK_K)
-    grid = (offsets.numel() - 1, max(1, triton.cdiv(max_seq_len, _BLOCK_T)), triton.cdiv(M, block_m))
+    B = offsets.numel() - 1
+    kw = bmm_config("dense", K, M, values.dtype)
+    grid = (num_slots(T, B, kw["BLOCK_T"]) * triton.cdiv(M, kw["BLOCK_M"]),)
     with device_guard(values):
         _jagged_dense_bmm_kernel[grid](
-            values, dense, out, offsets, max_seq_len, K, M,
+            values, dense, out, offsets, max_seq_len, K, M, B,
             values.stride(0), values.stride(1), dense.stride(0), dense.stride(1), dense.stride(2),
-            out.stride(0), out.stride(1),
-            BLOCK_T=_BLOCK_T, BLOCK_K=block_k, BLOCK_M=block_m, PRECISION=dot_precision(values.dtype),
-            UPCAST=dot_upcast(values.dtype),
+            out.stride(0), out.stride(1), **kw,
         )
     return out
 
@@ -127,15 +154,12 @@ def jagged_jagged_bmm_triton(
     out = new_output((B, K, M), a)  # [B, K, M]
     if out.numel() == 0:
         return out
-    block_k = col_block(K, hi=_BLOCK_M)
-    block_m = col_block(M, hi=_BLOCK_M)
-    grid = (B, triton.cdiv(K, block_k), triton.cdiv(M, block_m))
+    kw = bmm_config("jagged", K, M, a.dtype)
+    grid = (B * triton.cdiv(K, kw["BLOCK_K"]) * triton.cdiv(M, kw["BLOCK_M"]),)
     with device_guard(a):
         _jagged_jagged_bmm_kernel[grid](
             a, c, out, offsets, max_seq_len, K, M,
             a.stride(0), a.stride(1), c.stride(0), c.stride(1),
-            out.stride(0), out.stride(1), out.stride(2),
-            BLOCK_K=block_k, BLOCK_M=block_m, BLOCK_T=_BLOCK_K, PRECISION=dot_precision(a.dtype),
-            UPCAST=dot_upcast(a.dtype),
+            out.stride(0), out.stride(1), out.stride(2), **kw,
         )
     return out

@@ -1,7 +1,9 @@
 """Triton kernels and launchers for jagged <-> padded conversions.
 
-Both kernels run on a grid (B, row blocks of N, column blocks of D); they only move data, so
-they are exact in every dtype.
+jagged_to_padded writes every padded element, so it runs on the padded grid (B, row blocks of
+N, column blocks of D). padded_to_jagged writes the jagged rows only, so it runs on the work
+slots of _triton_common (row blocks of real sequences, column blocks of D): no program is
+spent on padding at low density. Both only move data, so they are exact in every dtype.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import triton
 import triton.language as tl
 
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _zero_rows, col_block
+from kernels._triton_common import _locate, col_block, num_slots
 
-_BLOCK_N = 32
+_BLOCK_N = 32  # jagged_to_padded: padded rows per tile
+# padded_to_jagged launch parameters (module level, so a tuning script can override them):
+# jagged rows per work slot, the widest column block, warps.
+P2J_CONFIG = {"BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 4}
 
 
 # One program: rows [pid1 * BLOCK_N, +BLOCK_N) x columns of block pid2 of padded[b]. Rows below
@@ -37,30 +42,26 @@ def _jagged_to_padded_kernel(
     tl.store(dst, x, mask=(rows[:, None] < N) & col_ok)
 
 
-# One program: the same tile, in the other direction. Rows < min(length, N) copy padded[b];
-# jagged rows >= N are written with zeros, shared grid-stride by the row-block programs.
-@triton.jit
+# One program: work slot pid0 (rows [j * BLOCK_N, +BLOCK_N) of sequence b) x columns of block
+# pid1. Rows < min(len_b, N) copy padded[b]; rows in [N, len_b) (the truncated tail) are written
+# with zeros; the slots of b cover all its rows, so every jagged row is written exactly once.
+@triton.jit(do_not_specialize=["N", "num_seqs"])
 def _padded_to_jagged_kernel(
-    padded_ptr, offsets_ptr, out_ptr, N, D,
+    padded_ptr, offsets_ptr, out_ptr, N, D, num_seqs,
     stride_pb, stride_pn, stride_pd, stride_ot, stride_od,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    begin = tl.load(offsets_ptr + b).to(tl.int64)
-    end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    length = tl.minimum(end - begin, N)
-    col_ok = cols < D
-    if pid_n * BLOCK_N < length:
-        mask = (rows[:, None] < length) & col_ok[None, :]
-        src = padded_ptr + b * stride_pb + rows[:, None] * stride_pn + cols[None, :] * stride_pd
-        x = tl.load(src, mask=mask)
-        dst = out_ptr + (begin + rows)[:, None] * stride_ot + cols[None, :] * stride_od
-        tl.store(dst, x, mask=mask)
-    _zero_rows(out_ptr, stride_ot, stride_od, begin + N, end, cols, col_ok,
-               pid_n, tl.num_programs(1), BLOCK_N, BLOCK_D)
+    b, j, begin, n_rows, _ = _locate(offsets_ptr, tl.program_id(0), num_seqs, BLOCK_N)
+    if j * BLOCK_N >= n_rows:  # the spare slot of b
+        return
+    rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols[None, :] < D
+    src = (padded_ptr + b.to(tl.int64) * stride_pb + rows[:, None] * stride_pn
+           + cols[None, :] * stride_pd)
+    x = tl.load(src, mask=(rows[:, None] < tl.minimum(n_rows, N)) & col_ok, other=0.0)
+    dst = out_ptr + (begin + rows)[:, None] * stride_ot + cols[None, :] * stride_od
+    tl.store(dst, x, mask=(rows[:, None] < n_rows) & col_ok)
 
 
 def jagged_to_padded_triton(
@@ -86,12 +87,13 @@ def padded_to_jagged_triton(padded: torch.Tensor, offsets: torch.Tensor, total: 
     out = new_output((total, D), padded)  # [T, D]
     if out.numel() == 0:
         return out
-    block_d = col_block(D)
-    grid = (B, max(1, triton.cdiv(N, _BLOCK_N)), triton.cdiv(D, block_d))
+    cfg = P2J_CONFIG
+    block_d = col_block(D, hi=cfg["BLOCK_D"])
+    grid = (num_slots(total, B, cfg["BLOCK_N"]), triton.cdiv(D, block_d))
     with device_guard(padded):
         _padded_to_jagged_kernel[grid](
-            padded, offsets, out, N, D,
+            padded, offsets, out, N, D, B,
             padded.stride(0), padded.stride(1), padded.stride(2), out.stride(0), out.stride(1),
-            BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+            BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d, num_warps=cfg["num_warps"],
         )
     return out

@@ -25,15 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._flash_attention_triton import (
-    _INTERPRET,
-    LOG2E,
-    _last_dim_contiguous,
-    _locate,
-    num_slots,
-)
+from kernels._flash_attention_triton import _INTERPRET, LOG2E, _last_dim_contiguous
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _zero_rows, dot_precision
+from kernels._triton_common import _locate, _zero_rows, dot_precision, num_slots
 
 
 # Sizes that change from batch to batch are not specialised on (no recompile per batch shape).

@@ -1,8 +1,10 @@
 """Triton kernels and launchers for jagged_dense_elementwise_add / _mul (forward and backward).
 
-Grid (B, row blocks of N, column blocks of D), N = dense.shape[1]: one program handles a tile
-of sequence b at padded positions [pid1 * BLOCK_N, +BLOCK_N). Math in fp32, one rounding on
-the store, as torch does for low-precision add and mul.
+Forward: the work slots of _triton_common (row blocks of real sequences, column blocks of D),
+since it writes jagged rows only; no program is spent on padding at low density. Backward: the
+padded grid (B, row blocks of N, column blocks of D), N = dense.shape[1], since it writes every
+element of grad_dense. Math in fp32, one rounding on the store, as torch does for low-precision
+add and mul.
 """
 
 from __future__ import annotations
@@ -12,37 +14,40 @@ import triton
 import triton.language as tl
 
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _zero_rows, col_block
+from kernels._triton_common import _locate, _zero_rows, col_block, num_slots
 
-_BLOCK_N = 32
+# Launch parameters (module level, so a tuning script can override them). Forward: jagged rows
+# per work slot, the widest column block, warps. Backward: padded rows per tile, the same.
+FWD_CONFIG = {"BLOCK_N": 64, "BLOCK_D": 128, "num_warps": 4}
+BWD_CONFIG = {"BLOCK_N": 32, "BLOCK_D": 128, "num_warps": 4}
 
 
-# Forward: out = x + dense[b, n] (or x * dense[b, n]) for n < min(len_b, N); jagged rows past N
-# are written with zeros, grid-stride by the row-block programs. Padding rows of dense are not read.
-@triton.jit
+# Forward, one program per work slot pid0 (rows [j * BLOCK_N, +BLOCK_N) of sequence b) x
+# columns of block pid1: out = x + dense[b, n] (or x * dense[b, n]) for n < min(len_b, N). Rows
+# in [N, len_b) read nothing (masked loads give 0 and 0 + 0 = 0 * 0 = 0) and store zeros; the
+# slots of b cover all its rows. Padding rows of dense are not read.
+@triton.jit(do_not_specialize=["N", "num_seqs"])
 def _jagged_dense_elementwise_fwd_kernel(
-    x_ptr, d_ptr, out_ptr, offsets_ptr, N, D,
+    x_ptr, d_ptr, out_ptr, offsets_ptr, N, D, num_seqs,
     stride_xt, stride_xd, stride_db, stride_dn, stride_dd, stride_ot, stride_od,
     IS_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    pid_n = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_ok = cols < D
-    begin = tl.load(offsets_ptr + b).to(tl.int64)
-    end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    length = tl.minimum(end - begin, N)
-    if pid_n * BLOCK_N < length:
-        mask = (rows[:, None] < length) & col_ok[None, :]
-        jag = (begin + rows)[:, None]
-        x = tl.load(x_ptr + jag * stride_xt + cols[None, :] * stride_xd, mask=mask).to(tl.float32)
-        d = tl.load(d_ptr + b * stride_db + rows[:, None] * stride_dn + cols[None, :] * stride_dd,
-                    mask=mask).to(tl.float32)
-        y = x * d if IS_MUL else x + d
-        tl.store(out_ptr + jag * stride_ot + cols[None, :] * stride_od, y, mask=mask)
-    _zero_rows(out_ptr, stride_ot, stride_od, begin + N, end, cols, col_ok,
-               pid_n, tl.num_programs(1), BLOCK_N, BLOCK_D)
+    b, j, begin, n_rows, _ = _locate(offsets_ptr, tl.program_id(0), num_seqs, BLOCK_N)
+    if j * BLOCK_N >= n_rows:  # the spare slot of b
+        return
+    rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols[None, :] < D
+    mask = (rows[:, None] < tl.minimum(n_rows, N)) & col_ok
+    jag = (begin + rows)[:, None]
+    x_ptrs = x_ptr + jag * stride_xt + cols[None, :] * stride_xd
+    d_ptrs = (d_ptr + b.to(tl.int64) * stride_db + rows[:, None] * stride_dn
+              + cols[None, :] * stride_dd)
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    d = tl.load(d_ptrs, mask=mask, other=0.0).to(tl.float32)
+    y = x * d if IS_MUL else x + d
+    out_ptrs = out_ptr + jag * stride_ot + cols[None, :] * stride_od
+    tl.store(out_ptrs, y, mask=(rows[:, None] < n_rows) & col_ok)
 
 
 # Backward, both gradients in one pass. At padded position n of sequence b:
@@ -83,9 +88,9 @@ def _jagged_dense_elementwise_bwd_kernel(
                pid_n, tl.num_programs(1), BLOCK_N, BLOCK_D)
 
 
-def _grid(B: int, N: int, D: int) -> tuple[tuple[int, int, int], int]:
-    block_d = col_block(D)
-    return (B, max(1, triton.cdiv(N, _BLOCK_N)), triton.cdiv(D, block_d)), block_d
+def _bwd_grid(B: int, N: int, D: int) -> tuple[tuple[int, int, int], int]:
+    block_d = col_block(D, hi=BWD_CONFIG["BLOCK_D"])
+    return (B, max(1, triton.cdiv(N, BWD_CONFIG["BLOCK_N"])), triton.cdiv(D, block_d)), block_d
 
 
 def jagged_dense_elementwise_fwd_triton(
@@ -95,13 +100,15 @@ def jagged_dense_elementwise_fwd_triton(
     out = new_output(tuple(values.shape), values)  # [T, D]
     if out.numel() == 0:
         return out
-    grid, block_d = _grid(B, N, D)
+    cfg = FWD_CONFIG
+    block_d = col_block(D, hi=cfg["BLOCK_D"])
+    grid = (num_slots(values.shape[0], B, cfg["BLOCK_N"]), triton.cdiv(D, block_d))
     with device_guard(values):
         _jagged_dense_elementwise_fwd_kernel[grid](
-            values, dense, out, offsets, N, D,
+            values, dense, out, offsets, N, D, B,
             values.stride(0), values.stride(1), dense.stride(0), dense.stride(1), dense.stride(2),
             out.stride(0), out.stride(1),
-            IS_MUL=is_mul, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+            IS_MUL=is_mul, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=block_d, num_warps=cfg["num_warps"],
         )
     return out
 
@@ -121,7 +128,7 @@ def jagged_dense_elementwise_bwd_triton(
         return grad_values, grad_dense
     is_mul = values is not None
     x, d = (values, dense) if is_mul else (grad, grad_dense)  # unused placeholders for add
-    grid, block_d = _grid(B, N, D)
+    grid, block_d = _bwd_grid(B, N, D)
     with device_guard(grad):
         _jagged_dense_elementwise_bwd_kernel[grid](
             grad, x, d, grad_values, grad_dense, offsets, N, D,
@@ -129,6 +136,7 @@ def jagged_dense_elementwise_bwd_triton(
             d.stride(0), d.stride(1), d.stride(2),
             grad_values.stride(0), grad_values.stride(1),
             grad_dense.stride(0), grad_dense.stride(1), grad_dense.stride(2),
-            IS_MUL=is_mul, BLOCK_N=_BLOCK_N, BLOCK_D=block_d,
+            IS_MUL=is_mul, BLOCK_N=BWD_CONFIG["BLOCK_N"], BLOCK_D=block_d,
+            num_warps=BWD_CONFIG["num_warps"],
         )
     return grad_values, grad_dense

@@ -10,8 +10,8 @@ s(b) = offsets[b] // BLOCK + b, at least cdiv(len_b, BLOCK) of them and one spar
 the grid, s(B) = T // BLOCK + B slots, is sized on the host without reading offsets (no sync)
 and wastes at most one program per sequence (a grid over cdiv(max_seq_len, BLOCK) blocks per
 sequence wastes most of its programs on long-tailed lengths). A program finds its sequence by a
-two-level search over offsets (`_locate`). A slot past its sequence's blocks zeroes its share
-of the truncated tail (rows past max_seq_len, usually none) and exits.
+two-level search over offsets (`_locate`, shared in _triton_common). A slot past its sequence's
+blocks zeroes its share of the truncated tail (rows past max_seq_len, usually none) and exits.
 
 Forward: one program per (query block, head) against all its keys (causal: the heaviest,
 last, blocks of a sequence first). Backward: a pre-pass computes delta = rowsum(dO * O) (minus
@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels._dispatch import interpreter_on
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _zero_rows, dot_precision
+from kernels._triton_common import _locate, _zero_rows, dot_precision, num_slots
 
 LOG2E = 1.4426950408889634
 
@@ -68,42 +68,6 @@ def _patch_interpreter_bf16_dot() -> None:
 _INTERPRET = interpreter_on()
 if _INTERPRET:
     _patch_interpreter_bf16_dot()
-
-# ---- work slots ---------------------------------------------------------------------------
-_FINE = tl.constexpr(64)
-_COARSE = tl.constexpr(256)
-
-
-@triton.jit
-def _locate(Offsets, slot, num_seqs, BLOCK: tl.constexpr):
-    """(b, j, seq_start, n_rows, n_slots): work slot `slot` is the j-th of sequence b's n_slots.
-
-    b = #{i in [1, B): s(i) <= slot} (s strictly increasing), counted on every _FINE-th i
-    first, then on the _FINE indices after the last one passed: two rounds of loads.
-    """
-    cnt = tl.zeros([], tl.int32)
-    for c0 in range(0, tl.cdiv(num_seqs, _FINE), _COARSE):
-        c = c0 + tl.arange(0, _COARSE)
-        i = c * _FINE
-        ok = (c >= 1) & (i < num_seqs)
-        s = tl.load(Offsets + i, mask=ok, other=0).to(tl.int64) // BLOCK + i
-        cnt += tl.sum((ok & (s <= slot)).to(tl.int32), 0)
-    base = cnt * _FINE
-    i = base + tl.arange(0, _FINE)
-    ok = (i > base) & (i < num_seqs)
-    s = tl.load(Offsets + i, mask=ok, other=0).to(tl.int64) // BLOCK + i
-    b = base + tl.sum((ok & (s <= slot)).to(tl.int32), 0)
-    seq_start = tl.load(Offsets + b).to(tl.int64)
-    seq_end = tl.load(Offsets + b + 1).to(tl.int64)
-    first = seq_start // BLOCK + b
-    n_slots = (seq_end // BLOCK + b + 1 - first).to(tl.int32)
-    return b, (slot - first).to(tl.int32), seq_start, (seq_end - seq_start).to(tl.int32), n_slots
-
-
-def num_slots(total_rows: int, num_seqs: int, block: int) -> int:
-    """Grid size (per head) of the slot layout: s(B) = T // BLOCK + B."""
-    return total_rows // block + num_seqs
-
 
 # ---- kernels ------------------------------------------------------------------------------
 # Sizes that change from batch to batch are not specialised on (no recompile per batch shape).

@@ -1,8 +1,11 @@
 """Triton kernels and launchers for jagged_softmax (forward and backward).
 
-Grid (B, column blocks of H): one program owns whole columns of one sequence, so the
-reductions over the sequence need no atomics and no second launch. Each program streams the
-sequence twice in BLOCK_N-row tiles, whatever its length, with fp32 statistics.
+Grid: one program per (sequence b, column block of H), column blocks fastest (the programs of
+one sequence read neighbouring bytes of the same rows). A program owns whole columns of one
+sequence, so the reductions over the sequence need no atomics and no second launch. A sequence
+that fits in one tile (the common case) is loaded once and kept in registers: SMALL_N rows when
+it is that short, else BLOCK_N rows (two tile sizes, so short sequences do not pay for the
+large tile's arithmetic). A longer one is streamed twice in BLOCK_N-row tiles. Statistics in fp32.
 """
 
 from __future__ import annotations
@@ -14,25 +17,51 @@ import triton.language as tl
 from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import _zero_rows, col_block
 
-_TILE = 4096  # elements per [BLOCK_N, BLOCK_H] tile
+# Launch parameters (module level, so a tuning script can override them), forward and backward:
+# BLOCK_N rows of the large single tile and of the streamed tiles, SMALL_N (<= BLOCK_N) rows of
+# the small single tile, BLOCK_H the widest column block, warps.
+SOFTMAX_CONFIG = {"BLOCK_N": 512, "SMALL_N": 128, "BLOCK_H": 16, "num_warps": 8}
 
 
-# Forward. Pass 1 keeps the online (max m, sum s) pair per column: s is rescaled by
-# exp(m_old - m_new) whenever the max grows, so exp never overflows (as in flash attention);
-# a column that has seen only -inf keeps m = -inf and uses 0 as its shift to avoid inf - inf.
-# Pass 2 writes exp(x - m) / s. Rows past max_seq_len are written with zeros.
 @triton.jit
-def _jagged_softmax_fwd_kernel(
-    x_ptr, offsets_ptr, y_ptr, N, H,
-    stride_xt, stride_xh, stride_yt, stride_yh,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
+def _seq_cols(offsets_ptr, N, H, BLOCK_H: tl.constexpr):
+    """(begin, end, length, cols, col_ok) of this program: sequence pid // n_col_blocks."""
+    n_cb = tl.cdiv(H, BLOCK_H)
+    pid = tl.program_id(0)
+    b = (pid // n_cb).to(tl.int64)
+    cols = (pid % n_cb) * BLOCK_H + tl.arange(0, BLOCK_H)
     begin = tl.load(offsets_ptr + b).to(tl.int64)
     end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    length = tl.minimum(end - begin, N)
+    return begin, end, tl.minimum(end - begin, N), cols, cols < H
+
+
+# Forward, one tile: every row of the sequence at once. The column max m (-inf for a column of
+# only -inf, which then uses 0 as its shift to avoid inf - inf), s = sum(exp(x - m)), then
+# exp(x - m) / s from the registers: one read, one write.
+@triton.jit
+def _softmax_fwd_tile(x_ptr, y_ptr, begin, length, cols, col_ok,
+                      stride_xt, stride_xh, stride_yt, stride_yh, ROWS: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    mask = (r < length)[:, None] & col_ok[None, :]
+    rows = begin + r
+    x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh,
+                mask=mask, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    shift = tl.where(m == float("-inf"), 0.0, m)
+    e = tl.exp(x - shift[None, :])
+    s = tl.sum(e, axis=0)
+    s = tl.where(s > 0.0, s, 1.0)  # only empty/masked columns have s == 0; they store nothing
+    y = e / s[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yh, y, mask=mask)
+
+
+# Forward, streamed: pass 1 keeps the online (max m, sum s) pair per column: s is rescaled by
+# exp(m_old - m_new) whenever the max grows, so exp never overflows (as in flash attention), with
+# the same -inf rule; pass 2 writes exp(x - m) / s.
+@triton.jit
+def _softmax_fwd_stream(x_ptr, y_ptr, begin, length, cols, col_ok,
+                        stride_xt, stride_xh, stride_yt, stride_yh,
+                        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
     rows0 = tl.arange(0, BLOCK_N)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_H], tl.float32)
@@ -46,7 +75,7 @@ def _jagged_softmax_fwd_kernel(
         s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
         m = m_new
     shift = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.where(s > 0.0, s, 1.0)  # only empty/masked columns have s == 0; they store nothing
+    s = tl.where(s > 0.0, s, 1.0)
     for start in range(0, length, BLOCK_N):
         mask = ((start + rows0) < length)[:, None] & col_ok[None, :]
         rows = begin + start + rows0
@@ -54,23 +83,49 @@ def _jagged_softmax_fwd_kernel(
                     mask=mask, other=float("-inf")).to(tl.float32)
         y = tl.exp(x - shift[None, :]) / s[None, :]
         tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yh, y, mask=mask)
+
+
+# Forward: softmax over the first min(len_b, N) rows of each column; rows past max_seq_len are
+# written with zeros.
+@triton.jit(do_not_specialize=["N"])
+def _jagged_softmax_fwd_kernel(
+    x_ptr, offsets_ptr, y_ptr, N, H,
+    stride_xt, stride_xh, stride_yt, stride_yh,
+    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    begin, end, length, cols, col_ok = _seq_cols(offsets_ptr, N, H, BLOCK_H)
+    args = (x_ptr, y_ptr, begin, length, cols, col_ok, stride_xt, stride_xh, stride_yt, stride_yh)
+    if length <= SMALL_N:
+        _softmax_fwd_tile(*args, SMALL_N)
+    elif length <= BLOCK_N:
+        _softmax_fwd_tile(*args, BLOCK_N)
+    else:
+        _softmax_fwd_stream(*args, BLOCK_N, BLOCK_H)
     _zero_rows(y_ptr, stride_yt, stride_yh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
 
-# Backward: grad_x = y * (g - sum_rows(g * y)) per column, the sum in fp32 (pass 1), then the
-# elementwise pass 2; rows past max_seq_len get zero gradient.
+# Backward, one tile: grad_x = y * (g - sum_rows(g * y)) per column, the sum in fp32, g and y
+# read once.
 @triton.jit
-def _jagged_softmax_bwd_kernel(
-    g_ptr, y_ptr, offsets_ptr, gx_ptr, N, H,
-    stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < H
-    begin = tl.load(offsets_ptr + b).to(tl.int64)
-    end = tl.load(offsets_ptr + b + 1).to(tl.int64)
-    length = tl.minimum(end - begin, N)
+def _softmax_bwd_tile(g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
+                      stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh,
+                      ROWS: tl.constexpr):
+    r = tl.arange(0, ROWS)
+    mask = (r < length)[:, None] & col_ok[None, :]
+    rows = begin + r
+    g = tl.load(g_ptr + rows[:, None] * stride_gt + cols[None, :] * stride_gh, mask=mask, other=0.0)
+    y = tl.load(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yh, mask=mask, other=0.0)
+    g, y = g.to(tl.float32), y.to(tl.float32)
+    dot = tl.sum(g * y, axis=0)
+    tl.store(gx_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh,
+             y * (g - dot[None, :]), mask=mask)
+
+
+# Backward, streamed: the sum in pass 1, the elementwise pass 2.
+@triton.jit
+def _softmax_bwd_stream(g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
+                        stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh,
+                        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
     rows0 = tl.arange(0, BLOCK_N)
     dot = tl.zeros([BLOCK_H], tl.float32)
     for start in range(0, length, BLOCK_N):
@@ -86,12 +141,35 @@ def _jagged_softmax_bwd_kernel(
         y = tl.load(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yh, mask=mask, other=0.0)
         gx = y.to(tl.float32) * (g.to(tl.float32) - dot[None, :])
         tl.store(gx_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh, gx, mask=mask)
+
+
+# Backward: grad_x = y * (g - sum_rows(g * y)) per column; rows past max_seq_len get zero
+# gradient.
+@triton.jit(do_not_specialize=["N"])
+def _jagged_softmax_bwd_kernel(
+    g_ptr, y_ptr, offsets_ptr, gx_ptr, N, H,
+    stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh,
+    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    begin, end, length, cols, col_ok = _seq_cols(offsets_ptr, N, H, BLOCK_H)
+    args = (g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
+            stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh)
+    if length <= SMALL_N:
+        _softmax_bwd_tile(*args, SMALL_N)
+    elif length <= BLOCK_N:
+        _softmax_bwd_tile(*args, BLOCK_N)
+    else:
+        _softmax_bwd_stream(*args, BLOCK_N, BLOCK_H)
     _zero_rows(gx_ptr, stride_xt, stride_xh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
 
-def _blocks(H: int) -> tuple[int, int]:
-    block_h = col_block(H, lo=16, hi=64)
-    return _TILE // block_h, block_h
+def _launch(H: int, B: int) -> tuple[tuple[int], dict]:
+    """(grid, launch keywords) from SOFTMAX_CONFIG: B x column blocks programs, flattened."""
+    cfg = SOFTMAX_CONFIG
+    block_h = col_block(H, lo=min(16, cfg["BLOCK_H"]), hi=cfg["BLOCK_H"])
+    kw = dict(BLOCK_N=cfg["BLOCK_N"], SMALL_N=min(cfg["SMALL_N"], cfg["BLOCK_N"]), BLOCK_H=block_h,
+              num_warps=cfg["num_warps"])
+    return (B * triton.cdiv(H, block_h),), kw
 
 
 def jagged_softmax_fwd_triton(values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
@@ -99,13 +177,11 @@ def jagged_softmax_fwd_triton(values: torch.Tensor, offsets: torch.Tensor, max_s
     out = new_output((T, H), values)  # [T, H]
     if out.numel() == 0:
         return out
-    block_n, block_h = _blocks(H)
-    grid = (offsets.numel() - 1, triton.cdiv(H, block_h))
+    grid, kw = _launch(H, offsets.numel() - 1)
     with device_guard(values):
         _jagged_softmax_fwd_kernel[grid](
             values, offsets, out, max_seq_len, H,
-            values.stride(0), values.stride(1), out.stride(0), out.stride(1),
-            BLOCK_N=block_n, BLOCK_H=block_h,
+            values.stride(0), values.stride(1), out.stride(0), out.stride(1), **kw,
         )
     return out
 
@@ -117,13 +193,11 @@ def jagged_softmax_bwd_triton(
     grad_values = new_output((T, H), out)  # [T, H]
     if grad_values.numel() == 0:
         return grad_values
-    block_n, block_h = _blocks(H)
-    grid = (offsets.numel() - 1, triton.cdiv(H, block_h))
+    grid, kw = _launch(H, offsets.numel() - 1)
     with device_guard(out):
         _jagged_softmax_bwd_kernel[grid](
             grad, out, offsets, grad_values, max_seq_len, H,
             grad.stride(0), grad.stride(1), out.stride(0), out.stride(1),
-            grad_values.stride(0), grad_values.stride(1),
-            BLOCK_N=block_n, BLOCK_H=block_h,
+            grad_values.stride(0), grad_values.stride(1), **kw,
         )
     return grad_values

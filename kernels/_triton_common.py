@@ -1,4 +1,6 @@
-"""Triton pieces shared by the jagged feature-interaction kernels.
+"""Triton pieces shared by the jagged kernels: the truncated-tail zeroing, the work slots (a
+flat list of (row block, sequence) programs, used by attention and the row-wise ops) and the
+launch helpers.
 
 Importing this module imports Triton: the op modules import it lazily, only on the Triton path.
 """
@@ -31,6 +33,50 @@ def _zero_rows(
         tl.store(ptr + rows[:, None] * stride_row + cols[None, :] * stride_col, zeros, mask=mask)
 
 
+# ---- work slots ---------------------------------------------------------------------------
+# A flat list of (block of rows, sequence) work items. Sequence b owns the slots [s(b), s(b+1))
+# with s(b) = offsets[b] // BLOCK + b: at least cdiv(len_b, BLOCK) of them and one spare at most,
+# so the grid, s(B) = T // BLOCK + B slots, is sized on the host without reading offsets (no
+# sync) and no program is spent on padding (a grid over cdiv(max_seq_len, BLOCK) blocks per
+# sequence leaves most of its programs empty on short or long-tailed lengths). Slot j of its
+# sequence covers the sequence's rows [j * BLOCK, (j + 1) * BLOCK); the slots of b cover all
+# len_b rows, the truncated tail (rows past max_seq_len) included.
+_FINE = tl.constexpr(64)
+_COARSE = tl.constexpr(256)
+
+
+@triton.jit
+def _locate(Offsets, slot, num_seqs, BLOCK: tl.constexpr):
+    """(b, j, seq_start, n_rows, n_slots): work slot `slot` is the j-th of sequence b's n_slots.
+
+    b = #{i in [1, B): s(i) <= slot} (s strictly increasing), counted on every _FINE-th i
+    first, then on the _FINE indices after the last one passed: two rounds of loads.
+    """
+    cnt = tl.zeros([], tl.int32)
+    for c0 in range(0, tl.cdiv(num_seqs, _FINE), _COARSE):
+        c = c0 + tl.arange(0, _COARSE)
+        i = c * _FINE
+        ok = (c >= 1) & (i < num_seqs)
+        s = tl.load(Offsets + i, mask=ok, other=0).to(tl.int64) // BLOCK + i
+        cnt += tl.sum((ok & (s <= slot)).to(tl.int32), 0)
+    base = cnt * _FINE
+    i = base + tl.arange(0, _FINE)
+    ok = (i > base) & (i < num_seqs)
+    s = tl.load(Offsets + i, mask=ok, other=0).to(tl.int64) // BLOCK + i
+    b = base + tl.sum((ok & (s <= slot)).to(tl.int32), 0)
+    seq_start = tl.load(Offsets + b).to(tl.int64)
+    seq_end = tl.load(Offsets + b + 1).to(tl.int64)
+    first = seq_start // BLOCK + b
+    n_slots = (seq_end // BLOCK + b + 1 - first).to(tl.int32)
+    return b, (slot - first).to(tl.int32), seq_start, (seq_end - seq_start).to(tl.int32), n_slots
+
+
+def num_slots(total_rows: int, num_seqs: int, block: int) -> int:
+    """Grid size (per head) of the slot layout: s(B) = T // BLOCK + B."""
+    return total_rows // block + num_seqs
+
+
+# ---- launch helpers -----------------------------------------------------------------------
 def col_block(n: int, lo: int = 16, hi: int = 128) -> int:
     """Power-of-two block covering `n` columns, clamped to [lo, hi]; the kernels mask the rest."""
     return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))

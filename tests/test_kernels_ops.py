@@ -252,6 +252,53 @@ def test_softmax_extreme_values(device):
         assert (y[5:30, 1] == 0).all()
 
 
+# ---- launch configurations: every path of the slot layout and of the softmax tiles ---------
+
+
+def _small_tiles(monkeypatch) -> None:
+    """Shrink the launchers' tiles so that short CPU cases take every path: several work slots
+    per sequence, truncated tails over several slots, and softmax's small single tile, large
+    single tile and two-pass stream in one batch."""
+    from kernels import _bmm_triton, _conversions_triton, _elementwise_triton, _softmax_triton
+
+    monkeypatch.setitem(_conversions_triton.P2J_CONFIG, "BLOCK_N", 16)
+    monkeypatch.setitem(_elementwise_triton.FWD_CONFIG, "BLOCK_N", 16)
+    monkeypatch.setitem(_softmax_triton.SOFTMAX_CONFIG, "BLOCK_N", 32)
+    monkeypatch.setitem(_softmax_triton.SOFTMAX_CONFIG, "SMALL_N", 16)
+    for table in (_bmm_triton.DENSE_BMM_CONFIGS, _bmm_triton.JAGGED_BMM_CONFIGS):
+        for cfg in table.values():
+            monkeypatch.setitem(cfg, "BLOCK_T", 16)
+
+
+TILE_CASES = [
+    # softmax: 0-16 one small tile, 17-32 one large tile, longer ones streamed; 90 > N
+    Case("tiles", (0, 1, 15, 16, 17, 32, 33, 70, 0, 90), N=80, D=20, M=24),
+    Case("tiles_b1", (61,), N=20, D=16, M=16),  # B = 1, the truncated tail spans 3 slots
+    Case("tiles_many", _power_law_lengths(70, 40, seed=3), N=24, D=16, M=16),  # > 64 sequences
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_small_tiles_every_path(op_name, case, device, monkeypatch):
+    _small_tiles(monkeypatch)
+    off = make_offsets(case.lengths, device)
+    for dtype in (torch.float32, torch.bfloat16) if case.name == "tiles" else (torch.float32,):
+        check_op(OPS[op_name](case, off, dtype, device))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_softmax_default_tiles_long_and_short(device):
+    # the shipped tile sizes: one batch with sequences for each of the three softmax paths
+    from kernels._softmax_triton import SOFTMAX_CONFIG
+
+    big, small = SOFTMAX_CONFIG["BLOCK_N"], SOFTMAX_CONFIG["SMALL_N"]
+    lengths = (big + 37, 2, small + 5, 0, 2 * big + 9, small)  # the 2 * big + 9 one is truncated
+    case = Case("softmax_tiles", lengths, N=2 * big, D=20, M=16)
+    check_op(_op_softmax(case, make_offsets(lengths, device), torch.float32, device))
+
+
 # ---- references: fp64 gradcheck of every op's torch backend (its custom-op backward) --------
 
 
