@@ -17,7 +17,8 @@ users). Every key but ``name`` and ``grid`` is optional::
     report: {x: max_seq_len, series: backend, baseline: jagged, oracle: false,
              targets: [{at: {max_seq_len: "1024"}, vs: sdpa, min_speedup: 2, max_memory_ratio: 0.5,
                         max_auc_diff: 0.002}],         # PASS/MISS table: baseline vs `vs` at `at`
-             profile: "profile_paper_*.md"}            # pipeline.profile output to quote (results root)
+             profile: "profile_paper_*.md",            # pipeline.profile output to quote (results root)
+             seeds: seed}                              # an axis of seeds: AUC spread; targets on means
 
 A dataset is ``{dir: PATH}`` (must exist) or ``{preset: P, [name: N], [seed: S], [<data_gen
 key>: value ...]}``: the directory ``<data root>/<name or preset>``, written by ``python -m
@@ -44,7 +45,7 @@ from pipeline.tracking import REPO_ROOT
 CONFIGS = REPO_ROOT / "experiments" / "configs"
 DEFAULT_EXPERIMENT = "ablations"
 _TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "report"}
-_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile"}
+_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds"}
 _TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff"}
 
 
@@ -243,7 +244,7 @@ def load(path: str | Path, data_root: Path, data_dir: str | None = None,
         if "data.data_dir" in over:
             raise ConfigError(f"{path}: set the data with `dataset` (or --data), not data.data_dir")
         points.append(Point(labels, over, dataset))
-    for key in ("x", "series"):
+    for key in ("x", "series", "seeds"):
         if report.get(key) and report[key] not in labels:
             raise ConfigError(f"{path}: report.{key} {report[key]!r} is not an axis ({list(labels)})")
     _check_targets(path, report, points)

@@ -167,12 +167,13 @@ def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (
 
 def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
     """PASS/MISS of report.targets: the baseline series against another at one grid point."""
-    targets, ser, base = spec.get("targets") or [], spec.get("series"), spec.get("baseline")
+    targets, ser, base, seeds = spec.get("targets") or [], spec.get("series"), spec.get("baseline"), spec.get("seeds")
     if not targets:
         return []
     lines = ["", "## Targets", "", f"Each row compares {ser} `{base}` with another {ser} at one point of "
-             "the grid (same data, budget and seed).", "",
-             "| point | measured | target | result |", "|---|---|---|---|"]
+             "the grid (same data, budget and seed)" + (f"; every number is the mean over the `{seeds}` axis "
+                                                       "(the runs of every seed must be OK)" if seeds else "") + ".",
+             "", "| point | measured | target | result |", "|---|---|---|---|"]
     for t in targets:
         at = {a: str(v) for a, v in (t.get("at") or {}).items()}
         rows = {}
@@ -180,9 +181,9 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
             hit = df.filter(pl.col(ser) == value)
             for a, v in at.items():
                 hit = hit.filter(pl.col(a) == v)
-            rows[value] = hit.row(0, named=True) if hit.height else None
+            rows[value] = _mean_row(hit) if seeds else hit.row(0, named=True) if hit.height else None
         b, o = rows[base], rows[str(t["vs"])]
-        point = ", ".join(f"{a}={v}" for a, v in at.items()) + f": {base} vs {t['vs']}"
+        point = "".join(f"{a}={v}, " for a, v in at.items()).rstrip(", ") + (": " if at else "") + f"{base} vs {t['vs']}"
         if b is None or o is None or b["status"] != "OK" or o["status"] != "OK":
             status = "missing" if b is None or o is None else f"{base} {b['status']}, {t['vs']} {o['status']}"
             lines.append(f"| {point} | - | - | NOT MEASURED ({status}) |")
@@ -199,6 +200,36 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
             ok = value is not None and (value >= limit if op == ">=" else value <= limit)
             lines.append(f"| {point} | {name} {runs_.fmt(value, '.4f' if not unit else '.2f')}{unit} | "
                          f"{op} {limit}{unit} | {'PASS' if ok else 'MISS'} |")
+    return lines
+
+
+def _mean_row(runs: pl.DataFrame) -> dict | None:
+    """One row standing for several seeds of a point: metric means; status OK only if all are."""
+    if runs.height == 0:
+        return None
+    bad = [s for s in runs["status"].to_list() if s != "OK"]
+    row = {"status": bad[0] if bad else "OK"}
+    for col in (THROUGHPUT, "test/auc", "mem/train_peak_allocated_mb", "mem/peak_rss_mb"):
+        row[col] = runs[col].mean() if col in runs.columns and runs[col].null_count() < runs.height else None
+    return row
+
+
+def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> list[str]:
+    """Test AUC over the seeds axis per point of the other axes: is a gap between backends more
+    than the run-to-run noise of one backend?"""
+    if not seeds:
+        return []
+    ok = df.filter(pl.col("status") == "OK")
+    keys = [a for a in series if a != seeds]
+    lines = ["", f"## Test AUC over seeds (`{seeds}`)", "",
+             "| " + " | ".join([*keys, "runs", "mean", "std", "min", "max"]) + " |", "|" + "---|" * (len(keys) + 5)]
+    for key in dict.fromkeys(tuple(r[k] for k in keys) for r in ok.iter_rows(named=True)):
+        auc = ok.filter(pl.all_horizontal([pl.col(k) == v for k, v in zip(keys, key)]) if keys else pl.lit(True))["test/auc"]
+        auc = auc.drop_nulls()
+        std = auc.std() if auc.len() > 1 else None
+        lines.append("| " + " | ".join([*map(str, key), str(auc.len()), runs_.fmt(auc.mean(), ".4f"),
+                                        runs_.fmt(std, ".4f"), runs_.fmt(auc.min(), ".4f"),
+                                        runs_.fmt(auc.max(), ".4f")]) + " |")
     return lines
 
 
@@ -263,6 +294,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
         rat = ratios(df, [x, *(a for a in names if a not in (x, ser))], ser, base, mem)
         lines += ratio_section(rat, x)
         made.append(plots.ratio_plot(rat, x, order, f"{base} over the other {ser} values", out / "speedup.png"))
+    lines += seeds_section(df, spec.get("seeds"), names)
     lines += targets_section(df, spec, mem)
     lines += profile_section(out_root, spec.get("profile"))
     oracle = oracle_of(client, df) if spec.get("oracle") else None

@@ -124,3 +124,26 @@ def test_profile_section_reads_the_newest_profile(tmp_path):
     assert "| sdpa | 40.00 | 10.00 | 30.00 | 0.250 |" in text and "| jagged | 20.00 | 2.00 | 18.00 | 0.100 |" in text
     assert "from 40.00 to 20.00 ms (2.00x)" in text and "at best be 2.22x" in text
     assert report.profile_section(tmp_path, None) == []
+
+
+def test_seeds_table_and_targets_on_seed_means():
+    df = pl.DataFrame({
+        "backend": ["jagged"] * 3 + ["sdpa"] * 3,
+        "seed_everything": ["0", "1", "2"] * 2,
+        "status": ["OK"] * 6,
+        report.THROUGHPUT: [3.0, 3.0, 3.0, 1.0, 1.0, 1.0],
+        "mem/train_peak_allocated_mb": [1.0] * 6,
+        "test/auc": [0.700, 0.702, 0.704, 0.701, 0.703, 0.708],
+    })
+    lines = report.seeds_section(df, "seed_everything", ["backend", "seed_everything"])
+    assert "| jagged | 3 | 0.7020 | 0.0020 | 0.7000 | 0.7040 |" in lines
+    assert "| sdpa | 3 | 0.7040 | 0.0036 | 0.7010 | 0.7080 |" in lines
+    spec = {"series": "backend", "baseline": "jagged", "seeds": "seed_everything",
+            "targets": [{"vs": "sdpa", "min_speedup": 2.0, "max_auc_diff": 0.0015}]}
+    text = "\n".join(report.targets_section(df, spec, "mem/train_peak_allocated_mb"))
+    assert "mean over the `seed_everything` axis" in text
+    assert "| jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | PASS |" in text  # no `at`: the pair
+    assert "test AUC |difference| 0.0020 | <= 0.0015 | MISS |" in text
+    failed = df.with_columns(status=pl.when(pl.col("test/auc") == 0.708).then(pl.lit("FAILED")).otherwise(pl.col("status")))
+    assert "NOT MEASURED (jagged OK, sdpa FAILED)" in "\n".join(report.targets_section(failed, spec, "x"))
+    assert report.seeds_section(df, None, ["backend"]) == []

@@ -98,7 +98,7 @@ def the_parent(uri: str):
 
 
 def test_shipped_ablations_expand():
-    counts = {"seq_len": 15, "sparsity": 12, "history_value": 4, "model": 10, "smoke": 2}
+    counts = {"seq_len": 15, "sparsity": 12, "history_value": 4, "model": 10, "auc_parity": 9, "smoke": 2}
     for name, n in counts.items():
         abl = load(ABLATIONS / f"{name}.yaml", REPO / "data")
         assert abl.name == name and len(abl.points) == n, name
@@ -109,6 +109,10 @@ def test_shipped_ablations_expand():
     assert {k: v.overrides["mean_len"] for k, v in dirs.items()} == {"0.10": 102.4, "0.25": 256, "0.50": 512, "0.75": 768}
     assert dirs["0.25"].dir == Path("/d/fill025") and dirs["0.25"].overrides["max_len"] == 1024
     assert all(p.overrides["data.max_seq_len"] == 1024 for p in sparsity.points)
+    parity = load(ABLATIONS / "auc_parity.yaml", Path("/d"))  # the same data set as sparsity's fill 0.25
+    assert {p.dataset.dir for p in parity.points} == {Path("/d/fill025")}
+    assert {p.dataset.overrides["mean_len"] for p in parity.points} == {256}
+    assert sorted({p.overrides["seed_everything"] for p in parity.points}) == [0, 1, 2]
     model = load(ABLATIONS / "model.yaml", REPO / "data")
     by = {p.labels["variant"]: p.overrides for p in model.points}
     assert by["no_target_attention"]["model.ranker.target_attention"] is False

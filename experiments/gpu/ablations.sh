@@ -7,10 +7,10 @@
 # and finished runs are skipped.
 #
 #   PARTS="seq_len sparsity" bash experiments/gpu/ablations.sh          # throughput: one run at a time
-#   PARTS="history_value model profile" bash experiments/gpu/ablations.sh
+#   PARTS="auc_parity history_value model profile reproduce" bash experiments/gpu/ablations.sh
 #
 # Parts: seq_len, sparsity, smoke (throughput and memory: runs never share the GPU), history_value,
-# model (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
+# model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
 # seq_len jagged run at max_seq_len 1024: its metrics beside the original's, GPU tolerance).
@@ -44,7 +44,7 @@ par=${PARALLEL:-4}
 for part in $PARTS; do
   case $part in
     seq_len|sparsity|smoke) sweep "$part" ;;
-    history_value|model) sweep "$part" --parallel "$par" --set data.num_workers=4 ;;
+    history_value|model|auc_parity) sweep "$part" --parallel "$par" --set data.num_workers=4 ;;
     profile)
       timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
         --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1
