@@ -43,6 +43,11 @@ class RankerModule(pl.LightningModule):
     ranker: the architecture (``models.RankerConfig``; ``backend`` picks dense/sdpa/jagged).
     lr, weight_decay, betas: AdamW.
     data_spec: sizes and training CTR of the data set; the CLI links it from ``data.spec``.
+    compile_model: run the ranker's forward through ``torch.compile(dynamic=True)`` (one graph
+        for every batch: the history length T is symbolic; the jagged kernels are opaque custom
+        ops inside it). Fuses the elementwise work around attention and cuts the per-op Python
+        overhead of a step; the first step pays the compilation. The profiler's attention
+        ranges do not survive compilation, so ``pipeline.profile`` always profiles the eager step.
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class RankerModule(pl.LightningModule):
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.98),
         data_spec: dict | None = None,
+        compile_model: bool = False,
     ):
         super().__init__()
         if data_spec is None:
@@ -61,10 +67,11 @@ class RankerModule(pl.LightningModule):
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True)
         self.save_hyperparameters(
             {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
-             "data_spec": dict(data_spec)},
+             "data_spec": dict(data_spec), "compile_model": bool(compile_model)},
             logger=False,
         )
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.compile_model, self._compiled = bool(compile_model), None
         self.model = Ranker(
             ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"], n_dense=data_spec["n_dense"]
         )
@@ -79,7 +86,12 @@ class RankerModule(pl.LightningModule):
         self.register_buffer("_bad_step", torch.tensor(-1, dtype=torch.int64), persistent=False)
 
     def forward(self, batch: dict) -> torch.Tensor:
-        return self.model(**{k: batch[k] for k in _MODEL_INPUTS})
+        inputs = {k: batch[k] for k in _MODEL_INPUTS}
+        if not self.compile_model:
+            return self.model(**inputs)
+        if self._compiled is None:  # built on first use, after the module has moved to its device
+            self._compiled = torch.compile(self.model.forward, dynamic=True)
+        return self._compiled(**inputs)
 
     def on_train_epoch_start(self) -> None:
         if int(self.train_loss_epoch) != self.current_epoch:

@@ -170,6 +170,9 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
         batches[key] = first_batch(dm)
     batch = to_device(batches[key], device)
     module = module.to(device).train()
+    if module.compile_model:  # record_function ranges do not survive torch.compile
+        print(f"note: {backend}: model.compile_model is ignored; the eager step is profiled", file=sys.stderr)
+        module.compile_model = False
     opt = module.configure_optimizers()
     amp = autocast_for(cfg.trainer.precision, device)
     cuda = device.type == "cuda"

@@ -144,3 +144,26 @@ def test_nan_loss_fails_the_run_and_names_the_step(tiny, tracking, tmp_path, cap
     assert exc.value.code == 1
     assert "loss is NaN/inf at step" in capsys.readouterr().err
     assert all_runs(tracking)["nan"].info.status == "FAILED"
+
+
+def test_compiled_model_trains_like_the_eager_one(tiny, tracking, tmp_path):
+    """model.compile_model: one torch.compile(dynamic=True) graph around the ranker; same losses."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for name, flag in (("eager", "false"), ("compiled", "true")):
+        main(fit_args(tiny, tmp_path, "--config", str(CONFIGS / "jagged.yaml"), "--mlflow.run_name", name,
+                      "--mlflow.system_metrics", "false", "--trainer.max_epochs", "1",
+                      "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "0",
+                      "--trainer.limit_test_batches", "2", "--model.compile_model", flag))
+    runs = all_runs(tracking)
+    assert runs["compiled"].info.status == "FINISHED" and runs["compiled"].data.params["model.compile_model"] == "true"
+    he, hc = (history(tracking, runs[n].info.run_id, ("train/loss_step", "test/auc")) for n in ("eager", "compiled"))
+    assert he["train/loss_step"] and he["train/loss_step"].keys() == hc["train/loss_step"].keys()
+    for step, value in he["train/loss_step"].items():
+        assert hc["train/loss_step"][step] == pytest.approx(value, abs=1e-5)
+    assert hc["test/auc"] == pytest.approx(he["test/auc"], abs=1e-5)
+    # the ranker was compiled (train and eval graphs), without graph breaks
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert not torch._dynamo.utils.counters["graph_break"]

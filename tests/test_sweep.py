@@ -98,7 +98,7 @@ def the_parent(uri: str):
 
 
 def test_shipped_ablations_expand():
-    counts = {"seq_len": 15, "sparsity": 12, "history_value": 4, "model": 10, "auc_parity": 9, "smoke": 2}
+    counts = {"seq_len": 15, "sparsity": 12, "history_value": 4, "model": 10, "auc_parity": 9, "compile": 6, "smoke": 2}
     for name, n in counts.items():
         abl = load(ABLATIONS / f"{name}.yaml", REPO / "data")
         assert abl.name == name and len(abl.points) == n, name

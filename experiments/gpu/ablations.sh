@@ -9,7 +9,7 @@
 #   PARTS="seq_len sparsity" bash experiments/gpu/ablations.sh          # throughput: one run at a time
 #   PARTS="auc_parity history_value model profile reproduce" bash experiments/gpu/ablations.sh
 #
-# Parts: seq_len, sparsity, smoke (throughput and memory: runs never share the GPU), history_value,
+# Parts: seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
@@ -43,7 +43,7 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
 par=${PARALLEL:-4}
 for part in $PARTS; do
   case $part in
-    seq_len|sparsity|smoke) sweep "$part" ;;
+    seq_len|sparsity|compile|smoke) sweep "$part" ;;
     history_value|model|auc_parity) sweep "$part" --parallel "$par" --set data.num_workers=4 ;;
     profile)
       timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
