@@ -68,7 +68,7 @@ ui: setup ## serve the MLflow dashboard on 127.0.0.1:5000 (same database as the 
 bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
 	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
 
-sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|smoke; SWEEP_ARGS=...)
+sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|auc_parity|compile|smoke; SWEEP_ARGS=...)
 	$(PY) -m pipeline.sweep experiments/ablations/$(ABLATION).yaml $(SWEEP_ARGS)
 
 # a pattern rule (not .PHONY, which would skip it): one target per experiments/ablations/<name>.yaml
