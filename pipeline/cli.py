@@ -108,7 +108,7 @@ class RankerCLI(LightningCLI):
             "data_dir": str(Path(cfg.data.data_dir).resolve()),
         }
         run_id = run.start(tags)
-        logger = MLFlowLogger(
+        logger = _RunLogger(
             experiment_name=run.experiment_name, tracking_uri=tracking_uri(), run_id=run_id, log_model=False
         )
         return super().instantiate_trainer(logger=logger, **kwargs)
@@ -136,6 +136,19 @@ class RankerCLI(LightningCLI):
         end_run("FINISHED")
 
     after_test = after_validate
+
+
+class _RunLogger(MLFlowLogger):
+    """MLFlowLogger that ends an interrupted run (Ctrl-C, SIGINT from a sweep) KILLED, not FAILED.
+
+    Lightning finalizes every logger with "failed" from inside its KeyboardInterrupt handler,
+    after the callbacks' on_exception: the exception being handled tells the two apart.
+    """
+
+    def finalize(self, status: str = "success") -> None:
+        if status == "failed" and isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            status = "KILLED"
+        super().finalize(status)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -10,7 +10,8 @@ process (GPU memory statistics and caches never leak between runs), recorded in 
 child of one parent run named after the ablation. A rerun finds that parent by name and
 skips the points whose child FINISHED with the same config hash (configs, overrides and data
 digest); a point recorded as out of memory with the same hash is skipped too (it is a result;
-``--retry-oom`` reruns it). A run that fails is recorded (tag ``status``: OOM for a CUDA out of
+``--retry-oom`` reruns it). Ctrl-C or SIGTERM (``timeout``, ``kill``) stop the run in flight
+(SIGINT to its process group; recorded KILLED, rerun on resume). A run that fails is recorded (tag ``status``: OOM for a CUDA out of
 memory error, FAILED otherwise, KILLED past ``timeout_s``) and the sweep goes on. At the end a
 summary table is printed and logged to the parent (``summary.md``, ``summary.csv``); then
 ``python -m pipeline.report --parent <name>`` writes the tables and plots.
@@ -441,5 +442,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _terminate_as_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 if __name__ == "__main__":
+    # `timeout`, `kill` or a batch system end the sweep like Ctrl-C: the run in flight is stopped
+    # (its loader workers too) and recorded KILLED, instead of living on as an orphan on the GPU
+    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
     raise SystemExit(main())

@@ -172,8 +172,10 @@ class MLflowRun(pl.Callback):
         return self.run_id
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if fail_active_run() is not None:
-            print(f"MLflow run {self.run_id} marked FAILED ({type(exception).__name__}: {exception})",
+        # Ctrl-C, or a sweep/`timeout` passing SIGINT on: the run was stopped, it did not fail
+        status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
+        if fail_active_run(status) is not None:
+            print(f"MLflow run {self.run_id} marked {status} ({type(exception).__name__}: {exception})",
                   file=sys.stderr)
 
 
@@ -183,11 +185,11 @@ def end_run(status: str) -> None:
         mlflow.end_run(status)
 
 
-def fail_active_run() -> str | None:
+def fail_active_run(status: str = "FAILED") -> str | None:
     run = mlflow.active_run()
     if run is None:
         return None
-    end_run("FAILED")
+    end_run(status)
     return run.info.run_id
 
 

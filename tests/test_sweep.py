@@ -238,3 +238,37 @@ def test_bad_report_targets(tmp_path, targets, message):
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(ConfigError, match=message):
         load(path, tmp_path / "data")
+
+
+def test_sigterm_stops_the_run_in_flight_and_records_it(smoke, tmp_path):
+    """`timeout`/`kill` end a sweep like Ctrl-C: no orphaned training process, the run KILLED."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
+    argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16",
+            "--set", "trainer.limit_train_batches=100000", "--set", "trainer.max_epochs=100"]  # long enough
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *argv], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    client, deadline, running = MlflowClient(uri), time.monotonic() + 120, []
+    while not running and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        exp = client.get_experiment_by_name("ablations")
+        if exp is not None:
+            running = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
+                       if r.data.tags.get("sweep.role") != "parent"]
+    assert running, "the training run never started"
+    training = [p for p in psutil.Process(proc.pid).children(recursive=True) if "fit" in " ".join(p.cmdline())]
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-2000:]
+    assert "interrupted" in out
+    gone, alive = psutil.wait_procs(training, timeout=30)
+    assert not alive
+    run = client.get_run(running[0].info.run_id)
+    assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
+    assert the_parent(uri).info.status == "KILLED"

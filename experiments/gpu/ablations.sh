@@ -32,7 +32,8 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
   local name=$1; shift
   local t=$(( $(left) - 75 ))
   if [ "$t" -lt 60 ]; then echo "$name: not started, ${t}s left" | tee -a "$log"; return; fi
-  timeout "$t" python3 -m pipeline.sweep "experiments/ablations/$name.yaml" --data "data/$preset" \
+  # on SIGTERM the sweep stops the run in flight (recorded KILLED, resumed by the next call)
+  timeout -k 90 "$t" python3 -m pipeline.sweep "experiments/ablations/$name.yaml" --data "data/$preset" \
     --deadline-s $((t - 60)) "$@" >> "$log" 2>&1
   echo "$name sweep rc=$? at ${SECONDS}s" | tee -a "$log"
   timeout 45 python3 -m pipeline.report --parent "$name" --commit "$GIT_COMMIT" >> "$log" 2>&1
