@@ -9,19 +9,21 @@
 #   PARTS="seq_len sparsity" bash experiments/gpu/ablations.sh          # throughput: one run at a time
 #   PARTS="auc_parity history_value model profile reproduce" bash experiments/gpu/ablations.sh
 #
+# The accuracy parts may share the call with the GPU kernel tests (both are correctness only):
+#   PARTS=tests bash experiments/gpu/kernels.sh & PARTS="auc_parity history_value" bash experiments/gpu/ablations.sh; wait
 # Parts: seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
 # seq_len jagged run at max_seq_len 1024: its metrics beside the original's, GPU tolerance).
-# Returns $OUT/run.log, $OUT/mlflow.db, $OUT/results.tgz (experiments/results/) and the profile.
+# Returns $OUT/ablations.log, $OUT/mlflow.db, $OUT/results.tgz (experiments/results/) and the profile.
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT
 export MLFLOW_TRACKING_URI=sqlite:///$PWD/mlflow.db
 PARTS=" ${PARTS:-seq_len sparsity history_value model profile} "
 budget=${CALL_BUDGET_S:-570}
-log=$OUT/run.log
+log=$OUT/ablations.log
 save() { cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null; }
 left() { echo $((budget - SECONDS)); }
 preset=${PRESET:-paper}  # the data of the runs whose ablation file names none (PRESET=tiny: a CPU check)
