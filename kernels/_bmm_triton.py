@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _locate, col_block, dot_precision, dot_upcast, num_slots
+from kernels._triton_common import _slot_tile, col_block, dot_precision, dot_upcast, num_slots
 
 # Launch parameters by element size (2: bf16/fp16, 4: fp32), module level so a tuning script can
 # override them; `bmm_config` clamps the blocks to the operands. jagged_dense_bmm: BLOCK_T rows
@@ -60,15 +60,14 @@ def _jagged_dense_bmm_kernel(
 ):
     n_mb = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
-    b, j, begin, n_rows, _ = _locate(offsets_ptr, pid // n_mb, num_seqs, BLOCK_T)
-    if j * BLOCK_T >= n_rows:  # the spare slot of b
+    b, begin, n_rows, row0, rows, cols = _slot_tile(offsets_ptr, pid // n_mb, pid % n_mb, num_seqs,
+                                                    BLOCK_T, BLOCK_M)
+    if row0 >= n_rows:  # the spare slot of b
         return
-    rows = j * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = (pid % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < M
     length = tl.minimum(n_rows, N)
     acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
-    if j * BLOCK_T < length:
+    if row0 < length:  # a block entirely past max_seq_len skips the product
         row_ok = rows < length
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + (begin + rows)[:, None] * stride_at + ks[None, :] * stride_ak

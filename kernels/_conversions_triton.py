@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _locate, col_block, num_slots
+from kernels._triton_common import _slot_tile, col_block, num_slots
 
 _BLOCK_N = 32  # jagged_to_padded: padded rows per tile
 # padded_to_jagged launch parameters (module level, so a tuning script can override them):
@@ -51,11 +51,10 @@ def _padded_to_jagged_kernel(
     stride_pb, stride_pn, stride_pd, stride_ot, stride_od,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b, j, begin, n_rows, _ = _locate(offsets_ptr, tl.program_id(0), num_seqs, BLOCK_N)
-    if j * BLOCK_N >= n_rows:  # the spare slot of b
+    b, begin, n_rows, row0, rows, cols = _slot_tile(offsets_ptr, tl.program_id(0), tl.program_id(1),
+                                                    num_seqs, BLOCK_N, BLOCK_D)
+    if row0 >= n_rows:  # the spare slot of b
         return
-    rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols[None, :] < D
     src = (padded_ptr + b.to(tl.int64) * stride_pb + rows[:, None] * stride_pn
            + cols[None, :] * stride_pd)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _locate, _zero_rows, col_block, num_slots
+from kernels._triton_common import _slot_tile, _zero_rows, col_block, num_slots
 
 # Launch parameters (module level, so a tuning script can override them). Forward: jagged rows
 # per work slot, the widest column block, warps. Backward: padded rows per tile, the same.
@@ -32,11 +32,10 @@ def _jagged_dense_elementwise_fwd_kernel(
     stride_xt, stride_xd, stride_db, stride_dn, stride_dd, stride_ot, stride_od,
     IS_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b, j, begin, n_rows, _ = _locate(offsets_ptr, tl.program_id(0), num_seqs, BLOCK_N)
-    if j * BLOCK_N >= n_rows:  # the spare slot of b
+    b, begin, n_rows, row0, rows, cols = _slot_tile(offsets_ptr, tl.program_id(0), tl.program_id(1),
+                                                    num_seqs, BLOCK_N, BLOCK_D)
+    if row0 >= n_rows:  # the spare slot of b
         return
-    rows = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols[None, :] < D
     mask = (rows[:, None] < tl.minimum(n_rows, N)) & col_ok
     jag = (begin + rows)[:, None]

@@ -71,6 +71,17 @@ def _locate(Offsets, slot, num_seqs, BLOCK: tl.constexpr):
     return b, (slot - first).to(tl.int32), seq_start, (seq_end - seq_start).to(tl.int32), n_slots
 
 
+@triton.jit
+def _slot_tile(Offsets, slot, col_blk, num_seqs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The tile of work slot `slot` x column block `col_blk` (the row-wise ops' programs):
+    (b, seq_start, n_rows, row0, rows, cols). rows = row0 + [0, BLOCK_R) are positions within
+    sequence b; row0 >= n_rows only on b's spare slot, which has nothing to do."""
+    b, j, seq_start, n_rows, _ = _locate(Offsets, slot, num_seqs, BLOCK_R)
+    row0 = j * BLOCK_R
+    cols = col_blk * BLOCK_C + tl.arange(0, BLOCK_C)
+    return b, seq_start, n_rows, row0, row0 + tl.arange(0, BLOCK_R), cols
+
+
 def num_slots(total_rows: int, num_seqs: int, block: int) -> int:
     """Grid size (per head) of the slot layout: s(B) = T // BLOCK + B."""
     return total_rows // block + num_seqs
