@@ -11,8 +11,9 @@ child of one parent run named after the ablation. A rerun finds that parent by n
 skips the points whose child FINISHED with the same config hash (configs, overrides and data
 digest); a point recorded as out of memory with the same hash is skipped too (it is a result;
 ``--retry-oom`` reruns it). Ctrl-C or SIGTERM (``timeout``, ``kill``) stop the run in flight
-(SIGINT to its process group; recorded KILLED, rerun on resume). A run that fails is recorded (tag ``status``: OOM for a CUDA out of
-memory error, FAILED otherwise, KILLED past ``timeout_s``) and the sweep goes on. At the end a
+(SIGINT to its process group; recorded KILLED, rerun on resume). A run that fails is recorded
+(tag ``status``: OOM for a CUDA out of memory error, FAILED otherwise, KILLED past
+``timeout_s``) and the sweep goes on. At the end a
 summary table is printed and logged to the parent (``summary.md``, ``summary.csv``); then
 ``python -m pipeline.report --parent <name>`` writes the tables and plots.
 
