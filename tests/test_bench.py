@@ -171,3 +171,19 @@ def test_targets_are_never_relaxed():
     sdpa = next(v for k, v in res.items() if "fwd_bwd vs sdpa_padded_mask" in k)
     assert dense["status"] == "PASS"
     assert sdpa["status"] == "MISS"  # 100 MiB is 52.4% less than 210, not 53%
+
+
+def test_tune_ops_machinery_on_cpu(capsys):
+    """The ops tuning script (kernels.bench.tune_ops) through the interpreter: every candidate of
+    one op is checked against the reference and restored afterwards; no timing is asserted."""
+    from kernels import _conversions_triton
+    from kernels.bench import tune_ops
+
+    before = dict(_conversions_triton.P2J_CONFIG)
+    argv = ["--device", "cpu", "--shape", "5,40,24", "--ops", "padded_to_jagged", "--densities", "0.5",
+            "--warmup", "0", "--rep", "1", "--budget-s", "120"]
+    assert tune_ops.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{len(tune_ops.CANDIDATES['padded_to_jagged'][2])} rows, 0 not ok" in out
+    assert "best config per op" in out and "-> {'BLOCK_N'" in out
+    assert _conversions_triton.P2J_CONFIG == before  # the module's launch dict is restored

@@ -4,9 +4,10 @@
 # (../shared/device/README.md), with OUT set to a folder that comes back and GIT_COMMIT set
 # (the GPU machine has no .git). Everything lands in $OUT/bench (JSON, markdown, PNG: at most
 # 7 files) and $OUT/run.log, so a call cut short still returns what was measured.
-# PARTS picks what runs (default all three; one 10-minute call fits them only with short
-# budgets: on 2026-11-23 the tests needed more than 200 s with 8 workers; now one per core, at
-# most 16, TEST_WORKERS to change), e.g.
+# PARTS picks what runs: tests, tune_ops (kernels.bench.tune_ops, TUNE_BUDGET s, log in
+# $OUT/tune_ops.log), bench_paper, bench_recsys_long; default all but tune_ops. One 10-minute
+# call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
+# workers; now one per core, at most 16 (TEST_WORKERS to change). E.g.
 #   PARTS="tests bench_paper" bash experiments/gpu/kernels.sh
 set -uo pipefail
 PARTS=" ${PARTS:-tests bench_paper bench_recsys_long} "
@@ -21,6 +22,11 @@ if [[ $PARTS == *" tests "* ]]; then
     >> "$log" 2>&1
   echo "gpu tests rc=$?" | tee -a "$log"
   grep -E "passed|failed" "$log" | tail -2
+fi
+if [[ $PARTS == *" tune_ops "* ]]; then  # candidates of the ops kernels' launch dicts (kernels/TUNING.md)
+  timeout $(( ${TUNE_BUDGET:-200} + 90 )) python3 -m kernels.bench.tune_ops --budget-s "${TUNE_BUDGET:-200}" \
+    > "$OUT/tune_ops.log" 2>&1
+  echo "tune_ops rc=$?" | tee -a "$log"; grep -A20 "best config per op" "$OUT/tune_ops.log" | tee -a "$log"
 fi
 mkdir -p "$OUT/bench"
 if [[ $PARTS == *" bench_paper "* ]]; then
