@@ -181,12 +181,19 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
     for _ in range(warmup):
         train_step(module, opt, batch, amp, device)
     _sync(device)
-    plain = []
+    plain, launch = [], []
     for _ in range(steps):  # step time without the profiler's overhead
         t0 = time.perf_counter()
         train_step(module, opt, batch, amp, device)
+        t1 = time.perf_counter()  # the host is done: what is left is the GPU's queue
         _sync(device)
         plain.append(time.perf_counter() - t0)
+        launch.append(t1 - t0)
+    t0 = time.perf_counter()
+    for _ in range(steps):  # back to back, as training runs: host and GPU overlap
+        train_step(module, opt, batch, amp, device)
+    _sync(device)
+    chained_s = (time.perf_counter() - t0) / steps
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
@@ -212,6 +219,7 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
         "backend": backend, "device": str(device), "precision": str(cfg.trainer.precision),
         "batch_size": dm.batch_size, "max_seq_len": dm.max_seq_len, "n_tokens": int(batch["n_tokens"]),
         "step_ms": 1e3 * sorted(plain)[len(plain) // 2], "prof_step_ms": step_us / 1e3,
+        "chained_step_ms": 1e3 * chained_s, "host_ms": 1e3 * sorted(launch)[len(launch) // 2],
         "gpu_ms": None if gpu_us is None else gpu_us / 1e3,
         "attn_fwd_self_ms": times["fwd_self"] / steps / 1e3, "attn_fwd_target_ms": times["fwd_target"] / steps / 1e3,
         "attn_bwd_ms": times["bwd"] / steps / 1e3, "attn_ms": attn_us / 1e3,
@@ -269,14 +277,14 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
         f"items (fill {r0['n_tokens'] / (r0['batch_size'] * r0['max_seq_len']):.2f}); precision {r0['precision'] if r0['precision'] != 'None' else '32 (default)'}; "
         f"{args.warmup} warm-up steps, {args.steps} timed and {args.steps} profiled steps on the same batch",
         "",
-        "| backend | step ms | profiled step ms | "
+        "| backend | step ms | back-to-back step ms | host ms | profiled step ms | "
         + ("GPU busy ms | " if cuda else "")
         + "attn fwd self ms | attn fwd target ms | attn bwd ms | attn ms | attn share | "
         + ("peak GB | " if cuda else ""),
-        "|---|---:|---:|" + ("---:|" if cuda else "") + "---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|" if cuda else "") + "---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
     ]
     for r in results:
-        row = [r["backend"], _f(r["step_ms"]), _f(r["prof_step_ms"])]
+        row = [r["backend"], _f(r["step_ms"]), _f(r["chained_step_ms"]), _f(r["host_ms"]), _f(r["prof_step_ms"])]
         if cuda:
             row.append(_f(r["gpu_ms"]))
         row += [_f(r["attn_fwd_self_ms"]), _f(r["attn_fwd_target_ms"]), _f(r["attn_bwd_ms"]), _f(r["attn_ms"]),
@@ -288,8 +296,11 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
     lines += [
         "",
         f"What was measured: step ms is the median wall time of a training step (forward, BCE loss, "
-        f"backward, AdamW step; synchronised) without the profiler; the other columns come from the "
-        f"profiled steps, per step. Attention is {unit} inside the `attention/self` (all encoder layers) "
+        f"backward, AdamW step; synchronised) without the profiler; back-to-back step ms is the mean "
+        f"over steps run without a sync in between, as training runs them; host ms is the median time "
+        f"until the step's Python returns (launch side). Host ms close to the back-to-back time while "
+        f"the GPU is busy for less means the step is bound by the host, not the GPU. The other columns "
+        f"come from the profiled steps, per step. Attention is {unit} inside the `attention/self` (all encoder layers) "
         f"and `attention/target` record_function ranges (forward), plus the backward autograd nodes "
         f"of the ops in those ranges, linked by the profiler's (sequence_nr, forward thread); "
         f"projections and FFN are not attention. attn share = attn ms / profiled step ms.",

@@ -248,10 +248,11 @@ def profile_section(out_root: Path, pattern: str | None) -> list[str]:
     if not js.is_file():
         return lines
     rows = json.loads(js.read_text())["results"]
-    lines += ["", "| backend | step ms | attention ms (fwd + bwd) | rest of the step ms | attention share |",
-              "|---|---:|---:|---:|---:|"]
+    lines += ["", "| backend | step ms | host ms (launch side) | GPU busy ms | attention ms (fwd + bwd) | "
+                  "rest of the step ms | attention share |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['backend']} | {r['step_ms']:.2f} | {r['attn_ms']:.2f} | "
+        lines.append(f"| {r['backend']} | {r['step_ms']:.2f} | {runs_.fmt(r.get('host_ms'), '.2f')} | "
+                     f"{runs_.fmt(r.get('gpu_ms'), '.2f')} | {r['attn_ms']:.2f} | "
                      f"{r['prof_step_ms'] - r['attn_ms']:.2f} | {r['share']:.3f} |")
     by = {r["backend"]: r for r in rows}
     if "jagged" in by:

@@ -48,3 +48,4 @@ def test_profile_reports_the_attention_share_of_every_backend(tiny, tmp_path, ca
     data = json.loads(out.with_suffix(".json").read_text())  # the numbers, for pipeline.report
     assert [r["backend"] for r in data["results"]] == ["dense", "sdpa", "jagged"]
     assert all(0 < r["share"] <= 1 and r["step_ms"] > 0 for r in data["results"])
+    assert all(0 < r["host_ms"] <= r["step_ms"] and r["chained_step_ms"] > 0 for r in data["results"])

@@ -121,7 +121,7 @@ def test_profile_section_reads_the_newest_profile(tmp_path):
                for b, s, a in (("sdpa", 40.0, 10.0), ("jagged", 20.0, 2.0))]
     (tmp_path / "profile_paper_h100.json").write_text(json.dumps({"results": results}))
     text = "\n".join(report.profile_section(tmp_path, "profile_paper_*.md"))
-    assert "| sdpa | 40.00 | 10.00 | 30.00 | 0.250 |" in text and "| jagged | 20.00 | 2.00 | 18.00 | 0.100 |" in text
+    assert "| sdpa | 40.00 | - | - | 10.00 | 30.00 | 0.250 |" in text and "| jagged | 20.00 | - | - | 2.00 | 18.00 | 0.100 |" in text
     assert "from 40.00 to 20.00 ms (2.00x)" in text and "at best be 2.22x" in text
     assert report.profile_section(tmp_path, None) == []
 
