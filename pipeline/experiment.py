@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import subprocess
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 
 from models import BACKENDS
 from pipeline.errors import ConfigError
-from pipeline.sweep import child_fit_command
+from pipeline.sweep import child_fit_command, sigterm_as_interrupt, stream
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"
@@ -156,7 +156,8 @@ def run(args, meta: dict) -> int:
             print(f"\n=== [{i + 1}/{len(args.backends)}] {backend} ranker, preset {args.preset} ===", flush=True)
             cmd = fit_command(args.preset, backend, args.data_dir, args.experiment_name, parent.info.run_id, args.extra)
             t0 = time.perf_counter()
-            rc = subprocess.run(cmd, cwd=REPO_ROOT).returncode
+            # its own process group, stopped with SIGINT (a graceful, recorded end) on Ctrl-C/SIGTERM
+            rc, _, _ = stream(cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, None)
             wall = time.perf_counter() - t0
             run_ = child_run(client, experiment_id, parent.info.run_id, backend)
             results.append({
@@ -190,4 +191,5 @@ def run(args, meta: dict) -> int:
 
 
 if __name__ == "__main__":
+    sigterm_as_interrupt()
     raise SystemExit(main())

@@ -443,12 +443,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _terminate_as_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def sigterm_as_interrupt() -> None:
+    """`timeout`, `kill` or a batch system end a driver like Ctrl-C: the run in flight is stopped
+    (its loader workers too) and recorded KILLED, instead of living on as an orphan on the GPU."""
+
+    def handler(signum, frame) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":
-    # `timeout`, `kill` or a batch system end the sweep like Ctrl-C: the run in flight is stopped
-    # (its loader workers too) and recorded KILLED, instead of living on as an orphan on the GPU
-    signal.signal(signal.SIGTERM, _terminate_as_interrupt)
+    sigterm_as_interrupt()
     raise SystemExit(main())
