@@ -9,7 +9,8 @@
 #   PARTS="seq_len sparsity" bash experiments/gpu/ablations.sh          # throughput: one run at a time
 #   PARTS="auc_parity history_value model profile reproduce" bash experiments/gpu/ablations.sh
 #
-# The accuracy parts may share the call with the GPU kernel tests (both are correctness only):
+# The accuracy parts may share the call with the GPU kernel tests (both are correctness only;
+# never with tune_ops or the benchmarks, whose timings need the GPU alone):
 #   PARTS=tests bash experiments/gpu/kernels.sh & PARTS="auc_parity history_value" bash experiments/gpu/ablations.sh; wait
 # Parts: seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
