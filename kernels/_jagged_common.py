@@ -57,6 +57,14 @@ def pick_backend(backend: str, t: torch.Tensor) -> str:
     return resolved
 
 
+def eager_triton(resolved: str) -> bool:
+    """True where a public op may call its Triton launchers through a plain autograd.Function
+    (tens of microseconds less host time per call than the custom op's dispatch): the Triton
+    backend, in eager mode. torch.compile and functorch transforms go through the custom ops."""
+    return (resolved == "triton" and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active())
+
+
 def spans(offsets: torch.Tensor, max_seq_len: int) -> list[tuple[int, int]]:
     """Host (begin, n) per sequence, n = min(length, max_seq_len): the rows the op reads."""
     off = offsets.tolist()

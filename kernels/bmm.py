@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import compute_dtype, pick_backend, register_autocast, spans
+from kernels._jagged_common import compute_dtype, eager_triton, pick_backend, register_autocast, spans
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -87,31 +87,53 @@ def _jd_setup(ctx, inputs, output):
     ctx.max_seq_len, ctx.backend = max_seq_len, backend
 
 
-def _jd_backward(ctx, grad):  # grad [T, M]
-    values, offsets, dense = ctx.saved_tensors
-    grad_values = grad_dense = None
-    if ctx.needs_input_grad[0]:  # dx_b = dy_b @ W_b^T
-        grad_values = torch.ops.jagged.jagged_dense_bmm(
-            grad, offsets, dense.transpose(1, 2), ctx.max_seq_len, ctx.backend
-        )
-    if ctx.needs_input_grad[2]:  # dW_b = x_b^T @ dy_b
-        grad_dense = torch.ops.jagged.jagged_jagged_bmm(values, grad, offsets, ctx.max_seq_len, ctx.backend)
-    return grad_values, None, grad_dense, None, None
-
-
 def _jj_setup(ctx, inputs, output):
     a, c, offsets, max_seq_len, backend = inputs
     ctx.save_for_backward(a, c, offsets)
     ctx.max_seq_len, ctx.backend = max_seq_len, backend
 
 
-def _jj_backward(ctx, grad):  # grad [B, K, M]
+def _products(backend: str, launchers: bool):
+    """(jagged_dense_bmm, jagged_jagged_bmm) for a backward, each (x, y, offsets-or-dense...)
+    as the custom ops take them minus the backend: the differentiable custom ops, or the bare
+    Triton launchers where the backward is not itself recorded (the eager path)."""
+    if launchers:
+        from kernels._bmm_triton import jagged_dense_bmm_triton, jagged_jagged_bmm_triton
+
+        return jagged_dense_bmm_triton, jagged_jagged_bmm_triton
+    return (lambda *a: torch.ops.jagged.jagged_dense_bmm(*a, backend),
+            lambda *a: torch.ops.jagged.jagged_jagged_bmm(*a, backend))
+
+
+def _jd_grads(ctx, grad, products):  # grad [T, M] -> (grad_values, grad_dense)
+    values, offsets, dense = ctx.saved_tensors
+    dense_bmm, jagged_bmm = products
+    grad_values = grad_dense = None
+    if ctx.needs_input_grad[0]:  # dx_b = dy_b @ W_b^T
+        grad_values = dense_bmm(grad, offsets, dense.transpose(1, 2), ctx.max_seq_len)
+    if ctx.needs_input_grad[2]:  # dW_b = x_b^T @ dy_b
+        grad_dense = jagged_bmm(values, grad, offsets, ctx.max_seq_len)
+    return grad_values, grad_dense
+
+
+def _jj_grads(ctx, grad, products):  # grad [B, K, M] -> (grad_a, grad_c)
     a, c, offsets = ctx.saved_tensors
+    dense_bmm, _ = products
     grad_a = grad_c = None
     if ctx.needs_input_grad[0]:  # da_b = c_b @ dC_b^T
-        grad_a = torch.ops.jagged.jagged_dense_bmm(c, offsets, grad.transpose(1, 2), ctx.max_seq_len, ctx.backend)
+        grad_a = dense_bmm(c, offsets, grad.transpose(1, 2), ctx.max_seq_len)
     if ctx.needs_input_grad[1]:  # dc_b = a_b @ dC_b
-        grad_c = torch.ops.jagged.jagged_dense_bmm(a, offsets, grad, ctx.max_seq_len, ctx.backend)
+        grad_c = dense_bmm(a, offsets, grad, ctx.max_seq_len)
+    return grad_a, grad_c
+
+
+def _jd_backward(ctx, grad):
+    grad_values, grad_dense = _jd_grads(ctx, grad, _products(ctx.backend, launchers=False))
+    return grad_values, None, grad_dense, None, None
+
+
+def _jj_backward(ctx, grad):
+    grad_a, grad_c = _jj_grads(ctx, grad, _products(ctx.backend, launchers=False))
     return grad_a, grad_c, None, None, None
 
 
@@ -119,6 +141,57 @@ _jagged_dense_bmm_op.register_autograd(_jd_backward, setup_context=_jd_setup)
 _jagged_jagged_bmm_op.register_autograd(_jj_backward, setup_context=_jj_setup)
 register_autocast("jagged_dense_bmm", "lowp")
 register_autocast("jagged_jagged_bmm", "lowp")
+
+
+# ---- eager Triton path ----------------------------------------------------------------------
+# The same forward and backward as the custom ops, through a plain autograd.Function that calls
+# the launchers: no custom-op dispatch per call (forward, and the two products of each backward).
+# A backward that must itself be differentiable (create_graph=True) goes through the custom ops.
+
+
+class _JaggedDenseBmmFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, offsets, dense, max_seq_len):
+        from kernels._bmm_triton import jagged_dense_bmm_triton
+
+        ctx.save_for_backward(values, offsets, dense)
+        ctx.max_seq_len = max_seq_len
+        return jagged_dense_bmm_triton(values, offsets, dense, max_seq_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        products = _products("triton", launchers=not torch.is_grad_enabled())
+        grad_values, grad_dense = _jd_grads(ctx, grad, products)
+        return grad_values, None, grad_dense, None
+
+
+class _JaggedJaggedBmmFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, c, offsets, max_seq_len):
+        from kernels._bmm_triton import jagged_jagged_bmm_triton
+
+        ctx.save_for_backward(a, c, offsets)
+        ctx.max_seq_len = max_seq_len
+        return jagged_jagged_bmm_triton(a, c, offsets, max_seq_len)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_a, grad_c = _jj_grads(ctx, grad, _products("triton", launchers=not torch.is_grad_enabled()))
+        return grad_a, grad_c, None, None
+
+
+def _cast_for_autocast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, the float inputs in the autocast dtype (what the registered autocast rule
+    does inside the custom op; done here so the eager path sees the same dtypes)."""
+    dev = ts[0].device.type
+    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
+        return ts
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t for t in ts)
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 # ---- 5. public functions --------------------------------------------------------------------
@@ -159,6 +232,13 @@ def jagged_dense_bmm(
     check_size(dense, "dense", 1, values.shape[1], "K = values.shape[1]")
     max_seq_len = check_max_seq_len(max_seq_len)
     be = pick_backend(backend, values)
+    if eager_triton(be):
+        values, dense = _cast_for_autocast(values, dense)
+        if _needs_grad(values, dense):
+            return _JaggedDenseBmmFn.apply(values, offsets, dense, max_seq_len)
+        from kernels._bmm_triton import jagged_dense_bmm_triton
+
+        return jagged_dense_bmm_triton(values, offsets, dense, max_seq_len)
     return torch.ops.jagged.jagged_dense_bmm(values, offsets, dense, max_seq_len, be)
 
 
@@ -194,6 +274,13 @@ def jagged_jagged_bmm(
     check_offsets_device(offsets, a)
     max_seq_len = check_max_seq_len(max_seq_len)
     be = pick_backend(backend, a)
+    if eager_triton(be):
+        a, b = _cast_for_autocast(a, b)
+        if _needs_grad(a, b):
+            return _JaggedJaggedBmmFn.apply(a, b, offsets, max_seq_len)
+        from kernels._bmm_triton import jagged_jagged_bmm_triton
+
+        return jagged_jagged_bmm_triton(a, b, offsets, max_seq_len)
     return torch.ops.jagged.jagged_jagged_bmm(a, b, offsets, max_seq_len, be)
 
 

@@ -14,8 +14,7 @@ import math
 import torch
 
 from kernels._attention_reference import dense_attention_reference, dense_attention_reference_bwd
-from kernels._jagged_common import pick_backend, register_autocast
-from kernels.flash_attention import _eager_triton
+from kernels._jagged_common import eager_triton, pick_backend, register_autocast
 from kernels._validation import (
     check_float,
     debug_checks_enabled,
@@ -222,7 +221,7 @@ def jagged_dense_attention(
         _check_inputs(q, k, v, offsets, max_seq_len, bias)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
-    if _eager_triton(resolved):
+    if eager_triton(resolved):
         if torch.is_autocast_enabled(q.device.type) and bias is not None and (
                 bias.dtype != torch.float64):  # as the op's autocast rule casts it
             bias = bias.to(torch.get_autocast_dtype(q.device.type))

@@ -18,7 +18,7 @@ import math
 import torch
 
 from kernels._attention_reference import flash_attention_reference, flash_attention_reference_bwd
-from kernels._jagged_common import pick_backend, register_autocast
+from kernels._jagged_common import eager_triton, pick_backend, register_autocast
 from kernels._validation import (
     check_float,
     debug_checks_enabled,
@@ -126,11 +126,6 @@ class _FlashAttnFn(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _eager_triton(resolved: str) -> bool:
-    return (resolved == "triton" and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active())
-
-
 # ---- public function ----------------------------------------------------------------------
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -213,7 +208,7 @@ def jagged_flash_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
-    if _eager_triton(resolved):
+    if eager_triton(resolved):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _FlashAttnFn.apply(q, k, v, offsets, max_seq_len, causal, scale)
         else:
