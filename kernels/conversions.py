@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import pick_backend, spans
+from kernels._jagged_common import eager_triton, pick_backend, spans
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -110,6 +110,52 @@ _jagged_to_padded_op.register_autograd(_to_padded_backward, setup_context=_to_pa
 _padded_to_jagged_op.register_autograd(_to_jagged_backward, setup_context=_to_jagged_setup)
 
 
+# ---- eager Triton path: the same conversions through an autograd.Function over the launchers
+# (no custom-op dispatch per call); a recorded backward (create_graph) uses the custom ops.
+
+
+class _JaggedToPaddedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values, offsets, max_seq_len, padding_value):
+        from kernels._conversions_triton import jagged_to_padded_triton
+
+        ctx.save_for_backward(offsets)
+        ctx.total = values.shape[0]
+        return jagged_to_padded_triton(values, offsets, max_seq_len, padding_value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from kernels._conversions_triton import padded_to_jagged_triton
+
+        (offsets,) = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return torch.ops.jagged.padded_to_jagged(grad, offsets, ctx.total, "triton"), None, None, None
+        return padded_to_jagged_triton(grad, offsets, ctx.total), None, None, None
+
+
+class _PaddedToJaggedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, padded, offsets, total):
+        from kernels._conversions_triton import padded_to_jagged_triton
+
+        ctx.save_for_backward(offsets)
+        ctx.max_seq_len = padded.shape[1]
+        return padded_to_jagged_triton(padded, offsets, total)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from kernels._conversions_triton import jagged_to_padded_triton
+
+        (offsets,) = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return torch.ops.jagged.jagged_to_padded(grad, offsets, ctx.max_seq_len, 0.0, "triton"), None, None
+        return jagged_to_padded_triton(grad, offsets, ctx.max_seq_len, 0.0), None, None
+
+
+def _needs_grad(t: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and t.requires_grad
+
+
 # ---- 5. public functions --------------------------------------------------------------------
 
 
@@ -142,6 +188,12 @@ def jagged_to_padded(
     check_offsets_device(offsets, values)
     max_seq_len = check_max_seq_len(max_seq_len)
     be = pick_backend(backend, values)
+    if eager_triton(be):
+        if _needs_grad(values):
+            return _JaggedToPaddedFn.apply(values, offsets, max_seq_len, float(padding_value))
+        from kernels._conversions_triton import jagged_to_padded_triton
+
+        return jagged_to_padded_triton(values, offsets, max_seq_len, float(padding_value))
     return torch.ops.jagged.jagged_to_padded(values, offsets, max_seq_len, float(padding_value), be)
 
 
@@ -173,4 +225,11 @@ def padded_to_jagged(
     if total is not None:
         total = check_max_seq_len(total, "total")
     be = pick_backend(backend, padded)
+    if eager_triton(be):
+        total = int(offsets[-1]) if total is None else total
+        if _needs_grad(padded):
+            return _PaddedToJaggedFn.apply(padded, offsets, total)
+        from kernels._conversions_triton import padded_to_jagged_triton
+
+        return padded_to_jagged_triton(padded, offsets, total)
     return torch.ops.jagged.padded_to_jagged(padded, offsets, total, be)

@@ -368,3 +368,22 @@ def test_bmm_eager_triton_path_double_backward(name):
 
     for got, ref in zip(second("triton"), second("torch")):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_conversions_eager_triton_path_double_backward():
+    """As for the bmm ops: jagged_to_padded / padded_to_jagged record their backward on request."""
+    from kernels import jagged_to_padded, padded_to_jagged
+
+    torch.manual_seed(0)
+    lengths, N, D = [3, 0, 7, 20], 16, 16
+    off = make_offsets(lengths, "cpu", torch.int64)
+    x0 = torch.randn(sum(lengths), D)
+
+    def second(backend):
+        x = x0.clone().requires_grad_()
+        p = jagged_to_padded(x, off, N, backend=backend)
+        back = padded_to_jagged(p * p, off, total=x.shape[0], backend=backend)
+        (gx,) = torch.autograd.grad((back * back.detach().cos()).sum(), x, create_graph=True)
+        return torch.autograd.grad((gx * gx).sum(), x)
+
+    torch.testing.assert_close(second("triton")[0], second("torch")[0], rtol=1e-5, atol=1e-5)
