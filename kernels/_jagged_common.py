@@ -65,6 +65,23 @@ def eager_triton(resolved: str) -> bool:
             and not torch._C._are_functorch_transforms_active())
 
 
+def needs_grad(*ts: torch.Tensor | None) -> bool:
+    """Whether autograd would record an op on these inputs (None entries are skipped)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def autocast_lowp(*ts: torch.Tensor | None) -> tuple:
+    """Under autocast on the first tensor's device (CPU or CUDA), every float input but float64
+    in the autocast dtype: what the "lowp" autocast rule does to a custom op's inputs, for the
+    paths that call the launchers directly. None entries pass through."""
+    dev = ts[0].device.type
+    if dev not in _AUTOCAST_KEYS or not torch.is_autocast_enabled(dev):
+        return ts
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+                 for t in ts)
+
+
 def spans(offsets: torch.Tensor, max_seq_len: int) -> list[tuple[int, int]]:
     """Host (begin, n) per sequence, n = min(length, max_seq_len): the rows the op reads."""
     off = offsets.tolist()

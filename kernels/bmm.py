@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, pick_backend, register_autocast, spans
+from kernels._jagged_common import (
+    autocast_lowp,
+    compute_dtype,
+    eager_triton,
+    needs_grad,
+    pick_backend,
+    register_autocast,
+    spans,
+)
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -180,20 +188,6 @@ class _JaggedJaggedBmmFn(torch.autograd.Function):
         return grad_a, grad_c, None, None
 
 
-def _cast_for_autocast(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Under autocast, the float inputs in the autocast dtype (what the registered autocast rule
-    does inside the custom op; done here so the eager path sees the same dtypes)."""
-    dev = ts[0].device.type
-    if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
-        return ts
-    dt = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t for t in ts)
-
-
-def _needs_grad(*ts: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
-
-
 # ---- 5. public functions --------------------------------------------------------------------
 
 
@@ -233,8 +227,8 @@ def jagged_dense_bmm(
     max_seq_len = check_max_seq_len(max_seq_len)
     be = pick_backend(backend, values)
     if eager_triton(be):
-        values, dense = _cast_for_autocast(values, dense)
-        if _needs_grad(values, dense):
+        values, dense = autocast_lowp(values, dense)
+        if needs_grad(values, dense):
             return _JaggedDenseBmmFn.apply(values, offsets, dense, max_seq_len)
         from kernels._bmm_triton import jagged_dense_bmm_triton
 
@@ -275,8 +269,8 @@ def jagged_jagged_bmm(
     max_seq_len = check_max_seq_len(max_seq_len)
     be = pick_backend(backend, a)
     if eager_triton(be):
-        a, b = _cast_for_autocast(a, b)
-        if _needs_grad(a, b):
+        a, b = autocast_lowp(a, b)
+        if needs_grad(a, b):
             return _JaggedJaggedBmmFn.apply(a, b, offsets, max_seq_len)
         from kernels._bmm_triton import jagged_jagged_bmm_triton
 

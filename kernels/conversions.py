@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import eager_triton, pick_backend, spans
+from kernels._jagged_common import eager_triton, needs_grad, pick_backend, spans
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -152,10 +152,6 @@ class _PaddedToJaggedFn(torch.autograd.Function):
         return jagged_to_padded_triton(grad, offsets, ctx.max_seq_len, 0.0), None, None
 
 
-def _needs_grad(t: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and t.requires_grad
-
-
 # ---- 5. public functions --------------------------------------------------------------------
 
 
@@ -189,7 +185,7 @@ def jagged_to_padded(
     max_seq_len = check_max_seq_len(max_seq_len)
     be = pick_backend(backend, values)
     if eager_triton(be):
-        if _needs_grad(values):
+        if needs_grad(values):
             return _JaggedToPaddedFn.apply(values, offsets, max_seq_len, float(padding_value))
         from kernels._conversions_triton import jagged_to_padded_triton
 
@@ -227,7 +223,7 @@ def padded_to_jagged(
     be = pick_backend(backend, padded)
     if eager_triton(be):
         total = int(offsets[-1]) if total is None else total
-        if _needs_grad(padded):
+        if needs_grad(padded):
             return _PaddedToJaggedFn.apply(padded, offsets, total)
         from kernels._conversions_triton import padded_to_jagged_triton
 

@@ -14,7 +14,7 @@ import math
 import torch
 
 from kernels._attention_reference import dense_attention_reference, dense_attention_reference_bwd
-from kernels._jagged_common import eager_triton, pick_backend, register_autocast
+from kernels._jagged_common import autocast_lowp, eager_triton, needs_grad, pick_backend, register_autocast
 from kernels._validation import (
     check_float,
     debug_checks_enabled,
@@ -213,20 +213,15 @@ def jagged_dense_attention(
         ``out[b, i] = sum_j softmax_j(scale * q[b, i] . k[j] + bias[b, :, i, j]) v[j]`` over user
         b's keys j; a query with no key (empty sequence, or all keys masked) gives zeros.
     """
-    if torch.is_autocast_enabled(q.device.type):
-        dt = torch.get_autocast_dtype(q.device.type)
-        q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
-                   for t in (q, k, v))
+    q, k, v = autocast_lowp(q, k, v)
     if not _inputs_ok(q, k, v, offsets, max_seq_len, bias):
         _check_inputs(q, k, v, offsets, max_seq_len, bias)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
     if eager_triton(resolved):
-        if torch.is_autocast_enabled(q.device.type) and bias is not None and (
-                bias.dtype != torch.float64):  # as the op's autocast rule casts it
-            bias = bias.to(torch.get_autocast_dtype(q.device.type))
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
-                                        or (bias is not None and bias.requires_grad)):
+        if bias is not None:  # as the op's autocast rule casts it
+            (bias,) = autocast_lowp(bias)
+        if needs_grad(q, k, v, bias):
             return _DenseAttnFn.apply(q, k, v, offsets, max_seq_len, bias, scale)
         from kernels._dense_attention_triton import dense_attention_fwd
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, pick_backend, register_autocast, spans
+from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, register_autocast, spans
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -163,8 +163,7 @@ _SPEC = """
 def _direct(backend: str, values: torch.Tensor, dense: torch.Tensor) -> bool:
     """Eager Triton call with nothing for autograd to record and no autocast promotion to do:
     the launcher itself, without the custom op's dispatch (tens of microseconds of host time)."""
-    return (eager_triton(backend) and values.dtype == dense.dtype
-            and not (torch.is_grad_enabled() and (values.requires_grad or dense.requires_grad)))
+    return eager_triton(backend) and values.dtype == dense.dtype and not needs_grad(values, dense)
 
 
 def _checked(values, offsets, dense, max_seq_len, backend):

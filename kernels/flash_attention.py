@@ -18,7 +18,7 @@ import math
 import torch
 
 from kernels._attention_reference import flash_attention_reference, flash_attention_reference_bwd
-from kernels._jagged_common import eager_triton, pick_backend, register_autocast
+from kernels._jagged_common import autocast_lowp, eager_triton, needs_grad, pick_backend, register_autocast
 from kernels._validation import (
     check_float,
     debug_checks_enabled,
@@ -196,12 +196,10 @@ def jagged_flash_attention(
         ``out[t] = sum_j softmax_j(scale * q[t] . k[j]) v[j]`` over the keys j of t's sequence;
         ``(out, lse)`` when ``return_lse``.
     """
-    if torch.is_autocast_enabled(q.device.type) and q.dtype != torch.float64:
-        # the registered autocast rule casts inside the op; casting here too keeps the checks
-        # below (same dtype for q, k, v) meaningful for mixed inputs under autocast
-        dt = torch.get_autocast_dtype(q.device.type)
-        q, k, v = (t.to(dt) if t.is_floating_point() and t.dtype != torch.float64 else t
-                   for t in (q, k, v))
+    if q.dtype != torch.float64:
+        # under autocast the registered rule casts inside the op; casting here too keeps the
+        # checks below (same dtype for q, k, v) meaningful for mixed inputs under autocast
+        q, k, v = autocast_lowp(q, k, v)
     if not _inputs_ok(q, k, v, offsets, max_seq_len):
         _check_inputs(q, k, v, offsets, max_seq_len)
     if not isinstance(causal, bool):
@@ -209,7 +207,7 @@ def jagged_flash_attention(
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
     if eager_triton(resolved):
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if needs_grad(q, k, v):
             out, lse = _FlashAttnFn.apply(q, k, v, offsets, max_seq_len, causal, scale)
         else:
             from kernels._flash_attention_triton import flash_attention_fwd

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, pick_backend, spans
+from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, spans
 from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device
 
 # ---- 1. references ------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def jagged_softmax(
     check_offsets_device(offsets, values)
     max_seq_len = check_max_seq_len(max_seq_len)
     be = pick_backend(backend, values)
-    if eager_triton(be) and not (torch.is_grad_enabled() and values.requires_grad):
+    if eager_triton(be) and not needs_grad(values):
         from kernels._softmax_triton import jagged_softmax_fwd_triton  # nothing to record: no dispatch
 
         return jagged_softmax_fwd_triton(values, offsets, max_seq_len)
