@@ -183,7 +183,8 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
                 hit = hit.filter(pl.col(a) == v)
             rows[value] = _mean_row(hit) if seeds else hit.row(0, named=True) if hit.height else None
         b, o = rows[base], rows[str(t["vs"])]
-        point = "".join(f"{a}={v}, " for a, v in at.items()).rstrip(", ") + (": " if at else "") + f"{base} vs {t['vs']}"
+        where = ", ".join(f"{a}={v}" for a, v in at.items())
+        point = f"{where}: {base} vs {t['vs']}" if where else f"{base} vs {t['vs']}"
         if b is None or o is None or b["status"] != "OK" or o["status"] != "OK":
             status = "missing" if b is None or o is None else f"{base} {b['status']}, {t['vs']} {o['status']}"
             lines.append(f"| {point} | - | - | NOT MEASURED ({status}) |")
