@@ -139,11 +139,23 @@ class EpochBatchSampler(Sampler):
             return self.num_rows // self.batch_size
         return -(-self.num_rows // self.batch_size)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
+    def order(self, epoch: int) -> np.ndarray:
+        """The row order of an epoch (batches are its consecutive slices)."""
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
-        else:
-            order = np.arange(self.num_rows)
+            return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        return np.arange(self.num_rows)
+
+    def batch_sums(self, values: np.ndarray, epoch: int) -> np.ndarray:
+        """sum(values[idx]) for every batch idx of an epoch, in order: e.g. its token counts."""
+        order, n = self.order(epoch), len(self)
+        full = self.num_rows // self.batch_size
+        sums = values[order[: full * self.batch_size]].reshape(full, self.batch_size).sum(axis=1)
+        if n > full:  # the last, partial batch
+            sums = np.append(sums, values[order[full * self.batch_size:]].sum())
+        return sums
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        order = self.order(self.epoch)
         skip, self._skip = self._skip, 0
         for b in range(skip, len(self)):
             idx = order[b * self.batch_size : (b + 1) * self.batch_size]

@@ -1,31 +1,58 @@
 """Speed and memory of a run, measured where the numbers mean something.
 
-:class:`PerfMonitor` logs, through the trainer's loggers:
+:class:`PerfMonitor` times every training step and logs, through the trainer's loggers:
 
 - ``perf/train_examples_per_s``, ``perf/train_tokens_per_s`` (real history items, no padding),
-  ``perf/step_time_ms``, ``perf/steady_steps``: over the steady-state training steps only; the
-  first ``warmup_steps`` (compilation, autotuning, allocator growth) and validation are excluded.
-  The GPU is synchronised only where the clock starts and stops, never per step.
+  ``perf/step_time_ms`` (mean), ``perf/step_time_median_ms``, ``perf/step_time_p90_ms`` and
+  ``perf/steady_steps``: over the steady window, the training steps after the first
+  ``warmup_steps`` of the process. Only training steps are timed: validation, checkpoints,
+  the end and start of an epoch and the test never fall inside a step's time (see below).
+- ``perf/warmup_s``: the time from the first step until step times settle, i.e. the summed
+  duration of the steps before the first step k from which every rolling median of
+  ``SETTLE_WINDOW`` consecutive step times stays within 10% of the steady window's median.
+- ``perf/host_step_ms`` and ``perf/host_gap_ms``: medians over the steady window of the host
+  (Python) time inside a step and between two steps (fetching the batch from the loader, the
+  copy to the device, Lightning's hooks). A host step close to the step time means the step
+  is bound by the host, not by the device.
+- ``perf/gc_ms``: Python garbage-collection time inside the steady window, per step.
 - ``mem/{train,val,test}_peak_allocated_mb`` and ``..._reserved_mb`` on CUDA:
   ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after a reset at each phase start.
 - ``mem/peak_rss_mb``: the process's peak resident memory (CPU and GPU machines alike).
+- an artifact ``perf/steps.csv``: one row per training step (duration, host times, sizes).
+
+How a step is timed. Each step leaves a mark where it starts and where it ends: on a GPU a CUDA
+event recorded on the current stream (no synchronisation: the events are read when they have
+completed, or at the end), on a CPU the host clock. A step's duration is the time from its start
+mark to the next step's start mark, which includes the loop's own work between steps (loader,
+copy to device, hooks); when anything else ran in between (validation, a checkpoint, an epoch
+boundary) it is the time from its start to its own end mark instead. On a GPU the marks are
+device timestamps, so a device-bound step is timed by the device and a host-bound one by the
+gaps the host leaves: in both cases the time a user waits.
+
+``trace_steps: [first, count]`` also profiles the real loop: ``torch.profiler`` over ``count``
+steps from process step ``first`` (CPU and CUDA activities), then Python's ``cProfile`` over
+the next ``count`` steps (which Python functions the host time goes to); see
+:mod:`pipeline.trace`.
 """
 
 from __future__ import annotations
 
+import gc
+import io
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from pipeline.trace import LoopTrace
+
 _MB = 2**20
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+SETTLE_WINDOW = 10  # steps in each rolling median of perf/warmup_s
+SETTLE_TOLERANCE = 0.10
 
 
 def peak_rss_mb() -> float:
@@ -33,49 +60,164 @@ def peak_rss_mb() -> float:
     return rss / _MB if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB on Linux
 
 
+@dataclass
+class _Step:
+    start: object  # a CUDA event or a host time (s)
+    end: object = None
+    host_start: float = 0.0
+    host_end: float = 0.0
+    examples: int = 0
+    tokens: int = 0
+    epoch: int = 0
+    next_start: object = None  # the next step's start mark, if nothing else ran in between
+    host_next: float | None = None
+
+
+class _Marks:
+    """Start/end marks of steps: CUDA events on a GPU (read once completed), host time on CPU."""
+
+    def __init__(self, device: torch.device, clock=time.perf_counter):
+        self.cuda = device.type == "cuda"
+        self.clock = clock
+
+    def mark(self):
+        if not self.cuda:
+            return self.clock()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def done(self, mark) -> bool:
+        return not self.cuda or mark.query()
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else 1000.0 * (b - a)
+
+
+def settle_steps(durations: np.ndarray, steady_median: float, window: int = SETTLE_WINDOW,
+                 tolerance: float = SETTLE_TOLERANCE) -> int:
+    """The first step k from which every rolling median of `window` steps stays within
+    `tolerance` of `steady_median` (len(durations) if it never settles)."""
+    n = len(durations)
+    if n == 0:
+        return 0
+    w = min(window, n)
+    rolling = np.array([np.median(durations[j:j + w]) for j in range(n - w + 1)])
+    ok = np.abs(rolling - steady_median) <= tolerance * steady_median
+    bad = np.flatnonzero(~ok)
+    return 0 if bad.size == 0 else (int(bad[-1]) + 1 if bad[-1] + 1 < len(ok) else n)
+
+
 class PerfMonitor(pl.Callback):
     """Args:
-    warmup_steps: training steps excluded from the throughput window (per fit call).
+    warmup_steps: training steps excluded from the throughput window (per process).
+    trace_steps: ``[first, count]``: profile ``count`` steps of the real loop from process step
+        ``first`` (torch.profiler, then cProfile over the next ``count``); None: no profile.
+    trace_dir: where the profile goes (default ``<trainer.default_root_dir>/traces``); it is
+        also logged as artifacts of the run (``trace/``).
     """
 
-    def __init__(self, warmup_steps: int = 20):
+    def __init__(self, warmup_steps: int = 20, trace_steps: list[int] | None = None, trace_dir: str | None = None):
         if warmup_steps < 0:
             raise ValueError(f"perf.warmup_steps must be >= 0, got {warmup_steps}")
         self.warmup_steps = warmup_steps
-        self._seen = 0  # training steps seen in this process
-        self._t0: float | None = None
-        self._elapsed = 0.0
-        self._steps = self._examples = self._tokens = 0
+        self.trace = LoopTrace(trace_steps, trace_dir) if trace_steps else None
+        self.clock = time.perf_counter
+        self._marks: _Marks | None = None
+        self._steps: list[_Step] = []  # not yet resolved
+        self._rows: list[tuple] = []  # resolved: (ms, host_step_ms, host_gap_ms, examples, tokens, epoch)
+        self._open: _Step | None = None  # the last step, while nothing else ran after it
+        self._gc_s = 0.0
+        self._gc_t0: float | None = None
         self._peaks: dict[str, tuple[int, int]] = {}
 
-    # --- throughput --------------------------------------------------------------------
+    # --- step marks ----------------------------------------------------------------------
+    def _break(self) -> None:
+        """Something other than a training step runs now: the last step ends at its own end mark."""
+        self._open = None
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._t0 is None and self._seen >= self.warmup_steps:
-            _sync(pl_module.device)
-            self._t0 = time.perf_counter()
+        if self._marks is None:
+            self._marks = _Marks(pl_module.device, self.clock)
+        host, mark = self.clock(), self._marks.mark()
+        if self._open is not None:
+            self._open.next_start, self._open.host_next = mark, host
+        step = _Step(start=mark, host_start=host, examples=int(batch["label"].shape[0]),
+                     tokens=int(batch["n_tokens"]), epoch=trainer.current_epoch)
+        self._steps.append(step)
+        self._open = step
+        if self.trace is not None:
+            self.trace.step_start(len(self._rows) + len(self._steps) - 1, pl_module.device)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._seen += 1
-        if self._t0 is not None:
-            self._steps += 1
-            self._examples += int(batch["label"].shape[0])
-            self._tokens += int(batch["n_tokens"])
+        step = self._steps[-1]
+        step.end, step.host_end = self._marks.mark(), self.clock()
+        if self.trace is not None:
+            self.trace.step_end(len(self._rows) + len(self._steps) - 1, pl_module.device, trainer)
+        if len(self._steps) >= 512:
+            self._resolve(final=False)
 
-    def _pause(self, pl_module) -> None:
-        if self._t0 is not None:
-            _sync(pl_module.device)
-            self._elapsed += time.perf_counter() - self._t0
-            self._t0 = None
+    def _resolve(self, final: bool) -> None:
+        """Turn completed marks into durations (all of them when `final`: after a sync)."""
+        keep = []
+        for i, s in enumerate(self._steps):
+            nxt = s.next_start
+            last = nxt if nxt is not None else s.end
+            if keep or last is None or (s is self._open and not final) or not (final or self._marks.done(last)):
+                keep.append(s)
+                continue
+            ms = self._marks.ms(s.start, last)
+            gap = 1000.0 * (s.host_next - s.host_end) if s.host_next is not None else float("nan")
+            self._rows.append((ms, 1000.0 * (s.host_end - s.host_start), gap, s.examples, s.tokens, s.epoch))
+        self._steps = keep
+
+    # --- the window --------------------------------------------------------------------------
+    def table(self) -> np.ndarray:
+        """[steps, 6]: ms, host_step_ms, host_gap_ms, examples, tokens, epoch (resolved steps)."""
+        return np.array(self._rows, dtype=np.float64).reshape(-1, 6)
 
     def throughput(self) -> dict[str, float]:
-        if self._steps == 0 or self._elapsed <= 0:
+        rows = self.table()
+        window = rows[self.warmup_steps:]
+        if len(window) == 0 or window[:, 0].sum() <= 0:
             return {}
-        return {
-            "perf/train_examples_per_s": self._examples / self._elapsed,
-            "perf/train_tokens_per_s": self._tokens / self._elapsed,
-            "perf/step_time_ms": 1000.0 * self._elapsed / self._steps,
-            "perf/steady_steps": float(self._steps),
+        ms = window[:, 0]
+        total_s = ms.sum() / 1000.0
+        median = float(np.median(ms))
+        k = settle_steps(rows[:, 0], median)
+        out = {
+            "perf/train_examples_per_s": window[:, 3].sum() / total_s,
+            "perf/train_tokens_per_s": window[:, 4].sum() / total_s,
+            "perf/step_time_ms": float(ms.mean()),
+            "perf/step_time_median_ms": median,
+            "perf/step_time_p90_ms": float(np.percentile(ms, 90)),
+            "perf/steady_steps": float(len(window)),
+            "perf/host_step_ms": float(np.median(window[:, 1])),
+            "perf/gc_ms": 1000.0 * self._gc_s / len(window),
         }
+        gaps = window[:, 2][np.isfinite(window[:, 2])]
+        if gaps.size:
+            out["perf/host_gap_ms"] = float(np.median(gaps))
+        if k < len(rows):
+            out["perf/warmup_s"] = float(rows[:k, 0].sum() / 1000.0)
+        return out
+
+    def steps_csv(self) -> str:
+        buf = io.StringIO()
+        buf.write("step,epoch,ms,host_step_ms,host_gap_ms,examples,tokens,in_window\n")
+        for i, (ms, hs, hg, ex, tok, ep) in enumerate(self._rows):
+            buf.write(f"{i},{int(ep)},{ms:.4f},{hs:.4f},{hg:.4f},{int(ex)},{int(tok)},{int(i >= self.warmup_steps)}\n")
+        return buf.getvalue()
+
+    # --- garbage collection inside the window ----------------------------------------------
+    def _gc_callback(self, phase: str, info: dict) -> None:
+        if len(self._rows) + len(self._steps) <= self.warmup_steps:
+            return
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            self._gc_s += time.perf_counter() - self._gc_t0
+            self._gc_t0 = None
 
     # --- memory ------------------------------------------------------------------------
     def _reset_peak(self, pl_module) -> None:
@@ -102,10 +244,20 @@ class PerfMonitor(pl.Callback):
     # --- phases ------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         self._reset_peak(pl_module)
+        gc.callbacks.append(self._gc_callback)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._break()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._break()
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self._break()
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        if trainer.state.fn == "fit":  # validation inside fit: stop the training clock
-            self._pause(pl_module)
+        self._break()
+        if trainer.state.fn == "fit":  # validation inside fit
             self._record_peak("train", pl_module)
         self._reset_peak(pl_module)
 
@@ -114,9 +266,21 @@ class PerfMonitor(pl.Callback):
         self._reset_peak(pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        self._pause(pl_module)
+        self._break()
+        if self._gc_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_callback)
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        if self._steps:
+            self._resolve(final=True)
         self._record_peak("train", pl_module)
         _log(trainer, {**self.throughput(), **self.memory(("train", "val"))})
+        if self._rows:
+            log_text(trainer, self.steps_csv(), "perf/steps.csv")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self._gc_callback in gc.callbacks:
+            gc.callbacks.remove(self._gc_callback)
 
     def on_test_start(self, trainer, pl_module) -> None:
         self._reset_peak(pl_module)
@@ -129,3 +293,12 @@ class PerfMonitor(pl.Callback):
 def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def log_text(trainer: pl.Trainer, text: str, artifact_file: str) -> None:
+    """A text artifact in the run of every MLflow logger of the trainer."""
+    for logger in trainer.loggers:
+        run_id = getattr(logger, "run_id", None)
+        log_fn = getattr(getattr(logger, "experiment", None), "log_text", None)
+        if run_id and log_fn is not None:
+            log_fn(run_id, text, artifact_file)

@@ -101,9 +101,22 @@ class RankerData(pl.LightningDataModule):
             if split not in self._splits:
                 self._splits[split] = load_split(self.data_dir, split, self.spec["n_dense"], cache=self.cache)
 
+    def _sampler(self, split: str, batch_size: int, train: bool) -> EpochBatchSampler:
+        data = self._splits[split]
+        return EpochBatchSampler(data.num_rows, batch_size, shuffle=train, drop_last=train, seed=self.seed)
+
+    def train_token_counts(self, epochs) -> np.ndarray:
+        """History items (after truncation to max_seq_len) of every training batch of `epochs`
+        (an iterable of epoch numbers), in training order: exact, from the sampler's order."""
+        self.setup("fit")
+        data = self._splits["train"]
+        lengths = np.minimum(np.diff(data.row_offsets), self.max_seq_len)
+        sampler = self._sampler("train", self.batch_size, train=True)
+        return np.concatenate([sampler.batch_sums(lengths, e) for e in epochs] or [np.zeros(0, np.int64)])
+
     def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
         data = self._splits[split]
-        sampler = EpochBatchSampler(data.num_rows, batch_size, shuffle=train, drop_last=train, seed=self.seed)
+        sampler = self._sampler(split, batch_size, train)
         if len(sampler) == 0:
             raise ConfigError(f"the {split} split has {data.num_rows} rows: fewer than one batch of {batch_size}")
         return DataLoader(

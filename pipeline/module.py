@@ -7,8 +7,11 @@ CTR (``data_spec["train_ctr"]``) for every split.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import asdict
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -16,7 +19,11 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from models import Ranker, RankerConfig
+from pipeline.errors import ConfigError
+from pipeline.graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
+
+log = logging.getLogger(__name__)
 
 _MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
 
@@ -48,6 +55,17 @@ class RankerModule(pl.LightningModule):
         ops inside it). Fuses the elementwise work around attention and cuts the per-op Python
         overhead of a step; the first step pays the compilation. The profiler's attention
         ranges do not survive compilation, so ``pipeline.profile`` always profiles the eager step.
+    cuda_graphs: on a CUDA device, run each training step's forward and backward as the replay
+        of a CUDA graph captured per token bucket (:mod:`pipeline.graphs`): a few microseconds
+        of host time per step instead of a few hundred kernel launches from Python. Same losses
+        and gradients as the eager step; full precision or bf16-mixed only; not with
+        compile_model. Ignored (with a warning) on CPU.
+    token_buckets: the number of token capacities (graphs) for cuda_graphs; more buckets pad
+        less (each batch runs in the smallest bucket that holds it) and capture longer.
+
+    Before the first training step on a GPU, every kernel the step uses is run once (compiled)
+    on a batch of the data's shape, so that the first steps already run at speed; the time it
+    takes is logged as ``perf/prepare_s``.
     """
 
     def __init__(
@@ -58,23 +76,35 @@ class RankerModule(pl.LightningModule):
         betas: tuple[float, float] = (0.9, 0.98),
         data_spec: dict | None = None,
         compile_model: bool = False,
+        cuda_graphs: bool = False,
+        token_buckets: int = 4,
     ):
         super().__init__()
         if data_spec is None:
             raise ValueError("RankerModule needs data_spec (vocab_size, n_actions, n_dense, train_ctr)")
         if isinstance(ranker, dict):  # e.g. from a checkpoint's hyper_parameters
             ranker = RankerConfig(**ranker)
+        if cuda_graphs and compile_model:
+            raise ConfigError("model.cuda_graphs and model.compile_model exclude each other: choose one")
+        if token_buckets < 1:
+            raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True)
         self.save_hyperparameters(
             {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
-             "data_spec": dict(data_spec), "compile_model": bool(compile_model)},
+             "data_spec": dict(data_spec), "compile_model": bool(compile_model),
+             "cuda_graphs": bool(cuda_graphs), "token_buckets": int(token_buckets)},
             logger=False,
         )
+        # the step is written out (forward, backward, optimizer step) so that it can be a graph replay
+        self.automatic_optimization = False
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.compile_model, self._compiled = bool(compile_model), None
+        self.cuda_graphs, self.token_buckets = bool(cuda_graphs), int(token_buckets)
+        self._graphs: GraphedTrainStep | None = None
         self.model = Ranker(
             ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"], n_dense=data_spec["n_dense"]
         )
+        self.data_spec_n_dense = int(data_spec["n_dense"])
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         # the epoch's running mean and its epoch are checkpointed, so a run resumed mid-epoch
@@ -98,15 +128,73 @@ class RankerModule(pl.LightningModule):
             self.train_loss.reset()
             self.train_loss_epoch.fill_(self.current_epoch)
 
+    def compute_loss(self, batch: dict) -> torch.Tensor:
+        """Mean BCE of the batch's logits (the eager training step's forward)."""
+        return F.binary_cross_entropy_with_logits(self(batch), batch["label"])
+
+    def _graph_loss(self, inputs: dict, label: torch.Tensor) -> torch.Tensor:
+        # the graphed forward: the bucket's extra padding example (past len(label)) is dropped
+        return F.binary_cross_entropy_with_logits(self.model(**inputs)[: label.shape[0]], label)
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        logits = self(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch["label"])
-        bad = ~torch.isfinite(loss.detach())
-        self._bad_step.copy_(torch.where(bad & (self._bad_step < 0), self.global_step, self._bad_step))
+        opt, step = self.optimizers(), self.global_step
+        if self._graphs is not None:
+            loss = self._graphs(batch)  # forward + backward replayed; gradients in .grad
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss = self.compute_loss(batch)
+            self.manual_backward(loss)
+            loss = loss.detach()
+        opt.step()
+        bad = ~torch.isfinite(loss)
+        self._bad_step.copy_(torch.where(bad & (self._bad_step < 0), step, self._bad_step))
         self.log("train/loss_step", loss, on_step=True, prog_bar=True)
-        self.train_loss.update(loss.detach(), weight=logits.numel())
+        self.train_loss.update(loss, weight=batch["label"].numel())
         self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
         return loss
+
+    # ---- before the first step: kernels compiled, graphs captured ---------------------------
+    def on_train_start(self) -> None:
+        if self.device.type != "cuda":
+            if self.cuda_graphs:
+                log.warning("model.cuda_graphs needs a CUDA device; training eagerly on %s", self.device)
+            return
+        t0 = time.perf_counter()
+        counts = self._token_counts()
+        if counts is None:
+            return
+        dm, amp = self.trainer.datamodule, _autocast_dtype(self.trainer.precision)
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.cuda_graphs:
+            if amp == torch.float16:
+                raise ConfigError("model.cuda_graphs supports trainer.precision 32-true and bf16-mixed "
+                                  "(16-mixed needs a gradient scaler outside the graph)")
+            caps = token_capacities(counts, self.token_buckets)
+            self._graphs = GraphedTrainStep(self._graph_loss, params, caps, dm.batch_size, self.data_spec_n_dense,
+                                            dm.max_seq_len, self.device, amp)
+            self._graphs.capture()
+            what = f"{len(caps)} CUDA graphs captured (token capacities {caps})"
+        else:  # one forward and backward on a batch of the data's shape: every kernel compiled now
+            static = StaticBatch(int(np.median(counts)), dm.batch_size, self.data_spec_n_dense, dm.max_seq_len,
+                                 self.device)
+            loss_and_grads(self._graph_loss, static.inputs(), static.label, params, amp)
+            torch.cuda.synchronize(self.device)
+            what = "kernels compiled on a batch of the data's shape"
+        elapsed = time.perf_counter() - t0
+        log.info("training step prepared in %.1f s: %s", elapsed, what)
+        for logger in self.trainer.loggers:
+            logger.log_metrics({"perf/prepare_s": elapsed}, step=self.global_step)
+
+    def _token_counts(self) -> np.ndarray | None:
+        """History items of every training batch of the planned epochs (the data module's
+        exact schedule), or None when the data module cannot say."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if dm is None or not hasattr(dm, "train_token_counts"):
+            log.warning("no RankerData data module: CUDA graphs and kernel warm-up skipped")
+            return None
+        max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 20
+        epochs = range(self.current_epoch, min(max_epochs, self.current_epoch + 20))  # later ones: alike
+        return dm.train_token_counts(epochs)
 
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         # reading the flag syncs a GPU: do it when the progress bar / logger sync anyway
@@ -152,3 +240,11 @@ class RankerModule(pl.LightningModule):
         fused = self.device.type == "cuda" or None
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas,
                                  fused=fused)
+
+
+def _autocast_dtype(precision) -> torch.dtype | None:
+    """The autocast dtype of a Lightning precision setting (None: no autocast)."""
+    p = str(precision)
+    if "mixed" not in p:
+        return None
+    return torch.bfloat16 if p.startswith("bf16") else torch.float16

@@ -44,6 +44,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from models.config import BACKENDS
 from pipeline.cli import RankerCLI
 from pipeline.errors import ConfigError
+from pipeline.graphs import GraphedTrainStep, token_capacities
+from pipeline.module import _autocast_dtype
 
 ATTENTION_RANGES = ("attention/self", "attention/target")
 _STEP_RANGE = "profile/step"
@@ -99,12 +101,34 @@ def _sync(device: torch.device) -> None:
 
 
 def train_step(module, opt, batch: dict, amp, device) -> None:
-    """One step as training runs it: training_step (forward + loss), backward, AdamW step."""
+    """One eager step as training runs it: forward + loss, backward, AdamW step."""
     opt.zero_grad(set_to_none=True)
     with amp:
-        loss = module.training_step(batch, 0)
+        loss = module.compute_loss(batch)
     loss.backward()
     opt.step()
+
+
+def graphed_step_ms(module, opt, batch: dict, cfg, device, steps: int) -> float:
+    """Back-to-back time of the step that ``model.cuda_graphs`` trains with (the batch in one
+    bucket of its own size: forward and backward replayed, then the AdamW step), in ms."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    graphs = GraphedTrainStep(module._graph_loss, params, token_capacities([batch["n_tokens"]], 1),
+                              int(batch["label"].shape[0]), module.data_spec_n_dense, int(batch["max_seq_len"]),
+                              device, _autocast_dtype(cfg.trainer.precision))
+    graphs.capture()
+    for _ in range(3):
+        graphs(batch)
+        opt.step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        graphs(batch)
+        opt.step()
+    _sync(device)
+    for p in params:
+        p.grad = None
+    return 1e3 * (time.perf_counter() - t0) / steps
 
 
 def _is_backward(evt) -> bool:
@@ -194,6 +218,7 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
         train_step(module, opt, batch, amp, device)
     _sync(device)
     chained_s = (time.perf_counter() - t0) / steps
+    graph_ms = graphed_step_ms(module, opt, batch, cfg, device, steps) if module.cuda_graphs and cuda else None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(steps):
@@ -220,6 +245,7 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
         "batch_size": dm.batch_size, "max_seq_len": dm.max_seq_len, "n_tokens": int(batch["n_tokens"]),
         "step_ms": 1e3 * sorted(plain)[len(plain) // 2], "prof_step_ms": step_us / 1e3,
         "chained_step_ms": 1e3 * chained_s, "host_ms": 1e3 * sorted(launch)[len(launch) // 2],
+        "graph_step_ms": graph_ms,
         "gpu_ms": None if gpu_us is None else gpu_us / 1e3,
         "attn_fwd_self_ms": times["fwd_self"] / steps / 1e3, "attn_fwd_target_ms": times["fwd_target"] / steps / 1e3,
         "attn_bwd_ms": times["bwd"] / steps / 1e3, "attn_ms": attn_us / 1e3,
@@ -278,15 +304,15 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
         f"{args.warmup} warm-up steps, {args.steps} timed and {args.steps} profiled steps on the same batch",
         "",
         "| backend | step ms | back-to-back step ms | host ms | profiled step ms | "
-        + ("GPU busy ms | " if cuda else "")
+        + ("GPU busy ms | CUDA-graph step ms | " if cuda else "")
         + "attn fwd self ms | attn fwd target ms | attn bwd ms | attn ms | attn share | "
         + ("peak GB | " if cuda else ""),
-        "|---|---:|---:|---:|---:|" + ("---:|" if cuda else "") + "---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
     ]
     for r in results:
         row = [r["backend"], _f(r["step_ms"]), _f(r["chained_step_ms"]), _f(r["host_ms"]), _f(r["prof_step_ms"])]
         if cuda:
-            row.append(_f(r["gpu_ms"]))
+            row += [_f(r["gpu_ms"]), _f(r.get("graph_step_ms"))]
         row += [_f(r["attn_fwd_self_ms"]), _f(r["attn_fwd_target_ms"]), _f(r["attn_bwd_ms"]), _f(r["attn_ms"]),
                 _f(r["share"], ".3f")]
         if cuda:
@@ -299,7 +325,9 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
         f"backward, AdamW step; synchronised) without the profiler; back-to-back step ms is the mean "
         f"over steps run without a sync in between, as training runs them; host ms is the median time "
         f"until the step's Python returns (launch side). Host ms close to the back-to-back time while "
-        f"the GPU is busy for less means the step is bound by the host, not the GPU. The other columns "
+        f"the GPU is busy for less means the step is bound by the host, not the GPU. CUDA-graph step ms "
+        f"(with model.cuda_graphs) is the back-to-back time of the step replayed as a CUDA graph, "
+        f"the batch in a bucket of its own size, plus the AdamW step. The other columns "
         f"come from the profiled steps, per step. Attention is {unit} inside the `attention/self` (all encoder layers) "
         f"and `attention/target` record_function ranges (forward), plus the backward autograd nodes "
         f"of the ops in those ranges, linked by the profiler's (sequence_nr, forward thread); "

@@ -1,0 +1,239 @@
+"""The training step as CUDA graphs over fixed-capacity token buckets.
+
+A jagged batch changes shape every step (T, the number of history items, varies), and a step
+of the ranker launches a few hundred kernels whose Python and dispatch cost (about 15 ms at the
+``paper`` preset) exceeds their GPU time. Replaying a captured CUDA graph costs microseconds of
+host time whatever the number of kernels, but needs fixed shapes and fixed addresses. So:
+
+- **Buckets.** A few token capacities ``C_1 < ... < C_k`` are chosen from the exact per-batch
+  token counts of the planned epochs (:func:`token_capacities`: the capacities that minimise the
+  padded rows). A batch with T tokens runs in the smallest bucket with ``C >= T``.
+- **Padding that cannot change a result.** A bucket's inputs (:class:`StaticBatch`) hold
+  ``B + 1`` sequences: the batch's B, then one extra sequence that owns the unused rows
+  ``T .. C-1``. It is a real, valid sequence (rows past ``max_seq_len`` are ignored by every
+  op, as the jagged convention says), its example is dropped before the loss, so every real
+  example's logit and every gradient is what the unpadded batch gives (tested against the
+  unpadded batch in float64 on CPU, and graph against eager on the GPU).
+- **One graph per bucket**, captured once before the first step (after a warm-up run that also
+  compiles every Triton kernel variant), all sharing one memory pool, so their activations
+  share memory. Forward, loss and ``torch.autograd.grad`` are captured; the optimizer step
+  stays outside (a fused AdamW launch, and Lightning counts it as usual). The gradients of the
+  first (largest) bucket's graph are the parameters' ``.grad`` buffers; the other graphs copy
+  theirs into those buffers, so the gradients cost no memory per bucket.
+- **Fallback.** A batch above the largest capacity runs eagerly (same loss, same gradient
+  buffers) with a warning; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Callable
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[dict, torch.Tensor], torch.Tensor]  # (model inputs, labels [B]) -> loss
+_ROUND = 256  # capacities are multiples of this many rows
+
+
+def token_capacities(counts: np.ndarray, buckets: int, round_to: int = _ROUND) -> list[int]:
+    """At most `buckets` capacities (ascending, multiples of `round_to`) covering every count,
+    chosen to minimise the total padding sum(capacity - count) over `counts`.
+
+    An exact dynamic programme over the distinct rounded-up counts: the optimal capacities are
+    among them, and each bucket's capacity is the largest count it holds.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.size == 0 or buckets < 1:
+        raise ValueError("token_capacities needs at least one count and one bucket")
+    rounded = -(-np.maximum(counts, 1) // round_to) * round_to
+    values, freq = np.unique(rounded, return_counts=True)  # ascending
+    n, k = len(values), min(buckets, len(values))
+    # cost(i, j): padding of the counts with rounded values in values[i..j] under capacity values[j]
+    cum_n = np.concatenate([[0], np.cumsum(freq)])
+    cum_s = np.concatenate([[0], np.cumsum(freq * values)])
+
+    def cost(i: int, j: int) -> float:
+        m = cum_n[j + 1] - cum_n[i]
+        return float(values[j] * m - (cum_s[j + 1] - cum_s[i]))
+
+    inf = math.inf
+    best = [[inf] * n for _ in range(k + 1)]  # best[b][j]: values[0..j] in b buckets, last ends at j
+    cut = [[-1] * n for _ in range(k + 1)]
+    for j in range(n):
+        best[1][j] = cost(0, j)
+    for b in range(2, k + 1):
+        for j in range(b - 1, n):
+            for i in range(b - 1, j + 1):  # the last bucket holds values[i..j]
+                c = best[b - 1][i - 1] + cost(i, j)
+                if c < best[b][j]:
+                    best[b][j], cut[b][j] = c, i
+    b = min(range(1, k + 1), key=lambda m: best[m][n - 1])
+    caps, j = [], n - 1
+    while b >= 1 and j >= 0:
+        caps.append(int(values[j]))
+        j = cut[b][j] - 1 if b > 1 else -1
+        b -= 1
+    return sorted(caps)
+
+
+class StaticBatch:
+    """Fixed-shape, fixed-address inputs of one token bucket (on one device).
+
+    ``B + 1`` sequences: rows ``offsets[b] .. offsets[b+1]`` of the B real ones come from the
+    batch; the last sequence owns the rows ``T .. capacity-1`` (whatever an earlier batch left
+    there: valid ids, never read by a real example). ``label`` is ``[B]``: the extra example has
+    none and is dropped from the loss.
+    """
+
+    def __init__(self, capacity: int, batch_size: int, n_dense: int, max_seq_len: int,
+                 device: torch.device):
+        self.capacity, self.batch_size, self.max_seq_len = int(capacity), int(batch_size), int(max_seq_len)
+        B1 = self.batch_size + 1
+
+        def zeros(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.hist_item = zeros(self.capacity, dtype=torch.int32)  # dtypes of pipeline.batches
+        self.hist_action = zeros(self.capacity, dtype=torch.int8)
+        self.hist_age = zeros(self.capacity, dtype=torch.float32)
+        self.offsets = zeros(B1 + 1, dtype=torch.int64)
+        self.offsets[-1] = self.capacity  # every row in the extra sequence until the first fill
+        self.cand_item = zeros(B1, dtype=torch.int32)
+        self.dense = zeros(B1, n_dense, dtype=torch.float32)
+        self.label = zeros(self.batch_size, dtype=torch.float32)
+
+    def fits(self, batch: dict) -> bool:
+        return int(batch["label"].shape[0]) == self.batch_size and int(batch["n_tokens"]) <= self.capacity
+
+    def fill(self, batch: dict) -> None:
+        """Copy a batch in (device to device, asynchronous); rows past its T keep old values."""
+        T, B = int(batch["n_tokens"]), self.batch_size
+        if not self.fits(batch):
+            raise ValueError(f"a batch of {batch['label'].shape[0]} examples and {T} items does not fit "
+                             f"a bucket of {B} examples and {self.capacity} items")
+        self.hist_item[:T].copy_(batch["hist_item"], non_blocking=True)
+        self.hist_action[:T].copy_(batch["hist_action"], non_blocking=True)
+        self.hist_age[:T].copy_(batch["hist_age"], non_blocking=True)
+        self.offsets[: B + 1].copy_(batch["offsets"], non_blocking=True)
+        self.cand_item[:B].copy_(batch["cand_item"], non_blocking=True)
+        self.dense[:B].copy_(batch["dense"], non_blocking=True)
+        self.label.copy_(batch["label"], non_blocking=True)
+
+    def inputs(self) -> dict:
+        """The model's keyword arguments (B + 1 sequences)."""
+        return {"hist_item": self.hist_item, "hist_action": self.hist_action, "hist_age": self.hist_age,
+                "offsets": self.offsets, "max_seq_len": self.max_seq_len, "cand_item": self.cand_item,
+                "dense": self.dense}
+
+
+def model_inputs(batch: dict) -> dict:
+    keys = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
+    return {k: batch[k] for k in keys}
+
+
+def loss_and_grads(loss_fn: LossFn, inputs: dict, label: torch.Tensor, params: list[torch.Tensor],
+                   autocast_dtype: torch.dtype | None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Forward (under autocast when a dtype is given) and the parameters' gradients."""
+    amp = (torch.autocast(label.device.type, dtype=autocast_dtype, cache_enabled=False)  # no cast cache
+           if autocast_dtype is not None else contextlib.nullcontext())  # kept across a capture
+    with amp:
+        loss = loss_fn(inputs, label)
+    grads = torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+    return loss.detach(), grads
+
+
+class GraphedTrainStep:
+    """Forward, loss and gradients of a training step as CUDA graph replays (see module doc).
+
+    Args:
+        loss_fn: ``(model inputs, labels [B]) -> scalar loss``; it must use only the first
+            ``len(labels)`` logits (the extra padding example has no label).
+        params: the parameters to differentiate (their ``.grad`` are set to the shared buffers).
+        capacities: token capacities of the buckets (ascending).
+        autocast_dtype: torch.bfloat16 for bf16-mixed training, None for full precision.
+    """
+
+    def __init__(self, loss_fn: LossFn, params: list[torch.Tensor], capacities: list[int], batch_size: int,
+                 n_dense: int, max_seq_len: int, device: torch.device, autocast_dtype: torch.dtype | None):
+        if device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.loss_fn, self.params, self.autocast_dtype = loss_fn, list(params), autocast_dtype
+        self.capacities = sorted(int(c) for c in capacities)
+        self.statics = [StaticBatch(c, batch_size, n_dense, max_seq_len, device) for c in self.capacities]
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.losses: list[torch.Tensor] = []
+        self.grads: tuple[torch.Tensor, ...] | None = None
+        self.fallbacks = 0  # batches that ran eagerly (above the largest capacity)
+        self.replays = [0] * len(self.capacities)
+
+    def capture(self) -> None:
+        """Warm up (compiles every kernel variant) and capture one graph per bucket, largest first."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        order = sorted(range(len(self.statics)), key=lambda i: -self.capacities[i])
+        graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        losses: dict[int, torch.Tensor] = {}
+        for i in order:
+            static = self.statics[i]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # lazy initialisation on the capturing stream
+                loss_and_grads(self.loss_fn, static.inputs(), static.label, self.params, self.autocast_dtype)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the loader's pinning thread may allocate pinned memory meanwhile
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                loss, grads = loss_and_grads(self.loss_fn, static.inputs(), static.label, self.params,
+                                             self.autocast_dtype)
+                if self.grads is None:
+                    self.grads = grads  # the largest bucket's gradients are the .grad buffers
+                else:
+                    torch._foreach_copy_(list(self.grads), list(grads))
+            graphs[i], losses[i] = graph, loss
+        self.graphs = [graphs[i] for i in range(len(self.statics))]
+        self.losses = [losses[i] for i in range(len(self.statics))]
+        self._bind_grads()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-up's blocks outside the graphs' pool
+
+    def _bind_grads(self) -> None:
+        for p, g in zip(self.params, self.grads):
+            if p.grad is not g:
+                p.grad = g
+
+    def bucket(self, batch: dict) -> int | None:
+        for i, static in enumerate(self.statics):
+            if static.fits(batch):
+                return i
+        return None
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        """Run the step's forward and backward for `batch` (on the device); returns the loss
+        (a fresh tensor) and leaves the gradients in the parameters' ``.grad``."""
+        if not self.graphs:
+            raise RuntimeError("GraphedTrainStep.capture() must run before the first step")
+        i = self.bucket(batch)
+        if i is None:
+            return self._eager(batch)
+        self.statics[i].fill(batch)
+        self.graphs[i].replay()
+        self.replays[i] += 1
+        self._bind_grads()
+        return self.losses[i].clone()
+
+    def _eager(self, batch: dict) -> torch.Tensor:
+        self.fallbacks += 1
+        if self.fallbacks == 1 or self.fallbacks % 100 == 0:
+            log.warning("a batch of %d examples and %d history items fits no CUDA-graph bucket (capacities %s "
+                        "for %d examples): trained eagerly (%d such batches so far)",
+                        batch["label"].shape[0], int(batch["n_tokens"]), self.capacities,
+                        self.statics[0].batch_size, self.fallbacks)
+        loss, grads = loss_and_grads(self.loss_fn, model_inputs(batch), batch["label"], self.params,
+                                     self.autocast_dtype)
+        torch._foreach_copy_(list(self.grads), list(grads))
+        self._bind_grads()
+        return loss

@@ -1,0 +1,134 @@
+"""A profile of the real training loop (``--perf.trace_steps [first, count]``).
+
+Two consecutive windows of ``count`` training steps, starting at the process's step ``first``:
+
+1. ``torch.profiler`` (CPU ops, and CUDA kernels on a GPU): ``loop_trace.json.gz`` (open it in
+   chrome://tracing or https://ui.perfetto.dev) and ``loop_ops.txt``, the ops with the most self
+   time on the host and on the device; ``loop_summary.json`` gives per step the wall time, the
+   device's busy time (every kernel, copy and memset once) and the number of kernel launches.
+2. Python's ``cProfile``: ``loop_python.txt``, the functions with the most own (tottime) and
+   cumulative time: where the host's time per step goes (the model's Python, Lightning's loop
+   and hooks, logging, the loader).
+
+The files go to ``trace_dir`` and, for an MLflow run, to its artifacts under ``trace/``.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import gzip
+import io
+import json
+import logging
+import pstats
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+log = logging.getLogger(__name__)
+
+
+class LoopTrace:
+    def __init__(self, steps: list[int], out_dir: str | None = None):
+        if len(steps) != 2 or steps[0] < 0 or steps[1] < 1:
+            raise ValueError(f"perf.trace_steps must be [first >= 0, count >= 1], got {steps}")
+        self.first, self.count = int(steps[0]), int(steps[1])
+        self.out_dir = out_dir
+        self._prof: profile | None = None
+        self._py: cProfile.Profile | None = None
+        self._t0 = 0.0
+        self._summary: dict = {}
+
+    def _sync(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step_start(self, step: int, device: torch.device) -> None:
+        if step == self.first:
+            self._sync(device)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            self._prof = profile(activities=acts)
+            self._prof.__enter__()
+            self._t0 = time.perf_counter()
+        elif step == self.first + self.count:
+            self._sync(device)
+            self._py = cProfile.Profile()
+            self._t0 = time.perf_counter()
+            self._py.enable()
+
+    def step_end(self, step: int, device: torch.device, trainer) -> None:
+        if step == self.first + self.count - 1 and self._prof is not None:
+            self._sync(device)
+            wall = time.perf_counter() - self._t0
+            self._prof.__exit__(None, None, None)
+            self._write_profiler(self._prof, wall, device, trainer)
+            self._prof = None
+        elif step == self.first + 2 * self.count - 1 and self._py is not None:
+            self._py.disable()
+            self._sync(device)
+            wall = time.perf_counter() - self._t0
+            self._write_python(self._py, wall, trainer)
+            self._py = None
+
+    # ---- outputs ---------------------------------------------------------------------------
+    def _dir(self, trainer) -> Path:
+        path = Path(self.out_dir or Path(trainer.default_root_dir) / "traces")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _write_profiler(self, prof: profile, wall_s: float, device: torch.device, trainer) -> None:
+        out = self._dir(trainer)
+        events = prof.events()
+        device_events = [e for e in events if e.device_type.name != "CPU"
+                         and not getattr(e, "is_user_annotation", False)]
+        launches = sum(1 for e in events if e.device_type.name == "CPU"
+                       and e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                                      "cuLaunchKernelEx", "cudaGraphLaunch"))
+        busy_us = sum(e.self_device_time_total for e in device_events)
+        self._summary = {
+            "steps": self.count, "first_step": self.first, "device": str(device),
+            "wall_ms_per_step": 1000.0 * wall_s / self.count,
+            "device_busy_ms_per_step": busy_us / 1000.0 / self.count,
+            "launches_per_step": launches / self.count,
+        }
+        cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        text = f"# {self.count} steps from step {self.first}: {json.dumps(self._summary)}\n\n"
+        text += "## by self CPU time (host)\n" + cpu_table
+        if device.type == "cuda":
+            text += "\n\n## by self device time\n" + prof.key_averages().table(
+                sort_by="self_device_time_total", row_limit=40)
+        (out / "loop_ops.txt").write_text(text)
+        (out / "loop_summary.json").write_text(json.dumps(self._summary, indent=1) + "\n")
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(out / "loop_trace.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        self._log(trainer, out, ("loop_ops.txt", "loop_summary.json", "loop_trace.json.gz"))
+        log.info("loop profile of %d steps written to %s: %s", self.count, out, self._summary)
+
+    def _write_python(self, py: cProfile.Profile, wall_s: float, trainer) -> None:
+        out = self._dir(trainer)
+        buf = io.StringIO()
+        buf.write(f"# cProfile of {self.count} steps from step {self.first + self.count}: "
+                  f"{1000.0 * wall_s / self.count:.2f} ms per step under the profiler\n\n")
+        stats = pstats.Stats(py, stream=buf)
+        buf.write("## by own time (tottime)\n")
+        stats.sort_stats("tottime").print_stats(45)
+        buf.write("\n## by cumulative time\n")
+        stats.sort_stats("cumulative").print_stats(60)
+        (out / "loop_python.txt").write_text(buf.getvalue())
+        self._log(trainer, out, ("loop_python.txt",))
+
+    @staticmethod
+    def _log(trainer, out: Path, names: tuple[str, ...]) -> None:
+        for logger in trainer.loggers:
+            run_id = getattr(logger, "run_id", None)
+            log_fn = getattr(getattr(logger, "experiment", None), "log_artifact", None)
+            if run_id and log_fn is not None:
+                for name in names:
+                    log_fn(run_id, str(out / name), "trace")
