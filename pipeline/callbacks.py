@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import TQDMProgressBar
 
 from pipeline.trace import LoopTrace
 
@@ -302,3 +303,20 @@ def log_text(trainer: pl.Trainer, text: str, artifact_file: str) -> None:
         log_fn = getattr(getattr(logger, "experiment", None), "log_text", None)
         if run_id and log_fn is not None:
             log_fn(run_id, text, artifact_file)
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's progress bar, with the training loss read only when the bar refreshes.
+
+    A value logged with ``prog_bar=True`` is read after every step (``.item()``: a device sync
+    that serialises the host and the GPU); this bar reads the last logged ``train/loss_step``
+    when it redraws instead. The training CLI adds it unless another progress bar is configured.
+    """
+
+    def get_metrics(self, trainer, pl_module) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        loss = trainer.callback_metrics.get("train/loss_step")
+        if loss is not None:
+            items["loss"] = f"{float(loss):.4f}"
+        return items

@@ -21,10 +21,11 @@ from typing import Optional
 import torch
 import yaml
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks.progress import ProgressBar as ProgressBarBase
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import MLFlowLogger
 
-from pipeline.callbacks import PerfMonitor
+from pipeline.callbacks import PerfMonitor, ProgressBar
 from pipeline.data import RankerData
 from pipeline.errors import ConfigError
 from pipeline.module import RankerModule
@@ -111,6 +112,11 @@ class RankerCLI(LightningCLI):
         logger = _RunLogger(
             experiment_name=run.experiment_name, tracking_uri=tracking_uri(), run_id=run_id, log_model=False
         )
+        trainer_cfg = self._get(self.config_init, "trainer", default={})
+        callbacks = list(trainer_cfg.get("callbacks") or [])
+        if trainer_cfg.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
+            kwargs["callbacks"] = [*callbacks, ProgressBar()]
         return super().instantiate_trainer(logger=logger, **kwargs)
 
     def _log_inputs(self) -> None:

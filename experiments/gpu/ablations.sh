@@ -12,7 +12,7 @@
 # The accuracy parts may share the call with the GPU kernel tests (both are correctness only;
 # never with tune_ops or the benchmarks, whose timings need the GPU alone):
 #   PARTS=tests bash experiments/gpu/kernels.sh & PARTS="auc_parity history_value" bash experiments/gpu/ablations.sh; wait
-# Parts: seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), history_value,
+# Parts (NAME or NAME@axis=label,...: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
@@ -25,7 +25,10 @@ export MLFLOW_TRACKING_URI=sqlite:///$PWD/mlflow.db
 PARTS=" ${PARTS:-seq_len sparsity history_value model profile} "
 budget=${CALL_BUDGET_S:-570}
 log=$OUT/ablations.log
-save() { cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null; }
+save() {
+  cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null
+  tar czf "$OUT/mlruns.tgz" mlruns 2>/dev/null  # the runs' artifacts (perf/steps.csv, traces, configs)
+}
 left() { echo $((budget - SECONDS)); }
 preset=${PRESET:-paper}  # the data of the runs whose ablation file names none (PRESET=tiny: a CPU check)
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; } | tee "$log"
@@ -45,10 +48,12 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
 }
 
 par=${PARALLEL:-4}
-for part in $PARTS; do
+for spec in $PARTS; do
+  part=${spec%%@*}; where=()  # NAME@axis=label,label runs only those points (e.g. batch_size@batch_size=512)
+  [ "$spec" != "$part" ] && where=(--where "${spec#*@}")
   case $part in
-    seq_len|sparsity|compile|smoke) sweep "$part" ;;
-    history_value|model|auc_parity) sweep "$part" --parallel "$par" --set data.num_workers=4 ;;
+    seq_len|sparsity|compile|smoke|batch_size) sweep "$part" "${where[@]}" ;;
+    history_value|model|auc_parity) sweep "$part" "${where[@]}" --parallel "$par" --set data.num_workers=4 ;;
     profile)
       timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
         --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1

@@ -17,11 +17,13 @@ left() { echo $((budget - SECONDS)); }
 save() {
   cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null
   tar czf "$OUT/traces.tgz" --exclude='*.json.gz' traces 2>/dev/null
+  tar czf "$OUT/mlruns.tgz" --exclude='*.json.gz' mlruns 2>/dev/null  # artifacts: perf/steps.csv, configs
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; } | tee "$log"
 make data PRESET=paper SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
-if [ -n "${TESTS:-tests/test_pipeline_graphs.py}" ]; then
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider ${TESTS:-tests/test_pipeline_graphs.py} \
+TESTS=${TESTS-tests/test_pipeline_graphs.py}
+if [ -n "$TESTS" ]; then
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -rfE -m gpu -p no:cacheprovider $TESTS \
     >> "$log" 2>&1
   echo "gpu tests rc=$? at ${SECONDS}s" | tee -a "$log"; grep -E "passed|failed" "$log" | tail -1
 fi
@@ -42,7 +44,7 @@ for spec in $RUNS; do
   save
 done
 python3 experiments/gpu/runs_table.py loop | tee -a "$log"
-if [ "$(left)" -gt 120 ] && [ -n "${PROFILE:-1}" ]; then
+if [ "$(left)" -gt 120 ] && [ -n "${PROFILE-1}" ]; then
   timeout $(( $(left) - 10 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
     --config experiments/configs/paper.yaml --data.data_dir data/paper --model.cuda_graphs true \
     --backends ${PROFILE_BACKENDS:-jagged sdpa dense} --steps 5 --warmup 3 --top 12 \
