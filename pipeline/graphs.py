@@ -178,12 +178,16 @@ class GraphedTrainStep:
         order = sorted(range(len(self.statics)), key=lambda i: -self.capacities[i])
         graphs: dict[int, torch.cuda.CUDAGraph] = {}
         losses: dict[int, torch.Tensor] = {}
+        # Every warm-up before the first capture: a warm-up runs outside the graphs' pool, and
+        # next to a captured graph's memory it would need a second copy of the activations.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # lazy initialisation on the capturing stream
+            for i in order:
+                static = self.statics[i]
+                loss_and_grads(self.loss_fn, static.inputs(), static.label, self.params, self.autocast_dtype)
+        torch.cuda.current_stream().wait_stream(stream)
         for i in order:
             static = self.statics[i]
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # lazy initialisation on the capturing stream
-                loss_and_grads(self.loss_fn, static.inputs(), static.label, self.params, self.autocast_dtype)
-            torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # thread_local: the loader's pinning thread may allocate pinned memory meanwhile
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):

@@ -185,8 +185,15 @@ class RankerModule(pl.LightningModule):
             caps = token_capacities(counts, self.token_buckets)
             self._graphs = GraphedTrainStep(self._graph_loss, params, caps, dm.batch_size, self.data_spec_n_dense,
                                             dm.max_seq_len, self.device, amp)
-            self._graphs.capture()
-            what = f"{len(caps)} CUDA graphs captured (token capacities {caps})"
+            try:
+                self._graphs.capture()
+                what = f"{len(caps)} CUDA graphs captured (token capacities {caps})"
+            except torch.OutOfMemoryError as err:
+                self._graphs = None  # the graphs' memory pool goes with them
+                torch.cuda.empty_cache()
+                log.warning("not enough GPU memory to capture the training step as CUDA graphs (%s): training "
+                            "eagerly", str(err).split(".")[0])
+                what = "CUDA graphs did not fit in GPU memory: eager steps"
         else:  # one forward and backward on a batch of the data's shape: every kernel compiled now
             static = StaticBatch(int(np.median(counts)), dm.batch_size, self.data_spec_n_dense, dm.max_seq_len,
                                  self.device)
