@@ -64,8 +64,11 @@ def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
 
 @functools.lru_cache(maxsize=None)
 def git_commit() -> str:
-    """HEAD of the repo ('-dirty' when tracked files differ); else $GIT_COMMIT (a machine without
-    .git, e.g. the GPU box: pass `GIT_COMMIT=$(git rev-parse HEAD)`); else 'unknown'."""
+    """$GIT_COMMIT when set (a copy of the code whose .git is absent or stale, e.g. on a remote
+    GPU machine: pass `GIT_COMMIT=$(git rev-parse HEAD)`); else HEAD of the repo ('-dirty' when
+    tracked files differ); else 'unknown'."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
     try:
         run = functools.partial(subprocess.run, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
         head = run(["git", "rev-parse", "--verify", "--quiet", "HEAD"])
@@ -75,7 +78,7 @@ def git_commit() -> str:
         sha = dirty = ""
     if re.fullmatch(r"[0-9a-f]{40}", sha):
         return sha + ("-dirty" if dirty else "")
-    return os.environ.get("GIT_COMMIT") or "unknown"
+    return "unknown"
 
 
 def device_name() -> str:

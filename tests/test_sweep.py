@@ -8,6 +8,7 @@ step of the real CLI), 0 fails the CLI's pre-flight check before any MLflow run 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -98,12 +99,14 @@ def the_parent(uri: str):
 
 
 def test_shipped_ablations_expand():
-    counts = {"seq_len": 15, "sparsity": 12, "history_value": 4, "model": 10, "auc_parity": 9, "compile": 6, "smoke": 2}
-    for name, n in counts.items():
-        abl = load(ABLATIONS / f"{name}.yaml", REPO / "data")
-        assert abl.name == name and len(abl.points) == n, name
-        text = (ABLATIONS / f"{name}.yaml").read_text()
-        assert text.startswith("#") and "make experiment-" in text and "Format" in text, name
+    for path in sorted(ABLATIONS.glob("*.yaml")):
+        abl = load(path, REPO / "data")
+        assert abl.name == path.stem and abl.points, path.name
+        assert len({p.name for p in abl.points}) == len(abl.points), f"{path.name}: point names repeat"
+        # every point is the product of the axes' labels, each with a data set
+        assert len(abl.points) == math.prod(len({p.labels[a] for p in abl.points}) for a in abl.axes), path.name
+        assert all(p.dataset is not None and p.dataset.dir for p in abl.points), path.name
+        assert path.read_text().startswith("#") and f"make experiment-{path.stem}" in path.read_text(), path.name
     sparsity = load(ABLATIONS / "sparsity.yaml", Path("/d"))
     dirs = {p.labels["fill"]: p.dataset for p in sparsity.points}
     assert {k: v.overrides["mean_len"] for k, v in dirs.items()} == {"0.10": 102.4, "0.25": 256, "0.50": 512, "0.75": 768}
