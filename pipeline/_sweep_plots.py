@@ -1,4 +1,10 @@
-"""PNG plots of a sweep: one metric against the x axis, one line per series (matplotlib, Agg)."""
+"""PNG plots of a sweep: one metric against the x axis, one line per series (matplotlib, Agg).
+
+Every plot carries a subtitle (device, data, budget, commit: what the numbers depend on), marks
+the grid points without a number (OOM, FAILED, NOT RUN) on the x axis instead of leaving a line
+to end silently, draws the mean and the spread (error bars: min to max) over a seeds axis, and
+keeps its legend outside the data.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
+
+_MISSING_MARK = {"OOM": "X", "FAILED": "x", "KILLED": "x", "NOT RUN": "1"}
 
 
 def numeric(labels: list[str]) -> list[float] | None:
@@ -33,9 +41,10 @@ def _style_x(ax, x_name: str, labels: list[str], extra_ticks: tuple[float, ...] 
 
 
 def _xs(labels: list[str], order: list[str]) -> list:
-    values = numeric(order)
-    if values is None:
-        return labels  # matplotlib places categories in first-seen order: `order` is plotted first
+    """Plot positions: the numbers, or each category's index (`order` is plotted first, so a
+    category axis places order[i] at i)."""
+    if numeric(order) is None:
+        return [order.index(x) if x in order else len(order) for x in labels]
     return [float(x) for x in labels]
 
 
@@ -51,58 +60,107 @@ def series_groups(df: pl.DataFrame, x: str, series: list[str]) -> dict[str, pl.D
     return out
 
 
+def _finish(fig, ax_or_axes, title: str, subtitle: str, path: Path) -> Path:
+    axes = ax_or_axes if isinstance(ax_or_axes, (list, tuple)) else [ax_or_axes]
+    for ax in axes:
+        handles, _ = ax.get_legend_handles_labels()
+        if handles:  # outside the axes: a legend never covers a point
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.suptitle(title, fontsize=11)
+    if subtitle:
+        fig.text(0.5, 0.005, subtitle, ha="center", va="bottom", fontsize=7, color="dimgray", wrap=True)
+    fig.tight_layout(rect=(0, 0.05 if subtitle else 0, 1, 1))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _mark_missing(ax, xs: list, statuses: list[str], color, name: str) -> None:
+    """Points without a number: a marker on the x axis and the status above it (side by side
+    when several series miss the same x)."""
+    stacked = ax.__dict__.setdefault("_missing_at", {})
+    for xv, status in zip(xs, statuses):
+        level = stacked[xv] = stacked.get(xv, -1) + 1
+        ax.plot([xv], [0.0], marker=_MISSING_MARK.get(status, "x"), color=color, markersize=9,
+                transform=ax.get_xaxis_transform(), clip_on=False, linestyle="none")
+        ax.annotate(status, (xv, 0.0), xycoords=("data", "axes fraction"), xytext=(-4 + 9 * level, 9),
+                    textcoords="offset points", ha="center", va="bottom", rotation=90, fontsize=7, color=color)
+    if xs:
+        ax.plot([], [], marker="X", color=color, linestyle="none",
+                label=f"{name}: no number ({', '.join(dict.fromkeys(statuses))})")
+
+
+def _points(rows: pl.DataFrame, x: str, order: list[str], metric: str, seeds: str | None):
+    """(x labels with a number, mean, low, high, n) and (x labels without one, their status)."""
+    have, missing = [], []
+    for label in order:
+        at = rows.filter(pl.col(x) == label)
+        ok = at.filter((pl.col("status") == "OK") & pl.col(metric).is_not_null())
+        if ok.height and (not seeds or ok.height == at.height):
+            vals = ok[metric].to_list()
+            have.append((label, sum(vals) / len(vals), min(vals), max(vals), len(vals)))
+        elif at.height:
+            bad = [s for s in at["status"].to_list() if s != "OK"]
+            missing.append((label, bad[0] if bad else "NO METRIC"))
+        else:
+            missing.append((label, "NOT RUN"))
+    return have, missing
+
+
 def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], metric: str, ylabel: str,
               title: str, path: Path, extra=None, extra_ticks: tuple[float, ...] = (),
-              logy: bool = False) -> Path | None:
-    """`metric` vs `x` per series; OOM and failed points are named in the legend."""
+              logy: bool = False, subtitle: str = "", seeds: str | None = None) -> Path | None:
+    """`metric` vs `x` per series (the `seeds` axis, if any, averaged: error bars from min to max)."""
     if metric not in df.columns or df[metric].is_null().all():
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.6))
     if numeric(order) is None:  # fix the category order before any series draws
         ax.plot(order, [float("nan")] * len(order), alpha=0)
-    for name, rows in series_groups(df, x, series).items():
-        ok = rows.filter(pl.col(metric).is_not_null() & (pl.col("status") == "OK"))
-        missing = rows.filter(pl.col("status") != "OK")
-        label = name + "".join(f" ({s} at {x}={v})" for s, v in
-                               zip(missing["status"].to_list(), missing[x].to_list()))
-        ax.plot(_xs(ok[x].to_list(), order), ok[metric].to_list(), marker="o", label=label)
+    for name, rows in series_groups(df, x, [s for s in series if s != seeds]).items():
+        have, missing = _points(rows, x, order, metric, seeds)
+        xs = _xs([h[0] for h in have], order)
+        means = [h[1] for h in have]
+        if seeds and have:
+            n = max(h[4] for h in have)
+            err = [[h[1] - h[2] for h in have], [h[3] - h[1] for h in have]]
+            line = ax.errorbar(xs, means, yerr=err, marker="o", capsize=3,
+                               label=f"{name} (mean of {n} seeds; bars: min to max)")[0]
+        else:
+            (line,) = ax.plot(xs, means, marker="o", label=name)
+        _mark_missing(ax, _xs([m[0] for m in missing], order), [m[1] for m in missing], line.get_color(), name)
     if extra is not None:
         extra(ax)
     _style_x(ax, x, order, extra_ticks)
     if logy:
         ax.set_yscale("log")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, title, subtitle, path)
 
 
-def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], title: str, path: Path) -> Path | None:
-    """ratios[name] = {"x": [...], "throughput": [...], "memory": [...]} -> two panels."""
+def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], title: str, path: Path,
+               baseline: str = "jagged", subtitle: str = "") -> Path | None:
+    """ratios["<baseline> / <other>"] = {"x": [...], "throughput": [...], "memory": [...], "note": [...]}:
+    two panels, each saying which way its ratio goes; a point without a ratio is marked."""
     if not any(r["x"] for r in ratios.values()):
         return None
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    panels = (("throughput", "train examples/s: ratio (x)"), ("memory", "peak memory: padded / jagged (x)"))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    panels = (("throughput", f"speed-up: {baseline} examples/s / other's (x)\nabove 1: {baseline} faster"),
+              ("memory", f"memory saving: other's peak / {baseline}'s (x)\nabove 1: {baseline} leaner"))
     for ax, (key, ylabel) in zip(axes, panels):
         if numeric(order) is None:
             ax.plot(order, [float("nan")] * len(order), alpha=0)
         for name, r in ratios.items():
+            other = name.split(" / ", 1)[-1]
             pts = [(xv, yv) for xv, yv in zip(r["x"], r[key]) if yv is not None]
-            if pts:
-                ax.plot(_xs([p[0] for p in pts], order), [p[1] for p in pts], marker="o", label=name)
+            (line,) = ax.plot(_xs([p[0] for p in pts], order), [p[1] for p in pts], marker="o", label=f"vs {other}")
+            gaps = [(xv, note or "NOT RUN") for xv, yv, note in zip(r["x"], r[key], r.get("note", [""] * len(r["x"])))
+                    if yv is None]
+            gaps += [(xv, "NOT RUN") for xv in order if xv not in r["x"]]
+            _mark_missing(ax, _xs([g[0] for g in gaps], order), [g[1] for g in gaps], line.get_color(), f"vs {other}")
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.axhline(2.0, color="grey", lw=0.8, ls=":")
         _style_x(ax, x, order)
         ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _finish(fig, list(axes), title, subtitle, path)
 
 
 def oracle_ks(oracle: dict) -> list[int]:

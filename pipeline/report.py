@@ -119,6 +119,19 @@ def header_lines(parent: Run, df: pl.DataFrame, commit: str | None) -> list[str]
     ]
 
 
+def plot_subtitle(parent: Run, df: pl.DataFrame) -> str:
+    """What every plot's numbers depend on: device, data, budget, commit."""
+    env = df.filter(pl.col("status") == "OK")
+    env = env if env.height else df
+    device = ", ".join(v for v in dict.fromkeys(env["tag.device"].to_list()) if v) or "?"
+    data = ", ".join(f"{Path(p).name if p else '?'} ({d[:8]})" for d, p in
+                     dict.fromkeys(zip(env["tag.data_digest"].to_list(), env["tag.data_dir"].to_list())) if d) or "?"
+    commits = ", ".join(str(v)[:12] for v in dict.fromkeys(env["tag.git_commit"].to_list()) if v) or "?"
+    budget = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in json.loads(parent.data.tags.get("sweep.set") or "{}").items()
+                       if any(w in k for w in ("max_steps", "limit_train", "max_epochs", "batch_size", "warmup")))
+    return f"{device} | data {data} | {budget or 'budget: see report.md'} | commit {commits}"
+
+
 def shared_device_note(df: pl.DataFrame) -> list[str]:
     """A warning when runs shared the device (`pipeline.sweep --parallel`)."""
     shared = sorted({int(p) for p in df["parallel"].to_list() if p and int(p) > 1})
@@ -287,15 +300,19 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     mem, mem_label = memory_metric(df)
     header, rows = runs_.summary_rows(df, names)
     lines = [*header_lines(parent, df, commit), "", "## Runs", "", runs_.markdown_table(header, rows)]
+    sub, seeds = plot_subtitle(parent, df), spec.get("seeds")
     made = [
-        plots.line_plot(df, x, order, series, THROUGHPUT, "train examples/s", "Training throughput", out / "throughput.png"),
-        plots.line_plot(df, x, order, series, mem, mem_label, "Peak memory", out / "memory.png"),
+        plots.line_plot(df, x, order, series, THROUGHPUT, "training examples/s (steady steps)", "Training throughput",
+                        out / "throughput.png", subtitle=sub, seeds=seeds),
+        plots.line_plot(df, x, order, series, mem, mem_label, "Peak memory", out / "memory.png", subtitle=sub,
+                        seeds=seeds),
     ]
     base, ser = spec.get("baseline"), spec.get("series")
     if base and ser in names and base in df[ser].to_list():
         rat = ratios(df, [x, *(a for a in names if a not in (x, ser))], ser, base, mem)
         lines += ratio_section(rat, x)
-        made.append(plots.ratio_plot(rat, x, order, f"{base} over the other {ser} values", out / "speedup.png"))
+        made.append(plots.ratio_plot(rat, x, order, f"{base} against the other {ser} values", out / "speedup.png",
+                                     baseline=base, subtitle=sub))
     lines += seeds_section(df, spec.get("seeds"), names)
     lines += targets_section(df, spec, mem)
     lines += profile_section(out_root, spec.get("profile"))
@@ -304,7 +321,8 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
         lines += oracle_section(df, x, oracle, series)
     made.append(plots.line_plot(df, x, order, series, "test/auc", "test AUC", "Test AUC", out / "auc.png",
                                 extra=plots.oracle_lines(oracle) if oracle else None,
-                                extra_ticks=tuple(plots.oracle_ks(oracle)) if oracle else ()))
+                                extra_ticks=tuple(plots.oracle_ks(oracle)) if oracle else (), subtitle=sub,
+                                seeds=seeds))
     made = [p for p in made if p is not None]
     lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in made)]
     (out / "report.md").write_text("\n".join(lines) + "\n")

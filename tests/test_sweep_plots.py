@@ -1,0 +1,62 @@
+"""Plots that cannot mislead: missing points are marked, seeds give a mean and a spread, the
+subtitle names what the numbers depend on, the legend sits outside the data."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import polars as pl  # noqa: E402
+
+from pipeline import _sweep_plots as plots  # noqa: E402
+
+
+def _frame(rows):
+    return pl.DataFrame(rows, schema={"x": pl.Utf8, "backend": pl.Utf8, "seed": pl.Utf8, "status": pl.Utf8,
+                                      "m": pl.Float64}, orient="row")
+
+
+def _capture(monkeypatch):
+    """Keep the last figure instead of closing it."""
+    figs = []
+    monkeypatch.setattr(plots.plt, "close", lambda fig: figs.append(fig))
+    return figs
+
+
+def test_missing_points_are_marked_and_seeds_averaged(tmp_path, monkeypatch):
+    figs = _capture(monkeypatch)
+    df = _frame([
+        ("256", "jagged", "0", "OK", 1.0), ("256", "jagged", "1", "OK", 3.0),
+        ("512", "jagged", "0", "OK", 2.0), ("512", "jagged", "1", "OK", 2.0),
+        ("256", "sdpa", "0", "OK", 1.5), ("256", "sdpa", "1", "OK", 1.5),
+        ("512", "sdpa", "0", "OOM", None), ("512", "sdpa", "1", "OOM", None),
+    ])
+    path = plots.line_plot(df, "x", ["256", "512", "1024"], ["backend", "seed"], "m", "metric (units)", "T",
+                           tmp_path / "p.png", subtitle="H100 | data paper | 300 steps | commit abc", seeds="seed")
+    assert path.is_file()
+    fig = figs[-1]
+    ax = fig.axes[0]
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("NOT RUN") == 2 and texts.count("OOM") == 1  # 1024 for both; 512 for sdpa
+    labels = ax.get_legend().get_texts()
+    assert any("mean of 2 seeds" in t.get_text() for t in labels)
+    # the jagged line is the seed mean (2.0 at both x), its error bar spans min to max (1 to 3)
+    jagged = [c for c in ax.containers if c.get_label().startswith("jagged (mean")][0]
+    assert list(jagged.lines[0].get_ydata()) == [2.0, 2.0]
+    (bars,) = jagged.lines[2]
+    assert [list(seg[:, 1]) for seg in bars.get_segments()] == [[1.0, 3.0], [2.0, 2.0]]
+    assert any("commit abc" in t.get_text() for t in fig.texts)
+    # the legend is outside the axes (anchored right of them)
+    assert ax.get_legend().get_bbox_to_anchor().x0 >= ax.get_window_extent().x1 - 1
+
+
+def test_ratio_panels_say_which_way_and_mark_gaps(tmp_path, monkeypatch):
+    figs = _capture(monkeypatch)
+    ratios = {"jagged / sdpa": {"x": ["256", "512"], "throughput": [2.0, None], "memory": [1.5, None],
+                                "note": ["", "sdpa OOM"]}}
+    plots.ratio_plot(ratios, "x", ["256", "512", "1024"], "t", tmp_path / "r.png", baseline="jagged")
+    speed, memory = figs[-1].axes[:2]
+    assert "above 1: jagged faster" in speed.get_ylabel() and "above 1: jagged leaner" in memory.get_ylabel()
+    assert [t.get_text() for t in speed.texts] == ["sdpa OOM", "NOT RUN"]
+    plt.close("all")
