@@ -16,6 +16,7 @@ ABLATION ?= seq_len
 RESULTS ?= experiments/results
 SUITE ?= paper
 BACKENDS ?= dense sdpa jagged
+PORT ?= 5000
 MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 export MLFLOW_TRACKING_URI
 export PYTHONUNBUFFERED := 1
@@ -62,8 +63,8 @@ data-report: data ## write length/popularity plots and a summary of the PRESET d
 experiment: data ## the main job: train dense, sdpa and jagged rankers and compare them in MLflow
 	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --backends $(BACKENDS) $(EXPERIMENT_ARGS)
 
-ui: setup ## serve the MLflow dashboard on 127.0.0.1:5000 (same database as the runs)
-	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port 5000
+ui: setup ## serve the MLflow dashboard on 127.0.0.1:$(PORT) (same database as the runs; PORT=5000 by default)
+	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(PORT)
 
 bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
 	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
