@@ -63,7 +63,7 @@ data-report: data ## write length/popularity plots and a summary of the PRESET d
 experiment: data ## the main job: train dense, sdpa and jagged rankers and compare them in MLflow
 	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --backends $(BACKENDS) $(EXPERIMENT_ARGS)
 
-ui: setup ## serve the MLflow dashboard on 127.0.0.1:$(PORT) (same database as the runs; PORT=5000 by default)
+ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default; the same database as the runs)
 	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(PORT)
 
 bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
