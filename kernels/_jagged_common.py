@@ -82,12 +82,6 @@ def autocast_lowp(*ts: torch.Tensor | None) -> tuple:
                  for t in ts)
 
 
-def spans(offsets: torch.Tensor, max_seq_len: int) -> list[tuple[int, int]]:
-    """Host (begin, n) per sequence, n = min(length, max_seq_len): the rows the op reads."""
-    off = offsets.tolist()
-    return [(off[b], min(off[b + 1] - off[b], max_seq_len)) for b in range(len(off) - 1)]
-
-
 # ---- autocast -----------------------------------------------------------------------------
 # torch.library.register_autocast fixes the cast dtype at registration; these kernels read it
 # from the active autocast region, like torch's own matmul ("lower_precision_fp") and

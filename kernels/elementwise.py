@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, register_autocast, spans
+from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, register_autocast
+from kernels._segments import row_index, scatter_rows
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -29,11 +30,10 @@ def jagged_dense_elementwise_reference(
     values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, is_mul: bool
 ) -> torch.Tensor:
     cdt = compute_dtype(values.dtype)
-    out = torch.zeros(values.shape, dtype=cdt, device=values.device)  # [T, D]
-    for b, (begin, n) in enumerate(spans(offsets, dense.shape[1])):
-        x, d = values[begin : begin + n].to(cdt), dense[b, :n].to(cdt)
-        out[begin : begin + n] = x * d if is_mul else x + d
-    return out.to(values.dtype)
+    idx = row_index(offsets, dense.shape[1], values.shape[0])
+    x, d = values.to(cdt)[idx.rows], dense.to(cdt)[idx.seq, idx.pos]  # [R, D]
+    out = scatter_rows(x * d if is_mul else x + d, idx.rows, values.shape[0])
+    return out.to(values.dtype)  # [T, D]
 
 
 def jagged_dense_elementwise_backward_reference(
@@ -46,15 +46,14 @@ def jagged_dense_elementwise_backward_reference(
     """(grad_values [T, D], grad_dense [B, N, D]); values and dense are given for mul only."""
     cdt = compute_dtype(grad.dtype)
     B, D = offsets.numel() - 1, grad.shape[1]
-    grad_values = torch.zeros(grad.shape, dtype=cdt, device=grad.device)
-    grad_dense = torch.zeros((B, max_seq_len, D), dtype=cdt, device=grad.device)
-    for b, (begin, n) in enumerate(spans(offsets, max_seq_len)):
-        g = grad[begin : begin + n].to(cdt)
-        if values is None:
-            grad_values[begin : begin + n], grad_dense[b, :n] = g, g
-        else:
-            grad_values[begin : begin + n] = g * dense[b, :n].to(cdt)
-            grad_dense[b, :n] = g * values[begin : begin + n].to(cdt)
+    idx = row_index(offsets, max_seq_len, grad.shape[0])
+    g = grad.to(cdt)[idx.rows]  # [R, D]
+    if values is None:
+        gv = gd = g
+    else:
+        gv, gd = g * dense.to(cdt)[idx.seq, idx.pos], g * values.to(cdt)[idx.rows]
+    grad_values = scatter_rows(gv, idx.rows, grad.shape[0])
+    grad_dense = g.new_zeros((B, max_seq_len, D)).index_put((idx.seq, idx.pos), gd)
     return grad_values.to(grad.dtype), grad_dense.to(grad.dtype)
 
 

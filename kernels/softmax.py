@@ -9,29 +9,35 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, spans
+from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend
+from kernels._segments import row_index, scatter_rows, segment_amax, segment_sum
 from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device
 
 # ---- 1. references ------------------------------------------------------------------------
 
 
 def jagged_softmax_reference(values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    # vectorised over the rows that take part (kernels._segments): segment max and sum
     cdt = compute_dtype(values.dtype)
-    out = torch.zeros(values.shape, dtype=cdt, device=values.device)  # [T, H]
-    for begin, n in spans(offsets, max_seq_len):
-        out[begin : begin + n] = torch.softmax(values[begin : begin + n].to(cdt), dim=0)
-    return out.to(values.dtype)
+    T, B = values.shape[0], offsets.numel() - 1
+    idx = row_index(offsets, max_seq_len, T)
+    x = values.to(cdt)[idx.rows]  # [R, H]
+    # the shift cancels in the ratio: detached, it adds nothing to the graph
+    m = segment_amax(x.detach(), idx, B)[idx.seq]
+    e = torch.exp(x - m)
+    y = e / segment_sum(e, idx, B)[idx.seq]
+    return scatter_rows(y, idx.rows, T).to(values.dtype)  # [T, H]
 
 
 def jagged_softmax_backward_reference(
     grad: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, max_seq_len: int
 ) -> torch.Tensor:
     cdt = compute_dtype(out.dtype)
-    grad_values = torch.zeros(out.shape, dtype=cdt, device=out.device)  # [T, H]
-    for begin, n in spans(offsets, max_seq_len):
-        y, g = out[begin : begin + n].to(cdt), grad[begin : begin + n].to(cdt)
-        grad_values[begin : begin + n] = y * (g - (g * y).sum(dim=0, keepdim=True))
-    return grad_values.to(out.dtype)
+    T = out.shape[0]
+    idx = row_index(offsets, max_seq_len, T)
+    y, g = out.to(cdt)[idx.rows], grad.to(cdt)[idx.rows]
+    grad_values = y * (g - segment_sum(g * y, idx, offsets.numel() - 1)[idx.seq])
+    return scatter_rows(grad_values, idx.rows, T).to(out.dtype)  # [T, H]
 
 
 # ---- 2./3. custom ops (the Triton launchers live in kernels._softmax_triton) -----------------
