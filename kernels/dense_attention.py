@@ -1,9 +1,10 @@
 """Jagged-dense attention: dense queries (e.g. candidate items) over each user's jagged sequence.
 
-Layers: the torch reference (``kernels._attention_reference``), the Triton kernels and their
-launchers (``kernels._dense_attention_triton``), the custom ops ``jagged::dense_attention_fwd``
-and ``jagged::dense_attention_bwd`` (what ``torch.compile`` sees, for both backends), the
-autograd registration, and the public function. Eager calls on the Triton backend take a plain
+Layers: the torch reference (``kernels._attention_reference``) and the torch backend's fused
+CPU path over it (``kernels._attention_cpu``), the Triton kernels and their launchers
+(``kernels._dense_attention_triton``), the custom ops ``jagged::dense_attention_fwd`` and
+``jagged::dense_attention_bwd`` (what ``torch.compile`` sees, for both backends), the autograd
+registration, and the public function. Eager calls on the Triton backend take a plain
 ``torch.autograd.Function`` over the same launchers instead (see ``kernels.flash_attention``).
 """
 
@@ -13,8 +14,14 @@ import math
 
 import torch
 
-from kernels._attention_reference import dense_attention_reference, dense_attention_reference_bwd
-from kernels._jagged_common import autocast_lowp, eager_triton, needs_grad, pick_backend, register_autocast
+from kernels._attention_cpu import dense_attention_torch_bwd, dense_attention_torch_fwd
+from kernels._jagged_common import (
+    autocast_lowp,
+    eager_triton,
+    needs_grad,
+    pick_backend,
+    register_autocast,
+)
 from kernels._validation import (
     check_float,
     debug_checks_enabled,
@@ -40,9 +47,7 @@ def _dense_fwd_op(
         from kernels._dense_attention_triton import dense_attention_fwd
 
         return dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale)
-    with torch.no_grad():
-        out, lse = dense_attention_reference(q, k, v, offsets, max_seq_len, bias, scale)
-    return out, lse.to(torch.float32)
+    return dense_attention_torch_fwd(q, k, v, offsets, max_seq_len, bias, scale)
 
 
 @_dense_fwd_op.register_fake
@@ -64,8 +69,8 @@ def _dense_bwd_op(
         dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
                                                 bias, scale, want_dbias)
     else:
-        dq, dk, dv, dbias = dense_attention_reference_bwd(dout, q, k, v, offsets, max_seq_len,
-                                                          bias, scale)
+        dq, dk, dv, dbias = dense_attention_torch_bwd(dout, q, k, v, out, lse, offsets,
+                                                      max_seq_len, bias, scale)
     return dq, dk, dv, (dbias if want_dbias else q.new_empty(0))
 
 

@@ -1,8 +1,9 @@
 """Jagged flash attention: softmax self-attention within each sequence of a jagged batch.
 
-Layers: the torch reference (``kernels._attention_reference``), the Triton kernels and their
-launchers (``kernels._flash_attention_triton``), two custom ops ``jagged::flash_attention_fwd``
-and ``jagged::flash_attention_bwd`` (what ``torch.compile`` sees: one opaque op with a fake
+Layers: the torch reference (``kernels._attention_reference``) and the torch backend's fused
+CPU path over it (``kernels._attention_cpu``), the Triton kernels and their launchers
+(``kernels._flash_attention_triton``), two custom ops ``jagged::flash_attention_fwd`` and
+``jagged::flash_attention_bwd`` (what ``torch.compile`` sees: one opaque op with a fake
 implementation, for both backends), their autograd registration, and the public function.
 
 Eager calls on the Triton backend skip the custom-op machinery (tens of microseconds of Python
@@ -17,8 +18,14 @@ import math
 
 import torch
 
-from kernels._attention_reference import flash_attention_reference, flash_attention_reference_bwd
-from kernels._jagged_common import autocast_lowp, eager_triton, needs_grad, pick_backend, register_autocast
+from kernels._attention_cpu import flash_attention_torch_bwd, flash_attention_torch_fwd
+from kernels._jagged_common import (
+    autocast_lowp,
+    eager_triton,
+    needs_grad,
+    pick_backend,
+    register_autocast,
+)
 from kernels._validation import (
     check_float,
     debug_checks_enabled,
@@ -44,9 +51,7 @@ def _flash_fwd_op(
         from kernels._flash_attention_triton import flash_attention_fwd
 
         return flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale)
-    with torch.no_grad():
-        out, lse = flash_attention_reference(q, k, v, offsets, max_seq_len, causal, scale)
-    return out, lse.to(torch.float32)
+    return flash_attention_torch_fwd(q, k, v, offsets, max_seq_len, causal, scale)
 
 
 @_flash_fwd_op.register_fake
@@ -65,7 +70,8 @@ def _flash_bwd_op(
 
         return flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal,
                                    scale)
-    return flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len, causal, scale)
+    return flash_attention_torch_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal,
+                                     scale)
 
 
 @_flash_bwd_op.register_fake
