@@ -82,6 +82,24 @@ def autocast_lowp(*ts: torch.Tensor | None) -> tuple:
                  for t in ts)
 
 
+def register_no_double_backward(bwd_op, public_name: str) -> None:
+    """Autograd for a backward custom op whose own derivative is not written (the attention
+    kernels' backwards): differentiating through its result raises a clear error at the second
+    backward, instead of the gradient silently leaving the graph. Its last input is the backend."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.backend = inputs[-1]
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{public_name}: double backward (a gradient of its gradient, e.g. through "
+            f"torch.autograd.grad(..., create_graph=True)) is not supported with "
+            f"backend={ctx.backend!r}; use backend='torch', whose backward is differentiable"
+        )
+
+    bwd_op.register_autograd(backward, setup_context=setup_context)
+
+
 # ---- autocast -----------------------------------------------------------------------------
 # torch.library.register_autocast fixes the cast dtype at registration; these kernels read it
 # from the active autocast region, like torch's own matmul ("lower_precision_fp") and

@@ -5,7 +5,8 @@ CPU path over it (``kernels._attention_cpu``), the Triton kernels and their laun
 (``kernels._dense_attention_triton``), the custom ops ``jagged::dense_attention_fwd`` and
 ``jagged::dense_attention_bwd`` (what ``torch.compile`` sees, for both backends), the autograd
 registration, and the public function. Eager calls on the Triton backend take a plain
-``torch.autograd.Function`` over the same launchers instead (see ``kernels.flash_attention``).
+``torch.autograd.Function`` over the same launchers instead; double backward works on the torch
+backend and raises on Triton (see ``kernels.flash_attention``).
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ import math
 import torch
 
 from kernels._attention_cpu import dense_attention_torch_bwd, dense_attention_torch_fwd
+from kernels._attention_reference import dense_attention_reference_bwd
 from kernels._jagged_common import (
     autocast_lowp,
     eager_triton,
     needs_grad,
     pick_backend,
     register_autocast,
+    register_no_double_backward,
 )
 from kernels._validation import (
     check_float,
@@ -94,12 +97,18 @@ def _backward(ctx, dout, dlse):
         return (None,) * 8
     max_seq_len, scale, backend = ctx.args
     need_dbias = bias is not None and ctx.needs_input_grad[5]
-    dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
-        dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend)
+    if torch.is_grad_enabled() and backend == "torch":
+        # a recorded backward (create_graph=True): the reference's, in differentiable torch ops
+        dq, dk, dv, dbias = dense_attention_reference_bwd(dout, q, k, v, offsets, max_seq_len,
+                                                          bias, scale)
+    else:  # on the Triton backend a recorded one raises at the second backward (below)
+        dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
+            dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend)
     return dq, dk, dv, None, None, (dbias if need_dbias else None), None, None
 
 
 _dense_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_no_double_backward(_dense_bwd_op, "jagged_dense_attention")
 register_autocast("dense_attention_fwd", "lowp")
 
 
@@ -128,8 +137,12 @@ class _DenseAttnFn(torch.autograd.Function):
         q, k, v, out, lse, offsets, bias = ctx.saved_tensors
         max_seq_len, scale = ctx.args
         need_dbias = bias is not None and ctx.needs_input_grad[5]
-        dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
-                                                bias, scale, need_dbias)
+        if torch.is_grad_enabled():  # create_graph=True: recorded, see _FlashAttnFn.backward
+            dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
+                dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, "triton")
+        else:
+            dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
+                                                    bias, scale, need_dbias)
         return dq, dk, dv, None, None, (dbias if need_dbias else None), None
 
 
@@ -211,7 +224,8 @@ def jagged_dense_attention(
             ``expand``-ed bias is read in place); it receives a gradient. Columns past a
             sequence's length are ignored (their gradient is zero); -inf masks a key.
         scale: score scale, default ``1 / sqrt(D)``.
-        backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA).
+        backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA). Second
+            derivatives need ``"torch"``: on Triton they raise a RuntimeError.
 
     Returns:
         ``out [B, Tq, H, D]`` in q's dtype,

@@ -3,7 +3,8 @@
 Layers (DESIGN.md): torch references (forward and backward), Triton kernels in
 ``kernels._elementwise_triton``, custom ops ``jagged::jagged_dense_elementwise_add``,
 ``jagged::jagged_dense_elementwise_mul`` and ``jagged::jagged_dense_elementwise_backward``
-(fake, autograd and a "promote" autocast rule registered), public functions.
+(fake, autograd and a "promote" autocast rule registered; the backward op's own derivative is
+made of the forward ops, for double backward), public functions.
 """
 
 from __future__ import annotations
@@ -134,6 +135,38 @@ def _backward(ctx, grad):
 
 _add_op.register_autograd(_backward, setup_context=_add_setup)
 _mul_op.register_autograd(_backward, setup_context=_mul_setup)
+
+
+# The backward op is differentiable too (double backward), in the forward ops of the same
+# backend: add's backward is (g on the kept rows, g placed in [B, N, D]), so an upstream
+# (uv, ud) gives d/dg = add(uv, ud); mul's is (g * dense[b, n], g * values placed), so
+# d/dg = mul(uv, dense) + mul(values, ud), d/dvalues = mul(g, ud) and
+# d/ddense = jagged_to_padded(uv * g).
+
+
+def _backward_op_setup(ctx, inputs, output):
+    grad, offsets, values, dense, max_seq_len, backend = inputs
+    ctx.save_for_backward(grad, offsets, values, dense)
+    ctx.max_seq_len, ctx.backend = max_seq_len, backend
+
+
+def _double_backward(ctx, uv, ud):
+    g, offsets, values, dense = ctx.saved_tensors
+    ops, be = torch.ops.jagged, ctx.backend
+    if values is None:
+        return ops.jagged_dense_elementwise_add(uv, offsets, ud, be), None, None, None, None, None
+    grad_g = grad_values = grad_dense = None
+    if ctx.needs_input_grad[0]:
+        grad_g = (ops.jagged_dense_elementwise_mul(uv, offsets, dense, be)
+                  + ops.jagged_dense_elementwise_mul(values, offsets, ud, be))
+    if ctx.needs_input_grad[2]:
+        grad_values = ops.jagged_dense_elementwise_mul(g, offsets, ud, be)
+    if ctx.needs_input_grad[3]:
+        grad_dense = ops.jagged_to_padded(uv * g, offsets, ctx.max_seq_len, 0.0, be)
+    return grad_g, None, grad_values, grad_dense, None, None
+
+
+_backward_op.register_autograd(_double_backward, setup_context=_backward_op_setup)
 register_autocast("jagged_dense_elementwise_add", "promote")
 register_autocast("jagged_dense_elementwise_mul", "promote")
 

@@ -2,7 +2,8 @@
 
 Layers (DESIGN.md): torch reference (forward and backward), Triton kernels in
 ``kernels._softmax_triton``, custom ops ``jagged::jagged_softmax`` and
-``jagged::jagged_softmax_backward`` (fake and autograd registered), public function.
+``jagged::jagged_softmax_backward`` (fake and autograd registered: the backward is itself
+differentiable, for double backward on either backend), public function.
 """
 
 from __future__ import annotations
@@ -89,6 +90,35 @@ def _backward(ctx, grad):
 
 
 _jagged_softmax_op.register_autograd(_backward, setup_context=_setup)
+
+
+# The backward is differentiable too (double backward, on either backend): for
+# grad_x = y * (g - s), s = sum_rows(g * y) per sequence and column, an upstream u gives
+# d/dg = y * (u - sum_rows(u * y)) (the same backward op) and
+# d/dy = u * (g - s) - g * sum_rows(u * y), here in plain torch over the rows that take part.
+
+
+def _backward_setup(ctx, inputs, output):
+    grad, out, offsets, max_seq_len, backend = inputs
+    ctx.save_for_backward(grad, out, offsets)
+    ctx.max_seq_len, ctx.backend = max_seq_len, backend
+
+
+def _double_backward(ctx, u):
+    g, y, offsets = ctx.saved_tensors
+    grad_g = grad_y = None
+    if ctx.needs_input_grad[0]:
+        grad_g = torch.ops.jagged.jagged_softmax_backward(u, y, offsets, ctx.max_seq_len, ctx.backend)
+    if ctx.needs_input_grad[1]:
+        cdt, T, B = compute_dtype(y.dtype), y.shape[0], offsets.numel() - 1
+        idx = row_index(offsets, ctx.max_seq_len, T)
+        uu, gg, yy = (t.to(cdt)[idx.rows] for t in (u, g, y))  # [R, H]
+        s, t = (segment_sum(a * yy, idx, B)[idx.seq] for a in (gg, uu))
+        grad_y = scatter_rows(uu * (gg - s) - gg * t, idx.rows, T).to(y.dtype)
+    return grad_g, grad_y, None, None, None
+
+
+_jagged_softmax_backward_op.register_autograd(_double_backward, setup_context=_backward_setup)
 
 
 # ---- 5. public function ---------------------------------------------------------------------
