@@ -1,10 +1,14 @@
 """Plain-torch references for jagged self-attention and jagged-dense (target) attention.
 
 These are the oracles of the tests, the CPU path of the public functions and a baseline for the
-benchmarks. They gather each sequence into a padded [B, N, H, D] block (N = max_seq_len), run
-masked softmax attention there in fp32 (fp64 stays fp64, for gradcheck; `upcast=False` runs in
-the input dtype: that is "PyTorch's own low-precision error" of the tolerance rule) and scatter
-the rows back. Autograd through them gives every input gradient.
+benchmarks. They bucket the sequences by length (``kernels._segments.length_groups``), gather
+each bucket into a padded [G, L, H, D] block (L = the bucket's longest real length, never
+max_seq_len, so time and memory follow the real lengths), run masked softmax attention there in
+fp32 (fp64 stays fp64, for gradcheck; `upcast=False` runs in the input dtype: that is "PyTorch's
+own low-precision error" of the tolerance rule) and scatter the rows back. Padding is a zero
+fill, so sequences stay independent: a NaN in one never reaches another. Autograd through them
+gives every input gradient; the written-out backwards are differentiable too (double backward
+of the torch backend) when grad mode is on.
 
 Semantics shared with the Triton kernels:
 - sequence b owns rows offsets[b]:offsets[b+1]; only its first max_seq_len rows take part; the
@@ -20,6 +24,8 @@ import math
 
 import torch
 
+from kernels._segments import by_seq, gather_groups, keep_in_graph, length_groups, scatter_groups
+
 _LN_INF = float("-inf")
 
 
@@ -27,16 +33,6 @@ def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     if dtype == torch.float64:
         return torch.float64
     return torch.float32 if upcast else dtype
-
-
-def _padded_index(offsets: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [B, N] (index into values, 0 where invalid) and valid [B, N]."""
-    off = offsets.to(torch.int64)
-    lengths = (off[1:] - off[:-1]).clamp(max=max_seq_len)  # [B]
-    pos = torch.arange(max_seq_len, device=off.device)
-    valid = pos[None, :] < lengths[:, None]  # [B, N]
-    rows = (off[:-1, None] + pos[None, :]).masked_fill(~valid, 0)  # [B, N]
-    return rows, valid
 
 
 def _padded_attention(
@@ -86,7 +82,7 @@ def _padded_attention_bwd(
 
 
 def _causal_mask(valid: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Key mask [B, 1, N, N] (or [B, 1, 1, N] without causality) from valid [B, N]."""
+    """Key mask [G, 1, L, L] (or [G, 1, 1, L] without causality) from valid [G, L]."""
     mask = valid[:, None, None, :]
     if causal:
         n = valid.shape[1]
@@ -94,15 +90,20 @@ def _causal_mask(valid: torch.Tensor, causal: bool) -> torch.Tensor:
     return mask
 
 
-def _scatter_rows(padded: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, total: int):
-    """[B, N, ...] -> [total, ...] with the valid rows put back (zeros elsewhere)."""
-    out = padded.new_zeros((total, *padded.shape[2:]))
-    return out.index_put((rows[valid],), padded[valid])
+def _like(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.new_empty((0, *t.shape[1:]), dtype=dtype)  # dtype, device, trailing shape
 
 
-def _degenerate_zero(*tensors: torch.Tensor | None) -> torch.Tensor:
-    # keeps the inputs in the autograd graph so gradients come back as zeros, not None
-    return sum((t.sum() * 0).to(torch.float64) for t in tensors if t is not None)
+def _blocks(groups, *tensors) -> list[tuple]:
+    """Per group, the padded [G, L, ...] block of each jagged tensor (None stays None)."""
+    cols = [[None] * len(groups) if t is None else gather_groups(t, groups) for t in tensors]
+    return list(zip(*cols))
+
+
+def _flash_groups(q, offsets, max_seq_len, cdt, *tensors):
+    """(groups, their blocks of `tensors` in cdt); no group when nothing takes part."""
+    groups = length_groups(offsets, max_seq_len) if q.shape[0] and max_seq_len else []
+    return groups, _blocks(groups, *(None if t is None else t.to(cdt) for t in tensors))
 
 
 def flash_attention_reference(
@@ -120,19 +121,18 @@ def flash_attention_reference(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cdt = _compute_dtype(q.dtype, upcast)
     lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    N = int(max_seq_len)
     with torch.autocast(q.device.type, enabled=False):
-        lse = torch.full((H, T), _LN_INF, dtype=lse_dt, device=q.device)
-        if T == 0 or N == 0:
-            out = torch.zeros((T, H, D), dtype=cdt, device=q.device) + _degenerate_zero(q, k, v)
-            return out.to(q.dtype), lse
-        rows, valid = _padded_index(offsets, N)
-        o, _, l = _padded_attention(q.to(cdt)[rows], k.to(cdt)[rows], v.to(cdt)[rows],
-                                    _causal_mask(valid, causal), None, scale)
-        out = _scatter_rows(o, rows, valid, T)
-        lse = lse.index_put((torch.arange(H, device=q.device)[:, None], rows[valid][None, :]),
-                            l.permute(1, 0, 2)[:, valid].to(lse_dt))
-        return out.to(q.dtype), lse
+        groups, blocks = _flash_groups(q, offsets, int(max_seq_len), cdt, q, k, v)
+        outs, lses = [], []
+        for g, (qp, kp, vp) in zip(groups, blocks):  # [G, L, H, D]
+            o, _, lse = _padded_attention(qp, kp, vp, _causal_mask(g.valid, causal), None, scale)
+            outs.append(o)
+            lses.append(lse.transpose(1, 2))  # [G, L, H]
+        out = scatter_groups(outs, groups, T, _like(q, cdt))  # [T, H, D]
+        lse = scatter_groups(lses, groups, T, _like(q[:, :, 0], cdt), fill=_LN_INF)  # [T, H]
+        if not groups:
+            out = out + keep_in_graph(q, k, v)
+        return out.to(q.dtype), lse.to(lse_dt).t().contiguous()
 
 
 def flash_attention_reference_bwd(
@@ -140,22 +140,34 @@ def flash_attention_reference_bwd(
     v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, causal: bool, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash_attention_reference: dout [T, H, D], dlse [H, T] or None."""
-    T, H, D = q.shape
+    T = q.shape[0]
     cdt = _compute_dtype(q.dtype, True)
-    N = int(max_seq_len)
-    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        if T == 0 or N == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        rows, valid = _padded_index(offsets, N)
-        qp, kp, vp = (t.to(cdt)[rows] for t in (q, k, v))
-        _, p, _ = _padded_attention(qp, kp, vp, _causal_mask(valid, causal), None, scale)
-        dop = dout.to(cdt)[rows] * valid[:, :, None, None]  # padding rows carry no gradient
-        dlse_p = None
-        if dlse is not None:
-            dlse_p = dlse.to(cdt)[:, rows].permute(1, 0, 2) * valid[:, None, :]  # [B, H, N]
-        grads = _padded_attention_bwd(qp, kp, vp, p, dop, dlse_p, scale)[:3]
-        return tuple(_scatter_rows(g, rows, valid, T).to(t.dtype)
-                     for g, t in zip(grads, (q, k, v)))
+    with torch.autocast(q.device.type, enabled=False):
+        dlse_t = None if dlse is None else dlse.t()  # [T, H]
+        # padding rows of dout (and dlse) are zeros: they carry no gradient
+        groups, blocks = _flash_groups(q, offsets, int(max_seq_len), cdt, q, k, v, dout, dlse_t)
+        parts: tuple[list, list, list] = ([], [], [])
+        for g, (qp, kp, vp, dop, dlse_p) in zip(groups, blocks):
+            _, p, _ = _padded_attention(qp, kp, vp, _causal_mask(g.valid, causal), None, scale)
+            dlse_p = None if dlse_p is None else dlse_p.transpose(1, 2)  # [G, H, L]
+            for acc, grad in zip(parts, _padded_attention_bwd(qp, kp, vp, p, dop, dlse_p, scale)):
+                acc.append(grad)
+        grads = [scatter_groups(acc, groups, T, _like(q, cdt)) for acc in parts]
+        if not groups:
+            zero = keep_in_graph(dout, dlse, q, k, v)
+            grads = [g + zero for g in grads]
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+
+
+def _dense_groups(q, k, v, offsets, max_seq_len, bias, cdt):
+    """(groups, per group (q [G, Tq, H, D], k, v [G, L, H, D], bias [G, H, Tq, L] or None))."""
+    B, T = q.shape[0], k.shape[0]
+    groups = length_groups(offsets, max_seq_len) if T and max_seq_len and B else []
+    qc, bc = q.to(cdt), None if bias is None else bias.to(cdt)
+    blocks = [(qc.index_select(0, g.seqs), kp, vp,
+               None if bc is None else bc[..., : g.rows.shape[1]].index_select(0, g.seqs))
+              for g, (kp, vp) in zip(groups, _blocks(groups, k.to(cdt), v.to(cdt)))]
+    return groups, blocks
 
 
 def dense_attention_reference(
@@ -176,18 +188,18 @@ def dense_attention_reference(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cdt = _compute_dtype(q.dtype, upcast)
     lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    N = int(max_seq_len)
     with torch.autocast(q.device.type, enabled=False):
-        if k.shape[0] == 0 or N == 0 or B == 0:
-            out = torch.zeros((B, Tq, H, D), dtype=cdt, device=q.device)
-            out = out + _degenerate_zero(q, k, v, bias)
-            lse = torch.full((H, B, Tq), _LN_INF, dtype=lse_dt, device=q.device)
-            return out.to(q.dtype), lse
-        rows, valid = _padded_index(offsets, N)
-        o, _, l = _padded_attention(q.to(cdt), k.to(cdt)[rows], v.to(cdt)[rows],
-                                    valid[:, None, None, :],
-                                    None if bias is None else bias.to(cdt), scale)
-        return o.to(q.dtype).contiguous(), l.permute(1, 0, 2).to(lse_dt).contiguous()
+        groups, blocks = _dense_groups(q, k, v, offsets, int(max_seq_len), bias, cdt)
+        outs, lses = [], []
+        for g, (qp, kp, vp, bp) in zip(groups, blocks):
+            o, _, lse = _padded_attention(qp, kp, vp, g.valid[:, None, None, :], bp, scale)
+            outs.append(o)
+            lses.append(lse)  # [G, H, Tq]
+        out = by_seq(outs, groups, (B, Tq, H, D), _like(q, cdt))  # zeros for an empty sequence
+        lse = by_seq(lses, groups, (B, H, Tq), _like(q, cdt), fill=_LN_INF)
+        if not groups:
+            out = out + keep_in_graph(q, k, v, bias)
+        return out.to(q.dtype), lse.permute(1, 0, 2).to(lse_dt).contiguous()
 
 
 def dense_attention_reference_bwd(
@@ -195,21 +207,27 @@ def dense_attention_reference_bwd(
     offsets: torch.Tensor, max_seq_len: int, bias: torch.Tensor | None, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of dense_attention_reference: dq, dk, dv and dbias (None without bias)."""
-    B, Tq, H, D = q.shape
     T = k.shape[0]
     cdt = _compute_dtype(q.dtype, True)
-    N = int(max_seq_len)
-    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
-        dbias = None if bias is None else torch.zeros_like(bias)
-        if T == 0 or N == 0 or B == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dbias
-        rows, valid = _padded_index(offsets, N)
-        qp, kp, vp = q.to(cdt), k.to(cdt)[rows], v.to(cdt)[rows]
-        _, p, _ = _padded_attention(qp, kp, vp, valid[:, None, None, :],
-                                    None if bias is None else bias.to(cdt), scale)
-        dq, dk, dv, ds = _padded_attention_bwd(qp, kp, vp, p, dout.to(cdt), None, scale)
-        dk = _scatter_rows(dk, rows, valid, T).to(k.dtype)
-        dv = _scatter_rows(dv, rows, valid, T).to(v.dtype)
-        if bias is not None:
-            dbias = ds.to(bias.dtype).contiguous()
-        return dq.to(q.dtype).contiguous(), dk, dv, dbias
+    with torch.autocast(q.device.type, enabled=False):
+        groups, blocks = _dense_groups(q, k, v, offsets, int(max_seq_len), bias, cdt)
+        doc = dout.to(cdt)
+        # columns past a sequence's length (and past its group's L) keep a zero gradient
+        dbias = None if bias is None else bias.new_zeros(bias.shape, dtype=cdt)
+        dqs, dks, dvs = [], [], []
+        for g, (qp, kp, vp, bp) in zip(groups, blocks):
+            _, p, _ = _padded_attention(qp, kp, vp, g.valid[:, None, None, :], bp, scale)
+            dop = doc.index_select(0, g.seqs)
+            dq, dk, dv, ds = _padded_attention_bwd(qp, kp, vp, p, dop, None, scale)
+            dqs.append(dq)
+            dks.append(dk)
+            dvs.append(dv)
+            if dbias is not None:
+                dbias[g.seqs, :, :, : g.rows.shape[1]] = ds
+        dq = by_seq(dqs, groups, tuple(q.shape), _like(q, cdt))
+        dk, dv = (scatter_groups(d, groups, T, _like(k, cdt)) for d in (dks, dvs))
+        if not groups:
+            zero = keep_in_graph(dout, q, k, v, bias)
+            dq, dk, dv = dq + zero, dk + zero, dv + zero
+        dbias = None if dbias is None else dbias.to(bias.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias

@@ -82,10 +82,22 @@ def autocast_lowp(*ts: torch.Tensor | None) -> tuple:
                  for t in ts)
 
 
-def spans(offsets: torch.Tensor, max_seq_len: int) -> list[tuple[int, int]]:
-    """Host (begin, n) per sequence, n = min(length, max_seq_len): the rows the op reads."""
-    off = offsets.tolist()
-    return [(off[b], min(off[b + 1] - off[b], max_seq_len)) for b in range(len(off) - 1)]
+def register_no_double_backward(bwd_op, public_name: str) -> None:
+    """Autograd for a backward custom op whose own derivative is not written (the attention
+    kernels' backwards): differentiating through its result raises a clear error at the second
+    backward, instead of the gradient silently leaving the graph. Its last input is the backend."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.backend = inputs[-1]
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{public_name}: double backward (a gradient of its gradient, e.g. through "
+            f"torch.autograd.grad(..., create_graph=True)) is not supported with "
+            f"backend={ctx.backend!r}; use backend='torch', whose backward is differentiable"
+        )
+
+    bwd_op.register_autograd(backward, setup_context=setup_context)
 
 
 # ---- autocast -----------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from kernels._jagged_common import (
     needs_grad,
     pick_backend,
     register_autocast,
-    spans,
 )
+from kernels._segments import by_seq, gather_groups, keep_in_graph, length_groups, scatter_groups
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -33,21 +33,29 @@ from kernels._validation import (
 def jagged_dense_bmm_reference(
     values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, max_seq_len: int
 ) -> torch.Tensor:
+    # one batched product per length bucket (kernels._segments): no loop over sequences
     cdt = compute_dtype(values.dtype)
-    out = torch.zeros((values.shape[0], dense.shape[2]), dtype=cdt, device=values.device)  # [T, M]
-    for b, (begin, n) in enumerate(spans(offsets, max_seq_len)):
-        out[begin : begin + n] = values[begin : begin + n].to(cdt) @ dense[b].to(cdt)
-    return out.to(values.dtype)
+    x, w = values.to(cdt), dense.to(cdt)
+    groups = length_groups(offsets, max_seq_len)
+    parts = [torch.bmm(xp, w.index_select(0, g.seqs))  # [G, L, M]
+             for g, xp in zip(groups, gather_groups(x, groups))]
+    out = scatter_groups(parts, groups, values.shape[0], x.new_empty((0, dense.shape[2])))
+    if not groups:
+        out = out + keep_in_graph(values, dense)
+    return out.to(values.dtype)  # [T, M]
 
 
 def jagged_jagged_bmm_reference(
     a: torch.Tensor, c: torch.Tensor, offsets: torch.Tensor, max_seq_len: int
 ) -> torch.Tensor:
     cdt = compute_dtype(a.dtype)
-    B = offsets.numel() - 1
-    out = torch.zeros((B, a.shape[1], c.shape[1]), dtype=cdt, device=a.device)  # [B, K, M]
-    for b, (begin, n) in enumerate(spans(offsets, max_seq_len)):
-        out[b] = a[begin : begin + n].to(cdt).T @ c[begin : begin + n].to(cdt)
+    x, y = a.to(cdt), c.to(cdt)
+    groups = length_groups(offsets, max_seq_len)
+    # padding rows are zeros in both operands: they add nothing
+    parts = [xp.transpose(1, 2) @ yp for xp, yp in zip(gather_groups(x, groups), gather_groups(y, groups))]
+    out = by_seq(parts, groups, (offsets.numel() - 1, a.shape[1], c.shape[1]), x)  # [B, K, M]
+    if not groups:
+        out = out + keep_in_graph(a, c)
     return out.to(a.dtype)
 
 

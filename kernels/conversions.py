@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import eager_triton, needs_grad, pick_backend, spans
+from kernels._jagged_common import eager_triton, needs_grad, pick_backend
+from kernels._segments import row_index, scatter_rows
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -24,20 +25,17 @@ from kernels._validation import (
 def jagged_to_padded_reference(
     values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, padding_value: float = 0.0
 ) -> torch.Tensor:
+    idx = row_index(offsets, max_seq_len, values.shape[0])
     out = values.new_full((offsets.numel() - 1, max_seq_len, values.shape[1]), padding_value)
-    for b, (begin, n) in enumerate(spans(offsets, max_seq_len)):
-        out[b, :n] = values[begin : begin + n]
-    return out  # [B, N, D]
+    return out.index_put((idx.seq, idx.pos), values[idx.rows])  # [B, N, D]
 
 
 def padded_to_jagged_reference(
     padded: torch.Tensor, offsets: torch.Tensor, total: int | None = None
 ) -> torch.Tensor:
     total = int(offsets[-1]) if total is None else total
-    out = padded.new_zeros((total, padded.shape[2]))
-    for b, (begin, n) in enumerate(spans(offsets, padded.shape[1])):
-        out[begin : begin + n] = padded[b, :n]
-    return out  # [T, D]
+    idx = row_index(offsets, padded.shape[1], total)
+    return scatter_rows(padded[idx.seq, idx.pos], idx.rows, total)  # [T, D]
 
 
 # ---- 2./3. custom ops (the Triton launchers live in kernels._conversions_triton) ------------

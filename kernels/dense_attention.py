@@ -1,10 +1,12 @@
 """Jagged-dense attention: dense queries (e.g. candidate items) over each user's jagged sequence.
 
-Layers: the torch reference (``kernels._attention_reference``), the Triton kernels and their
-launchers (``kernels._dense_attention_triton``), the custom ops ``jagged::dense_attention_fwd``
-and ``jagged::dense_attention_bwd`` (what ``torch.compile`` sees, for both backends), the
-autograd registration, and the public function. Eager calls on the Triton backend take a plain
-``torch.autograd.Function`` over the same launchers instead (see ``kernels.flash_attention``).
+Layers: the torch reference (``kernels._attention_reference``) and the torch backend's fused
+CPU path over it (``kernels._attention_cpu``), the Triton kernels and their launchers
+(``kernels._dense_attention_triton``), the custom ops ``jagged::dense_attention_fwd`` and
+``jagged::dense_attention_bwd`` (what ``torch.compile`` sees, for both backends), the autograd
+registration, and the public function. Eager calls on the Triton backend take a plain
+``torch.autograd.Function`` over the same launchers instead; double backward works on the torch
+backend and raises on Triton (see ``kernels.flash_attention``).
 """
 
 from __future__ import annotations
@@ -13,8 +15,16 @@ import math
 
 import torch
 
-from kernels._attention_reference import dense_attention_reference, dense_attention_reference_bwd
-from kernels._jagged_common import autocast_lowp, eager_triton, needs_grad, pick_backend, register_autocast
+from kernels._attention_cpu import dense_attention_torch_bwd, dense_attention_torch_fwd
+from kernels._attention_reference import dense_attention_reference_bwd
+from kernels._jagged_common import (
+    autocast_lowp,
+    eager_triton,
+    needs_grad,
+    pick_backend,
+    register_autocast,
+    register_no_double_backward,
+)
 from kernels._validation import (
     check_float,
     debug_checks_enabled,
@@ -40,9 +50,7 @@ def _dense_fwd_op(
         from kernels._dense_attention_triton import dense_attention_fwd
 
         return dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale)
-    with torch.no_grad():
-        out, lse = dense_attention_reference(q, k, v, offsets, max_seq_len, bias, scale)
-    return out, lse.to(torch.float32)
+    return dense_attention_torch_fwd(q, k, v, offsets, max_seq_len, bias, scale)
 
 
 @_dense_fwd_op.register_fake
@@ -64,8 +72,8 @@ def _dense_bwd_op(
         dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
                                                 bias, scale, want_dbias)
     else:
-        dq, dk, dv, dbias = dense_attention_reference_bwd(dout, q, k, v, offsets, max_seq_len,
-                                                          bias, scale)
+        dq, dk, dv, dbias = dense_attention_torch_bwd(dout, q, k, v, out, lse, offsets,
+                                                      max_seq_len, bias, scale)
     return dq, dk, dv, (dbias if want_dbias else q.new_empty(0))
 
 
@@ -89,12 +97,18 @@ def _backward(ctx, dout, dlse):
         return (None,) * 8
     max_seq_len, scale, backend = ctx.args
     need_dbias = bias is not None and ctx.needs_input_grad[5]
-    dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
-        dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend)
+    if torch.is_grad_enabled() and backend == "torch":
+        # a recorded backward (create_graph=True): the reference's, in differentiable torch ops
+        dq, dk, dv, dbias = dense_attention_reference_bwd(dout, q, k, v, offsets, max_seq_len,
+                                                          bias, scale)
+    else:  # on the Triton backend a recorded one raises at the second backward (below)
+        dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
+            dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend)
     return dq, dk, dv, None, None, (dbias if need_dbias else None), None, None
 
 
 _dense_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_no_double_backward(_dense_bwd_op, "jagged_dense_attention")
 register_autocast("dense_attention_fwd", "lowp")
 
 
@@ -123,8 +137,12 @@ class _DenseAttnFn(torch.autograd.Function):
         q, k, v, out, lse, offsets, bias = ctx.saved_tensors
         max_seq_len, scale = ctx.args
         need_dbias = bias is not None and ctx.needs_input_grad[5]
-        dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
-                                                bias, scale, need_dbias)
+        if torch.is_grad_enabled():  # create_graph=True: recorded, see _FlashAttnFn.backward
+            dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
+                dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, "triton")
+        else:
+            dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
+                                                    bias, scale, need_dbias)
         return dq, dk, dv, None, None, (dbias if need_dbias else None), None
 
 
@@ -206,7 +224,8 @@ def jagged_dense_attention(
             ``expand``-ed bias is read in place); it receives a gradient. Columns past a
             sequence's length are ignored (their gradient is zero); -inf masks a key.
         scale: score scale, default ``1 / sqrt(D)``.
-        backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA).
+        backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA). Second
+            derivatives need ``"torch"``: on Triton they raise a RuntimeError.
 
     Returns:
         ``out [B, Tq, H, D]`` in q's dtype,

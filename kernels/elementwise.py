@@ -3,7 +3,8 @@
 Layers (DESIGN.md): torch references (forward and backward), Triton kernels in
 ``kernels._elementwise_triton``, custom ops ``jagged::jagged_dense_elementwise_add``,
 ``jagged::jagged_dense_elementwise_mul`` and ``jagged::jagged_dense_elementwise_backward``
-(fake, autograd and a "promote" autocast rule registered), public functions.
+(fake, autograd and a "promote" autocast rule registered; the backward op's own derivative is
+made of the forward ops, for double backward), public functions.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, register_autocast, spans
+from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, register_autocast
+from kernels._segments import row_index, scatter_rows
 from kernels._validation import (
     check_float,
     check_max_seq_len,
@@ -29,11 +31,10 @@ def jagged_dense_elementwise_reference(
     values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, is_mul: bool
 ) -> torch.Tensor:
     cdt = compute_dtype(values.dtype)
-    out = torch.zeros(values.shape, dtype=cdt, device=values.device)  # [T, D]
-    for b, (begin, n) in enumerate(spans(offsets, dense.shape[1])):
-        x, d = values[begin : begin + n].to(cdt), dense[b, :n].to(cdt)
-        out[begin : begin + n] = x * d if is_mul else x + d
-    return out.to(values.dtype)
+    idx = row_index(offsets, dense.shape[1], values.shape[0])
+    x, d = values.to(cdt)[idx.rows], dense.to(cdt)[idx.seq, idx.pos]  # [R, D]
+    out = scatter_rows(x * d if is_mul else x + d, idx.rows, values.shape[0])
+    return out.to(values.dtype)  # [T, D]
 
 
 def jagged_dense_elementwise_backward_reference(
@@ -46,15 +47,14 @@ def jagged_dense_elementwise_backward_reference(
     """(grad_values [T, D], grad_dense [B, N, D]); values and dense are given for mul only."""
     cdt = compute_dtype(grad.dtype)
     B, D = offsets.numel() - 1, grad.shape[1]
-    grad_values = torch.zeros(grad.shape, dtype=cdt, device=grad.device)
-    grad_dense = torch.zeros((B, max_seq_len, D), dtype=cdt, device=grad.device)
-    for b, (begin, n) in enumerate(spans(offsets, max_seq_len)):
-        g = grad[begin : begin + n].to(cdt)
-        if values is None:
-            grad_values[begin : begin + n], grad_dense[b, :n] = g, g
-        else:
-            grad_values[begin : begin + n] = g * dense[b, :n].to(cdt)
-            grad_dense[b, :n] = g * values[begin : begin + n].to(cdt)
+    idx = row_index(offsets, max_seq_len, grad.shape[0])
+    g = grad.to(cdt)[idx.rows]  # [R, D]
+    if values is None:
+        gv = gd = g
+    else:
+        gv, gd = g * dense.to(cdt)[idx.seq, idx.pos], g * values.to(cdt)[idx.rows]
+    grad_values = scatter_rows(gv, idx.rows, grad.shape[0])
+    grad_dense = g.new_zeros((B, max_seq_len, D)).index_put((idx.seq, idx.pos), gd)
     return grad_values.to(grad.dtype), grad_dense.to(grad.dtype)
 
 
@@ -135,6 +135,38 @@ def _backward(ctx, grad):
 
 _add_op.register_autograd(_backward, setup_context=_add_setup)
 _mul_op.register_autograd(_backward, setup_context=_mul_setup)
+
+
+# The backward op is differentiable too (double backward), in the forward ops of the same
+# backend: add's backward is (g on the kept rows, g placed in [B, N, D]), so an upstream
+# (uv, ud) gives d/dg = add(uv, ud); mul's is (g * dense[b, n], g * values placed), so
+# d/dg = mul(uv, dense) + mul(values, ud), d/dvalues = mul(g, ud) and
+# d/ddense = jagged_to_padded(uv * g).
+
+
+def _backward_op_setup(ctx, inputs, output):
+    grad, offsets, values, dense, max_seq_len, backend = inputs
+    ctx.save_for_backward(grad, offsets, values, dense)
+    ctx.max_seq_len, ctx.backend = max_seq_len, backend
+
+
+def _double_backward(ctx, uv, ud):
+    g, offsets, values, dense = ctx.saved_tensors
+    ops, be = torch.ops.jagged, ctx.backend
+    if values is None:
+        return ops.jagged_dense_elementwise_add(uv, offsets, ud, be), None, None, None, None, None
+    grad_g = grad_values = grad_dense = None
+    if ctx.needs_input_grad[0]:
+        grad_g = (ops.jagged_dense_elementwise_mul(uv, offsets, dense, be)
+                  + ops.jagged_dense_elementwise_mul(values, offsets, ud, be))
+    if ctx.needs_input_grad[2]:
+        grad_values = ops.jagged_dense_elementwise_mul(g, offsets, ud, be)
+    if ctx.needs_input_grad[3]:
+        grad_dense = ops.jagged_to_padded(uv * g, offsets, ctx.max_seq_len, 0.0, be)
+    return grad_g, None, grad_values, grad_dense, None, None
+
+
+_backward_op.register_autograd(_double_backward, setup_context=_backward_op_setup)
 register_autocast("jagged_dense_elementwise_add", "promote")
 register_autocast("jagged_dense_elementwise_mul", "promote")
 

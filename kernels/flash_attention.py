@@ -1,9 +1,14 @@
 """Jagged flash attention: softmax self-attention within each sequence of a jagged batch.
 
-Layers: the torch reference (``kernels._attention_reference``), the Triton kernels and their
-launchers (``kernels._flash_attention_triton``), two custom ops ``jagged::flash_attention_fwd``
-and ``jagged::flash_attention_bwd`` (what ``torch.compile`` sees: one opaque op with a fake
+Layers: the torch reference (``kernels._attention_reference``) and the torch backend's fused
+CPU path over it (``kernels._attention_cpu``), the Triton kernels and their launchers
+(``kernels._flash_attention_triton``), two custom ops ``jagged::flash_attention_fwd`` and
+``jagged::flash_attention_bwd`` (what ``torch.compile`` sees: one opaque op with a fake
 implementation, for both backends), their autograd registration, and the public function.
+
+Double backward: a backward recorded with ``create_graph=True`` on the torch backend is the
+reference's, in differentiable torch ops; the Triton backward has no derivative, and
+differentiating its result raises a RuntimeError that says so (never a detached gradient).
 
 Eager calls on the Triton backend skip the custom-op machinery (tens of microseconds of Python
 dispatch per call, more than the kernels take on short sequences): a plain
@@ -17,8 +22,16 @@ import math
 
 import torch
 
-from kernels._attention_reference import flash_attention_reference, flash_attention_reference_bwd
-from kernels._jagged_common import autocast_lowp, eager_triton, needs_grad, pick_backend, register_autocast
+from kernels._attention_cpu import flash_attention_torch_bwd, flash_attention_torch_fwd
+from kernels._attention_reference import flash_attention_reference_bwd
+from kernels._jagged_common import (
+    autocast_lowp,
+    eager_triton,
+    needs_grad,
+    pick_backend,
+    register_autocast,
+    register_no_double_backward,
+)
 from kernels._validation import (
     check_float,
     debug_checks_enabled,
@@ -44,9 +57,7 @@ def _flash_fwd_op(
         from kernels._flash_attention_triton import flash_attention_fwd
 
         return flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale)
-    with torch.no_grad():
-        out, lse = flash_attention_reference(q, k, v, offsets, max_seq_len, causal, scale)
-    return out, lse.to(torch.float32)
+    return flash_attention_torch_fwd(q, k, v, offsets, max_seq_len, causal, scale)
 
 
 @_flash_fwd_op.register_fake
@@ -65,7 +76,8 @@ def _flash_bwd_op(
 
         return flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal,
                                    scale)
-    return flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len, causal, scale)
+    return flash_attention_torch_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal,
+                                     scale)
 
 
 @_flash_bwd_op.register_fake
@@ -87,12 +99,19 @@ def _backward(ctx, dout, dlse):
         return (None,) * 8
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.jagged.flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets,
-                                                      *ctx.args)
+    max_seq_len, causal, scale, backend = ctx.args
+    if torch.is_grad_enabled() and backend == "torch":
+        # a recorded backward (create_graph=True): the reference's, in differentiable torch ops
+        dq, dk, dv = flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len,
+                                                   causal, scale)
+    else:  # on the Triton backend a recorded one raises at the second backward (below)
+        dq, dk, dv = torch.ops.jagged.flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets,
+                                                          *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 
 
 _flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+register_no_double_backward(_flash_bwd_op, "jagged_flash_attention")
 # Under autocast the op runs in the autocast dtype, like torch's own attention.
 register_autocast("flash_attention_fwd", "lowp")
 
@@ -122,7 +141,13 @@ class _FlashAttnFn(torch.autograd.Function):
         q, k, v, out, lse, offsets = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets, *ctx.args)
+        if torch.is_grad_enabled():
+            # create_graph=True: the launcher's result would leave the graph unnoticed; the
+            # custom op records it, and differentiating it raises a clear error
+            dq, dk, dv = torch.ops.jagged.flash_attention_bwd(dout, dlse, q, k, v, out, lse,
+                                                              offsets, *ctx.args, "triton")
+        else:
+            dq, dk, dv = flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets, *ctx.args)
         return dq, dk, dv, None, None, None, None
 
 
@@ -189,7 +214,9 @@ def jagged_flash_attention(
         scale: score scale, default ``1 / sqrt(D)``.
         return_lse: also return ``lse [H, T]`` fp32, the natural-log log-sum-exp of each query
             row's scaled scores (-inf for rows that do not take part); it is differentiable.
-        backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA).
+        backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA). Second
+            derivatives (differentiating the gradients of ``create_graph=True``) need ``"torch"``:
+            on Triton they raise a RuntimeError.
 
     Returns:
         ``out [T, H, D]`` in the inputs' dtype, with

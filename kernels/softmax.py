@@ -2,36 +2,43 @@
 
 Layers (DESIGN.md): torch reference (forward and backward), Triton kernels in
 ``kernels._softmax_triton``, custom ops ``jagged::jagged_softmax`` and
-``jagged::jagged_softmax_backward`` (fake and autograd registered), public function.
+``jagged::jagged_softmax_backward`` (fake and autograd registered: the backward is itself
+differentiable, for double backward on either backend), public function.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, spans
+from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend
+from kernels._segments import row_index, scatter_rows, segment_amax, segment_sum
 from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device
 
 # ---- 1. references ------------------------------------------------------------------------
 
 
 def jagged_softmax_reference(values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    # vectorised over the rows that take part (kernels._segments): segment max and sum
     cdt = compute_dtype(values.dtype)
-    out = torch.zeros(values.shape, dtype=cdt, device=values.device)  # [T, H]
-    for begin, n in spans(offsets, max_seq_len):
-        out[begin : begin + n] = torch.softmax(values[begin : begin + n].to(cdt), dim=0)
-    return out.to(values.dtype)
+    T, B = values.shape[0], offsets.numel() - 1
+    idx = row_index(offsets, max_seq_len, T)
+    x = values.to(cdt)[idx.rows]  # [R, H]
+    # the shift cancels in the ratio: detached, it adds nothing to the graph
+    m = segment_amax(x.detach(), idx, B)[idx.seq]
+    e = torch.exp(x - m)
+    y = e / segment_sum(e, idx, B)[idx.seq]
+    return scatter_rows(y, idx.rows, T).to(values.dtype)  # [T, H]
 
 
 def jagged_softmax_backward_reference(
     grad: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, max_seq_len: int
 ) -> torch.Tensor:
     cdt = compute_dtype(out.dtype)
-    grad_values = torch.zeros(out.shape, dtype=cdt, device=out.device)  # [T, H]
-    for begin, n in spans(offsets, max_seq_len):
-        y, g = out[begin : begin + n].to(cdt), grad[begin : begin + n].to(cdt)
-        grad_values[begin : begin + n] = y * (g - (g * y).sum(dim=0, keepdim=True))
-    return grad_values.to(out.dtype)
+    T = out.shape[0]
+    idx = row_index(offsets, max_seq_len, T)
+    y, g = out.to(cdt)[idx.rows], grad.to(cdt)[idx.rows]
+    grad_values = y * (g - segment_sum(g * y, idx, offsets.numel() - 1)[idx.seq])
+    return scatter_rows(grad_values, idx.rows, T).to(out.dtype)  # [T, H]
 
 
 # ---- 2./3. custom ops (the Triton launchers live in kernels._softmax_triton) -----------------
@@ -83,6 +90,35 @@ def _backward(ctx, grad):
 
 
 _jagged_softmax_op.register_autograd(_backward, setup_context=_setup)
+
+
+# The backward is differentiable too (double backward, on either backend): for
+# grad_x = y * (g - s), s = sum_rows(g * y) per sequence and column, an upstream u gives
+# d/dg = y * (u - sum_rows(u * y)) (the same backward op) and
+# d/dy = u * (g - s) - g * sum_rows(u * y), here in plain torch over the rows that take part.
+
+
+def _backward_setup(ctx, inputs, output):
+    grad, out, offsets, max_seq_len, backend = inputs
+    ctx.save_for_backward(grad, out, offsets)
+    ctx.max_seq_len, ctx.backend = max_seq_len, backend
+
+
+def _double_backward(ctx, u):
+    g, y, offsets = ctx.saved_tensors
+    grad_g = grad_y = None
+    if ctx.needs_input_grad[0]:
+        grad_g = torch.ops.jagged.jagged_softmax_backward(u, y, offsets, ctx.max_seq_len, ctx.backend)
+    if ctx.needs_input_grad[1]:
+        cdt, T, B = compute_dtype(y.dtype), y.shape[0], offsets.numel() - 1
+        idx = row_index(offsets, ctx.max_seq_len, T)
+        uu, gg, yy = (t.to(cdt)[idx.rows] for t in (u, g, y))  # [R, H]
+        s, t = (segment_sum(a * yy, idx, B)[idx.seq] for a in (gg, uu))
+        grad_y = scatter_rows(uu * (gg - s) - gg * t, idx.rows, T).to(y.dtype)
+    return grad_g, grad_y, None, None, None
+
+
+_jagged_softmax_backward_op.register_autograd(_double_backward, setup_context=_backward_setup)
 
 
 # ---- 5. public function ---------------------------------------------------------------------
