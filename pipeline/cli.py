@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -250,8 +251,17 @@ def ending(err: BaseException) -> tuple[int, str, str] | None:
     return None
 
 
+def _sigterm_handler(signum, frame) -> None:
+    # Inside fit/test Lightning's handler runs first and calls this one too (then installed is
+    # Lightning's): the loop stops at the end of the step. Anywhere else (loading data, between
+    # fit and test) SIGTERM would kill the process before it could end its run.
+    if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
+        raise SIGTERMException()
+
+
 def main(args: list[str] | None = None) -> None:
     """The CLI entry point: one line for expected failures, FAILED/KILLED runs, the exit status."""
+    previous = signal.signal(signal.SIGTERM, _sigterm_handler)
     try:
         RankerCLI(args=args)
     except BaseException as err:
@@ -264,3 +274,5 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(end[2], file=sys.stderr)
         raise SystemExit(end[0]) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
