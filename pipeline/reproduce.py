@@ -35,7 +35,7 @@ from mlflow.tracking import MlflowClient
 from pipeline import _sweep_runs as runs_
 from pipeline import sweep
 from pipeline.errors import ConfigError
-from pipeline.tracking import tracking_uri
+from pipeline.tracking import check_tracking, tracking_uri
 
 QUALITY_PREFIXES = ("train/", "val/", "test/")
 INFO_PREFIXES = ("perf/", "mem/")
@@ -89,6 +89,7 @@ def compare(orig: dict[str, float], new: dict[str, float], rtol: float) -> tuple
 
 
 def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
+    check_tracking(tracking_uri())
     mlflow.set_tracking_uri(tracking_uri())
     client = MlflowClient(tracking_uri())
     try:

@@ -140,6 +140,22 @@ def test_http_calls_get_bounds_unless_the_user_set_some(monkeypatch, server):
     assert MLFLOW_HTTP_REQUEST_TIMEOUT.get() <= 30 and MLFLOW_HTTP_REQUEST_MAX_RETRIES.get() == 5
 
 
+@pytest.mark.parametrize("tool", ["report", "reproduce"])
+def test_the_other_tools_check_the_server_first(server, monkeypatch, capsys, tool):
+    import importlib
+
+    for key in HTTP_BOUNDS:  # recorded, so that what check_tracking sets is undone afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    uri = server("500")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None, raising=False)
+    module = importlib.import_module(f"pipeline.{tool}")
+    args = ["--parent", "smoke"] if tool == "report" else ["--run", "0" * 32]
+    assert module.main(args) == 2
+    assert f"MLflow tracking server {uri} answers /health but its API fails" in capsys.readouterr().err
+
+
 # --- a fresh sqlite database ---------------------------------------------------------------
 def test_concurrent_fits_on_a_fresh_database_all_succeed(tiny, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # no tables yet: the first users create them
