@@ -11,18 +11,21 @@ from __future__ import annotations
 import codecs
 import ctypes
 import fcntl
+import hashlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Callable, TextIO
 
 from pipeline.errors import ConfigError
-from pipeline.tracking import REPO_ROOT
+from pipeline.tracking import REPO_ROOT, tracking_uri
 
 TAIL_BYTES = 64 * 1024
 _ECHO_LOCK = threading.Lock()
@@ -54,6 +57,18 @@ def die_with_parent() -> Callable[[], None] | None:
             os._exit(1)
 
     return arm
+
+
+def lock_path(name: str, *identity: str) -> Path:
+    """The lock file of `name` (one per `identity`): beside the tracking URI's sqlite database,
+    else in the temp directory (then exclusive per machine only)."""
+    key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:12]
+    file = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}.lock"
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+        return db.with_name(f"{db.name}.{file}")
+    return Path(tempfile.gettempdir()) / file
 
 
 def hold_lock(path: Path, what: str) -> TextIO:
@@ -147,3 +162,21 @@ def error_line(output: str) -> str:
         if hits:
             return hits[-1][:500]
     return (lines[-1] if lines else "no output")[:500]
+
+
+def child_env(tags: dict[str, str]) -> dict[str, str]:
+    """The child's environment: our tracking URI, the sweep tags (set by MLflow at run creation)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")}
+    env.update(MLFLOW_TRACKING_URI=tracking_uri(), MLFLOW_RUN_CONTEXT=json.dumps(tags), PYTHONUNBUFFERED="1")
+    return env
+
+
+def sigterm_as_interrupt() -> None:
+    """`timeout`, `kill` or a batch system end a driver like Ctrl-C: the run in flight is stopped
+    (its loader workers too) and recorded KILLED, instead of living on as an orphan on the GPU."""
+
+    def handler(signum, frame) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)

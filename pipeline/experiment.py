@@ -33,7 +33,8 @@ from mlflow.tracking import MlflowClient
 
 from models import BACKENDS
 from pipeline.errors import ConfigError
-from pipeline.sweep import child_fit_command, sigterm_as_interrupt, stream
+from pipeline._proc import sigterm_as_interrupt, stream
+from pipeline.sweep import child_fit_command
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"

@@ -31,13 +31,9 @@ included), data set or tracking URI, or a sweep of the same ablation running alr
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import re
-import signal
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +45,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from pipeline import _sweep_runs as runs_
-from pipeline._proc import TAIL_BYTES, error_line, hold_lock, stream  # noqa: F401  (error_line: re-exported)
+from pipeline._proc import TAIL_BYTES, child_env, error_line, hold_lock, lock_path, sigterm_as_interrupt, stream
 from pipeline._sweep_spec import Ablation, Point, cli_value, code_version, load, parse_set
 from pipeline.errors import ConfigError
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
@@ -77,26 +73,6 @@ def child_fit_command(configs, overrides: dict[str, Any], data_dir, experiment: 
 
 def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
     return child_fit_command(abl.configs, point.overrides, point.dataset.dir, abl.experiment, parent_id, point.name)
-
-
-def child_env(tags: dict[str, str]) -> dict[str, str]:
-    """The child's environment: our tracking URI, the sweep tags (set by MLflow at run creation)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")}
-    env.update(MLFLOW_TRACKING_URI=tracking_uri(), MLFLOW_RUN_CONTEXT=json.dumps(tags), PYTHONUNBUFFERED="1")
-    return env
-
-
-def lock_path(abl: Ablation) -> Path:
-    """The lock of one sweep (tracking store, experiment, name): beside a sqlite database, else
-    in the temp directory (a server's sweeps are then exclusive per machine only)."""
-    uri = tracking_uri()
-    key = hashlib.sha256(f"{uri}\n{abl.experiment}\n{abl.name}".encode()).hexdigest()[:12]
-    name = f"sweep-{re.sub(r'[^A-Za-z0-9_.-]', '_', abl.name)}-{key}.lock"
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
-        return db.with_name(f"{db.name}.{name}")
-    return Path(tempfile.gettempdir()) / name
 
 
 class Sweep:
@@ -409,22 +385,13 @@ def main(argv: list[str] | None = None) -> int:
             return sweep.plan()
         # one sweep of an ablation at a time; its runs hold the lock too, so a sweep killed
         # outright keeps it until they have ended
-        with hold_lock(lock_path(abl), f"a sweep of {abl.name}") as lock:
-            sweep.lock_fds = (lock.fileno(),)
+        lock = lock_path(f"sweep-{abl.name}", tracking_uri(), abl.experiment, abl.name)
+        with hold_lock(lock, f"a sweep of {abl.name}") as held:
+            sweep.lock_fds = (held.fileno(),)
             return sweep.run()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-
-def sigterm_as_interrupt() -> None:
-    """`timeout`, `kill` or a batch system end a driver like Ctrl-C: the run in flight is stopped
-    (its loader workers too) and recorded KILLED, instead of living on as an orphan on the GPU."""
-
-    def handler(signum, frame) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":
