@@ -121,6 +121,9 @@ def validate_dataset(data_dir: str | Path, *, check_digest: bool = True, deep: b
     """
     data_dir = Path(data_dir)
     meta = load_meta(data_dir)
+    for split in SPLITS:  # read_split refuses these: so must the validation
+        if not meta["splits"][split]["files"]:
+            raise DataValidationError(f"split {split!r} has no files", file=data_dir / META_FILE)
     if check_digest:
         _check_digest(data_dir, meta)
     entries = [e for split in SPLITS for e in meta["splits"][split]["files"]]

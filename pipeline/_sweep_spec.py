@@ -28,6 +28,7 @@ meta.json yet; an existing one generated with other settings is an error, not si
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import json
@@ -47,6 +48,22 @@ DEFAULT_EXPERIMENT = "ablations"
 _TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "report"}
 _REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds"}
 _TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff"}
+CODE_PACKAGES = ("data_gen", "kernels", "models", "pipeline")  # what a fit runs
+
+
+@functools.lru_cache(maxsize=None)
+def code_version(root: Path = REPO_ROOT) -> str:
+    """sha256 (16 hex digits) over the paths and bytes of the packages' Python files.
+
+    The code a point ran with: unlike a commit id it covers uncommitted edits, is the same on a
+    machine without .git, and does not change with documentation-only commits.
+    """
+    h = hashlib.sha256()
+    for package in CODE_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            h.update(f"{path.relative_to(root).as_posix()}\n".encode())
+            h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -137,11 +154,12 @@ class Ablation:
     raw: dict[str, Any]
 
     def config_hash(self, point: Point, digest: str | None) -> str:
-        """Same configs, overrides and data digest -> same hash (comments and order do not count)."""
+        """Same configs, overrides, data digest and code -> same hash (comments and order do not
+        count): a point is done only if it ran with this code (:func:`code_version`)."""
         configs = [yaml.safe_load(p.read_text()) or {} for p in self.configs]
         d = point.dataset  # data not made yet: its recipe stands in for its digest
         data = digest or {"dir": str(d.dir), "preset": d.preset, "seed": d.seed, "overrides": d.overrides}
-        blob = json.dumps({"configs": configs, "set": point.overrides, "data": data},
+        blob = json.dumps({"configs": configs, "set": point.overrides, "data": data, "code": code_version()},
                           sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

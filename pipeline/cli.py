@@ -7,35 +7,53 @@ and ``checkpoint.*`` (Lightning's ``ModelCheckpoint``). ``fit`` also tests the f
 the test split, in the same MLflow run.
 
 Before anything trains: unknown keys and bad types fail in the parser; a bad backend,
-max_seq_len, data set or tracking server raises :class:`pipeline.errors.ConfigError`, whose
-message is printed alone, and the exit status is 2. ``--ckpt_path`` continues the MLflow run
-stored in the checkpoint.
+max_seq_len, data set (every split it reads, fully validated), tracking store, output
+directory or checkpoint raises :class:`pipeline.errors.ConfigError`, whose message is printed
+alone, and the exit status is 2. ``--ckpt_path`` continues the MLflow run stored in the
+checkpoint, with exactly that run's config and data (:mod:`pipeline.resume`).
+
+Exit status: 0 done, 1 failed (NaN/inf loss, a full disk, a tracking store that fails
+mid-run: one line, the run marked FAILED), 2 before training (above), 130 for Ctrl-C/SIGINT
+and 143 for SIGTERM (the run marked KILLED).
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 import yaml
+from mlflow.exceptions import MlflowException
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.callbacks.progress import ProgressBar as ProgressBarBase
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import MLFlowLogger
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from pipeline.callbacks import PerfMonitor, ProgressBar
 from pipeline.data import RankerData
 from pipeline.errors import ConfigError
 from pipeline.module import RankerModule
+from pipeline.resume import check_resume, checkpoint_run_id, load_checkpoint
 from pipeline.tracking import (
     MLflowRun,
+    is_interrupt,
     check_tracking,
     end_run,
     environment_tags,
     fail_active_run,
+    first_line,
+    flatten,
     log_run_inputs,
+    logged_steps,
+    shown,
     tracking_uri,
 )
 
@@ -45,11 +63,30 @@ def _seed_to_int(seed) -> int:
 
 
 def run_id_from_checkpoint(path: str) -> str | None:
-    """The MLflow run id a checkpoint was written by (None for foreign checkpoints)."""
-    if not Path(path).is_file():
-        raise ConfigError(f"--ckpt_path {path}: no such checkpoint file")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    return ckpt.get("callbacks", {}).get("MLflowRun", {}).get("run_id")
+    """The MLflow run id a checkpoint of `pipeline fit` was written by (None if it has none)."""
+    return checkpoint_run_id(load_checkpoint(path))
+
+
+def check_writable(option: str, path: str | None) -> None:
+    """ConfigError unless files can be created in `path` (or where it would be created)."""
+    target = Path(path or ".").resolve()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{option} {path}: {existing} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(f"{option} {path}: cannot write into {existing} ({err.strerror or err}); "
+                          f"choose a writable directory with {option}") from None
+
+
+def _data_digest(data_dir: str) -> str | None:
+    try:
+        return str(json.loads((Path(data_dir) / "meta.json").read_text())["digest"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the data module's own check says what is wrong
 
 
 class RankerCLI(LightningCLI):
@@ -82,23 +119,41 @@ class RankerCLI(LightningCLI):
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed_to_int)
         parser.link_arguments("data.spec", "model.data_spec", apply_on="instantiate")
 
-    def before_instantiate_classes(self) -> None:
+    def parse_arguments(self, parser, args) -> None:
+        super().parse_arguments(parser, args)
+        # here, before Lightning replaces the requested model settings by a checkpoint's
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            self._preflight(subcommand, self.config[subcommand])
+
+    def _preflight(self, subcommand: str, cfg) -> None:
         check_tracking(tracking_uri())
+        if subcommand == "fit":
+            check_writable("--trainer.default_root_dir", cfg.trainer.default_root_dir)
+            if cfg.checkpoint.dirpath:
+                check_writable("--checkpoint.dirpath", cfg.checkpoint.dirpath)
+        if not cfg.get("ckpt_path"):
+            return
+        ckpt = load_checkpoint(cfg.ckpt_path)
+        stored, given = checkpoint_run_id(ckpt), cfg.mlflow.run_id
+        if stored and given and stored != given:
+            raise ConfigError(f"--mlflow.run_id {given} differs from the run {stored} stored in {cfg.ckpt_path}")
+        if subcommand == "fit":
+            params = flatten(self._resolved(subcommand)[1])
+            check_resume(cfg.ckpt_path, ckpt, params, _data_digest(cfg.data.data_dir))
+        cfg.mlflow.run_id = given or stored
+
+    def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand]
         if cfg.torch_num_threads is not None:
             if cfg.torch_num_threads <= 0:
                 raise ConfigError(f"torch_num_threads must be > 0, got {cfg.torch_num_threads}")
             torch.set_num_threads(cfg.torch_num_threads)
-        if cfg.get("ckpt_path"):
-            stored = run_id_from_checkpoint(cfg.ckpt_path)
-            given = cfg.mlflow.run_id
-            if stored and given and stored != given:
-                raise ConfigError(f"--mlflow.run_id {given} differs from the run {stored} stored in {cfg.ckpt_path}")
-            cfg.mlflow.run_id = given or stored
 
     def instantiate_trainer(self, **kwargs):
         cfg = self.config[self.subcommand]
         run: MLflowRun = self._get(self.config_init, "mlflow")
+        self.datamodule.load_splits(self.subcommand)  # fully validated before a run is recorded
         if run.run_name is None:
             run.run_name = f"{cfg.model.ranker.backend}-L{cfg.data.max_seq_len}"
         tags = {
@@ -110,7 +165,8 @@ class RankerCLI(LightningCLI):
         }
         run_id = run.start(tags)
         logger = _RunLogger(
-            experiment_name=run.experiment_name, tracking_uri=tracking_uri(), run_id=run_id, log_model=False
+            experiment_name=run.experiment_name, tracking_uri=tracking_uri(), run_id=run_id, log_model=False,
+            logged=logged_steps(run_id) if run.resumed else None,
         )
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         callbacks = list(trainer_cfg.get("callbacks") or [])
@@ -119,12 +175,17 @@ class RankerCLI(LightningCLI):
             kwargs["callbacks"] = [*callbacks, ProgressBar()]
         return super().instantiate_trainer(logger=logger, **kwargs)
 
-    def _log_inputs(self) -> None:
-        # the dump is the resolved config with plain types (what `--print_config` shows)
-        config_yaml = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)
+    def _resolved(self, subcommand: str) -> tuple[str, dict]:
+        """(YAML, dict) of the resolved config with plain types (what `--print_config` shows),
+        without what names this invocation rather than the run (ckpt_path, mlflow.run_id)."""
+        config_yaml = self._parser(subcommand).dump(self.config[subcommand], skip_none=False)
         params = yaml.safe_load(config_yaml)
         params.pop("ckpt_path", None)
         params["mlflow"].pop("run_id", None)
+        return config_yaml, params
+
+    def _log_inputs(self) -> None:
+        config_yaml, params = self._resolved(self.subcommand)
         run: MLflowRun = self._get(self.config_init, "mlflow")
         meta = Path(self.datamodule.data_dir) / "meta.json"
         log_run_inputs(params, config_yaml, meta, resumed=run.resumed)
@@ -145,32 +206,79 @@ class RankerCLI(LightningCLI):
 
 
 class _RunLogger(MLFlowLogger):
-    """MLFlowLogger that ends an interrupted run (Ctrl-C, SIGINT from a sweep) KILLED, not FAILED.
+    """MLFlowLogger that ends an interrupted run (Ctrl-C, SIGINT, SIGTERM) KILLED, not FAILED,
+    and that does not log a resumed run's metric points a second time.
 
-    Lightning finalizes every logger with "failed" from inside its KeyboardInterrupt handler,
-    after the callbacks' on_exception: the exception being handled tells the two apart.
+    Lightning finalizes every logger with "failed" from inside its exception handlers, after
+    the callbacks' on_exception: the exception being handled tells the two apart.
+
+    Args:
+        logged: metric -> last step the run already holds. A run resumes from its last
+            checkpoint, so the steps trained between that checkpoint and the kill come again;
+            their points are in the run already (MLflow cannot delete points).
     """
 
+    def __init__(self, *args, logged: dict[str, int] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._logged = logged or {}
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if self._logged and step is not None:
+            metrics = {k: v for k, v in metrics.items() if step > self._logged.get(k, -1)}
+        if metrics:
+            super().log_metrics(metrics, step)
+
     def finalize(self, status: str = "success") -> None:
-        if status == "failed" and isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        if status == "failed" and is_interrupt(sys.exc_info()[1]):
             status = "KILLED"
         super().finalize(status)
 
 
+# no space, over quota, read-only file system, no permission: the machine's state, not a bug
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def ending(err: BaseException) -> tuple[int, str, str] | None:
+    """(exit status, run status, one-line message) of an error that needs no traceback."""
+    if isinstance(err, ConfigError):
+        return 2, "FAILED", f"error: {err}"
+    if isinstance(err, FloatingPointError):  # NaN/inf loss
+        return 1, "FAILED", f"error: {err}"
+    if isinstance(err, SIGTERMException):
+        return 143, "KILLED", "stopped by SIGTERM"
+    if isinstance(err, KeyboardInterrupt) or (isinstance(err, SystemExit)
+                                              and isinstance(err.__context__, KeyboardInterrupt)):
+        return 130, "KILLED", "interrupted (Ctrl-C / SIGINT)"  # Lightning exits 1 after a Ctrl-C
+    if isinstance(err, MlflowException):
+        return 1, "FAILED", f"error: MLflow tracking at {shown(tracking_uri())} failed: {first_line(err)}"
+    if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
+        where = f": {err.filename}" if err.filename else ""
+        return 1, "FAILED", f"error: {err.strerror or first_line(err)}{where}"
+    return None
+
+
+def _sigterm_handler(signum, frame) -> None:
+    # Inside fit/test Lightning's handler runs first and calls this one too (then installed is
+    # Lightning's): the loop stops at the end of the step. Anywhere else (loading data, between
+    # fit and test) SIGTERM would kill the process before it could end its run.
+    if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
+        raise SIGTERMException()
+
+
 def main(args: list[str] | None = None) -> None:
-    """The CLI entry point: concise messages for configuration errors, FAILED runs on crashes."""
+    """The CLI entry point: one line for expected failures, FAILED/KILLED runs, the exit status."""
+    previous = signal.signal(signal.SIGTERM, _sigterm_handler)
     try:
         RankerCLI(args=args)
-    except ConfigError as err:
-        fail_active_run()
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except FloatingPointError as err:  # NaN/inf loss: the run is already marked FAILED
-        fail_active_run()
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
     except BaseException as err:
-        run_id = fail_active_run()  # errors outside the trainer (its own are handled there)
-        if run_id is not None:
-            print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
-        raise
+        end = ending(err)
+        # errors outside the trainer (the trainer's own callbacks have ended the run already)
+        run_id = fail_active_run(end[1] if end else "FAILED")
+        if end is None:
+            if run_id is not None:
+                print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
+            raise
+        print(end[2], file=sys.stderr)
+        raise SystemExit(end[0]) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)

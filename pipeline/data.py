@@ -10,14 +10,17 @@ Decoded splits are cached (``cache=True``, the default): after the first, fully 
 of a split its flat arrays are saved as .npy files under
 ``<data_dir>/.cache/<digest[:16]>/<split>/`` (a temp dir renamed into place, a marker file
 written last), and later processes memory-map them instead of decoding the Parquet shards. A
-cache is used only for the digest meta.json names now, and only while every shard of the split
-has the size and mtime recorded in the marker; otherwise the split is read and checked in full
-again and the cache rebuilt.
+cache is used only for the digest meta.json names now, only while every shard of the split
+has the size and mtime recorded in the marker and meta.json has the sha256 recorded there
+(the validation of the values depends on its vocabulary sizes), and only while every array
+has the sha256 written with it; otherwise the split is read and checked in full again and the
+cache rebuilt. Checking the arrays reads them once per process: a fraction of a decode.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -34,13 +37,21 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from data_gen.schema import DataValidationError, dataset_digest, load_meta, read_split, validate_dataset
+from data_gen.schema import (
+    META_FILE,
+    DataValidationError,
+    dataset_digest,
+    load_meta,
+    read_split,
+    sha256_file,
+    validate_dataset,
+)
 from pipeline.batches import HIST_COLUMNS, BatchDataset, EpochBatchSampler, JaggedSplit
 from pipeline.errors import ConfigError
 
 SPLITS = ("train", "val", "test")
 CACHE_DIR = ".cache"  # under the data directory
-CACHE_VERSION = 1  # bump when JaggedSplit's arrays change meaning
+CACHE_VERSION = 2  # bump when JaggedSplit's arrays or the marker change meaning
 CACHE_MARKER = "complete.json"  # written last: a split directory without it is never read
 log = logging.getLogger(__name__)
 
@@ -94,6 +105,14 @@ class RankerData(pl.LightningDataModule):
             "digest": str(self.meta.get("digest", "")),
         }
         self._splits: dict[str, JaggedSplit] = {}
+
+    def load_splits(self, stage: str) -> None:
+        """Load and fully validate every split that `stage` reads (fit: all three, as it tests
+        too), so that bad data stops the command before a run is recorded: a ConfigError."""
+        try:
+            self.setup(None if stage == "fit" else stage)
+        except DataValidationError as err:
+            raise ConfigError(_invalid(self.data_dir, err)) from None
 
     def setup(self, stage: str | None = None) -> None:
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage, SPLITS)
@@ -177,8 +196,10 @@ def load_split(data_dir: str | Path, split: str, n_dense: int, *, cache: bool = 
     before = _shard_stats(data_dir, entries)
     data = JaggedSplit(read_split(data_dir, split, columns=_columns(n_dense)), n_dense)  # hashes every shard
     if usable and before is not None and _shard_stats(data_dir, entries) == before:  # unchanged while read
+        arrays = data.arrays()
         marker = {"version": CACHE_VERSION, "digest": digest, "split": split, "n_dense": n_dense,
-                  "files": before, "arrays": {k: [list(a.shape), a.dtype.str] for k, a in data.arrays().items()}}
+                  "files": before, "meta_sha256": sha256_file(data_dir / META_FILE),
+                  "arrays": {k: [list(a.shape), a.dtype.str, _sha256(a)] for k, a in arrays.items()}}
         try:
             _write_cache(data_dir, split, data, marker)
         except OSError as err:  # a read-only data directory, a full disk: train uncached
@@ -203,8 +224,13 @@ def _shard_stats(data_dir: Path, entries: list[dict]) -> list[dict] | None:
     return out
 
 
+def _sha256(arr: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(arr).data).hexdigest()
+
+
 def _read_cache(data_dir: Path, split: str, n_dense: int, meta: dict) -> JaggedSplit | None:
-    """The cached split if complete and current (digest, shard sizes and mtimes), else None."""
+    """The cached split if complete, current (digest, shard sizes and mtimes, meta.json) and
+    intact (every array's sha256), else None."""
     digest = meta["digest"]
     shas = [f.get("sha256", "") for s in SPLITS for f in meta["splits"][s]["files"]]
     if dataset_digest(shas) != digest:
@@ -215,12 +241,14 @@ def _read_cache(data_dir: Path, split: str, n_dense: int, meta: dict) -> JaggedS
         if (marker.get("version") != CACHE_VERSION or marker.get("digest") != digest
                 or marker.get("split") != split or marker.get("n_dense") != n_dense
                 or marker.get("files") != _shard_stats(data_dir, meta["splits"][split]["files"])
+                or marker.get("meta_sha256") != sha256_file(data_dir / META_FILE)
                 or set(marker.get("arrays", {})) != set(JaggedSplit.ARRAYS)):
             return None
         arrays = {}
-        for name, (shape, dtype) in marker["arrays"].items():
+        for name, (shape, dtype, sha) in marker["arrays"].items():
             arr = np.load(path / f"{name}.npy", mmap_mode="r", allow_pickle=False)
-            if list(arr.shape) != shape or arr.dtype.str != dtype:
+            if list(arr.shape) != shape or arr.dtype.str != dtype or _sha256(arr) != sha:
+                log.warning("the cache %s differs from its checksums (%s.npy): reading the split again", path, name)
                 return None
             arrays[name] = np.asarray(arr)  # a plain ndarray over the mapping
         data = JaggedSplit.from_arrays(arrays)
@@ -273,16 +301,18 @@ def _check_data_dir(data_dir: str) -> dict:
     """Cheap pre-flight check (meta.json, every shard's footer: schema and row count); the
     full check (checksums, values) runs in ``read_split`` when a split is loaded."""
     path = Path(data_dir)
-    hint = f"generate it with `make data` or `python -m data_gen generate --preset small --out {data_dir}`"
     if not (path / "meta.json").is_file():
-        raise ConfigError(f"no data set at {data_dir!r} (no meta.json): {hint}")
+        raise ConfigError(f"no data set at {data_dir!r} (no meta.json): generate it with `make data` or "
+                          f"`python -m data_gen generate --preset small --out {data_dir}`")
     try:
         return validate_dataset(path, check_digest=False, deep=False)
     except (DataValidationError, OSError) as err:
-        raise ConfigError(
-            f"invalid data set at {data_dir!r}: {err}. Check it with `python -m data_gen validate {data_dir}`"
-            f" or delete it and {hint}"
-        ) from err
+        raise ConfigError(_invalid(data_dir, err)) from err
+
+
+def _invalid(data_dir: str, err: Exception) -> str:
+    return (f"invalid data set at {data_dir!r}: {err}. Check it with `python -m data_gen validate {data_dir}`"
+            f" or delete it and generate it again (`python -m data_gen generate --preset ... --out {data_dir}`)")
 
 
 def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batches: int) -> dict:

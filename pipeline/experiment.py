@@ -9,6 +9,12 @@ one to the next) as a child of one MLflow parent run. At the end: one comparison
 stdout, the same table as markdown in ``experiments/results/main_<preset>_<cpu|cuda>.md`` and
 as an artifact of the parent run, and where to find the runs in MLflow. Extra arguments after
 ``--`` go to every ``pipeline fit`` (e.g. ``-- --trainer.max_epochs 1``).
+
+The results file is named after the preset only for the preset's own data (``make data``:
+its config, seed 0); other data adds its directory name and digest
+(``main_<preset>_<dir>-<digest[:8]>_<device>.md``). A table whose backends FINISHED is never
+replaced by one where some of them failed or did not run: that table goes beside it
+(``<name>.failed.md`` or ``<name>.partial.md``) and the kept one is named.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,7 +33,8 @@ from mlflow.tracking import MlflowClient
 
 from models import BACKENDS
 from pipeline.errors import ConfigError
-from pipeline.sweep import child_fit_command, sigterm_as_interrupt, stream
+from pipeline._proc import sigterm_as_interrupt, stream
+from pipeline.sweep import child_fit_command
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"
@@ -66,6 +74,37 @@ def table_rows(results: list[dict], cuda: bool) -> tuple[list[str], list[list[st
             _fmt(m.get(mem_key), ",.0f"), f"{r['wall_s']:.0f}", r["run_id"] or "-",
         ])
     return header, rows
+
+
+def results_file(results_dir: str, preset: str, data_dir: str, meta: dict, accelerator: str) -> Path:
+    """Where the table goes: see the module docstring."""
+    from data_gen.config import PRESETS, resolve_config
+
+    have = meta.get("config") or {}
+    own = (preset in PRESETS and meta.get("preset") == preset and meta.get("seed") == 0
+           and all(k in have and json.dumps(have[k]) == json.dumps(v)
+                   for k, v in resolve_config(preset).to_dict().items()))
+    data = "" if own else f"_{Path(data_dir).name}-{str(meta.get('digest'))[:8]}"
+    return Path(results_dir) / f"main_{preset}{data}_{accelerator}.md"
+
+
+_ROW = re.compile(r"^\| (\w+) \| ([A-Z][A-Z ?]*) \|", re.MULTILINE)
+
+
+def write_results(out: Path, md: str, results: list[dict]) -> tuple[Path, str | None]:
+    """Write `md` to `out` unless that loses a FINISHED backend of the table there; then write it
+    beside `out`. Returns (the path written, why `out` was kept or None)."""
+    done = {r["backend"] for r in results if r["status"] == "FINISHED"}
+    kept = {b for b, status in _ROW.findall(out.read_text()) if status == "FINISHED"} if out.is_file() else set()
+    lost = sorted(kept - done)
+    reason = None
+    if lost:
+        failed = len(done) < len(results)
+        reason = f"it holds FINISHED {', '.join(lost)}, which this run {'did not finish' if failed else 'did not run'}"
+        out = out.with_name(f"{out.name[:-len('.md')]}.{'failed' if failed else 'partial'}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(md)
+    return out, reason
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -177,16 +216,15 @@ def run(args, meta: dict) -> int:
     mlflow.log_text(md, "main_job.md")
     mlflow.end_run(status)
     if args.results_dir:
-        out = Path(args.results_dir) / f"main_{args.preset}_{env['accelerator']}.md"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(md)
+        table = results_file(args.results_dir, args.preset, args.data_dir, meta, env["accelerator"])
+        out, why_kept = write_results(table, md, results)
     print(f"\n{text}\n")
     print(f"MLflow tracking URI: {tracking_uri()}")
     print(f"experiment '{args.experiment_name}' (id {experiment_id}), parent run {parent.info.run_id}")
     print("runs: " + ", ".join(f"{r['backend']}={r['run_id']}" for r in results))
     print(f"dashboard: `make ui`, then http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{parent.info.run_id}")
     if args.results_dir:
-        print(f"table written to {out}")
+        print(f"table written to {out}" + (f"; {table} kept: {why_kept}" if why_kept else ""))
     return 0 if status == "FINISHED" else 1
 
 

@@ -11,12 +11,16 @@ by summation across processes.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 import torch.nn.functional as F
 from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC
+from torchmetrics.utilities import dim_zero_cat
+
+log = logging.getLogger(__name__)
 
 
 class LogLoss(Metric):
@@ -75,10 +79,22 @@ class Calibration(Metric):
 
 
 class AUC(BinaryAUROC):
-    """Exact ROC AUC fed with logits like the others (sigmoid applied here, never guessed)."""
+    """Exact ROC AUC fed with logits like the others (sigmoid applied here, never guessed).
+
+    AUC is undefined when the labels hold one class only: NaN then, with a warning in the log
+    (torchmetrics returns 0.0, which reads as a perfectly wrong ranker).
+    """
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:  # type: ignore[override]
         super().update(torch.sigmoid(logits.float()), target.long())
+
+    def compute(self) -> torch.Tensor:
+        target = dim_zero_cat(self.target) if self.target else torch.zeros(0)
+        positives, n = int(target.sum()), target.numel()
+        if 0 < positives < n:
+            return super().compute()
+        log.warning("AUC is undefined on %d examples of a single class (%d positive): logged as NaN", n, positives)
+        return torch.tensor(float("nan"))
 
 
 def ranking_metrics(base_ctr: float) -> dict[str, Metric]:

@@ -36,7 +36,7 @@ from mlflow.tracking import MlflowClient
 from pipeline import _sweep_plots as plots
 from pipeline import _sweep_runs as runs_
 from pipeline.errors import ConfigError
-from pipeline.tracking import REPO_ROOT, tracking_uri
+from pipeline.tracking import REPO_ROOT, check_tracking, tracking_uri
 
 THROUGHPUT = "perf/train_examples_per_s"
 
@@ -343,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     mlflow.set_tracking_uri(tracking_uri())
     try:
+        check_tracking(tracking_uri())
         parent = runs_.find_parent(MlflowClient(tracking_uri()), args.parent)
         out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
     except ConfigError as err:

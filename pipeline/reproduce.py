@@ -32,10 +32,11 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
+from pipeline import _proc
 from pipeline import _sweep_runs as runs_
 from pipeline import sweep
 from pipeline.errors import ConfigError
-from pipeline.tracking import tracking_uri
+from pipeline.tracking import check_tracking, tracking_uri
 
 QUALITY_PREFIXES = ("train/", "val/", "test/")
 INFO_PREFIXES = ("perf/", "mem/")
@@ -89,6 +90,7 @@ def compare(orig: dict[str, float], new: dict[str, float], rtol: float) -> tuple
 
 
 def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
+    check_tracking(tracking_uri())
     mlflow.set_tracking_uri(tracking_uri())
     client = MlflowClient(tracking_uri())
     try:
@@ -111,11 +113,11 @@ def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
     experiments = [e.experiment_id for e in client.search_experiments()]
     query = f"tags.reproduces = {runs_.quote(run_id)}"
     known = {r.info.run_id for r in client.search_runs(experiments, query)}
-    rc, output, _ = sweep.stream(cmd, sweep.child_env({"reproduces": run_id}), None)
+    rc, output, _ = _proc.stream(cmd, _proc.child_env({"reproduces": run_id}), None)
     found = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()], query,
                                            order_by=["attributes.start_time DESC"]) if r.info.run_id not in known]
     if rc != 0 or not found or found[0].info.status != "FINISHED":
-        print(f"error: the rerun failed ({sweep.error_line(output)})", file=sys.stderr)
+        print(f"error: the rerun failed ({_proc.error_line(output)})", file=sys.stderr)
         return 1
     new = found[0]
     rows, ok, worst = compare(run.data.metrics, new.data.metrics, rtol)

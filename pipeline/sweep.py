@@ -8,29 +8,31 @@
 Every run is ``python -m pipeline fit --config <configs...> --<key> <value> ...`` in its own
 process (GPU memory statistics and caches never leak between runs), recorded in MLflow as a
 child of one parent run named after the ablation. A rerun finds that parent by name and
-skips the points whose child FINISHED with the same config hash (configs, overrides and data
-digest); a point recorded as out of memory with the same hash is skipped too (it is a result;
-``--retry-oom`` reruns it). Ctrl-C or SIGTERM (``timeout``, ``kill``) stop the run in flight
-(SIGINT to its process group; recorded KILLED, rerun on resume). A run that fails is recorded
-(tag ``status``: OOM for a CUDA out of memory error, FAILED otherwise, KILLED past
-``timeout_s``) and the sweep goes on. At the end a
-summary table is printed and logged to the parent (``summary.md``, ``summary.csv``); then
-``python -m pipeline.report --parent <name>`` writes the tables and plots.
+skips the points whose child FINISHED with the same config hash (configs, overrides, data
+digest and the code: a hash of the packages' files); a point recorded as out of memory with
+the same hash is skipped too (it is a result; ``--retry-oom`` reruns it). Ctrl-C or SIGTERM
+(``timeout``, ``kill``) stop the run in flight (SIGINT to its process group; recorded KILLED,
+rerun on resume); a sweep killed outright takes its run with it (Linux: SIGTERM from the
+kernel). A run that fails is recorded (tag ``status``: OOM for a CUDA out of memory error,
+FAILED otherwise, KILLED past ``timeout_s``) and the sweep goes on. At the end a summary table
+is printed and logged to the parent (``summary.md``, ``summary.csv``); then ``python -m
+pipeline.report --parent <name>`` writes the tables and plots.
+
+One sweep of an ablation runs at a time (a lock per tracking store, experiment and name,
+held by the sweep and its runs); every point's arguments are checked by the fit's parser
+before any runs (``--dry-run`` marks the refused ones INVALID).
 
 The file format is described in :mod:`pipeline._sweep_spec` and at the top of every file in
 experiments/ablations/. Exit status: 0 when every point finished (or is a recorded OOM), 1
-when some failed or were not run, 2 for a bad ablation file, data set or tracking URI.
+when some failed or were not run, 2 for a bad ablation file (a point the fit refuses
+included), data set or tracking URI, or a sweep of the same ablation running already.
 """
 
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
-import os
 import re
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -43,14 +45,13 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from pipeline import _sweep_runs as runs_
-from pipeline._sweep_spec import Ablation, Point, cli_value, load, parse_set
+from pipeline._proc import TAIL_BYTES, child_env, error_line, hold_lock, lock_path, sigterm_as_interrupt, stream
+from pipeline._sweep_spec import Ablation, Point, cli_value, code_version, load, parse_set
 from pipeline.errors import ConfigError
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
 FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapper that injects failures
 _OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED")
-_TAIL_BYTES = 64 * 1024
-_ECHO_LOCK = threading.Lock()
 
 
 def child_fit_command(configs, overrides: dict[str, Any], data_dir, experiment: str, parent_id: str,
@@ -74,87 +75,9 @@ def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
     return child_fit_command(abl.configs, point.overrides, point.dataset.dir, abl.experiment, parent_id, point.name)
 
 
-def child_env(tags: dict[str, str]) -> dict[str, str]:
-    """The child's environment: our tracking URI, the sweep tags (set by MLflow at run creation)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")}
-    env.update(MLFLOW_TRACKING_URI=tracking_uri(), MLFLOW_RUN_CONTEXT=json.dumps(tags), PYTHONUNBUFFERED="1")
-    return env
-
-
-def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None, prefix: str = "",
-           stop: threading.Event | None = None) -> tuple[int, str, bool]:
-    """Run `cmd`, echoing its output live; (exit status, last 64 KiB of output, timed out).
-
-    prefix: put before every echoed line (concurrent runs). stop: set by another thread to end
-    the run as a Ctrl-C would (SIGINT, then KeyboardInterrupt raised here).
-    """
-    # its own process group: a timeout ends the run's loader workers too, not only the trainer
-    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    tail = bytearray()
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def pump() -> None:
-        pending = ""
-        for chunk in iter(lambda: proc.stdout.read1(8192), b""):
-            tail.extend(chunk)
-            del tail[:-_TAIL_BYTES]
-            text = decoder.decode(chunk)
-            if prefix:  # whole lines only, so that concurrent runs do not interleave mid-line
-                pending += text.replace("\r", "\n")
-                *lines, pending = pending.split("\n")
-                text = "".join(f"{prefix}{ln}\n" for ln in lines)
-            with _ECHO_LOCK:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-        if prefix and pending:
-            with _ECHO_LOCK:
-                sys.stdout.write(f"{prefix}{pending}\n")
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    timed_out, deadline = False, None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        # poll: a SIGINT that the OS hands to the reader thread reaches the main thread only
-        # when it wakes up, and a blocking wait() would not wake before the child exits
-        while proc.poll() is None:
-            if stop is not None and stop.is_set():
-                raise KeyboardInterrupt
-            if deadline is not None and time.monotonic() > deadline:
-                timed_out = True
-                _stop(proc, signal.SIGTERM, grace_s=30)
-                break
-            time.sleep(0.2)
-    except BaseException:  # Ctrl-C: pass it on, and give the run time to record itself
-        _stop(proc, signal.SIGINT, grace_s=60)
-        raise
-    reader.join(timeout=10)
-    return proc.returncode, bytes(tail).decode("utf-8", errors="replace"), timed_out
-
-
-def _stop(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
-    """Send `sig` to the child's process group; SIGKILL it if it is still there after grace_s."""
-    try:
-        os.killpg(proc.pid, sig)
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
-
-
-def error_line(output: str) -> str:
-    lines = [ln.strip() for ln in output.replace("\r", "\n").splitlines() if ln.strip()]
-    for pattern in (r"^error: ", r"^[\w.]*(Error|Exception|Interrupt)\b"):
-        hits = [ln for ln in lines if re.match(pattern, ln)]
-        if hits:
-            return hits[-1][:500]
-    return (lines[-1] if lines else "no output")[:500]
-
-
 class Sweep:
+    lock_fds: tuple[int, ...] = ()  # the sweep's lock, inherited by every run it starts
+
     def __init__(self, abl: Ablation, args: argparse.Namespace):
         self.abl, self.args = abl, args
         mlflow.set_tracking_uri(tracking_uri())
@@ -223,6 +146,7 @@ class Sweep:
     # --- one point -----------------------------------------------------------------------
     def child_tags(self, point: Point, config_hash: str) -> dict[str, str]:
         return {"sweep.name": self.abl.name, "sweep.point": point.name, "sweep.config_hash": config_hash,
+                "sweep.code_version": code_version(),
                 "sweep.overrides": json.dumps(point.overrides, default=str)[:5000],
                 "sweep.parallel": str(self.parallel),
                 **{f"sweep.axis.{a}": label for a, label in point.labels.items()}}
@@ -251,7 +175,7 @@ class Sweep:
             self.client.log_metric(run_id, "sweep/process_wall_s", wall_s)
         if status != "OK":
             self.client.set_tag(run_id, "sweep.error", error or "")
-            self.client.log_text(run_id, output[-_TAIL_BYTES:], "sweep/output_tail.txt")
+            self.client.log_text(run_id, output[-TAIL_BYTES:], "sweep/output_tail.txt")
             if self.client.get_run(run_id).info.status in ("RUNNING", "FINISHED"):
                 self.client.set_terminated(run_id, "KILLED" if status == "KILLED" else "FAILED")
         return run_id
@@ -263,7 +187,7 @@ class Sweep:
         try:
             rc, output, timed_out = stream(cmd, child_env(self.child_tags(point, config_hash)), self.timeout_s,
                                            prefix=f"[{point.name}] " if self.parallel > 1 else "",
-                                           stop=self._stop)
+                                           stop=self._stop, pass_fds=self.lock_fds)
         except KeyboardInterrupt:  # a run that FINISHED before the signal is a result; else it is KILLED
             child = self.find_child(config_hash, known)
             done = child is not None and child.info.status == "FINISHED"
@@ -304,17 +228,37 @@ class Sweep:
         previous = self.previous()
         print(f"ablation {self.abl.name}: {len(self.abl.points)} points, parent "
               f"{self.parent.info.run_id if self.parent else '(new)'}, tracking {tracking_uri()}")
+        invalid = self.invalid_points(self.selected())
         for i, point in enumerate(self.selected()):
             digest = point.dataset.digest()
             h = self.abl.config_hash(point, digest)
             done = self.done_status(previous.get(h, []))
             data = str(point.dataset.dir) + ("" if digest else " (absent: generated first)")
-            action = f"skip ({done})" if done else "run"
+            action = f"INVALID ({invalid[point.name]})" if point.name in invalid else f"skip ({done})" if done else "run"
             print(f"[{i + 1}] {point.name}: {action}; hash {h if digest else '(after generation)'}; data {data}")
             print("    python " + " ".join(fit_command(self.abl, point, "<parent>")[1:]))
-        return 0
+        if invalid:
+            print(f"error: {len(invalid)} point(s) would be refused by `pipeline fit`: fix the ablation file",
+                  file=sys.stderr)
+        return 2 if invalid else 0
+
+    def invalid_points(self, points: list[Point]) -> dict[str, str]:
+        """Point name -> why `pipeline fit` would refuse its arguments (a value's type, a key)."""
+        from pipeline.argcheck import fit_args_error
+
+        out = {}
+        for point in points:
+            error = fit_args_error(fit_command(self.abl, point, "<parent>")[len(FIT_COMMAND):])
+            if error:
+                out[point.name] = error
+        return out
 
     def run(self) -> int:
+        invalid = self.invalid_points(self.selected())
+        if invalid:
+            name, error = next(iter(invalid.items()))
+            raise ConfigError(f"{self.abl.path}: {len(invalid)} point(s) would be refused by `pipeline fit`, "
+                              f"e.g. {name}: {error}")
         parent_id = self.open_parent()
         self._previous, self._executed, self._t_start = self.previous(), 0, time.monotonic()
         self._lock, self._stop = threading.Lock(), threading.Event()
@@ -437,20 +381,17 @@ def main(argv: list[str] | None = None) -> int:
         abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
         check_tracking(tracking_uri())
         sweep = Sweep(abl, args)
-        return sweep.plan() if args.dry_run else sweep.run()
+        if args.dry_run:
+            return sweep.plan()
+        # one sweep of an ablation at a time; its runs hold the lock too, so a sweep killed
+        # outright keeps it until they have ended
+        lock = lock_path(f"sweep-{abl.name}", tracking_uri(), abl.experiment, abl.name)
+        with hold_lock(lock, f"a sweep of {abl.name}") as held:
+            sweep.lock_fds = (held.fileno(),)
+            return sweep.run()
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-
-def sigterm_as_interrupt() -> None:
-    """`timeout`, `kill` or a batch system end a driver like Ctrl-C: the run in flight is stopped
-    (its loader workers too) and recorded KILLED, instead of living on as an orphan on the GPU."""
-
-    def handler(signum, frame) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 if __name__ == "__main__":

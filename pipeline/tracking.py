@@ -21,16 +21,16 @@ import re
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import mlflow
 import pytorch_lightning as pl
 import torch
 from mlflow.tracking import MlflowClient
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from pipeline.errors import ConfigError
+from pipeline.store import check_tracking, first_line, shown  # noqa: F401  (check_tracking: re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "jagged-rankers"
@@ -38,28 +38,6 @@ DEFAULT_EXPERIMENT = "jagged-rankers"
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
-
-
-def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
-    """Raise ConfigError, saying what to do, if runs cannot be recorded at `uri`."""
-    fix = "unset MLFLOW_TRACKING_URI to use the local sqlite database, or start the server (`make ui`)"
-    if uri.startswith(("http://", "https://")):
-        try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
-                if resp.status == 200:
-                    return
-                raise OSError(f"HTTP {resp.status}")
-        except (OSError, urllib.error.URLError) as err:
-            raise ConfigError(f"MLflow tracking server {uri} is unreachable ({err}): {fix}") from None
-    elif uri.startswith("sqlite:///"):
-        parent = Path(uri[len("sqlite:///"):]).parent
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: directory {parent} does not exist or is not writable")
-    elif uri.startswith("file:") or "://" not in uri:
-        raise ConfigError(
-            f"MLFLOW_TRACKING_URI={uri}: MLflow's file store is not supported here; "
-            f"use sqlite:///<absolute path>/mlflow.db or an http:// server"
-        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -157,6 +135,12 @@ class MLflowRun(pl.Callback):
 
     def start(self, tags: dict[str, str]) -> str:
         """Start (or resume) the run in this process; returns its id."""
+        try:
+            return self._start(tags)
+        except mlflow.exceptions.MlflowException as err:
+            raise ConfigError(f"cannot start an MLflow run at {shown(tracking_uri())}: {first_line(err)}") from None
+
+    def _start(self, tags: dict[str, str]) -> str:
         mlflow.set_tracking_uri(tracking_uri())
         if self.run_id is None:
             experiment_id = mlflow.set_experiment(self.experiment_name).experiment_id
@@ -175,11 +159,16 @@ class MLflowRun(pl.Callback):
         return self.run_id
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        # Ctrl-C, or a sweep/`timeout` passing SIGINT on: the run was stopped, it did not fail
-        status = "KILLED" if isinstance(exception, KeyboardInterrupt) else "FAILED"
+        # Ctrl-C, SIGINT from a sweep, SIGTERM from `timeout`/`kill`: stopped, not failed
+        status = "KILLED" if is_interrupt(exception) else "FAILED"
         if fail_active_run(status) is not None:
             print(f"MLflow run {self.run_id} marked {status} ({type(exception).__name__}: {exception})",
                   file=sys.stderr)
+
+
+def is_interrupt(exception: BaseException) -> bool:
+    """Ctrl-C / SIGINT (KeyboardInterrupt) or SIGTERM (Lightning's SIGTERMException)."""
+    return isinstance(exception, (KeyboardInterrupt, SIGTERMException))
 
 
 def end_run(status: str) -> None:
@@ -189,11 +178,24 @@ def end_run(status: str) -> None:
 
 
 def fail_active_run(status: str = "FAILED") -> str | None:
+    """End the active run with `status` while handling another error: a tracking store that
+    fails now too is reported in one line, not raised over the error being handled."""
     run = mlflow.active_run()
     if run is None:
         return None
-    end_run(status)
+    try:
+        end_run(status)
+    except (mlflow.exceptions.MlflowException, OSError) as err:
+        print(f"could not mark MLflow run {run.info.run_id} {status} at {shown(tracking_uri())}: "
+              f"{first_line(err)}", file=sys.stderr)
     return run.info.run_id
+
+
+def logged_steps(run_id: str) -> dict[str, int]:
+    """The last step of every metric the run holds (what a resumed run must not log again)."""
+    client = MlflowClient(tracking_uri())
+    keys = client.get_run(run_id).data.metrics
+    return {k: max((m.step for m in client.get_metric_history(run_id, k)), default=-1) for k in keys}
 
 
 def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: bool) -> None:

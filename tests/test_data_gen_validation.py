@@ -202,6 +202,18 @@ def test_missing_or_broken_meta(data):
         validate_dataset(data)
 
 
+def test_a_split_without_files_is_invalid(data, capsys):
+    """What read_split (and so training) refuses, the validation refuses too."""
+    meta = json.loads((data / "meta.json").read_text())
+    meta["splits"]["val"]["files"] = []
+    meta["digest"] = dataset_digest([f["sha256"] for s in meta["splits"].values() for f in s["files"]])
+    (data / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataValidationError, match="split 'val' has no files"):
+        read_split(data, "val")
+    assert main(["validate", str(data), "--quiet"]) == 1
+    assert "split 'val' has no files" in capsys.readouterr().err
+
+
 def test_cli_exit_codes(data, tmp_path, capsys):
     assert main(["validate", str(data)]) == 0
     row = _bad_row(data, 0)

@@ -160,3 +160,26 @@ def test_cache_false_on_the_command_line(data, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         cli_main(args)
     assert yaml.safe_load(capsys.readouterr().out)["data"]["cache"] is True
+
+
+def test_changed_cached_arrays_are_not_used(data, monkeypatch):
+    """The cache is checked against the sha256 written with it: edited labels are never trained on."""
+    ref = batches(data, cache=False)
+    batches(data, cache=True)
+    label = cache_dir(data, "train") / "label.npy"
+    flipped = 1.0 - np.load(label)  # same shape and dtype, other values
+    np.save(label, flipped)
+    reads = count_full_reads(monkeypatch)
+    assert_same(batches(data, cache=True), ref)
+    assert reads == ["train"]  # read again, and the cache rebuilt
+    assert not np.array_equal(np.load(label), flipped)
+
+
+def test_meta_json_edit_with_a_cache_gives_the_validators_message(data):
+    batches(data, cache=True)
+    meta_path = data / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["config"]["vocab_size"] = 100  # the cached item ids now lie outside the vocabulary
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(DataValidationError, match=r"item id outside the vocabulary \[0, 100\)"):
+        batches(data, cache=True)

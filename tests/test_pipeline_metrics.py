@@ -61,6 +61,16 @@ def test_auc_matches_sklearn_even_when_logits_look_like_probabilities():
     assert _feed(AUC(), small, labels) == pytest.approx(roc_auc_score(labels.numpy(), small.numpy()), abs=1e-6)
 
 
+@pytest.mark.parametrize("label", [0.0, 1.0])
+def test_auc_of_a_single_class_is_nan_and_said(label, caplog):
+    """A test split of one class has no AUC: never 0.0, which reads as a perfectly wrong ranker."""
+    auc = AUC()
+    auc.update(torch.randn(50), torch.full((50,), label))
+    with caplog.at_level("WARNING", logger="pipeline.metrics"):
+        assert math.isnan(float(auc.compute()))
+    assert "AUC is undefined on 50 examples of a single class" in caplog.text
+
+
 def test_ranking_metrics_set_and_bad_base_ctr():
     assert set(ranking_metrics(0.25)) == {"auc", "logloss", "ne", "calibration"}
     for bad in (0.0, 1.0, float("nan")):

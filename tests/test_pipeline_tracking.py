@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
+from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main, run_id_from_checkpoint
 from test_pipeline_cli import QUALITY, _free_port, all_runs, fit_args, fresh_tracking_uri, history
@@ -93,6 +94,10 @@ def test_killed_run_resumes_into_the_same_mlflow_run(tiny, uninterrupted, tmp_pa
         assert after[key].keys() == uninterrupted[key].keys(), key
         for step, value in uninterrupted[key].items():
             assert after[key][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, step)
+    client = MlflowClient(uri)
+    for key in QUALITY:  # the steps between the last checkpoint and the kill are not logged twice
+        steps = [m.step for m in client.get_metric_history(killed.info.run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))
 
 
 def _wait_for(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:

@@ -275,3 +275,94 @@ def test_sigterm_stops_the_run_in_flight_and_records_it(smoke, tmp_path):
     run = client.get_run(running[0].info.run_id)
     assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
     assert the_parent(uri).info.status == "KILLED"
+
+
+def test_the_point_hash_follows_the_code(tmp_path, monkeypatch):
+    """A point that FINISHED with other code is not "already OK": the hash covers the packages."""
+    from pipeline import _sweep_spec
+
+    for package in _sweep_spec.CODE_PACKAGES:
+        (tmp_path / package / "sub").mkdir(parents=True)
+        (tmp_path / package / "sub" / "m.py").write_text("x = 1\n")
+    first = _sweep_spec.code_version(tmp_path)
+    assert _sweep_spec.code_version(tmp_path) == first  # same files, same version
+    (tmp_path / "models" / "sub" / "m.py").write_text("x = 2\n")  # uncommitted or not: its bytes count
+    _sweep_spec.code_version.cache_clear()
+    assert _sweep_spec.code_version(tmp_path) != first
+    abl = load(ABLATIONS / "smoke.yaml", tmp_path)
+    monkeypatch.setattr(_sweep_spec, "code_version", lambda: "before")
+    before = abl.config_hash(abl.points[0], "d1")
+    monkeypatch.setattr(_sweep_spec, "code_version", lambda: "after")
+    assert abl.config_hash(abl.points[0], "d1") != before
+
+
+def test_a_grid_value_the_fit_refuses_is_not_runnable(tmp_path, monkeypatch, capsys):
+    spec = yaml.safe_load((ABLATIONS / "smoke.yaml").read_text())
+    spec["grid"] = {"model.ranker.backend": ["jagged"], "data.max_seq_len": [16, "sixteen"]}
+    path = tmp_path / "typo.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    mp = _uri_env(uri)
+    try:
+        argv = [str(path), "--data-root", str(tmp_path / "data")]
+        assert sweep.main([*argv, "--dry-run"]) == 2
+        out, err = capsys.readouterr()
+        assert "max_seq_len=16: run" in out
+        assert 'max_seq_len=sixteen: INVALID (error: Parser key "data.max_seq_len"' in out
+        assert "would be refused by `pipeline fit`" in err
+        assert sweep.main(argv) == 2  # nothing runs: not even the valid point, no data is made
+        assert "max_seq_len=sixteen" in capsys.readouterr().err
+        assert MlflowClient(uri).get_experiment_by_name("ablations") is None
+        assert not (tmp_path / "data").exists()
+    finally:
+        mp.undo()
+
+
+def _sweep_process(smoke, uri: str, *extra: str):
+    import subprocess
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
+    argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16", *extra]
+    return subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *argv], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_two_identical_sweeps_started_together_run_each_point_once(smoke, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    procs = [_sweep_process(smoke, uri) for _ in range(2)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    codes = sorted(p.returncode for p in procs)
+    assert codes in ([0, 0], [0, 2]), outs
+    if codes == [0, 2]:  # the later one found the lock; else it started after the first had ended
+        (refused,) = [o for p, o in zip(procs, outs) if p.returncode == 2]
+        assert "a sweep of smoke is running already (pid" in refused
+    kids = children(uri, the_parent(uri).info.run_id)
+    assert {k: len(v) for k, v in kids.items()} == {"backend=jagged/max_seq_len=16": 1}
+
+
+def test_a_sweep_killed_outright_takes_its_run_with_it(smoke, tmp_path):
+    """SIGKILL leaves the sweep no time to stop its run: the kernel does (the fit then records it)."""
+    import time
+
+    import psutil
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    proc = _sweep_process(smoke, uri, "--set", "trainer.limit_train_batches=100000", "--set",
+                          "trainer.max_epochs=100")
+    client, deadline, running = MlflowClient(uri), time.monotonic() + 180, []
+    while not running and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        exp = client.get_experiment_by_name("ablations")
+        if exp is not None:
+            running = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
+                       if r.data.tags.get("sweep.role") != "parent"]
+    assert running, "the training run never started"
+    training = [p for p in psutil.Process(proc.pid).children(recursive=True) if "fit" in " ".join(p.cmdline())]
+    assert training
+    proc.kill()
+    proc.communicate(timeout=60)
+    gone, alive = psutil.wait_procs(training, timeout=90)
+    for p in alive:  # do not leave an orphan behind a failing test
+        p.kill()
+    assert not alive, "the training process outlived its sweep"
+    assert client.get_run(running[0].info.run_id).info.status == "KILLED"

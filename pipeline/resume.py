@@ -1,0 +1,119 @@
+"""``fit --ckpt_path``: which checkpoints can be resumed, and only with the config they were made with.
+
+Checked before anything trains (each failure is a :class:`ConfigError`, one line, exit 2):
+
+- the file is a checkpoint written by ``pipeline fit``: a missing, empty, truncated or foreign
+  file (another program's, or one holding arbitrary Python objects, which is never unpickled)
+  is named as such, without torch.load's traceback;
+- its MLflow run is not FINISHED: a finished run was trained and tested; resuming it would
+  reopen it and log a second copy of its metrics;
+- the command asks for exactly the run's configuration: every ``model.*``, ``data.*`` and
+  ``trainer.*`` value and the seed equal the run's logged params (for a checkpoint without a
+  run: its hyper-parameters), and the data directory holds the data the run trained on (its
+  ``data_digest`` tag). A resume cannot change what is trained: Lightning would silently take
+  the model settings from the checkpoint and the rest from the command.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+from pathlib import Path
+
+import mlflow
+import torch
+from mlflow.tracking import MlflowClient
+
+from pipeline.errors import ConfigError
+from pipeline.store import first_line, shown
+from pipeline.tracking import flatten, tracking_uri
+
+COMPARED = ("model.", "data.", "trainer.", "seed_everything")
+# how a run is watched or fed, never what it computes: extra callbacks (tests stop runs this way;
+# the pipeline's own callbacks have keys of their own), the console, and loader processes (the
+# sampler hands whole batches to workers, so the batches are the same for any worker count)
+NOT_COMPARED = {"trainer.callbacks", "trainer.enable_progress_bar", "trainer.enable_model_summary",
+                "data.num_workers"}
+_MAX_SHOWN = 6
+
+
+def load_checkpoint(path: str) -> dict:
+    """The checkpoint at `path` (memory-mapped, tensors on the CPU) if `pipeline fit` wrote it."""
+    file = Path(path)
+    where = f"--ckpt_path {path}"
+    if not file.is_file():
+        raise ConfigError(f"{where}: no such checkpoint file")
+    if file.stat().st_size == 0:
+        raise ConfigError(f"{where}: the file is empty (its writer was killed or the disk was full)")
+    try:
+        ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise ConfigError(f"{where}: holds Python objects other than tensors and plain values: not a checkpoint "
+                          f"of `pipeline fit` (such files are never unpickled: that could run their code)") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        raise ConfigError(f"{where}: not a readable checkpoint, truncated or not written by torch.save "
+                          f"({first_line(err)})") from None
+    hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    if not isinstance(hparams, dict) or "ranker" not in hparams or "state_dict" not in ckpt:
+        raise ConfigError(f"{where}: not a checkpoint of `pipeline fit` (no ranker weights and hyper-parameters)")
+    return ckpt
+
+
+def checkpoint_run_id(ckpt: dict) -> str | None:
+    """The MLflow run id a checkpoint was written by (None when it has none)."""
+    return ((ckpt.get("callbacks") or {}).get("MLflowRun") or {}).get("run_id")
+
+
+def check_resume(path: str, ckpt: dict, requested: dict[str, str], data_digest: str | None) -> None:
+    """Raise ConfigError if the checkpoint's run cannot be resumed with the `requested` config
+    (flattened params, as the run logged them) on data of `data_digest`."""
+    run_id = checkpoint_run_id(ckpt)
+    if run_id is None:
+        hparams = {k: v for k, v in ckpt["hyper_parameters"].items() if k != "data_spec"}
+        recorded = _flat({"model": hparams})
+        requested = {k: v for k, v in requested.items() if k in recorded}
+        trained_on = None
+    else:
+        run = _run(run_id)
+        if run.info.status == "FINISHED":
+            raise ConfigError(f"--ckpt_path {path}: its MLflow run {run_id} is FINISHED (trained and tested): "
+                              f"resuming would reopen it and log its metrics twice; start a new fit instead")
+        recorded, trained_on = run.data.params, run.data.tags.get("data_digest")
+    diffs = differences(recorded, requested)
+    if trained_on and data_digest and trained_on != data_digest:
+        diffs.append(f"data digest {data_digest[:16]} (the run trained on {trained_on[:16]})")
+    if diffs:
+        more = f", and {len(diffs) - _MAX_SHOWN} more" if len(diffs) > _MAX_SHOWN else ""
+        raise ConfigError(f"--ckpt_path {path}: the command differs from the run it resumes: "
+                          f"{'; '.join(diffs[:_MAX_SHOWN])}{more}. Resume with the run's own config "
+                          f"(its config.yaml artifact) and data, or start a new fit")
+
+
+def differences(recorded: dict[str, str], requested: dict[str, str]) -> list[str]:
+    """'key=requested (run: recorded)' for every compared key whose values differ."""
+    keys = sorted(k for k in set(recorded) | set(requested) if k.startswith(COMPARED) and k not in NOT_COMPARED)
+    out = []
+    for key in keys:
+        have, want = recorded.get(key), requested.get(key)
+        if want is not None:
+            want = want[:6000]  # params are logged cut to MLflow's limit
+        if have != want:
+            out.append(f"{key}={_show(want)} (run: {_show(have)})")
+    return out
+
+
+def _show(value: str | None) -> str:
+    return "(absent)" if value is None else value if len(value) <= 60 else value[:57] + "..."
+
+
+def _flat(config: dict, prefix: str = "") -> dict[str, str]:
+    return flatten(json.loads(json.dumps(config)), prefix)  # tuples as lists, as in the logged params
+
+
+def _run(run_id: str):
+    try:
+        return MlflowClient(tracking_uri()).get_run(run_id)
+    except mlflow.exceptions.MlflowException as err:
+        raise ConfigError(f"cannot resume MLflow run {run_id} at {shown(tracking_uri())}: "
+                          f"{first_line(err)}") from None
