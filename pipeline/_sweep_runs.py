@@ -45,12 +45,27 @@ def quote(value: str) -> str:
 
 
 def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None = None) -> Run:
-    """A sweep's parent run by id, or by name (the newest parent of that name)."""
+    """A sweep's (or the main job's) parent run by id, or by name (the newest parent of that name).
+
+    A run id of anything else is refused with what to ask for instead: a child run names its
+    parent; a parent recorded before its grid was tagged says to rerun it."""
     if _RUN_ID.match(ref):
         try:
-            return client.get_run(ref)
+            run = client.get_run(ref)
         except mlflow.exceptions.MlflowException:
-            pass
+            run = None
+        if run is not None:
+            tags = run.data.tags
+            if tags.get("sweep.role") == "parent":
+                return run
+            if tags.get("mlflow.parentRunId"):
+                raise ConfigError(f"run {ref} ({run.info.run_name}) is not a parent run: it is one run of the "
+                                  f"parent {tags['mlflow.parentRunId']}; report that one "
+                                  f"(make report PARENT={tags['mlflow.parentRunId']})")
+            if tags.get("kind") == "main-job":
+                raise ConfigError(f"run {ref} is a main job recorded by an older version, without its grid: "
+                                  "run `make experiment` again to report it")
+            raise ConfigError(f"run {ref} ({run.info.run_name}) is not the parent run of a sweep or main job")
     ids = experiment_ids or [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(
         ids, filter_string=f"tags.mlflow.runName = {quote(ref)} and tags.`sweep.role` = 'parent'",

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import re
 import sys
 import time
@@ -33,7 +32,8 @@ from mlflow.tracking import MlflowClient
 
 from models import BACKENDS
 from pipeline.errors import ConfigError
-from pipeline._proc import sigterm_as_interrupt, stream
+from pipeline._proc import child_env, sigterm_as_interrupt, stream
+from pipeline.comparison import comparison_on_parent, parent_url
 from pipeline.sweep import child_fit_command
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
@@ -41,9 +41,10 @@ CONFIGS = REPO_ROOT / "experiments" / "configs"
 EXPERIMENT = "main-job"
 
 
-def fit_command(preset: str, backend: str, data: str, experiment: str, parent_id: str, extra: list[str]) -> list[str]:
+def fit_command(preset: str, backend: str, data: str, experiment: str, parent_id: str, extra: list[str],
+                run_name: str | None = None) -> list[str]:
     configs = [CONFIGS / name for name in ("base.yaml", f"{preset}.yaml", f"{backend}.yaml")]
-    return child_fit_command(configs, {}, data, experiment, parent_id, f"{preset}-{backend}", extra)
+    return child_fit_command(configs, {}, data, experiment, parent_id, run_name or f"{preset}-{backend}", extra)
 
 
 def child_run(client: MlflowClient, experiment_id: str, parent_id: str, backend: str):
@@ -188,15 +189,25 @@ def run(args, meta: dict) -> int:
     client = MlflowClient()
     env = environment_tags()
     t_start = time.perf_counter()
-    parent = mlflow.start_run(run_name=f"main-{args.preset}", tags={**env, "preset": args.preset, "kind": "main-job"})
+    name = f"main-{args.preset}"
+    # tagged as a sweep over the backend axis: `make report PARENT=<it>` and the comparison on it
+    grid = {"sweep.role": "parent", "sweep.name": name, "sweep.axes": json.dumps({"backend": args.backends}),
+            "sweep.report": json.dumps({"x": "backend", "series": "backend",
+                                        **({"baseline": "jagged"} if "jagged" in args.backends else {})}),
+            "sweep.description": f"dense vs sdpa vs jagged rankers, preset {args.preset}",
+            "sweep.set": json.dumps({"preset": args.preset, "extra": args.extra}),
+            "sweep.command": "python -m pipeline.experiment " + " ".join(sys.argv[1:])}
+    parent = mlflow.start_run(run_name=name, tags={**env, "preset": args.preset, "kind": "main-job", **grid})
     results, status = [], "FINISHED"
     try:
         for i, backend in enumerate(args.backends):
             print(f"\n=== [{i + 1}/{len(args.backends)}] {backend} ranker, preset {args.preset} ===", flush=True)
-            cmd = fit_command(args.preset, backend, args.data_dir, args.experiment_name, parent.info.run_id, args.extra)
+            cmd = fit_command(args.preset, backend, args.data_dir, args.experiment_name, parent.info.run_id, args.extra,
+                              run_name=f"{i + 1} {backend}")
             t0 = time.perf_counter()
             # its own process group, stopped with SIGINT (a graceful, recorded end) on Ctrl-C/SIGTERM
-            rc, _, _ = stream(cmd, {**os.environ, "PYTHONUNBUFFERED": "1"}, None)
+            tags = {"sweep.name": name, "sweep.point": f"backend={backend}", "sweep.axis.backend": backend}
+            rc, _, _ = stream(cmd, child_env(tags), None)
             wall = time.perf_counter() - t0
             run_ = child_run(client, experiment_id, parent.info.run_id, backend)
             results.append({
@@ -215,6 +226,7 @@ def run(args, meta: dict) -> int:
     md, text = report(args, results, parent, meta, env, total)
     mlflow.log_text(md, "main_job.md")
     mlflow.end_run(status)
+    compare = comparison_on_parent(client, parent.info.run_id, [r["run_id"] for r in results if r["run_id"]])
     if args.results_dir:
         table = results_file(args.results_dir, args.preset, args.data_dir, meta, env["accelerator"])
         out, why_kept = write_results(table, md, results)
@@ -222,7 +234,9 @@ def run(args, meta: dict) -> int:
     print(f"MLflow tracking URI: {tracking_uri()}")
     print(f"experiment '{args.experiment_name}' (id {experiment_id}), parent run {parent.info.run_id}")
     print("runs: " + ", ".join(f"{r['backend']}={r['run_id']}" for r in results))
-    print(f"dashboard: `make ui`, then http://127.0.0.1:5000/#/experiments/{experiment_id}/runs/{parent.info.run_id}")
+    print(f"dashboard: `make ui` (PORT=5000 unless given), then\n"
+          f"  the comparison: http://127.0.0.1:5000/{parent_url(experiment_id, parent.info.run_id)}\n"
+          f"  side by side:   http://127.0.0.1:5000/{compare}")
     if args.results_dir:
         print(f"table written to {out}" + (f"; {table} kept: {why_kept}" if why_kept else ""))
     return 0 if status == "FINISHED" else 1

@@ -35,6 +35,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline import _sweep_plots as plots
 from pipeline import _sweep_runs as runs_
+from pipeline.comparison import log_comparison
 from pipeline.errors import ConfigError
 from pipeline.tracking import REPO_ROOT, check_tracking, tracking_uri
 
@@ -308,11 +309,14 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
                         seeds=seeds),
     ]
     base, ser = spec.get("baseline"), spec.get("series")
+    rat: dict = {}
+    ratio_axes = [x, *(a for a in names if a not in (x, ser))]
     if base and ser in names and base in df[ser].to_list():
-        rat = ratios(df, [x, *(a for a in names if a not in (x, ser))], ser, base, mem)
+        rat = ratios(df, ratio_axes, ser, base, mem)
         lines += ratio_section(rat, x)
-        made.append(plots.ratio_plot(rat, x, order, f"{base} against the other {ser} values", out / "speedup.png",
-                                     baseline=base, subtitle=sub))
+        if x != ser:  # a grid over the series alone has no x to draw the ratios against
+            made.append(plots.ratio_plot(rat, x, order, f"{base} against the other {ser} values",
+                                         out / "speedup.png", baseline=base, subtitle=sub))
     lines += seeds_section(df, spec.get("seeds"), names)
     lines += targets_section(df, spec, mem)
     lines += profile_section(out_root, spec.get("profile"))
@@ -330,6 +334,9 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     if log:
         for path in [out / "report.md", out / "runs.csv", *made]:
             client.log_artifact(parent.info.run_id, str(path), artifact_path="report")
+        title = f"{parent.data.tags.get('sweep.name', parent.info.run_name)}: {parent.data.tags.get('sweep.description', '')}"
+        log_comparison(client, parent, df, names, ser if ser in names else None, rat,
+                       [a for a in ratio_axes if a != ser], (header, rows), title.strip().rstrip(":"))
     return out
 
 

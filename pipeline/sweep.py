@@ -47,6 +47,7 @@ from mlflow.tracking import MlflowClient
 from pipeline import _sweep_runs as runs_
 from pipeline._proc import TAIL_BYTES, child_env, error_line, hold_lock, lock_path, sigterm_as_interrupt, stream
 from pipeline._sweep_spec import Ablation, Point, cli_value, code_version, load, parse_set
+from pipeline.comparison import comparison_on_parent, parent_url
 from pipeline.errors import ConfigError
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
@@ -329,9 +330,12 @@ class Sweep:
         counts = {s: list(results.values()).count(s) for s in dict.fromkeys(results.values())}
         bad = any(s not in ("OK", "OOM") for s in results.values())
         self.client.set_terminated(parent_id, "KILLED" if "NOT RUN" in counts else "FAILED" if bad else "FINISHED")
+        compare = comparison_on_parent(self.client, parent_id, [r[-1] for r in rows if len(r[-1]) == 32])
         print(f"\n{runs_.text_table(header, rows)}\n")
         print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
         print(f"MLflow: {tracking_uri()}, experiment '{self.abl.experiment}', parent run {parent_id}")
+        print(f"  in `make ui`: http://127.0.0.1:5000/{parent_url(self.experiment_id, parent_id)} (the comparison), "
+              f"http://127.0.0.1:5000/{compare} (side by side)")
         print(f"report: python -m pipeline.report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
         return 1 if bad else 0
 

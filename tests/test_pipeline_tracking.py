@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,7 +12,7 @@ import pytorch_lightning as pl
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main, run_id_from_checkpoint
-from test_pipeline_cli import QUALITY, _free_port, all_runs, fit_args, fresh_tracking_uri, history
+from test_pipeline_cli import QUALITY, all_runs, fit_args, fresh_tracking_uri, history
 from test_pipeline_data import tiny_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,22 +96,9 @@ def test_killed_run_resumes_into_the_same_mlflow_run(tiny, uninterrupted, tmp_pa
         assert len(steps) == len(set(steps)), (key, sorted(steps))
 
 
-def _wait_for(url: str, proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mlflow server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
-
-
-def test_main_job_and_mlflow_server_rest_api(tiny, tmp_path, tmp_path_factory):
-    """`python -m pipeline.experiment` on tiny data, then the runs read back over REST."""
+def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_factory):
+    """`python -m pipeline.experiment` on tiny data: the table printed and written, and the parent
+    run, read back through the MLflow client, carries the comparison (metrics, table, plots)."""
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
     results = tmp_path / "results"
     cmd = [sys.executable, "-m", "pipeline.experiment", "--preset", "tiny", "--data", str(tiny),
@@ -125,39 +108,29 @@ def test_main_job_and_mlflow_server_rest_api(tiny, tmp_path, tmp_path_factory):
     proc = subprocess.run(cmd, cwd=REPO, env=_env(uri), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for text in ("backend", "test AUC", "train ex/s", "peak RSS (MB)", "wall (s)", "MLflow tracking URI", "make ui"):
+    for text in ("backend", "test AUC", "train ex/s", "peak RSS (MB)", "wall (s)", "MLflow tracking URI", "make ui",
+                 "#/compare-runs?runs="):
         assert text in out, text
     md = (results / "main_tiny_cpu.md").read_text()
     assert "| dense | FINISHED |" in md and "| jagged | FINISHED |" in md and "git commit" in md
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri, "--host", "127.0.0.1",
-         "--port", str(port), "--workers", "1"],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_for(f"{base}/health", server)
-        with urllib.request.urlopen(f"{base}/api/2.0/mlflow/experiments/get-by-name?experiment_name=main-job",
-                                    timeout=10) as resp:
-            exp_id = json.load(resp)["experiment"]["experiment_id"]
-        body = json.dumps({"experiment_ids": [exp_id], "max_results": 100}).encode()
-        req = urllib.request.Request(f"{base}/api/2.0/mlflow/runs/search", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            runs = json.load(resp)["runs"]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-    by_name = {r["info"]["run_name"]: r for r in runs}
-    assert set(by_name) == {"main-tiny", "tiny-dense", "tiny-jagged"}
-    assert all(r["info"]["status"] == "FINISHED" for r in runs)
-    child = by_name["tiny-jagged"]
-    tags = {t["key"]: t["value"] for t in child["data"]["tags"]}
-    assert tags["mlflow.parentRunId"] == by_name["main-tiny"]["info"]["run_id"] and tags["backend"] == "jagged"
-    assert "test/auc" in {m["key"] for m in child["data"]["metrics"]}
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("main-job")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert set(runs) == {"main-tiny", "1 dense", "2 jagged"}  # children sort in the order they ran
+    assert all(r.info.status == "FINISHED" for r in runs.values())
+    parent = runs["main-tiny"]
+    assert runs["2 jagged"].data.tags["mlflow.parentRunId"] == parent.info.run_id
+    m = parent.data.metrics
+    for backend in ("dense", "jagged"):
+        assert m[f"{backend}.examples_per_s"] == runs[f"{'1' if backend == 'dense' else '2'} {backend}"].data.metrics[
+            "perf/train_examples_per_s"]
+        assert 0 < m[f"{backend}.test_auc"] < 1 and m[f"{backend}.peak_rss_mb"] > 0
+    assert m["jagged_over_dense.speedup"] == pytest.approx(m["jagged.examples_per_s"] / m["dense.examples_per_s"])
+    assert m["jagged_over_dense.memory_saving"] == pytest.approx(m["dense.peak_rss_mb"] / m["jagged.peak_rss_mb"])
+    note = parent.data.tags["mlflow.note.content"]
+    assert "| dense |" in note and "| jagged |" in note and "#/compare-runs?runs=" in note
+    arts = {f.path for f in client.list_artifacts(parent.info.run_id, "comparison")}
+    assert arts == {"comparison/comparison.md", "comparison/comparison.html"}
+    report = {f.path for f in client.list_artifacts(parent.info.run_id, "report")}
+    assert {"report/report.md", "report/throughput.png", "report/memory.png"} <= report
