@@ -20,6 +20,7 @@ and 143 for SIGTERM (the run marked KILLED).
 from __future__ import annotations
 
 import errno
+import inspect
 import json
 import os
 import signal
@@ -178,17 +179,20 @@ class RankerCLI(LightningCLI):
     def _resolved(self, subcommand: str) -> tuple[str, dict]:
         """(YAML, dict) of the resolved config with plain types (what `--print_config` shows),
         without what names this invocation rather than the run (ckpt_path, mlflow.run_id)."""
-        config_yaml = self._parser(subcommand).dump(self.config[subcommand], skip_none=False)
-        params = yaml.safe_load(config_yaml)
-        params.pop("ckpt_path", None)
-        params["mlflow"].pop("run_id", None)
-        return config_yaml, params
+        return resolved_config(self._parser(subcommand), self.config[subcommand])
+
+    def _params(self, subcommand: str, params: dict) -> dict:
+        """The params a run shows: the settings that differ from the code's defaults, and the few
+        that say what ran whatever their value (the whole config is the config.yaml artifact)."""
+        parser = self._parser(subcommand)
+        defaults = flatten(resolved_config(parser, parser.get_defaults(), validate=False)[1])
+        return {k: v for k, v in flatten(params).items() if k in ALWAYS_PARAMS or defaults.get(k) != v}
 
     def _log_inputs(self) -> None:
         config_yaml, params = self._resolved(self.subcommand)
         run: MLflowRun = self._get(self.config_init, "mlflow")
         meta = Path(self.datamodule.data_dir) / "meta.json"
-        log_run_inputs(params, config_yaml, meta, resumed=run.resumed)
+        log_run_inputs(self._params(self.subcommand, params), config_yaml, meta, resumed=run.resumed)
 
     def before_fit(self) -> None:
         self._log_inputs()
@@ -203,6 +207,24 @@ class RankerCLI(LightningCLI):
         end_run("FINISHED")
 
     after_test = after_validate
+
+
+# shown as params of every run, default or not: what a reader of the runs table compares first
+ALWAYS_PARAMS = {"model.ranker.backend", "data.batch_size", "data.max_seq_len", "data.data_dir", "seed_everything",
+                 "trainer.precision", "trainer.max_epochs", "trainer.max_steps", "model.cuda_graphs"}
+
+
+def resolved_config(parser, cfg, validate: bool = True) -> tuple[str, dict]:
+    """(YAML, dict) of `cfg` with every key, None values included, without the keys that name an
+    invocation rather than a run (ckpt_path, mlflow.run_id)."""
+    kwargs = {"skip_validation": not validate}
+    # jsonargparse 4.49 renamed skip_none to skip_unset; the GPU machine's wheel is older
+    kwargs["skip_unset" if "skip_unset" in inspect.signature(parser.dump).parameters else "skip_none"] = False
+    config_yaml = parser.dump(cfg, **kwargs)
+    params = yaml.safe_load(config_yaml)
+    params.pop("ckpt_path", None)
+    params.get("mlflow", {}).pop("run_id", None)
+    return config_yaml, params
 
 
 class _RunLogger(MLFlowLogger):

@@ -8,9 +8,9 @@ Checked before anything trains (each failure is a :class:`ConfigError`, one line
 - its MLflow run is not FINISHED: a finished run was trained and tested; resuming it would
   reopen it and log a second copy of its metrics;
 - the command asks for exactly the run's configuration: every ``model.*``, ``data.*`` and
-  ``trainer.*`` value and the seed equal the run's logged params (for a checkpoint without a
-  run: its hyper-parameters), and the data directory holds the data the run trained on (its
-  ``data_digest`` tag). A resume cannot change what is trained: Lightning would silently take
+  ``trainer.*`` value and the seed equal the run's resolved config (its ``config.yaml``
+  artifact; for a checkpoint without a run: its hyper-parameters), and the data directory holds
+  the data the run trained on (its ``data_digest`` tag). A resume cannot change what is trained: Lightning would silently take
   the model settings from the checkpoint and the rest from the command.
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import mlflow
 import torch
+import yaml
 from mlflow.tracking import MlflowClient
 
 from pipeline.errors import ConfigError
@@ -79,7 +80,7 @@ def check_resume(path: str, ckpt: dict, requested: dict[str, str], data_digest: 
         if run.info.status == "FINISHED":
             raise ConfigError(f"--ckpt_path {path}: its MLflow run {run_id} is FINISHED (trained and tested): "
                               f"resuming would reopen it and log its metrics twice; start a new fit instead")
-        recorded, trained_on = run.data.params, run.data.tags.get("data_digest")
+        recorded, trained_on = recorded_config(run), run.data.tags.get("data_digest")
     diffs = differences(recorded, requested)
     if trained_on and data_digest and trained_on != data_digest:
         diffs.append(f"data digest {data_digest[:16]} (the run trained on {trained_on[:16]})")
@@ -88,6 +89,21 @@ def check_resume(path: str, ckpt: dict, requested: dict[str, str], data_digest: 
         raise ConfigError(f"--ckpt_path {path}: the command differs from the run it resumes: "
                           f"{'; '.join(diffs[:_MAX_SHOWN])}{more}. Resume with the run's own config "
                           f"(its config.yaml artifact) and data, or start a new fit")
+
+
+def recorded_config(run) -> dict[str, str]:
+    """The whole config a run trained with (its config.yaml artifact, flattened as params are),
+    or its params where that artifact is missing (params hold only the non-default settings)."""
+    try:
+        text = mlflow.artifacts.load_text(f"{run.info.artifact_uri.rstrip('/')}/config.yaml")
+        config = yaml.safe_load(text)
+    except (mlflow.exceptions.MlflowException, OSError, yaml.YAMLError):
+        return dict(run.data.params)
+    if not isinstance(config, dict):
+        return dict(run.data.params)
+    config.pop("ckpt_path", None)
+    (config.get("mlflow") or {}).pop("run_id", None)
+    return _flat(config)
 
 
 def differences(recorded: dict[str, str], requested: dict[str, str]) -> list[str]:

@@ -199,7 +199,8 @@ def logged_steps(run_id: str) -> dict[str, int]:
 
 
 def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: bool) -> None:
-    """Params and the YAML of the resolved config, and the data's meta.json, into the active run.
+    """Params (`config`, nested or flat) and the YAML of the resolved config, and the data's
+    meta.json, into the active run.
 
     A resumed run keeps its original params (MLflow forbids changing them); the config it was
     resumed with is added as ``config_resumed.yaml``.

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
@@ -88,6 +89,11 @@ def test_fit_records_the_run_and_is_seeded(tiny, tracking, tmp_path, monkeypatch
         assert tags[key]
     assert params["model.ranker.backend"] == "jagged" and params["data.max_seq_len"] == "32"
     assert params["trainer.max_epochs"] == "2" and "ckpt_path" not in params
+    # params are what was set (and the few keys that say what ran); the whole config is the artifact
+    assert "model.weight_decay" not in params and "trainer.accelerator" not in params
+    assert params["model.ranker.embed_dim"] == "32" and params["model.cuda_graphs"] == "false"
+    full = yaml.safe_load(mlflow.artifacts.load_text(f"{a.info.artifact_uri}/config.yaml"))
+    assert full["model"]["weight_decay"] == 0.01 and len(params) < 30
     for key in ("perf/train_examples_per_s", "perf/train_tokens_per_s", "perf/step_time_ms", "mem/peak_rss_mb"):
         assert metrics[key] > 0, key
     assert any(k.startswith("system/cpu") for k in metrics), "system metrics were not sampled"
