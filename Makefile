@@ -13,7 +13,7 @@ endif
 PRESET ?= small
 DATA ?= data/$(PRESET)
 ABLATION ?= seq_len
-RESULTS ?= experiments/results
+RESULTS ?=
 SUITE ?= paper
 BACKENDS ?= dense sdpa jagged
 PORT ?= 5000
@@ -60,8 +60,9 @@ data-validate: setup ## validate the PRESET data set (schema, alignment, checksu
 data-report: data ## write length/popularity plots and a summary of the PRESET data
 	$(PY) -m data_gen report $(DATA)
 
-experiment: data ## the main job: train dense, sdpa and jagged rankers and compare them in MLflow
-	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --backends $(BACKENDS) $(EXPERIMENT_ARGS)
+experiment: data ## the main job: dense, sdpa and jagged rankers compared in MLflow; table in runs/ (RESULTS=dir to choose)
+	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --backends $(BACKENDS) \
+	  $(if $(RESULTS),--results-dir $(RESULTS)) $(EXPERIMENT_ARGS)
 
 ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default; the same database as the runs)
 	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(PORT)
@@ -76,9 +77,9 @@ sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|
 experiment-%: experiments/ablations/%.yaml setup ## run the ablation %.yaml, resumable (SWEEP_ARGS="--dry-run" | "--max-runs N" | "--set k=v")
 	$(PY) -m pipeline.sweep experiments/ablations/$*.yaml $(SWEEP_ARGS)
 
-report: setup ## tables + plots of a sweep into RESULTS/<ablation>/ and its parent run (PARENT=<run id or name>)
+report: setup ## tables + plots of a sweep or main job into experiments/results/<name>/ (PARENT=<run id or name>; RESULTS=dir)
 	@test -n "$(PARENT)" || { echo "usage: make report PARENT=<sweep parent run id or name, e.g. seq_len>"; exit 2; }
-	$(PY) -m pipeline.report --parent $(PARENT) --out $(RESULTS) $(REPORT_ARGS)
+	$(PY) -m pipeline.report --parent $(PARENT) --out $(or $(RESULTS),experiments/results) $(REPORT_ARGS)
 
 reproduce: setup ## rerun one MLflow run from its logged config and data digest, compare metrics (RUN=<run id>)
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<MLflow run id> [REPRODUCE_ARGS='--rtol 5e-3']"; exit 2; }

@@ -24,22 +24,22 @@ def _config_help() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m data_gen",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m data_gen",
                                 description="Synthetic long-tail sequence data for rankers.")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a data set", epilog=_config_help())
+    g = sub.add_parser("generate", allow_abbrev=False, help="generate a data set", epilog=_config_help())
     g.add_argument("--preset", default="tiny", help=f"one of {', '.join(PRESETS)}")
     g.add_argument("--out", required=True, help="output directory")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--workers", type=int, default=None, help="processes (default: CPUs)")
     g.add_argument("--overwrite", action="store_true", help="replace a data set in --out")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
-    v = sub.add_parser("validate", help="check a data set: files, checksums, schema, values")
+    v = sub.add_parser("validate", allow_abbrev=False, help="check a data set: files, checksums, schema, values")
     v.add_argument("data_dir")
     v.add_argument("--no-digest", action="store_true", help="skip the sha256 checks")
     v.add_argument("--shallow", action="store_true", help="footers only, not the values")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
-    r = sub.add_parser("report", help="length/popularity plots and a markdown summary")
+    r = sub.add_parser("report", allow_abbrev=False, help="length/popularity plots and a markdown summary")
     r.add_argument("data_dir")
     r.add_argument("--out", default=None, help="output directory (default DATA_DIR/report)")
     return p

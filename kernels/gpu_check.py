@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--dims", default="16,24,48,64,96,128,136,200,256")

@@ -11,13 +11,23 @@ KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 @dataclass
 class RankerConfig:
-    """Architecture of :class:`models.Ranker`; sizes that come from the data are not here.
+    """The ranker's architecture (model.ranker.*); sizes that come from the data are not here.
 
-    backend: how the history is laid out and attended: ``dense`` (padded, matmul-mask-softmax),
-        ``sdpa`` (padded, ``F.scaled_dot_product_attention`` with a key-padding mask) or
-        ``jagged`` (values + offsets through ``kernels``). Same parameters, same function.
-    kernel_backend: the ``backend=`` passed to every ``kernels`` op ("auto": Triton on CUDA,
-        torch reference on CPU); "torch" forces the reference on a GPU, for debugging.
+    Args:
+        backend: how the history is laid out and attended: dense (padded, matmul-mask-softmax),
+            sdpa (padded, scaled_dot_product_attention with a key-padding mask) or jagged
+            (values + offsets through the kernels package). Same parameters, same function.
+        embed_dim: width of every embedding and of the encoder.
+        num_heads: attention heads (embed_dim must be a multiple).
+        num_layers: self-attention blocks over the history (0: none).
+        ffn_mult: hidden width of each block's feed-forward layer, in multiples of embed_dim.
+        num_age_buckets: log-spaced buckets of an item's age (one hour to ten years).
+        target_attention: the candidate attends over the encoded history.
+        interaction: the candidate-conditioned poolings of the history (jagged bmm ops).
+        pool_heads: poolings of the interaction block.
+        mlp_dims: hidden widths of the final MLP.
+        kernel_backend: the kernels' implementation: auto (Triton on CUDA, torch reference on
+            CPU), torch (the reference everywhere, for debugging) or triton.
     """
 
     backend: Literal["dense", "sdpa", "jagged"] = "jagged"

@@ -110,12 +110,14 @@ def settle_steps(durations: np.ndarray, steady_median: float, window: int = SETT
 
 
 class PerfMonitor(pl.Callback):
-    """Args:
-    warmup_steps: training steps excluded from the throughput window (per process).
-    trace_steps: ``[first, count]``: profile ``count`` steps of the real loop from process step
-        ``first`` (torch.profiler, then cProfile over the next ``count``); None: no profile.
-    trace_dir: where the profile goes (default ``<trainer.default_root_dir>/traces``); it is
-        also logged as artifacts of the run (``trace/``).
+    """Speed and memory of the run (perf.* options; the metrics: see the module docstring).
+
+    Args:
+        warmup_steps: training steps excluded from the throughput window (per process).
+        trace_steps: [first, count]: profile count steps of the real loop from process step first
+            (torch.profiler, then cProfile over the next count); null: no profile.
+        trace_dir: where the profile goes (default: <trainer.default_root_dir>/traces); also
+            logged as artifacts of the run (trace/).
     """
 
     def __init__(self, warmup_steps: int = 20, trace_steps: list[int] | None = None, trace_dir: str | None = None):

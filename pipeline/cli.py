@@ -23,6 +23,7 @@ import errno
 import inspect
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -34,6 +35,7 @@ import yaml
 from mlflow.exceptions import MlflowException
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.callbacks.progress import ProgressBar as ProgressBarBase
+from jsonargparse import ArgumentError
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -90,6 +92,10 @@ def _data_digest(data_dir: str) -> str | None:
         return None  # the data module's own check says what is wrong
 
 
+# a parse error raises (main() prints one line, not a usage dump); no abbreviated option names
+_PARSING = {"exit_on_error": False, "allow_abbrev": False}
+
+
 class RankerCLI(LightningCLI):
     def __init__(self, args=None, run: bool = True):
         super().__init__(
@@ -100,28 +106,40 @@ class RankerCLI(LightningCLI):
             auto_configure_optimizers=False,  # AdamW settings live in model.* (one way)
             args=args,
             run=run,
-            parser_kwargs={"description": __doc__.split("\n")[0]},
+            parser_kwargs={"description": __doc__.split("\n")[0], **_PARSING,
+                           **{cmd: {**_PARSING, "usage": f"python -m pipeline {cmd} [--config FILE ...] [--KEY VALUE ...]"}
+                              for cmd in ("fit", "validate", "test")}},
         )
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         return {k: v for k, v in LightningCLI.subcommands().items() if k in ("fit", "validate", "test")}
 
-    def add_arguments_to_parser(self, parser) -> None:
+    def add_core_arguments_to_parser(self, parser) -> None:
+        # the project's options first (--help lists them in this order), Lightning's Trainer last
+        parser.add_lightning_class_args(self._model_class, "model", subclass_mode=self.subclass_mode_model)
+        parser.add_lightning_class_args(self._datamodule_class, "data", subclass_mode=self.subclass_mode_data)
+        parser.add_lightning_class_args(PerfMonitor, "perf")
+        parser.add_lightning_class_args(MLflowRun, "mlflow")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True})
         parser.add_argument(
             "--torch_num_threads", type=Optional[int], default=None,
             help="intra-op CPU threads of torch (default: torch's choice); 1 is the robust choice on "
             "a small CPU shared with other work, where spinning OpenMP threads stall each other",
         )
-        parser.add_lightning_class_args(MLflowRun, "mlflow")
-        parser.add_lightning_class_args(PerfMonitor, "perf")
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults({"checkpoint.save_last": True})
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+
+    def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed_to_int)
         parser.link_arguments("data.spec", "model.data_spec", apply_on="instantiate")
 
     def parse_arguments(self, parser, args) -> None:
-        super().parse_arguments(parser, args)
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            raise ConfigError(parse_error(err, sys.argv[1:] if args is None else args)) from None
         # here, before Lightning replaces the requested model settings by a checkpoint's
         subcommand = self.config.get("subcommand")
         if subcommand:
@@ -207,6 +225,22 @@ class RankerCLI(LightningCLI):
         end_run("FINISHED")
 
     after_test = after_validate
+
+
+def parse_error(err: ArgumentError, argv: list[str]) -> str:
+    """One line for a parse error, naming the config file that holds an unknown key."""
+    text = " ".join(str(err).split())
+    bad = re.search(r"does not accept option '([^']+)'", text)
+    if bad:
+        key = bad.group(1)
+        for path in (argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"):
+            try:
+                flat = flatten(yaml.safe_load(Path(path).read_text()) or {})
+            except (OSError, yaml.YAMLError, AttributeError):
+                continue
+            if key in flat or any(k.startswith(key + ".") for k in flat):
+                text = f"{path}: unknown key '{key}' ({text})"
+    return f"{text}; `python -m pipeline fit --help` lists the options"
 
 
 # shown as params of every run, default or not: what a reader of the runs table compares first

@@ -61,17 +61,17 @@ def _columns(n_dense: int) -> list[str]:
 
 
 class RankerData(pl.LightningDataModule):
-    """Jagged batches of the train/val/test splits of a data_gen data set.
+    """Jagged batches of the train/val/test splits of a data set (data.* options).
 
     Args:
-        data_dir: a directory written by ``python -m data_gen generate`` (meta.json + splits).
+        data_dir: a directory written by python -m data_gen generate (meta.json + splits).
         batch_size: training examples per step (the last partial training batch is dropped).
         eval_batch_size: examples per validation/test batch (default: batch_size).
         max_seq_len: histories keep their most recent max_seq_len items (> 0).
         num_workers: loader worker processes (0: load in the training process).
         seed: the training order is a function of (seed, epoch) only.
         cache: reuse the decoded arrays of earlier processes (memory-mapped .npy files under
-            ``<data_dir>/.cache/``; see the module docstring), and write them after a full read.
+            <data_dir>/.cache/), and write them after a full read.
     """
 
     def __init__(
@@ -338,9 +338,9 @@ def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batche
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m pipeline.data", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.data", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="loader throughput on the training split (batches/s)")
+    b = sub.add_parser("bench", allow_abbrev=False, help="loader throughput on the training split (batches/s)")
     b.add_argument("--data", required=True, help="data directory (meta.json + splits)")
     b.add_argument("--batch-size", type=int, default=512)
     b.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))

@@ -6,8 +6,9 @@
 Each backend trains in a fresh process (``python -m pipeline fit --config base.yaml --config
 <preset>.yaml --config <backend>.yaml``, so GPU memory statistics and caches never leak from
 one to the next) as a child of one MLflow parent run. At the end: one comparison table on
-stdout, the same table as markdown in ``experiments/results/main_<preset>_<cpu|cuda>.md`` and
-as an artifact of the parent run, and where to find the runs in MLflow. Extra arguments after
+stdout, the same table as markdown in ``runs/main_<preset>_<cpu|cuda>.md`` (``--results-dir
+experiments/results`` updates the committed tables) and on the parent run with the
+comparison (:mod:`pipeline.comparison`), and where to find the runs in MLflow. Extra arguments after
 ``--`` go to every ``pipeline fit`` (e.g. ``-- --trainer.max_epochs 1``).
 
 The results file is named after the preset only for the preset's own data (``make data``:
@@ -153,13 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="python -m pipeline.experiment", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.experiment", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", help="experiments/configs/<preset>.yaml (tiny, small, paper)")
     p.add_argument("--data", default=None, help="data directory (default: data/<preset>)")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--experiment-name", default=EXPERIMENT, help="MLflow experiment")
-    p.add_argument("--results-dir", default=str(REPO_ROOT / "experiments" / "results"),
-                   help="where the markdown table goes ('' for nowhere)")
+    p.add_argument("--results-dir", default=str(REPO_ROOT / "runs"),
+                   help="where the markdown table goes (default: runs/, outside the tracked files; "
+                        "experiments/results to update the committed tables; '' for nowhere)")
     args = p.parse_args(argv)
     args.extra = extra
     args.data = args.data or f"data/{args.preset}"

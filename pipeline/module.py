@@ -47,26 +47,27 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class RankerModule(pl.LightningModule):
-    """Args:
-    ranker: the architecture (``models.RankerConfig``; ``backend`` picks dense/sdpa/jagged).
-    lr, weight_decay, betas: AdamW.
-    data_spec: sizes and training CTR of the data set; the CLI links it from ``data.spec``.
-    compile_model: run the ranker's forward through ``torch.compile(dynamic=True)`` (one graph
-        for every batch: the history length T is symbolic; the jagged kernels are opaque custom
-        ops inside it). Fuses the elementwise work around attention and cuts the per-op Python
-        overhead of a step; the first step pays the compilation. The profiler's attention
-        ranges do not survive compilation, so ``pipeline.profile`` always profiles the eager step.
-    cuda_graphs: on a CUDA device, run each training step's forward and backward as the replay
-        of a CUDA graph captured per token bucket (:mod:`pipeline.graphs`): a few microseconds
-        of host time per step instead of a few hundred kernel launches from Python. Same losses
-        and gradients as the eager step; full precision or bf16-mixed only; not with
-        compile_model. Ignored (with a warning) on CPU.
-    token_buckets: the number of token capacities (graphs) for cuda_graphs; more buckets pad
-        less (each batch runs in the smallest bucket that holds it) and capture longer.
+    """The ranker, its loss and optimizer, and the training step (model.* options).
 
-    Before the first training step on a GPU, every kernel the step uses is run once (compiled)
-    on a batch of the data's shape, so that the first steps already run at speed; the time it
-    takes is logged as ``perf/prepare_s``.
+    Before the first training step on a GPU every kernel the step uses runs once (is compiled)
+    on a batch of the data's shape, so that the first steps already run at speed; that time is
+    logged as perf/prepare_s.
+
+    Args:
+        ranker: the architecture (models.RankerConfig; ranker.backend picks dense, sdpa or jagged).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        data_spec: sizes and training CTR of the data set (linked from the data module; not set by hand).
+        compile_model: run the ranker's forward through torch.compile(dynamic=True): one graph for
+            every batch (T symbolic, the jagged kernels opaque custom ops in it); the first step
+            compiles. pipeline.profile profiles the eager step whatever this says.
+        cuda_graphs: on a CUDA device, run each training step's forward and backward as the replay
+            of a CUDA graph per token bucket (pipeline/graphs.py): microseconds of host time per
+            step instead of a few hundred kernel launches. Same losses and gradients as the eager
+            step; 32-true or bf16-mixed precision; not with compile_model; ignored on CPU.
+        token_buckets: token capacities (one graph each) for cuda_graphs; more pad less and
+            take longer to capture.
     """
 
     def __init__(

@@ -344,7 +344,7 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.profile", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.profile", description=__doc__.split("\n")[0],
                                 epilog="Any other --key value goes to the training CLI (e.g. --data.data_dir data/paper).")
     p.add_argument("--config", action="append", required=True, help="a training config (repeatable, in order)")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)

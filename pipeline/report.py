@@ -342,7 +342,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    p = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.report", description=__doc__.split("\n")[0])
     p.add_argument("--parent", required=True, help="the sweep's parent run: id or name (the ablation's name)")
     p.add_argument("--out", default=str(REPO_ROOT / "experiments" / "results"), help="results root")
     p.add_argument("--commit", default=None, help="git commit to state when the runs recorded 'unknown'")

@@ -131,7 +131,7 @@ def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    p = argparse.ArgumentParser(prog="python -m pipeline.reproduce", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.reproduce", description=__doc__.split("\n")[0])
     p.add_argument("--run", required=True, help="MLflow run id")
     p.add_argument("--data", default=None, help="data directory (default: the one in the run's config)")
     p.add_argument("--rtol", type=float, default=None,

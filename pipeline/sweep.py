@@ -354,7 +354,7 @@ class Sweep:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pipeline.sweep", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.sweep", description=__doc__.split("\n")[0])
     p.add_argument("ablation", help="experiments/ablations/<name>.yaml")
     p.add_argument("--data", default=None, help="data directory of the runs that declare no dataset of their own")
     p.add_argument("--data-root", default=str(REPO_ROOT / "data"), help="where declared datasets live / are generated")

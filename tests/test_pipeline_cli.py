@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -141,6 +142,29 @@ def test_bad_input_fails_before_training(tiny, tracking, tmp_path, monkeypatch, 
     assert exc.value.code == 2
     assert re.search(message, capsys.readouterr().err), message
     assert all_runs(tracking) == {}, "nothing may be recorded for a run that cannot start"
+
+
+def test_config_errors_are_one_line_naming_the_file(tiny, tracking, tmp_path, capsys):
+    """An abbreviated option is not taken for the full one; a bad key in a YAML file names the file;
+    either is one line on stderr (no usage dump) and exit 2."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  max_epoch: 1\n")
+    for extra, message in ((["--trainer.max_epoch", "1"], "unrecognized arguments: --trainer.max_epoch"),
+                           (["--config", str(bad)], f"{bad}: unknown key 'trainer.max_epoch'")):
+        with pytest.raises(SystemExit) as exc:
+            main(fit_args(tiny, tmp_path, *extra))
+        err = capsys.readouterr().err.strip()
+        assert exc.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert all_runs(tracking) == {}
+
+
+@pytest.mark.parametrize("module,args", [("pipeline.sweep", ["experiments/ablations/smoke.yaml", "--dry"]),
+                                         ("pipeline.report", ["--parent", "x", "--ou", "/tmp"]),
+                                         ("pipeline.experiment", ["--pre", "tiny"]),
+                                         ("data_gen", ["generate", "--preset", "tiny", "--out", "/tmp/x", "--row", "9"])])
+def test_no_command_takes_an_abbreviated_option(module, args):
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and ("unrecognized arguments" in proc.stderr or "unknown option" in proc.stderr), proc.stderr
 
 
 def test_nan_loss_fails_the_run_and_names_the_step(tiny, tracking, tmp_path, capsys):

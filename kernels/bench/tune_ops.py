@@ -209,7 +209,7 @@ def summary(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.bench.tune_ops", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m kernels.bench.tune_ops", description=__doc__.splitlines()[0])
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no new work after this")
     ap.add_argument("--ops", default=",".join(CANDIDATES), help="comma-separated")
     ap.add_argument("--densities", default="0.1,0.25,0.5,0.75")
