@@ -3,3 +3,21 @@
 Entry points: ``python -m pipeline fit ...`` (:mod:`pipeline.cli`), ``python -m pipeline.data
 bench ...`` and ``python -m pipeline.experiment ...`` (the main job, ``make experiment``).
 """
+
+import logging as _logging
+import warnings as _warnings
+
+
+class _Quiet(_logging.Filter):
+    """Lines Lightning logs on every run that tell a user nothing: an advertisement for its cloud
+    logger, and that it did not add the model summary the pipeline adds itself."""
+
+    NOISE = ("litlogger", "Skipping setting a default `ModelSummary`")
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.NOISE)
+
+
+_logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_Quiet())
+# Lightning 2.6's own use of a torch API that newer torch deprecates; nothing a user can act on
+_warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")

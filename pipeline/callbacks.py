@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import gc
 import io
+import logging
 import resource
 import sys
 import time
@@ -47,7 +48,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelSummary as LightningModelSummary
 from pytorch_lightning.callbacks import TQDMProgressBar
+from pytorch_lightning.utilities.model_summary.model_summary import _format_summary_table
 
 from pipeline.trace import LoopTrace
 
@@ -322,3 +325,17 @@ class ProgressBar(TQDMProgressBar):
         if loss is not None:
             items["loss"] = f"{float(loss):.4f}"
         return items
+
+
+class ModelSummary(LightningModelSummary):
+    """Lightning's model summary without its FLOPs column and total: Lightning counts FLOPs only
+    on an example input array, which a jagged batch is not, so they always read 0."""
+
+    @staticmethod
+    def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,
+                  total_flops=0, **summarize_kwargs) -> None:
+        columns = [(name, values) for name, values in summary_data if name != "FLOPs"]
+        table = _format_summary_table(total_parameters, trainable_parameters, model_size, total_training_modes,
+                                      0, *columns)
+        lines = [line for line in table.splitlines() if not line.rstrip().endswith("Total Flops")]
+        logging.getLogger("pytorch_lightning.callbacks.model_summary").info("\n" + "\n".join(lines))

@@ -34,13 +34,14 @@ import torch
 import yaml
 from mlflow.exceptions import MlflowException
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import ModelSummary as LightningModelSummary
 from pytorch_lightning.callbacks.progress import ProgressBar as ProgressBarBase
 from jsonargparse import ArgumentError
 from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from pipeline.callbacks import PerfMonitor, ProgressBar
+from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar
 from pipeline.data import RankerData
 from pipeline.errors import ConfigError
 from pipeline.module import RankerModule
@@ -191,7 +192,11 @@ class RankerCLI(LightningCLI):
         callbacks = list(trainer_cfg.get("callbacks") or [])
         if trainer_cfg.get("enable_progress_bar") is not False and not any(
                 isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
-            kwargs["callbacks"] = [*callbacks, ProgressBar()]
+            callbacks.append(ProgressBar())
+        if trainer_cfg.get("enable_model_summary") is not False and not any(
+                isinstance(c, LightningModelSummary) for c in callbacks):  # no FLOPs column of zeros
+            callbacks.append(ModelSummary())
+        kwargs["callbacks"] = callbacks
         return super().instantiate_trainer(logger=logger, **kwargs)
 
     def _resolved(self, subcommand: str) -> tuple[str, dict]:
