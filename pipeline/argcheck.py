@@ -12,6 +12,8 @@ import contextlib
 import io
 import warnings
 
+from jsonargparse import ArgumentError
+
 _PARSER = None  # the fit CLI's parser, built once per process (a second or so)
 
 
@@ -46,6 +48,8 @@ def fit_args_error(args: list[str]) -> str | None:
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             parser.parse_args(["fit", *args])
+    except ArgumentError as error:  # the fit parser raises its errors (exit_on_error=False)
+        return "error: " + " ".join(str(error).split())[:500]
     except SystemExit:
         lines = [ln.strip() for ln in err.getvalue().splitlines() if ln.strip()]
         found = [ln for ln in lines if ln.startswith("error:")] or lines[-1:] or ["rejected by the fit parser"]
