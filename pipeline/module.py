@@ -66,8 +66,8 @@ class RankerModule(pl.LightningModule):
             of a CUDA graph per token bucket (pipeline/graphs.py): microseconds of host time per
             step instead of a few hundred kernel launches. Same losses and gradients as the eager
             step; 32-true or bf16-mixed precision; not with compile_model; ignored on CPU.
-        token_buckets: token capacities (one graph each) for cuda_graphs; more pad less and
-            take longer to capture.
+        token_buckets: token capacities (one CUDA graph each, or on the CPU one fixed batch shape
+            each); more pad less and take longer to capture.
     """
 
     def __init__(
@@ -103,6 +103,7 @@ class RankerModule(pl.LightningModule):
         self.compile_model, self._compiled = bool(compile_model), None
         self.cuda_graphs, self.token_buckets = bool(cuda_graphs), int(token_buckets)
         self._graphs: GraphedTrainStep | None = None
+        self._cpu_buckets: list[StaticBatch] = []
         self.model = Ranker(
             ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"], n_dense=data_spec["n_dense"]
         )
@@ -135,8 +136,8 @@ class RankerModule(pl.LightningModule):
         return F.binary_cross_entropy_with_logits(self(batch), batch["label"])
 
     def _graph_loss(self, inputs: dict, label: torch.Tensor) -> torch.Tensor:
-        # the graphed forward: the bucket's extra padding example (past len(label)) is dropped
-        return F.binary_cross_entropy_with_logits(self.model(**inputs)[: label.shape[0]], label)
+        # the loss of a bucket's padded batch: its extra padding example (past len(label)) is dropped
+        return F.binary_cross_entropy_with_logits(self(inputs)[: label.shape[0]], label)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt, step = self.optimizers(), self.global_step
@@ -144,7 +145,7 @@ class RankerModule(pl.LightningModule):
             loss = self._graphs(batch)  # forward + backward replayed; gradients in .grad
         else:
             opt.zero_grad(set_to_none=True)
-            loss = self.compute_loss(batch)
+            loss = self._bucketed_loss(batch) if self._cpu_buckets else self.compute_loss(batch)
             self.manual_backward(loss)
             loss = loss.detach()
         opt.step()
@@ -161,11 +162,29 @@ class RankerModule(pl.LightningModule):
         return loss
 
     # ---- before the first step: kernels compiled, graphs captured ---------------------------
+    def _bucketed_loss(self, batch: dict) -> torch.Tensor:
+        """The eager loss on the batch padded to its token bucket (pipeline.graphs.StaticBatch)."""
+        for static in self._cpu_buckets:
+            if static.fits(batch):
+                static.fill(batch)
+                return self._graph_loss(static.inputs(), static.label)
+        return self.compute_loss(batch)  # above the largest capacity (another data set): as is
+
     def on_train_start(self) -> None:
         if self.device.type == "cuda":
             self._prepare_step()
-        elif self.cuda_graphs:
-            log.warning("model.cuda_graphs needs a CUDA device; training eagerly on %s", self.device)
+        else:
+            if self.cuda_graphs:
+                log.warning("model.cuda_graphs needs a CUDA device; training eagerly on %s", self.device)
+            # On the CPU every step runs on a batch padded to one of a few token capacities, as the
+            # graphs do on a GPU (same losses and gradients): allocations of a few fixed sizes do
+            # not fragment the C allocator's heap, which grew the process by tens of MB per
+            # hundred steps with a new activation size every step.
+            counts = self._token_counts()
+            if counts is not None and len(counts):
+                dm = self.trainer.datamodule
+                self._cpu_buckets = [StaticBatch(c, dm.batch_size, self.data_spec_n_dense, dm.max_seq_len, self.device)
+                                     for c in token_capacities(counts, self.token_buckets)]
         # what is alive now (modules, compiled kernels, data) is never traversed by the garbage
         # collector again: a full collection over it took hundreds of ms, every few hundred steps
         gc.collect()
@@ -211,11 +230,11 @@ class RankerModule(pl.LightningModule):
         exact schedule), or None when the data module cannot say."""
         dm = getattr(self.trainer, "datamodule", None)
         if dm is None or not hasattr(dm, "train_token_counts"):
-            log.warning("no RankerData data module: CUDA graphs and kernel warm-up skipped")
+            log.warning("no RankerData data module: no token buckets (CUDA graphs, fixed CPU shapes) and no warm-up")
             return None
+        # from epoch 0 whatever the epoch a resumed run starts at: the same buckets, the same numbers
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 20
-        epochs = range(self.current_epoch, min(max_epochs, self.current_epoch + 20))  # later ones: alike
-        return dm.train_token_counts(epochs)
+        return dm.train_token_counts(range(min(max_epochs, 20)))  # later epochs are alike
 
     def on_train_epoch_end(self) -> None:
         self.check_finite_loss()
