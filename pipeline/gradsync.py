@@ -113,14 +113,17 @@ class GradSync:
         params: every trainable parameter, the table included.
         manual_table: average the table here on every step, not in DDP's reducer (always so
             unless mode is dense; with dense, when CUDA graphs are configured).
+        bucket_bytes: the size of the flattened buckets of small gradients.
     """
 
-    def __init__(self, mode: str, table: nn.Parameter, params: list[nn.Parameter], manual_table: bool):
+    def __init__(self, mode: str, table: nn.Parameter, params: list[nn.Parameter], manual_table: bool,
+                 bucket_bytes: int = BUCKET_BYTES):
         if mode not in EMBEDDING_GRADS:
             raise ValueError(f"embedding_grad must be one of {EMBEDDING_GRADS}, got {mode!r}")
         self.mode, self.table = mode, table
         self.manual_table = manual_table or mode != "dense"
         self.others = [p for p in params if p is not table]
+        self.bucket_bytes = bucket_bytes
         self.sent_bytes = 0  # by this process, over `steps` synchronised steps
         self.steps = 0
 
@@ -137,7 +140,7 @@ class GradSync:
             self.table.grad, sent = allgather_sparse(self.table.grad, world)
         elif self.manual_table or all_grads:
             dense.insert(0, self.table)
-        sent += allreduce_mean([p.grad for p in dense], world) if dense else 0
+        sent += allreduce_mean([p.grad for p in dense], world, self.bucket_bytes) if dense else 0
         if not all_grads:  # what DDP's reducer sends for the rest
             reduced = self.others + ([] if self.manual_table else [self.table])
             sent += allreduce_bytes(sum(_nbytes(p) for p in reduced), world)
