@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from models import Ranker, RankerConfig
-from pipeline.dist import all_reduce
+from pipeline.dist import all_reduce, rank, world_size
 from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, GradSync
 from pipeline.graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 # torchmetrics' compute() already reduced these over every process: the max of equal values
 # keeps them exact and tells Lightning that they are synchronised (it warns otherwise)
 _SAME_EVERYWHERE = {"sync_dist": True, "reduce_fx": "max"}
+_LOSS_STATES = ("train_loss.mean_value", "train_loss.weight")  # the epoch's running loss in a checkpoint
 _MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
 
 
@@ -246,6 +247,20 @@ class RankerModule(pl.LightningModule):
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 20
         epochs = range(self.current_epoch, min(max_epochs, self.current_epoch + 20))  # later ones: alike
         return dm.train_token_counts(epochs)
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # the running loss of every process (each holds its own examples'): the file gets the
+        # global sums, as one process would have them (every process dumps, rank 0 writes)
+        if world_size() > 1:
+            state = checkpoint["state_dict"]
+            for key in _LOSS_STATES:
+                state[key] = all_reduce(state[key].clone())
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if rank() != 0:  # rank 0 carries the global sums on, the others add from zero
+            state = checkpoint["state_dict"]
+            for key in _LOSS_STATES:
+                state[key] = torch.zeros_like(state[key])
 
     def on_train_epoch_end(self) -> None:
         self.check_finite_loss()
