@@ -163,3 +163,17 @@ def test_the_item_table_is_left_to_gradsync_only_when_it_must_be():
     assert ignored["sparse"] == ignored["densify"] == ["_bad_step", "model.embed.item.weight"]
     graphs = RankerModule(RankerConfig(), data_spec=SPEC, cuda_graphs=True)._ddp_params_and_buffers_to_ignore
     assert "model.embed.item.weight" in graphs
+
+
+@pytest.mark.slow
+def test_the_bench_measures_the_bytes_it_predicts(tmp_path):
+    from pipeline.ddp_bench import main as bench_main
+
+    bench_main(["--worlds", "2", "--presets", "tiny", "--fractions", "0.05", "1.0", "--steps", "1", "--warmup", "0",
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ddp-bench-cpu.json").read_text())
+    assert {(r["kind"], r["mode"]) for r in rows} == {(k, m) for k in ("preset", "sweep") for m in EMBEDDING_GRADS}
+    for r in rows:  # Gloo's TCP sends are the ring algorithms' bytes
+        assert r["sent_measured"] == pytest.approx(r["sent_predicted"], rel=0.02), r
+    text = (tmp_path / "ddp-bench-cpu.md").read_text()
+    assert "| 2 | 0.94 |" in text and (tmp_path / "ddp-bench-crossover-cpu.png").stat().st_size > 0
