@@ -60,6 +60,9 @@ def report(data_dir: str, batch_size: int, max_seq_len: int, worlds: list[int], 
         loads = rank_tokens(lengths, batch_size, world, seed, epoch=0)
         seconds = time.perf_counter() - t0
         for name, per_rank in loads.items():
+            if len(per_rank) == 0:
+                lines.append(f"| {world} | 0 | {name} | fewer rows than one global batch |" + " - |" * 5)
+                continue
             s = summary(per_rank)
             took = f"{seconds:.2f} s" if name == "balanced" else "-"
             lines.append(f"| {world} | {len(per_rank)} | {name} | {s['mean']:.5f} | {s['p99']:.5f} | {s['worst']:.5f} "

@@ -31,6 +31,7 @@ import re
 import shlex
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -148,15 +149,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(worlds: list[int], steps: int, warmup: int, out: Path, todo: list[dict]) -> list[dict]:
+def run(worlds: list[int], steps: int, warmup: int, todo: list[dict]) -> list[dict]:
     """Measure every point for each world size (one set of processes per world size)."""
-    out.unlink(missing_ok=True)
-    for world in worlds:
-        t0 = time.perf_counter()
-        mp.start_processes(_worker, args=(world, _free_port(), todo, steps, warmup, str(out)), nprocs=world,
-                           start_method="spawn")
-        print(f"world size {world}: {time.perf_counter() - t0:.0f} s", flush=True)
-    return [json.loads(line) for line in out.read_text().splitlines()]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = Path(tmp) / "rows.jsonl"
+        for world in worlds:
+            t0 = time.perf_counter()
+            mp.start_processes(_worker, args=(world, _free_port(), todo, steps, warmup, str(rows)), nprocs=world,
+                               start_method="spawn")
+            print(f"world size {world}: {time.perf_counter() - t0:.0f} s", flush=True)
+        return [json.loads(line) for line in rows.read_text().splitlines()]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    rows = run(args.worlds, args.steps, args.warmup, out / "ddp-bench-cpu.jsonl", todo)
+    rows = run(args.worlds, args.steps, args.warmup, todo)
     command = shlex.join(["python", "-m", "pipeline.ddp_bench", *argv])
     print(write_report(rows, out, command, time.perf_counter() - t0))
 
