@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main, run_id_from_checkpoint
+from pipeline.graphs import loss_and_grads, model_inputs
 from test_pipeline_cli import QUALITY, all_runs, fit_args, fresh_tracking_uri, history
 from test_pipeline_data import tiny_data_dir
 
@@ -23,6 +25,23 @@ BUDGET = ["--trainer.max_epochs", "2", "--trainer.limit_train_batches", "4", "--
           "--trainer.limit_test_batches", "2", "--trainer.log_every_n_steps", "1", "--mlflow.system_metrics", "false",
           "--torch_num_threads", "1", "--perf.warmup_steps", "1"]
 DDP = ["--trainer.strategy", "ddp", "--trainer.accelerator", "cpu"]
+
+
+class HooklessSteps(pl.Callback):
+    """Every step as a CUDA-graph step runs on a GPU, without the graphs: forward and
+    torch.autograd.grad (no reducer hook fires), the gradients bound to .grad, then the module
+    averages all of them by hand."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+
+        def step(batch: dict):
+            loss, grads = loss_and_grads(pl_module._graph_loss, model_inputs(batch), batch["label"], params, None)
+            for p, g in zip(params, grads):
+                p.grad = g
+            return loss
+
+        pl_module._graphs = step
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +116,29 @@ def test_a_killed_ddp_run_resumes_into_the_same_run(tiny, two_processes, tmp_pat
             assert got[key][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, step)
         steps = [m.step for m in MlflowClient(uri).get_metric_history(killed.info.run_id, key)]
         assert len(steps) == len(set(steps)), (key, steps)
+
+
+@pytest.mark.slow
+def test_gradients_averaged_by_hand_train_like_ddps_reducer(tiny, two_processes, tmp_path, tmp_path_factory):
+    """cuda_graphs on a CPU trains eagerly with the item table left out of DDP's reducer; with
+    hookless steps (the graph step's path) every gradient is averaged by hand: both train the
+    reducer's run."""
+    uri0, runs = two_processes
+    want = history(uri0, runs["two"].info.run_id)
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
+    hookless = tmp_path / "hookless.yaml"
+    hookless.write_text("trainer:\n  callbacks:\n    - class_path: test_pipeline_ddp.HooklessSteps\n")
+    args = [*BUDGET, *DDP, "--trainer.devices", "2", "--data.batch_size", "32", "--model.cuda_graphs", "true"]
+    for name, extra in (("table", []), ("hookless", ["--config", str(hookless)])):
+        proc = _fit(fit_args(tiny, tmp_path / name, *args, "--mlflow.run_name", name, *extra), uri)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    for name, run in all_runs(uri).items():
+        got = history(uri, run.info.run_id)
+        for key in QUALITY:
+            assert got[key].keys() == want[key].keys(), (name, key)
+            for step, value in want[key].items():
+                assert got[key][step] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key, step)
+        assert run.data.metrics["comm/sent_mb_per_step"] == pytest.approx(runs["two"].data.metrics["comm/sent_mb_per_step"])
 
 
 @pytest.mark.slow
