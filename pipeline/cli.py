@@ -105,7 +105,7 @@ class RankerCLI(LightningCLI):
             RankerData,
             save_config_callback=None,  # the resolved config goes to MLflow instead
             seed_everything_default=0,
-            auto_configure_optimizers=False,  # AdamW settings live in model.* (one way)
+            auto_configure_optimizers=False,  # optimizer settings live in model.* (one way)
             args=args,
             run=run,
             parser_kwargs={"description": __doc__.split("\n")[0]},
