@@ -132,9 +132,6 @@ class RankerModule(pl.LightningModule):
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
         table = self.model.embed.item.weight
         self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()), manual_table=self.cuda_graphs)
-        # DDP's reducer leaves out what GradSync averages, and each process's own NaN flag
-        ignored = ["_bad_step"] + (["model.embed.item.weight"] if self.grad_sync.manual_table else [])
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, ignored)
         self.data_spec_n_dense = int(data_spec["n_dense"])
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
@@ -145,6 +142,11 @@ class RankerModule(pl.LightningModule):
         self.register_buffer("train_loss_epoch", torch.tensor(-1, dtype=torch.int64))
         # first step whose loss was not finite (-1: none); checked without a sync every step
         self.register_buffer("_bad_step", torch.tensor(-1, dtype=torch.int64), persistent=False)
+        # DDP leaves out what GradSync averages, and every buffer: constants, the epoch number
+        # (equal everywhere) and each process's own NaN flag, so no step broadcasts buffers
+        ignored = [name for name, _ in self.named_buffers()]
+        ignored += ["model.embed.item.weight"] if self.grad_sync.manual_table else []
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, ignored)
 
     def forward(self, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in _MODEL_INPUTS}
