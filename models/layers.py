@@ -17,12 +17,13 @@ class HistoryEmbedding(nn.Module):
     """Item + action + age-bucket embeddings of the history rows, summed: -> [T, D].
 
     The item table is shared with the candidate (:attr:`item`). Ages (days, >= 0) fall into
-    log-spaced buckets from one hour to ten years.
+    log-spaced buckets from one hour to ten years. ``sparse_item``: the item table's gradient is
+    a sparse tensor (the rows a batch looked up) instead of a dense ``[vocab_size, dim]`` one.
     """
 
-    def __init__(self, vocab_size: int, n_actions: int, dim: int, num_age_buckets: int):
+    def __init__(self, vocab_size: int, n_actions: int, dim: int, num_age_buckets: int, sparse_item: bool = False):
         super().__init__()
-        self.item = nn.Embedding(vocab_size, dim)
+        self.item = nn.Embedding(vocab_size, dim, sparse=sparse_item)
         self.action = nn.Embedding(n_actions, dim)
         self.age = nn.Embedding(num_age_buckets, dim)
         edges = torch.logspace(math.log10(1 / 24), math.log10(_MAX_AGE_DAYS), num_age_buckets - 1)

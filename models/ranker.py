@@ -21,13 +21,16 @@ class Ranker(nn.Module):
     dense features, log1p(length)] -> logit.
 
     The parameters do not depend on the backend: a state_dict of one loads into the others.
+    ``sparse_item_grad`` makes the item table's gradient sparse (how it is computed, not what:
+    the training loop chooses it, :mod:`pipeline.gradsync`).
     """
 
-    def __init__(self, cfg: RankerConfig, *, vocab_size: int, n_actions: int, n_dense: int):
+    def __init__(self, cfg: RankerConfig, *, vocab_size: int, n_actions: int, n_dense: int,
+                 sparse_item_grad: bool = False):
         super().__init__()
         self.cfg = cfg
         d = cfg.embed_dim
-        self.embed = HistoryEmbedding(vocab_size, n_actions, d, cfg.num_age_buckets)
+        self.embed = HistoryEmbedding(vocab_size, n_actions, d, cfg.num_age_buckets, sparse_item=sparse_item_grad)
         self.blocks = nn.ModuleList(EncoderBlock(d, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(d)
         self.target = TargetAttention(d, cfg.num_heads) if cfg.target_attention else None

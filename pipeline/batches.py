@@ -8,7 +8,9 @@ so its cost is a handful of vectorised gathers whatever the batch size.
 
 A DataLoader over :class:`BatchDataset` with ``batch_size=None`` and an
 :class:`EpochBatchSampler` hands each worker process whole index arrays; the sampler's order
-depends only on (seed, epoch), and it can skip the batches a resumed run already trained on.
+depends only on (seed, epoch, rank, world size), it splits each global batch across the ranks
+of a distributed run by tokens (:func:`balance_ranks`), and it can skip the batches a resumed
+run already trained on.
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class JaggedSplit:
             raise ValueError("inconsistent split arrays (row counts or history lengths differ)")
         return self
 
+    def lengths(self, max_seq_len: int) -> np.ndarray:
+        """History items of every row after truncation to max_seq_len: [R] int64."""
+        return np.minimum(np.diff(self.row_offsets), max_seq_len)
+
     def gather(self, idx: np.ndarray, max_seq_len: int) -> dict:
         """The batch of rows `idx` [B]: jagged histories cut to their most recent max_seq_len."""
         end = self.row_offsets[idx + 1]
@@ -114,17 +120,64 @@ class BatchDataset(Dataset):
         return self.split.gather(idx, self.max_seq_len)
 
 
-class EpochBatchSampler(Sampler):
-    """Yields index arrays of one epoch; the order is a function of (seed, epoch) only.
+def balance_ranks(lengths: np.ndarray, world_size: int) -> np.ndarray:
+    """The rank of every row of G global batches: lengths [G, n] int -> ranks [G, n] int64.
 
-    shuffle=False keeps file order (evaluation). Within a batch, indices are sorted: the same
-    examples, gathered with better memory locality. ``skip_next(n)`` makes the next epoch
-    started skip its first n batches (a resumed run continues where it stopped).
+    Greedy longest-first: the rows of each global batch, longest first, each go to the rank
+    with the fewest tokens so far among the ranks with room, a rank holding at most
+    ceil(n / world_size) rows. Every rank of a full global batch (n = world_size x batch_size)
+    gets exactly batch_size rows. While every rank has room a row goes to the lightest rank, so
+    the spread of the ranks' tokens never exceeds the row just placed, and the last rows placed
+    are the shortest: on the `paper` data the ranks end within a token of each other
+    (experiments/results/ddp-token-balance-cpu.md). Deterministic (stable sorts, lowest rank
+    first on ties), vectorised over the G batches: n steps of [G, world_size] work.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    G, n = lengths.shape
+    room = -(-n // world_size)
+    order = np.argsort(-lengths, axis=1, kind="stable")  # [G, n] longest first
+    placed = np.take_along_axis(lengths, order, axis=1)
+    load = np.zeros((G, world_size), np.int64)
+    count = np.zeros((G, world_size), np.int64)
+    ranks_sorted = np.empty((G, n), np.int64)
+    g = np.arange(G)
+    full = np.iinfo(np.int64).max
+    for i in range(n):
+        r = np.where(count < room, load, full).argmin(axis=1)  # [G] first minimum: lowest rank
+        ranks_sorted[:, i] = r
+        load[g, r] += placed[:, i]
+        count[g, r] += 1
+    ranks = np.empty_like(ranks_sorted)
+    np.put_along_axis(ranks, order, ranks_sorted, axis=1)
+    return ranks
+
+
+class EpochBatchSampler(Sampler):
+    """Yields this rank's index arrays of one epoch; a function of (seed, epoch, rank, world size).
+
+    The epoch's row order (a permutation by (seed, epoch) when shuffling, file order for
+    evaluation) is cut into global batches of ``world_size x batch_size`` consecutive rows; with
+    one process a global batch is the batch. With several, each global batch is split across
+    the ranks by :func:`balance_ranks` on ``lengths`` (the rows' history items after truncation),
+    so that every rank's batch carries nearly the same number of tokens; rank ``rank`` yields
+    its part. Every row is in exactly one rank's batch once per epoch; ``drop_last`` drops the
+    last, partial global batch, else it is split the same way, each rank getting at most
+    ceil(rows / world_size) of its rows (possibly none: an empty batch).
+
+    Within a batch, indices are sorted (when shuffling or sharding): the same examples, gathered
+    with better memory locality. ``skip_next(n)`` makes the next epoch started skip its first n
+    batches (a resumed run continues where it stopped).
     """
 
-    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int = 0):
+    def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int = 0,
+                 lengths: np.ndarray | None = None, rank: int = 0, world_size: int = 1):
+        if world_size > 1 and (lengths is None or len(lengths) != num_rows):
+            raise ValueError("a sharded sampler needs the length of every row")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.num_rows, self.batch_size = num_rows, batch_size
         self.shuffle, self.drop_last, self.seed = shuffle, drop_last, seed
+        self.lengths, self.rank, self.world_size = lengths, rank, world_size
         self.epoch = 0
         self._skip = 0
 
@@ -134,29 +187,42 @@ class EpochBatchSampler(Sampler):
     def skip_next(self, n: int) -> None:
         self._skip = n
 
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
     def __len__(self) -> int:
         if self.drop_last:
-            return self.num_rows // self.batch_size
-        return -(-self.num_rows // self.batch_size)
+            return self.num_rows // self.global_batch_size
+        return -(-self.num_rows // self.global_batch_size)
 
     def order(self, epoch: int) -> np.ndarray:
-        """The row order of an epoch (batches are its consecutive slices)."""
+        """The row order of an epoch (global batches are its consecutive slices)."""
         if self.shuffle:
             return np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
         return np.arange(self.num_rows)
 
+    def batches(self, epoch: int) -> list[np.ndarray]:
+        """This rank's index arrays of an epoch, in order (each sorted when shuffled or sharded)."""
+        order, n, gb = self.order(epoch), len(self), self.global_batch_size
+        if self.world_size == 1:
+            out = [order[b * gb: (b + 1) * gb] for b in range(n)]
+            return [np.sort(idx) for idx in out] if self.shuffle else out
+        full = min(n, self.num_rows // gb)
+        rows = order[: full * gb].reshape(full, gb)
+        mine = rows[balance_ranks(self.lengths[rows], self.world_size) == self.rank].reshape(full, self.batch_size)
+        out = list(np.sort(mine, axis=1))
+        if n > full:  # the last, partial global batch (evaluation)
+            rest = order[full * gb:]
+            ranks = balance_ranks(self.lengths[rest][None, :], self.world_size)[0]
+            out.append(np.sort(rest[ranks == self.rank]))
+        return out
+
     def batch_sums(self, values: np.ndarray, epoch: int) -> np.ndarray:
-        """sum(values[idx]) for every batch idx of an epoch, in order: e.g. its token counts."""
-        order, n = self.order(epoch), len(self)
-        full = self.num_rows // self.batch_size
-        sums = values[order[: full * self.batch_size]].reshape(full, self.batch_size).sum(axis=1)
-        if n > full:  # the last, partial batch
-            sums = np.append(sums, values[order[full * self.batch_size:]].sum())
-        return sums
+        """sum(values[idx]) for every batch idx this rank gets in an epoch: e.g. its token counts."""
+        return np.array([values[idx].sum() for idx in self.batches(epoch)], dtype=values.dtype)
 
     def __iter__(self) -> Iterator[np.ndarray]:
-        order = self.order(self.epoch)
+        batches = self.batches(self.epoch)
         skip, self._skip = self._skip, 0
-        for b in range(skip, len(self)):
-            idx = order[b * self.batch_size : (b + 1) * self.batch_size]
-            yield np.sort(idx) if self.shuffle else idx
+        yield from batches[skip:]

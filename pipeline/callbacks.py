@@ -20,6 +20,14 @@
 - ``mem/peak_rss_mb``: the process's peak resident memory (CPU and GPU machines alike).
 - an artifact ``perf/steps.csv``: one row per training step (duration, host times, sizes).
 
+In a distributed run the examples and tokens per second are global: the steady windows'
+examples and tokens summed over every process, over the longest of their windows' durations
+(one all-reduce at the end of training; the processes step together, so the windows differ by
+little). The step times and steps.csv are rank 0's; memory is the largest over the processes.
+``perf/rank_tokens_max_over_mean`` (and ``..._worst``): over the steady window's steps, the
+mean (and the largest) ratio of the most tokens any process trained in a step to the mean over
+processes: the token balance of the real batches (1.0 is perfect; a step waits for the slowest).
+
 How a step is timed. Each step leaves a mark where it starts and where it ends: on a GPU a CUDA
 event recorded on the current stream (no synchronisation: the events are read when they have
 completed, or at the end), on a CPU the host clock. A step's duration is the time from its start
@@ -52,6 +60,7 @@ from pytorch_lightning.callbacks import ModelSummary as LightningModelSummary
 from pytorch_lightning.callbacks import TQDMProgressBar
 from pytorch_lightning.utilities.model_summary.model_summary import _format_summary_table
 
+from pipeline.dist import all_gather, all_reduce, world_size
 from pipeline.trace import LoopTrace
 
 _MB = 2**20
@@ -208,6 +217,22 @@ class PerfMonitor(pl.Callback):
             out["perf/warmup_s"] = float(rows[:k, 0].sum() / 1000.0)
         return out
 
+    def global_throughput(self, device: torch.device) -> dict[str, float]:
+        """Throughput over every process and the token balance of their batches (see the module
+        docstring); every process must call it, after the same number of steps."""
+        window = self.table()[self.warmup_steps:]
+        if len(window) == 0:
+            return {}
+        sums = all_reduce(torch.tensor([window[:, 3].sum(), window[:, 4].sum()], dtype=torch.float64, device=device))
+        slowest = float(all_reduce(torch.tensor([window[:, 0].sum() / 1000.0], dtype=torch.float64, device=device),
+                                   "max"))
+        tokens = all_gather(torch.tensor(window[:, 4], dtype=torch.float64, device=device))  # [W, steps]
+        ratio = tokens.max(dim=0).values / tokens.mean(dim=0).clamp(min=1.0)
+        return {"perf/train_examples_per_s": float(sums[0]) / slowest,
+                "perf/train_tokens_per_s": float(sums[1]) / slowest,
+                "perf/rank_tokens_max_over_mean": float(ratio.mean()),
+                "perf/rank_tokens_max_over_mean_worst": float(ratio.max())}
+
     def steps_csv(self) -> str:
         buf = io.StringIO()
         buf.write("step,epoch,ms,host_step_ms,host_gap_ms,examples,tokens,in_window\n")
@@ -238,13 +263,17 @@ class PerfMonitor(pl.Callback):
         old = self._peaks.get(phase, (0, 0))
         self._peaks[phase] = (max(old[0], alloc), max(old[1], reserved))
 
-    def memory(self, phases: tuple[str, ...]) -> dict[str, float]:
+    def memory(self, phases: tuple[str, ...], device: torch.device | None = None) -> dict[str, float]:
+        """Peak memory (the largest over the processes: every process must call it then)."""
         out = {"mem/peak_rss_mb": peak_rss_mb()}
         for phase in phases:
             if phase in self._peaks:
                 alloc, reserved = self._peaks[phase]
                 out[f"mem/{phase}_peak_allocated_mb"] = alloc / _MB
                 out[f"mem/{phase}_peak_reserved_mb"] = reserved / _MB
+        if world_size() > 1:
+            peaks = all_reduce(torch.tensor(list(out.values()), dtype=torch.float64, device=device), "max")
+            out = dict(zip(out, peaks.tolist()))
         return out
 
     # --- phases ------------------------------------------------------------------------
@@ -280,7 +309,10 @@ class PerfMonitor(pl.Callback):
         if self._steps:
             self._resolve(final=True)
         self._record_peak("train", pl_module)
-        _log(trainer, {**self.throughput(), **self.memory(("train", "val"))})
+        speed = self.throughput()
+        if world_size() > 1:
+            speed.update(self.global_throughput(pl_module.device))
+        _log(trainer, {**speed, **self.memory(("train", "val"), pl_module.device)})
         if self._rows:
             log_text(trainer, self.steps_csv(), "perf/steps.csv")
 
@@ -293,7 +325,7 @@ class PerfMonitor(pl.Callback):
 
     def on_test_end(self, trainer, pl_module) -> None:
         self._record_peak("test", pl_module)
-        _log(trainer, self.memory(("test",)))
+        _log(trainer, self.memory(("test",), pl_module.device))
 
 
 def _log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:

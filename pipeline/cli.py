@@ -6,6 +6,13 @@ with three always-present callbacks configured by their own keys: ``mlflow.*``
 and ``checkpoint.*`` (Lightning's ``ModelCheckpoint``). ``fit`` also tests the final weights on
 the test split, in the same MLflow run.
 
+Several processes: ``--trainer.strategy ddp --trainer.devices N [--trainer.num_nodes M]``
+(Lightning's DDP strategy; ``--trainer.accelerator cpu`` for Gloo on CPUs). Lightning's
+launcher runs this command again for the other ranks; every rank builds the same model and
+data, and only global rank 0 checks the tracking store, creates or resumes the MLflow run
+(tagged ``world_size``) and writes to it. The data module shards the batches itself, so
+``trainer.use_distributed_sampler`` is off.
+
 Before anything trains: unknown keys and bad types fail in the parser; a bad backend,
 max_seq_len, data set (every split it reads, fully validated), tracking store, output
 directory or checkpoint raises :class:`pipeline.errors.ConfigError`, whose message is printed
@@ -30,6 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+import mlflow
 import torch
 import yaml
 from mlflow.exceptions import MlflowException
@@ -43,6 +51,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar
 from pipeline.data import RankerData
+from pipeline.dist import launch_rank_zero
 from pipeline.errors import ConfigError
 from pipeline.module import RankerModule
 from pipeline.resume import check_resume, checkpoint_run_id, load_checkpoint
@@ -104,7 +113,7 @@ class RankerCLI(LightningCLI):
             RankerData,
             save_config_callback=None,  # the resolved config goes to MLflow instead
             seed_everything_default=0,
-            auto_configure_optimizers=False,  # AdamW settings live in model.* (one way)
+            auto_configure_optimizers=False,  # optimizer settings live in model.* (one way)
             args=args,
             run=run,
             parser_kwargs={"description": __doc__.split("\n")[0], **_PARSING,
@@ -131,6 +140,8 @@ class RankerCLI(LightningCLI):
         )
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+        # the data module shards across processes itself (token-balanced): not Lightning's sampler
+        parser.set_defaults({"trainer.use_distributed_sampler": False})
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed_to_int)
@@ -147,8 +158,13 @@ class RankerCLI(LightningCLI):
             self._preflight(subcommand, self.config[subcommand])
 
     def _preflight(self, subcommand: str, cfg) -> None:
-        check_tracking(tracking_uri())
-        if subcommand == "fit":
+        if cfg.trainer.use_distributed_sampler:
+            raise ConfigError("trainer.use_distributed_sampler must stay false: the data module shards every split "
+                              "across processes itself (balanced by tokens, evaluation without repeated examples)")
+        rank_zero = launch_rank_zero()  # the only process that touches the tracking store and writes
+        if rank_zero:
+            check_tracking(tracking_uri())
+        if subcommand == "fit" and rank_zero:
             check_writable("--trainer.default_root_dir", cfg.trainer.default_root_dir)
             if cfg.checkpoint.dirpath:
                 check_writable("--checkpoint.dirpath", cfg.checkpoint.dirpath)
@@ -158,7 +174,7 @@ class RankerCLI(LightningCLI):
         stored, given = checkpoint_run_id(ckpt), cfg.mlflow.run_id
         if stored and given and stored != given:
             raise ConfigError(f"--mlflow.run_id {given} differs from the run {stored} stored in {cfg.ckpt_path}")
-        if subcommand == "fit":
+        if subcommand == "fit" and rank_zero:
             params = flatten(self._resolved(subcommand)[1])
             check_resume(cfg.ckpt_path, ckpt, params, _data_digest(cfg.data.data_dir))
         cfg.mlflow.run_id = given or stored
@@ -169,11 +185,20 @@ class RankerCLI(LightningCLI):
             if cfg.torch_num_threads <= 0:
                 raise ConfigError(f"torch_num_threads must be > 0, got {cfg.torch_num_threads}")
             torch.set_num_threads(cfg.torch_num_threads)
+            # else Lightning's DDP launcher sets every process to cores / processes threads
+            os.environ["OMP_NUM_THREADS"] = str(cfg.torch_num_threads)
 
     def instantiate_trainer(self, **kwargs):
         cfg = self.config[self.subcommand]
         run: MLflowRun = self._get(self.config_init, "mlflow")
         self.datamodule.load_splits(self.subcommand)  # fully validated before a run is recorded
+        trainer_cfg = self._get(self.config_init, "trainer", default={})
+        callbacks = list(trainer_cfg.get("callbacks") or [])
+        if trainer_cfg.get("enable_progress_bar") is not False and not any(
+                isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
+            kwargs["callbacks"] = [*callbacks, ProgressBar()]
+        if not launch_rank_zero():
+            return super().instantiate_trainer(logger=False, **kwargs)
         if run.run_name is None:
             run.run_name = f"{cfg.model.ranker.backend}-L{cfg.data.max_seq_len}"
         tags = {
@@ -197,7 +222,9 @@ class RankerCLI(LightningCLI):
                 isinstance(c, LightningModelSummary) for c in callbacks):  # no FLOPs column of zeros
             callbacks.append(ModelSummary())
         kwargs["callbacks"] = callbacks
-        return super().instantiate_trainer(logger=logger, **kwargs)
+        trainer = super().instantiate_trainer(logger=logger, **kwargs)
+        mlflow.set_tag("world_size", str(trainer.world_size))
+        return trainer
 
     def _resolved(self, subcommand: str) -> tuple[str, dict]:
         """(YAML, dict) of the resolved config with plain types (what `--print_config` shows),
@@ -218,7 +245,8 @@ class RankerCLI(LightningCLI):
         log_run_inputs(self._params(self.subcommand, params), config_yaml, meta, resumed=run.resumed)
 
     def before_fit(self) -> None:
-        self._log_inputs()
+        if launch_rank_zero():
+            self._log_inputs()
 
     def after_fit(self) -> None:
         self.trainer.test(self.model, datamodule=self.datamodule)

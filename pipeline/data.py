@@ -65,11 +65,15 @@ class RankerData(pl.LightningDataModule):
 
     Args:
         data_dir: a directory written by python -m data_gen generate (meta.json + splits).
-        batch_size: training examples per step (the last partial training batch is dropped).
-        eval_batch_size: examples per validation/test batch (default: batch_size).
+        batch_size: training examples per step and process (the last partial training batch
+            is dropped). In a distributed run every step trains a global batch of world size x
+            batch_size rows, split across the ranks by tokens.
+        eval_batch_size: examples per validation/test batch and process (default: batch_size);
+            evaluation is split the same way, without padding: every example counted once.
         max_seq_len: histories keep their most recent max_seq_len items (> 0).
         num_workers: loader worker processes (0: load in the training process).
-        seed: the training order is a function of (seed, epoch) only.
+        seed: the training order is a function of (seed, epoch) only; each rank's share of it
+            a function of (seed, epoch, rank, world size).
         cache: reuse the decoded arrays of earlier processes (memory-mapped .npy files under
             <data_dir>/.cache/), and write them after a full read.
     """
@@ -122,14 +126,18 @@ class RankerData(pl.LightningDataModule):
 
     def _sampler(self, split: str, batch_size: int, train: bool) -> EpochBatchSampler:
         data = self._splits[split]
-        return EpochBatchSampler(data.num_rows, batch_size, shuffle=train, drop_last=train, seed=self.seed)
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        lengths = data.lengths(self.max_seq_len) if world > 1 else None
+        return EpochBatchSampler(data.num_rows, batch_size, shuffle=train, drop_last=train, seed=self.seed,
+                                 lengths=lengths, rank=rank, world_size=world)
 
     def train_token_counts(self, epochs) -> np.ndarray:
-        """History items (after truncation to max_seq_len) of every training batch of `epochs`
-        (an iterable of epoch numbers), in training order: exact, from the sampler's order."""
+        """History items (after truncation to max_seq_len) of every training batch of this
+        process in `epochs` (an iterable of epoch numbers), in training order: exact, from the
+        sampler's order."""
         self.setup("fit")
-        data = self._splits["train"]
-        lengths = np.minimum(np.diff(data.row_offsets), self.max_seq_len)
+        lengths = self._splits["train"].lengths(self.max_seq_len)
         sampler = self._sampler("train", self.batch_size, train=True)
         return np.concatenate([sampler.batch_sums(lengths, e) for e in epochs] or [np.zeros(0, np.int64)])
 
@@ -137,7 +145,9 @@ class RankerData(pl.LightningDataModule):
         data = self._splits[split]
         sampler = self._sampler(split, batch_size, train)
         if len(sampler) == 0:
-            raise ConfigError(f"the {split} split has {data.num_rows} rows: fewer than one batch of {batch_size}")
+            ranks = f" x {sampler.world_size} processes" if sampler.world_size > 1 else ""
+            raise ConfigError(f"the {split} split has {data.num_rows} rows: fewer than one batch of "
+                              f"{batch_size}{ranks}")
         return DataLoader(
             BatchDataset(data, self.max_seq_len),
             sampler=sampler,

@@ -89,7 +89,9 @@ class AUC(BinaryAUROC):
         super().update(torch.sigmoid(logits.float()), target.long())
 
     def compute(self) -> torch.Tensor:
-        target = dim_zero_cat(self.target) if self.target else torch.zeros(0)
+        target = self.target  # a list of batches; one tensor once synchronised across processes
+        if isinstance(target, list):
+            target = dim_zero_cat(target) if target else torch.zeros(0)
         positives, n = int(target.sum()), target.numel()
         if 0 < positives < n:
             return super().compute()

@@ -3,6 +3,12 @@
 Logged names (MLflow metric keys): ``train/loss_step``, ``train/loss_epoch``,
 ``{val,test}/{auc,logloss,ne,calibration}``. NE is normalised by the entropy of the TRAINING
 CTR (``data_spec["train_ctr"]``) for every split.
+
+In a distributed run (Lightning's DDP strategy) every value is global: the training losses are
+means over all processes' examples, and the evaluation metrics are computed from the states of
+every process (torchmetrics' reductions: sums, and for AUC every prediction gathered), each
+evaluation example counted once (the data module shards evaluation without padding).
+``comm/sent_mb_per_step`` says what each process sent for gradients (:mod:`pipeline.gradsync`).
 """
 
 from __future__ import annotations
@@ -11,21 +17,30 @@ import gc
 import logging
 import time
 from dataclasses import asdict
+from typing import Literal
 
 import numpy as np
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from models import Ranker, RankerConfig
+from pipeline.dist import all_reduce, rank, world_size
 from pipeline.errors import ConfigError
+from pipeline.gradsync import EMBEDDING_GRADS, GradSync
 from pipeline.graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
+from pipeline.optim import OPTIMIZERS, build_optimizer
 
 log = logging.getLogger(__name__)
 
+# torchmetrics' compute() already reduced these over every process: the max of equal values
+# keeps them exact and tells Lightning that they are synchronised (it warns otherwise)
+_SAME_EVERYWHERE = {"sync_dist": True, "reduce_fx": "max"}
+_LOSS_STATES = ("train_loss.mean_value", "train_loss.weight")  # the epoch's running loss in a checkpoint
 _MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
 
 
@@ -55,9 +70,9 @@ class RankerModule(pl.LightningModule):
 
     Args:
         ranker: the architecture (models.RankerConfig; ranker.backend picks dense, sdpa or jagged).
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
+        lr: the optimizer's learning rate.
+        weight_decay: the optimizer's weight decay.
+        betas: AdamW's betas.
         data_spec: sizes and training CTR of the data set (linked from the data module; not set by hand).
         compile_model: run the ranker's forward through torch.compile(dynamic=True): one graph for
             every batch (T symbolic, the jagged kernels opaque custom ops in it); the first step
@@ -65,9 +80,16 @@ class RankerModule(pl.LightningModule):
         cuda_graphs: on a CUDA device, run each training step's forward and backward as the replay
             of a CUDA graph per token bucket (pipeline/graphs.py): microseconds of host time per
             step instead of a few hundred kernel launches. Same losses and gradients as the eager
-            step; 32-true or bf16-mixed precision; not with compile_model; ignored on CPU.
+            step; 32-true or bf16-mixed precision; not with compile_model; dense embedding
+            gradients only; ignored on CPU. Under DDP the replayed gradients are averaged by one
+            bucketed all-reduce outside the graph.
         token_buckets: token capacities (one CUDA graph each, or on the CPU one fixed batch shape
             each); more pad less and take longer to capture.
+        optimizer: adamw (default), sgd or adagrad (pipeline/optim.py; sgd and adagrad treat the
+            three embedding_grad modes alike, AdamW cannot: that module says why).
+        embedding_grad: the item table's gradient: dense (default), sparse or densify
+            (pipeline/gradsync.py: how it is computed and averaged over processes); sparse needs
+            sgd or adagrad. Same function and, with sgd or adagrad, the same training.
     """
 
     def __init__(
@@ -80,6 +102,8 @@ class RankerModule(pl.LightningModule):
         compile_model: bool = False,
         cuda_graphs: bool = False,
         token_buckets: int = 4,
+        optimizer: Literal["adamw", "sgd", "adagrad"] = "adamw",
+        embedding_grad: Literal["dense", "sparse", "densify"] = "dense",
     ):
         super().__init__()
         if data_spec is None:
@@ -90,11 +114,13 @@ class RankerModule(pl.LightningModule):
             raise ConfigError("model.cuda_graphs and model.compile_model exclude each other: choose one")
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
+        _check_gradients(optimizer, embedding_grad, cuda_graphs)
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True)
         self.save_hyperparameters(
             {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
              "data_spec": dict(data_spec), "compile_model": bool(compile_model),
-             "cuda_graphs": bool(cuda_graphs), "token_buckets": int(token_buckets)},
+             "cuda_graphs": bool(cuda_graphs), "token_buckets": int(token_buckets), "optimizer": optimizer,
+             "embedding_grad": embedding_grad},
             logger=False,
         )
         # the step is written out (forward, backward, optimizer step) so that it can be a graph replay
@@ -104,9 +130,11 @@ class RankerModule(pl.LightningModule):
         self.cuda_graphs, self.token_buckets = bool(cuda_graphs), int(token_buckets)
         self._graphs: GraphedTrainStep | None = None
         self._cpu_buckets: list[StaticBatch] = []
-        self.model = Ranker(
-            ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"], n_dense=data_spec["n_dense"]
-        )
+        self.optimizer_name = optimizer
+        self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
+                            n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
+        table = self.model.embed.item.weight
+        self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()), manual_table=self.cuda_graphs)
         self.data_spec_n_dense = int(data_spec["n_dense"])
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
@@ -117,6 +145,11 @@ class RankerModule(pl.LightningModule):
         self.register_buffer("train_loss_epoch", torch.tensor(-1, dtype=torch.int64))
         # first step whose loss was not finite (-1: none); checked without a sync every step
         self.register_buffer("_bad_step", torch.tensor(-1, dtype=torch.int64), persistent=False)
+        # DDP leaves out what GradSync averages, and every buffer: constants, the epoch number
+        # (equal everywhere) and each process's own NaN flag, so no step broadcasts buffers
+        ignored = [name for name, _ in self.named_buffers()]
+        ignored += ["model.embed.item.weight"] if self.grad_sync.manual_table else []
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, ignored)
 
     def forward(self, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in _MODEL_INPUTS}
@@ -148,6 +181,7 @@ class RankerModule(pl.LightningModule):
             loss = self._bucketed_loss(batch) if self._cpu_buckets else self.compute_loss(batch)
             self.manual_backward(loss)
             loss = loss.detach()
+        self.grad_sync(all_grads=self._graphs is not None)
         opt.step()
         bad = ~torch.isfinite(loss)
         self._bad_step.copy_(torch.where(bad & (self._bad_step < 0), step, self._bad_step))
@@ -157,7 +191,7 @@ class RankerModule(pl.LightningModule):
         # progress bar (prog_bar=True) is read after every step, a device sync that would
         # serialise the host and the GPU. The bar shows the loss through callbacks.ProgressBar.
         if self.global_step % self.trainer.log_every_n_steps == 0:
-            self.log("train/loss_step", loss, on_step=True)
+            self.log("train/loss_step", loss, on_step=True, sync_dist=True)  # the mean over processes
             self.check_finite_loss()
         return loss
 
@@ -171,6 +205,7 @@ class RankerModule(pl.LightningModule):
         return self.compute_loss(batch)  # above the largest capacity (another data set): as is
 
     def on_train_start(self) -> None:
+        self.grad_sync.broadcast()
         if self.device.type == "cuda":
             self._prepare_step()
         else:
@@ -236,12 +271,34 @@ class RankerModule(pl.LightningModule):
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 20
         return dm.train_token_counts(range(min(max_epochs, 20)))  # later epochs are alike
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # the running loss of every process (each holds its own examples'): the file gets the
+        # global sums, as one process would have them (every process dumps, rank 0 writes)
+        if world_size() > 1:
+            state = checkpoint["state_dict"]
+            for key in _LOSS_STATES:
+                state[key] = all_reduce(state[key].clone())
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if rank() != 0:  # rank 0 carries the global sums on, the others add from zero
+            state = checkpoint["state_dict"]
+            for key in _LOSS_STATES:
+                state[key] = torch.zeros_like(state[key])
+
     def on_train_epoch_end(self) -> None:
         self.check_finite_loss()
-        self.log("train/loss_epoch", self.train_loss.compute(), on_step=False, on_epoch=True)
+        self.log("train/loss_epoch", self.train_loss.compute(), on_step=False, on_epoch=True, **_SAME_EVERYWHERE)
+
+    def on_train_end(self) -> None:
+        comm = self.grad_sync.metrics()
+        for logger in self.trainer.loggers if comm else ():
+            logger.log_metrics(comm, step=self.global_step)
 
     def check_finite_loss(self) -> None:
-        step = int(self._bad_step)
+        # the first bad step of any process (every process checks at the same steps)
+        none = torch.iinfo(torch.int64).max
+        first = all_reduce(torch.where(self._bad_step < 0, none, self._bad_step), "min")
+        step = -1 if int(first) == none else int(first)
         if step >= 0:
             raise NonFiniteLossError(
                 f"training loss is NaN/inf at step {step} (global step, 0-based): lower model.lr, "
@@ -249,12 +306,15 @@ class RankerModule(pl.LightningModule):
             )
 
     def _eval_step(self, metrics: nn.ModuleDict, batch: dict) -> None:
+        if batch["label"].numel() == 0:  # this process's share of a last, short evaluation batch
+            return
         logits = self(batch)
         for metric in metrics.values():
             metric.update(logits, batch["label"])
 
     def _log_eval(self, metrics: nn.ModuleDict, prefix: str) -> None:
-        self.log_dict({f"{prefix}/{name}": m.compute() for name, m in metrics.items()}, prog_bar=False)
+        self.log_dict({f"{prefix}/{name}": m.compute() for name, m in metrics.items()}, prog_bar=False,
+                      **_SAME_EVERYWHERE)
         for m in metrics.values():
             m.reset()
 
@@ -271,11 +331,24 @@ class RankerModule(pl.LightningModule):
         self._log_eval(self.test_metrics, "test")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # fused on CUDA: one kernel pass over every parameter instead of a dozen foreach passes
-        # (the 1M-row item table alone is 128M parameters at the paper preset)
+        # fused AdamW on CUDA: one kernel pass over every parameter instead of a dozen foreach
+        # passes (the 1M-row item table alone is 128M parameters at the paper preset)
         fused = self.device.type == "cuda" or None
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, betas=self.betas,
-                                 fused=fused)
+        return build_optimizer(self.optimizer_name, list(self.parameters()), self.model.embed.item.weight, lr=self.lr,
+                               weight_decay=self.weight_decay, betas=self.betas, fused=fused)
+
+
+def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool) -> None:
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if embedding_grad not in EMBEDDING_GRADS:
+        raise ConfigError(f"model.embedding_grad must be one of {', '.join(EMBEDDING_GRADS)}, got {embedding_grad!r}")
+    if embedding_grad == "sparse" and optimizer == "adamw":
+        raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd or adagrad: AdamW has no "
+                          "sparse-gradient path (pipeline/optim.py says why SparseAdam is not a substitute)")
+    if embedding_grad != "dense" and cuda_graphs:
+        raise ConfigError(f"model.embedding_grad {embedding_grad} and model.cuda_graphs exclude each other: "
+                          "a graph replays fixed shapes, a sparse gradient's size changes every step")
 
 
 def _autocast_dtype(precision) -> torch.dtype | None:

@@ -101,11 +101,13 @@ def _sync(device: torch.device) -> None:
 
 
 def train_step(module, opt, batch: dict, amp, device) -> None:
-    """One eager step as training runs it: forward + loss, backward, AdamW step."""
+    """One eager step as training runs it: forward + loss, backward, the gradients as the
+    optimizer takes them (``model.embedding_grad``), optimizer step."""
     opt.zero_grad(set_to_none=True)
     with amp:
         loss = module.compute_loss(batch)
     loss.backward()
+    module.grad_sync(all_grads=False)
     opt.step()
 
 

@@ -32,10 +32,12 @@ from pipeline.tracking import flatten, tracking_uri
 
 COMPARED = ("model.", "data.", "trainer.", "seed_everything")
 # how a run is watched or fed, never what it computes: extra callbacks (tests stop runs this way;
-# the pipeline's own callbacks have keys of their own), the console, and loader processes (the
-# sampler hands whole batches to workers, so the batches are the same for any worker count)
+# the pipeline's own callbacks have keys of their own), the console, loader processes (the
+# sampler hands whole batches to workers, so the batches are the same for any worker count), and
+# Lightning's distributed sampler (always off: the data module shards batches itself; runs made
+# before it was turned off logged it on, to no effect in one process)
 NOT_COMPARED = {"trainer.callbacks", "trainer.enable_progress_bar", "trainer.enable_model_summary",
-                "data.num_workers"}
+                "data.num_workers", "trainer.use_distributed_sampler"}
 _MAX_SHOWN = 6
 
 

@@ -1,0 +1,50 @@
+"""The few torch.distributed calls the pipeline makes itself, each a no-op in one process.
+
+Lightning's DDP strategy starts the processes and the process group (``--trainer.strategy ddp``);
+these helpers only read it. :func:`launch_rank_zero` answers "is this global rank 0?" before any
+trainer exists: Lightning's launcher re-executes the command line for the other local ranks
+with ``LOCAL_RANK`` set, and the processes of further nodes carry ``NODE_RANK`` (or a cluster's
+``RANK``), so the CLI can keep everything that must happen once (the MLflow run, the tracking
+store's checks) on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def launch_rank_zero() -> bool:
+    """True in the process that will be global rank 0 (or that runs alone), from the environment."""
+    if "RANK" in os.environ:  # torchrun and similar launchers
+        return int(os.environ["RANK"]) == 0
+    return int(os.environ.get("NODE_RANK", 0)) == 0 and int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
+def world_size() -> int:
+    """Processes in the default process group (1 without one)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def all_reduce(values: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`values` reduced over every process, in place (`op`: sum, max or min); unchanged alone."""
+    if world_size() > 1:
+        dist.all_reduce(values, op=_OPS[op])
+    return values
+
+
+def all_gather(values: torch.Tensor) -> torch.Tensor:
+    """[world size, *values.shape]: every process's `values` (same shape on every process)."""
+    if world_size() == 1:
+        return values[None]
+    out = [torch.empty_like(values) for _ in range(world_size())]
+    dist.all_gather(out, values.contiguous())
+    return torch.stack(out)

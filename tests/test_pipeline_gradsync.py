@@ -1,0 +1,180 @@
+"""Gradients and metrics across processes: the embedding-gradient modes, the all-reduce done by
+hand (the CUDA-graph step's, run here without graphs), and evaluation metrics over two Gloo
+processes, each against one process on the same global batch / the same predictions."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from models import Ranker, RankerConfig
+from pipeline.batches import EpochBatchSampler
+from pipeline.data import load_split
+from pipeline.errors import ConfigError
+from pipeline.gradsync import EMBEDDING_GRADS, GradSync
+from pipeline.metrics import ranking_metrics
+from pipeline.module import RankerModule
+from pipeline.optim import build_optimizer
+from test_pipeline_data import tiny_data_dir
+
+WORLD, BATCH, MAX_SEQ_LEN = 2, 24, 16
+CFG = RankerConfig(backend="jagged", embed_dim=32, num_heads=2, num_layers=1, pool_heads=2, mlp_dims=[16])
+SPEC = {"vocab_size": 20_000, "n_actions": 4, "n_dense": 4, "train_ctr": 0.2}
+
+
+def _ranker(mode: str) -> Ranker:
+    torch.manual_seed(7)  # the same weights in every process and mode
+    return Ranker(CFG, vocab_size=SPEC["vocab_size"], n_actions=SPEC["n_actions"], n_dense=SPEC["n_dense"],
+                  sparse_item_grad=mode != "dense").double()
+
+
+def _loss(model: Ranker, batch: dict) -> torch.Tensor:
+    keys = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
+    inputs = {k: batch[k].double() if k in ("hist_age", "dense") else batch[k] for k in keys}
+    return F.binary_cross_entropy_with_logits(model(**inputs), batch["label"].double())
+
+
+def _grads(model: Ranker) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.to_dense() if p.grad.is_sparse else p.grad).clone() for n, p in model.named_parameters()}
+
+
+def _batches(data_dir: str, rank: int, world: int) -> list[dict]:
+    """The first two training batches of `rank` (world > 1: its shares of the global batches)."""
+    split = load_split(data_dir, "train", SPEC["n_dense"], cache=False)
+    sampler = EpochBatchSampler(split.num_rows, BATCH * WORLD // world, shuffle=True, drop_last=True, seed=3,
+                                lengths=split.lengths(MAX_SEQ_LEN), rank=rank, world_size=world)
+    return [split.gather(idx, MAX_SEQ_LEN) for idx in sampler.batches(0)[:2]]
+
+
+def _worker(rank: int, port: int, data_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        batch = _batches(data_dir, rank, WORLD)[0]
+        result = {"grads": {}, "sent": {}}
+        for mode in EMBEDDING_GRADS:
+            model = _ranker(mode)
+            _loss(model, batch).backward()
+            params = list(model.parameters())
+            sync = GradSync(mode, model.embed.item.weight, params, manual_table=True, bucket_bytes=64 * 2**10)
+            sync(all_grads=True)  # what a CUDA-graph step runs after its replay
+            result["grads"][mode], result["sent"][mode] = _grads(model), sync.sent_bytes
+        rng = np.random.default_rng(11)  # the same predictions in every process; each updates its part
+        logits, labels = torch.tensor(rng.normal(size=301)), torch.tensor(rng.integers(0, 2, 301)).double()
+        part = slice(0, 180) if rank == 0 else slice(180, 301)  # uneven shares, as the sampler may give
+        metrics = ranking_metrics(SPEC["train_ctr"])
+        for m in metrics.values():
+            m.update(logits[part][:100], labels[part][:100])
+            m.update(logits[part][100:], labels[part][100:])
+        result["metrics"] = {k: float(m.compute()) for k, m in metrics.items()}
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_data_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("ranks")
+    mp.start_processes(_worker, args=(_free_port(), str(tiny), str(out)), nprocs=WORLD, start_method="spawn")
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_every_mode_averages_to_the_one_process_gradient_of_the_global_batch(tiny, two_ranks):
+    model = _ranker("dense")
+    _loss(model, _batches(str(tiny), 0, 1)[0]).backward()  # one process, the whole global batch
+    want = _grads(model)
+    for mode in EMBEDDING_GRADS:
+        for rank, result in enumerate(two_ranks):
+            got = result["grads"][mode]
+            for name, g in want.items():
+                torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12, msg=f"{mode} rank {rank} {name}")
+    sent = two_ranks[0]["sent"]
+    assert sent["dense"] == sent["densify"] and 0 < sent["sparse"] < sent["dense"]
+
+
+@pytest.mark.slow
+def test_metrics_over_both_ranks_are_the_one_process_metrics(two_ranks):
+    rng = np.random.default_rng(11)
+    logits, labels = torch.tensor(rng.normal(size=301)), torch.tensor(rng.integers(0, 2, 301)).double()
+    metrics = ranking_metrics(SPEC["train_ctr"])
+    for m in metrics.values():
+        m.update(logits, labels)
+    want = {k: float(m.compute()) for k, m in metrics.items()}
+    for result in two_ranks:
+        assert result["metrics"] == pytest.approx(want, rel=1e-12), json.dumps(result["metrics"])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
+    batches = _batches(str(tiny), 0, 1)
+    weights = {}
+    for mode in EMBEDDING_GRADS:
+        model = _ranker(mode)
+        table = model.embed.item.weight
+        opt = build_optimizer(optimizer, list(model.parameters()), table, lr=0.05, weight_decay=0.01,
+                              betas=(0.9, 0.98), fused=None)
+        sync = GradSync(mode, table, list(model.parameters()), manual_table=False)
+        for batch in batches:
+            opt.zero_grad(set_to_none=True)
+            _loss(model, batch).backward()
+            sync(all_grads=False)
+            assert table.grad.is_sparse == (mode == "sparse")
+            opt.step()
+        weights[mode] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for mode in ("sparse", "densify"):
+        for name, w in weights["dense"].items():
+            torch.testing.assert_close(weights[mode][name], w, rtol=1e-10, atol=1e-12, msg=f"{mode} {name}")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"embedding_grad": "sparse"}, "needs model.optimizer sgd or adagrad"),
+    ({"embedding_grad": "densify", "cuda_graphs": True}, "exclude each other"),
+    ({"optimizer": "lamb"}, "model.optimizer must be one of"),
+])
+def test_gradient_settings_that_cannot_work_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        RankerModule(RankerConfig(), data_spec=SPEC, **kwargs)
+
+
+def test_the_item_table_is_left_to_gradsync_only_when_it_must_be():
+    ignored = {m: RankerModule(RankerConfig(), data_spec=SPEC, embedding_grad=m, optimizer="sgd")
+               ._ddp_params_and_buffers_to_ignore for m in EMBEDDING_GRADS}
+    buffers = {"train_loss_epoch", "_bad_step", "model.embed.age_edges"}  # never broadcast by DDP
+    assert set(ignored["dense"]) == buffers
+    assert set(ignored["sparse"]) == set(ignored["densify"]) == buffers | {"model.embed.item.weight"}
+    graphs = RankerModule(RankerConfig(), data_spec=SPEC, cuda_graphs=True)._ddp_params_and_buffers_to_ignore
+    assert "model.embed.item.weight" in graphs
+
+
+@pytest.mark.slow
+def test_the_bench_measures_the_bytes_it_predicts(tmp_path):
+    from pipeline.ddp_bench import main as bench_main
+
+    bench_main(["--worlds", "2", "--presets", "tiny", "--fractions", "0.05", "1.0", "--steps", "1", "--warmup", "0",
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ddp-bench-cpu.json").read_text())
+    assert {(r["kind"], r["mode"]) for r in rows} == {(k, m) for k in ("preset", "sweep") for m in EMBEDDING_GRADS}
+    for r in rows:  # Gloo's TCP sends are the ring algorithms' bytes
+        assert r["sent_measured"] == pytest.approx(r["sent_predicted"], rel=0.02), r
+    text = (tmp_path / "ddp-bench-cpu.md").read_text()
+    assert "| 2 | 0.94 |" in text and (tmp_path / "ddp-bench-crossover-cpu.png").stat().st_size > 0
