@@ -130,6 +130,7 @@ class RankerModule(pl.LightningModule):
         self.cuda_graphs, self.token_buckets = bool(cuda_graphs), int(token_buckets)
         self._graphs: GraphedTrainStep | None = None
         self._cpu_buckets: list[StaticBatch] = []
+        self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
         self.optimizer_name = optimizer
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
@@ -308,9 +309,21 @@ class RankerModule(pl.LightningModule):
     def _eval_step(self, metrics: nn.ModuleDict, batch: dict) -> None:
         if batch["label"].numel() == 0:  # this process's share of a last, short evaluation batch
             return
-        logits = self(batch)
+        logits = self._eval_logits(batch) if self.device.type == "cpu" else self(batch)
         for metric in metrics.values():
             metric.update(logits, batch["label"])
+
+    def _eval_logits(self, batch: dict) -> torch.Tensor:
+        """Logits of an evaluation batch on the CPU, padded to a token capacity of a geometric
+        ladder (ratio 1.125): a few fixed shapes, as in training, so the heap does not fragment."""
+        B, T = int(batch["label"].shape[0]), int(batch["n_tokens"])
+        cap = eval_capacity(T)
+        static = self._eval_statics.get((B, cap))
+        if static is None:
+            static = self._eval_statics[(B, cap)] = StaticBatch(cap, B, self.data_spec_n_dense,
+                                                                int(batch["max_seq_len"]), self.device)
+        static.fill(batch)
+        return self(static.inputs())[:B]
 
     def _log_eval(self, metrics: nn.ModuleDict, prefix: str) -> None:
         self.log_dict({f"{prefix}/{name}": m.compute() for name, m in metrics.items()}, prog_bar=False,
@@ -357,3 +370,11 @@ def _autocast_dtype(precision) -> torch.dtype | None:
     if "mixed" not in p:
         return None
     return torch.bfloat16 if p.startswith("bf16") else torch.float16
+
+
+def eval_capacity(tokens: int) -> int:
+    """The smallest capacity >= tokens of the ladder 256 * 1.125^k (rounded up to 256 rows)."""
+    cap = 256.0
+    while cap < tokens:
+        cap *= 1.125
+    return int(-(-cap // 256) * 256)
