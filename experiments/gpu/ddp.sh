@@ -8,8 +8,9 @@
 # Run from the repo root after the wheel install line (../shared/device/README.md), with OUT and
 # GIT_COMMIT set (no .git there). Returns $OUT/ddp.log, $OUT/ddp-summary.md, $OUT/mlflow.db,
 # $OUT/ddp-token-balance.md.
-#   PARTS="data balance scaling" bash experiments/gpu/ddp.sh      # call 1
-#   PARTS="modes" bash experiments/gpu/ddp.sh                     # call 2
+#   PARTS="data balance scaling modes" bash experiments/gpu/ddp.sh             # everything once
+#   CALL_BUDGET_S=200 PARTS=scaling REPEAT_FROM=2 REPEATS=3 LOG=ddp-repeats.log bash experiments/gpu/ddp.sh
+#       # more repeats of the scaling runs (named NAME#2, NAME#3) for their spread
 # On a CPU (the check of this script): ACCEL=cpu DATA=data/tiny CONFIG=experiments/configs/tiny.yaml
 #   STEPS=6 EXTRA="--torch_num_threads 1" SCALING="jagged:1:single jagged:2:ddp" bash experiments/gpu/ddp.sh
 set -uo pipefail
@@ -24,9 +25,11 @@ STEPS=${STEPS:-300}
 PARTS=${PARTS:-"data balance scaling modes"}
 SCALING=${SCALING:-"jagged:1:single jagged:1:ddp jagged:2:ddp sdpa:1:single sdpa:1:ddp sdpa:2:ddp"}
 MODES=${MODES:-"dense sparse densify"}
+REPEATS=${REPEATS:-1}  # runs of each scaling configuration (named NAME#k from the second on)
+REPEAT_FROM=${REPEAT_FROM:-1}  # a later invocation adds repeats REPEAT_FROM..REPEATS
 EXTRA=${EXTRA:-}
 budget=${CALL_BUDGET_S:-570}
-log=$OUT/ddp.log
+log=$OUT/${LOG:-ddp.log}
 left() { echo $((budget - SECONDS)); }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 save() {
@@ -46,7 +49,7 @@ fit() {  # fit NAME DEVICES STRATEGY ARGS...: one run of the preset, skipped whe
   save
 }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; } \
-  | tee "$log"
+  | tee -a "$log"
 if has data; then
   make data PRESET=paper DATA="$DATA" SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
 fi
@@ -56,10 +59,13 @@ if has balance; then  # the sampler's split of every global batch of an epoch, 2
   echo "balance rc=$? at ${SECONDS}s" | tee -a "$log"
 fi
 if has scaling; then  # same batch per GPU: weak scaling; the preset's CUDA-graph steps, AdamW
-  for spec in $SCALING; do
-    IFS=: read -r backend devices strategy <<< "$spec"
-    fit "$backend-w$devices-$strategy" "$devices" "$strategy" --model.ranker.backend "$backend" \
-      --trainer.limit_test_batches 5
+  for rep in $(seq "$REPEAT_FROM" "$REPEATS"); do  # repeats interleaved: a drift of the machine hits every configuration
+    suffix=""; [ "$rep" -gt 1 ] && suffix="#$rep"
+    for spec in $SCALING; do
+      IFS=: read -r backend devices strategy <<< "$spec"
+      fit "$backend-w$devices-$strategy$suffix" "$devices" "$strategy" --model.ranker.backend "$backend" \
+        --trainer.limit_test_batches 5
+    done
   done
 fi
 if has modes; then  # 2 GPUs, eager steps (graphs replay dense gradients only), the whole test split

@@ -3,58 +3,81 @@ embedding-gradient modes side by side (markdown on stdout).
 
     python experiments/gpu/ddp_table.py ddp
 
-Run names are ``<backend>-w<devices>-<single|ddp>`` (scaling) and ``jagged-w<devices>-<mode>``.
-Efficiency = global examples/s at W processes / (W x examples/s of the same backend at 1),
-against the 1-process DDP run and against the plain single-process run.
+Run names are ``<backend>-w<devices>-<single|ddp>`` (scaling) and ``jagged-w<devices>-<mode>``,
+with ``#<k>`` appended for the k-th repeat of a configuration. A cell is the mean over the
+repeats, with their range in brackets where there are several. Efficiency = global examples/s at
+W processes / (W x examples/s of the same backend at 1), against the 1-process DDP run and against
+the plain single-process run, from the means; the bracket gives its range over every pairing of
+repeats.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+from collections import defaultdict
 
 import mlflow
 
 KEYS = ("perf/train_examples_per_s", "perf/step_time_median_ms", "comm/sent_mb_per_step",
         "mem/train_peak_allocated_mb", "mem/peak_rss_mb", "perf/rank_tokens_max_over_mean", "test/auc")
+SPEED = "perf/train_examples_per_s"
 
 
-def _runs(experiment: str) -> dict[str, object]:
+def _runs(experiment: str) -> dict[str, list]:
+    """FINISHED runs of the experiment grouped by configuration (the name without ``#k``)."""
     exp = mlflow.get_experiment_by_name(experiment)
     if exp is None:
         return {}
     runs = mlflow.search_runs([exp.experiment_id], output_format="list", order_by=["attributes.start_time ASC"])
-    return {r.info.run_name: r for r in runs if r.info.status == "FINISHED"}  # the newest of a name wins
+    groups: dict[str, list] = defaultdict(list)
+    for r in runs:
+        if r.info.status == "FINISHED":
+            groups[r.info.run_name.split("#")[0]].append(r)
+    return dict(groups)
 
 
-def _cell(run, key: str) -> str:
-    value = run.data.metrics.get(key) if run is not None else None
-    return "-" if value is None else f"{value:.4g}"
+def _values(runs: list, key: str) -> list[float]:
+    return [r.data.metrics[key] for r in runs if r.data.metrics.get(key) is not None]
+
+
+def _cell(runs: list, key: str) -> str:
+    values = _values(runs, key)
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    return f"{mean:.4g}" + (f" [{min(values):.4g}, {max(values):.4g}]" if len(values) > 1 else "")
 
 
 def main(argv: list[str]) -> None:
-    runs = _runs(argv[0] if argv else "ddp")
-    any_run = next(iter(runs.values()), None)
+    groups = _runs(argv[0] if argv else "ddp")
+    any_run = next((runs[-1] for runs in groups.values()), None)
     if any_run is not None:
         tags = any_run.data.tags
         print(f"{tags.get('device')}, torch {tags.get('torch_version')}, triton {tags.get('triton_version')}, "
               f"commit {tags.get('git_commit')}\n")
     short = [k.split("/")[-1] for k in KEYS]
-    print("| run | world size | " + " | ".join(short) + " |\n|---|---:|" + "---:|" * len(KEYS))
-    for name, r in runs.items():
-        print(f"| {name} | {r.data.tags.get('world_size', '-')} | " + " | ".join(_cell(r, k) for k in KEYS) + " |")
+    print("| run | repeats | world size | " + " | ".join(short) + " |\n|---|---:|---:|" + "---:|" * len(KEYS))
+    for name, runs in groups.items():
+        print(f"| {name} | {len(runs)} | {runs[-1].data.tags.get('world_size', '-')} | "
+              + " | ".join(_cell(runs, k) for k in KEYS) + " |")
     print("\n| backend | W | efficiency vs 1-process DDP | vs single process |\n|---|---:|---:|---:|")
-    for name, r in runs.items():
+    for name, runs in groups.items():
         m = re.fullmatch(r"(\w+)-w(\d+)-ddp", name)
         if not m or m.group(2) == "1":
             continue
         backend, world = m.group(1), int(m.group(2))
-        speed = r.data.metrics.get("perf/train_examples_per_s")
+        speeds = _values(runs, SPEED)
         cells = []
         for base in (f"{backend}-w1-ddp", f"{backend}-w1-single"):
-            one = runs.get(base)
-            ref = one.data.metrics.get("perf/train_examples_per_s") if one is not None else None
-            cells.append(f"{speed / (world * ref):.1%}" if speed and ref else "-")
+            refs = _values(groups.get(base, []), SPEED)
+            if not speeds or not refs:
+                cells.append("-")
+                continue
+            ratio = (sum(speeds) / len(speeds)) / (world * sum(refs) / len(refs))
+            pairs = [s / (world * r) for s in speeds for r in refs]
+            spread = f" [{min(pairs):.1%}, {max(pairs):.1%}]" if len(pairs) > 1 else ""
+            cells.append(f"{ratio:.1%}{spread}")
         print(f"| {backend} | {world} | " + " | ".join(cells) + " |")
 
 
