@@ -22,6 +22,15 @@ The item table's gradient (``model.embedding_grad``), shared by history and cand
 - ``densify``: the sparse gradient turned dense (``to_dense``) and all-reduced once, the method
   of "Densifying Assumed-sparse Tensors" (Horovod): the bytes of ``dense``, never more.
 
+How a dense table gradient crosses processes (``model.table_sync``, dense mode only):
+
+- ``allreduce`` (default): the whole ``[V, D]`` tensor, in DDP's reducer or by hand.
+- ``rows``: only its nonzero rows (the rows the batch looked up), all-gathered as indices and
+  values like the sparse mode's, then summed back into the dense tensor in place. The rows no
+  process touched are zero everywhere, so the mean is the all-reduce's (up to the order of a
+  floating-point sum), with the bytes of ``sparse``, and any optimizer and CUDA graphs still
+  apply. Finding the rows reads the tensor once and costs one host sync per step.
+
 Bytes sent per process and step, with ring algorithms over W processes: an all-reduce of N
 bytes sends 2 (W - 1) / W x N, an all-gather of n bytes per process sends (W - 1) x n. Dense:
 N = V x D x 4; sparse: n = (the largest count of distinct rows) x (D x 4 + 8). Sparse sends
@@ -37,6 +46,7 @@ from torch import nn
 from pipeline.dist import world_size
 
 EMBEDDING_GRADS = ("dense", "sparse", "densify")
+TABLE_SYNCS = ("allreduce", "rows")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 # all_gather_single is the newer name; older torch releases only have the other
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -81,6 +91,18 @@ def allgather_sparse(grad: torch.Tensor, world: int) -> tuple[torch.Tensor, int]
     return mean, sent
 
 
+def allgather_rows_(grad: torch.Tensor, world: int) -> int:
+    """Average a dense gradient ``[V, D]`` over processes in place by exchanging only its nonzero
+    rows; returns the bytes this process sent. Equal to the dense all-reduce's mean: a row that is
+    zero in a process adds nothing to the sum."""
+    idx = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # the rows this process touched (a host sync)
+    sparse = torch.sparse_coo_tensor(idx[None], grad.index_select(0, idx), grad.shape, is_coalesced=True)
+    mean, sent = allgather_sparse(sparse, world)
+    grad.zero_()
+    grad.index_put_((mean.indices()[0],), mean.values())  # coalesced: one value per row
+    return sent
+
+
 def allreduce_mean(grads: list[torch.Tensor], world: int, bucket_bytes: int = BUCKET_BYTES) -> int:
     """Average dense gradients over processes in place (bucketed); returns the bytes sent."""
     big = [g for g in grads if _nbytes(g) >= bucket_bytes]
@@ -110,6 +132,8 @@ class GradSync:
     Args:
         mode: ``model.embedding_grad``.
         table: the item table (``nn.Embedding.weight``).
+        table_sync: ``model.table_sync``: ``allreduce`` or ``rows`` (dense mode only; with rows the
+            table is averaged here, never in the reducer).
         params: every trainable parameter, the table included.
         manual_table: average the table here on every step, not in DDP's reducer (always so
             unless mode is dense; with dense, when CUDA graphs are configured).
@@ -117,11 +141,14 @@ class GradSync:
     """
 
     def __init__(self, mode: str, table: nn.Parameter, params: list[nn.Parameter], manual_table: bool,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, table_sync: str = "allreduce"):
         if mode not in EMBEDDING_GRADS:
             raise ValueError(f"embedding_grad must be one of {EMBEDDING_GRADS}, got {mode!r}")
-        self.mode, self.table = mode, table
-        self.manual_table = manual_table or mode != "dense"
+        if table_sync not in TABLE_SYNCS or (table_sync == "rows" and mode != "dense"):
+            raise ValueError(f"table_sync must be one of {TABLE_SYNCS} (rows with a dense gradient only), "
+                             f"got {table_sync!r} with {mode!r}")
+        self.mode, self.table, self.table_sync = mode, table, table_sync
+        self.manual_table = manual_table or mode != "dense" or table_sync == "rows"
         self.others = [p for p in params if p is not table]
         self.bucket_bytes = bucket_bytes
         self.sent_bytes = 0  # by this process, over `steps` synchronised steps
@@ -138,6 +165,8 @@ class GradSync:
         sent, dense = 0, list(self.others) if all_grads else []
         if self.mode == "sparse":
             self.table.grad, sent = allgather_sparse(self.table.grad, world)
+        elif self.table_sync == "rows":
+            sent = allgather_rows_(self.table.grad, world)
         elif self.manual_table or all_grads:
             dense.insert(0, self.table)
         sent += allreduce_mean([p.grad for p in dense], world, self.bucket_bytes) if dense else 0

@@ -30,7 +30,7 @@ from torchmetrics import MeanMetric
 from models import Ranker, RankerConfig
 from pipeline.dist import all_reduce, rank, world_size
 from pipeline.errors import ConfigError
-from pipeline.gradsync import EMBEDDING_GRADS, GradSync
+from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
 from pipeline.graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
 from pipeline.optim import OPTIMIZERS, build_optimizer
@@ -90,6 +90,9 @@ class RankerModule(pl.LightningModule):
         embedding_grad: the item table's gradient: dense (default), sparse or densify
             (pipeline/gradsync.py: how it is computed and averaged over processes); sparse needs
             sgd or adagrad. Same function and, with sgd or adagrad, the same training.
+        table_sync: how a dense item-table gradient is averaged over processes: allreduce
+            (default: the whole table) or rows (only the rows a process touched, all-gathered and
+            summed back: the same mean, a fraction of the bytes; pipeline/gradsync.py).
     """
 
     def __init__(
@@ -104,6 +107,7 @@ class RankerModule(pl.LightningModule):
         token_buckets: int = 4,
         optimizer: Literal["adamw", "sgd", "adagrad"] = "adamw",
         embedding_grad: Literal["dense", "sparse", "densify"] = "dense",
+        table_sync: Literal["allreduce", "rows"] = "allreduce",
     ):
         super().__init__()
         if data_spec is None:
@@ -114,13 +118,13 @@ class RankerModule(pl.LightningModule):
             raise ConfigError("model.cuda_graphs and model.compile_model exclude each other: choose one")
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
-        _check_gradients(optimizer, embedding_grad, cuda_graphs)
+        _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True)
         self.save_hyperparameters(
             {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
              "data_spec": dict(data_spec), "compile_model": bool(compile_model),
              "cuda_graphs": bool(cuda_graphs), "token_buckets": int(token_buckets), "optimizer": optimizer,
-             "embedding_grad": embedding_grad},
+             "embedding_grad": embedding_grad, "table_sync": table_sync},
             logger=False,
         )
         # the step is written out (forward, backward, optimizer step) so that it can be a graph replay
@@ -135,7 +139,8 @@ class RankerModule(pl.LightningModule):
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
         table = self.model.embed.item.weight
-        self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()), manual_table=self.cuda_graphs)
+        self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()), manual_table=self.cuda_graphs,
+                                  table_sync=table_sync)
         self.data_spec_n_dense = int(data_spec["n_dense"])
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
@@ -351,7 +356,7 @@ class RankerModule(pl.LightningModule):
                                weight_decay=self.weight_decay, betas=self.betas, fused=fused)
 
 
-def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool) -> None:
+def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, table_sync: str = "allreduce") -> None:
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     if embedding_grad not in EMBEDDING_GRADS:
@@ -359,6 +364,11 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool) -> 
     if embedding_grad == "sparse" and optimizer == "adamw":
         raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd or adagrad: AdamW has no "
                           "sparse-gradient path (pipeline/optim.py says why SparseAdam is not a substitute)")
+    if table_sync not in TABLE_SYNCS:
+        raise ConfigError(f"model.table_sync must be one of {', '.join(TABLE_SYNCS)}, got {table_sync!r}")
+    if table_sync == "rows" and embedding_grad != "dense":
+        raise ConfigError(f"model.table_sync rows averages a dense table gradient; with embedding_grad "
+                          f"{embedding_grad} the table's exchange is fixed by that mode (pipeline/gradsync.py)")
     if embedding_grad != "dense" and cuda_graphs:
         raise ConfigError(f"model.embedding_grad {embedding_grad} and model.cuda_graphs exclude each other: "
                           "a graph replays fixed shapes, a sparse gradient's size changes every step")

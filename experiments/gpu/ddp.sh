@@ -24,7 +24,7 @@ CONFIG=${CONFIG:-experiments/configs/paper.yaml}
 STEPS=${STEPS:-300}
 PARTS=${PARTS:-"data balance scaling modes"}
 SCALING=${SCALING:-"jagged:1:single jagged:1:ddp jagged:2:ddp sdpa:1:single sdpa:1:ddp sdpa:2:ddp"}
-MODES=${MODES:-"dense sparse densify"}
+MODES=${MODES:-"dense sparse densify rows"}
 REPEATS=${REPEATS:-1}  # runs of each scaling configuration (named NAME#k from the second on)
 REPEAT_FROM=${REPEAT_FROM:-1}  # a later invocation adds repeats REPEAT_FROM..REPEATS
 EXTRA=${EXTRA:-}
@@ -61,17 +61,19 @@ fi
 if has scaling; then  # same batch per GPU: weak scaling; the preset's CUDA-graph steps, AdamW
   for rep in $(seq "$REPEAT_FROM" "$REPEATS"); do  # repeats interleaved: a drift of the machine hits every configuration
     suffix=""; [ "$rep" -gt 1 ] && suffix="#$rep"
-    for spec in $SCALING; do
-      IFS=: read -r backend devices strategy <<< "$spec"
-      fit "$backend-w$devices-$strategy$suffix" "$devices" "$strategy" --model.ranker.backend "$backend" \
-        --trainer.limit_test_batches 5
+    for spec in $SCALING; do  # backend:devices:strategy[:table_sync]
+      IFS=: read -r backend devices strategy sync <<< "$spec"
+      sync_args=(); [ -n "$sync" ] && sync_args=(--model.table_sync "$sync")
+      fit "$backend-w$devices-$strategy${sync:+-$sync}$suffix" "$devices" "$strategy" \
+        --model.ranker.backend "$backend" --trainer.limit_test_batches 5 "${sync_args[@]}"
     done
   done
 fi
 if has modes; then  # 2 GPUs, eager steps (graphs replay dense gradients only), the whole test split
-  for mode in $MODES; do
+  for mode in $MODES; do  # rows: the dense gradient exchanged as its touched rows (model.table_sync)
+    grad_args=(--model.embedding_grad "$mode"); [ "$mode" = rows ] && grad_args=(--model.table_sync rows)
     fit "jagged-w2-$mode" "${MODE_DEVICES:-2}" ddp --model.ranker.backend jagged --model.cuda_graphs false \
-      --model.embedding_grad "$mode" --model.optimizer adagrad --model.lr "${ADAGRAD_LR:-0.02}" \
+      "${grad_args[@]}" --model.optimizer adagrad --model.lr "${ADAGRAD_LR:-0.02}" \
       --trainer.limit_test_batches 1.0
   done
 fi

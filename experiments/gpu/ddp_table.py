@@ -61,9 +61,9 @@ def main(argv: list[str]) -> None:
     for name, runs in groups.items():
         print(f"| {name} | {len(runs)} | {runs[-1].data.tags.get('world_size', '-')} | "
               + " | ".join(_cell(runs, k) for k in KEYS) + " |")
-    print("\n| backend | W | efficiency vs 1-process DDP | vs single process |\n|---|---:|---:|---:|")
+    print("\n| backend | W | table sync | efficiency vs 1-process DDP | vs single process |\n|---|---:|---|---:|---:|")
     for name, runs in groups.items():
-        m = re.fullmatch(r"(\w+)-w(\d+)-ddp", name)
+        m = re.fullmatch(r"(\w+)-w(\d+)-ddp(-rows)?", name)
         if not m or m.group(2) == "1":
             continue
         backend, world = m.group(1), int(m.group(2))
@@ -78,7 +78,8 @@ def main(argv: list[str]) -> None:
             pairs = [s / (world * r) for s in speeds for r in refs]
             spread = f" [{min(pairs):.1%}, {max(pairs):.1%}]" if len(pairs) > 1 else ""
             cells.append(f"{ratio:.1%}{spread}")
-        print(f"| {backend} | {world} | " + " | ".join(cells) + " |")
+        sync = "rows" if m.group(3) else "allreduce"
+        print(f"| {backend} | {world} | {sync} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
