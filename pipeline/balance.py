@@ -1,7 +1,7 @@
 """How evenly the distributed sampler spreads tokens over the ranks, on a real data set.
 
     python -m pipeline.balance --data data/paper --batch-size 512 --max-seq-len 1024 \
-        --world-sizes 2 4 8 --out experiments/results/ddp-token-balance-cpu.md
+        --world-sizes 2 4 8 --out experiments/results/ddp-token-balance-paper.md
 
 For each world size W, every global batch of one training epoch (W x batch_size rows of the
 shuffled order, as :class:`pipeline.batches.EpochBatchSampler` cuts them) is split across the

@@ -129,7 +129,7 @@ def balance_ranks(lengths: np.ndarray, world_size: int) -> np.ndarray:
     gets exactly batch_size rows. While every rank has room a row goes to the lightest rank, so
     the spread of the ranks' tokens never exceeds the row just placed, and the last rows placed
     are the shortest: on the `paper` data the ranks end within a token of each other
-    (experiments/results/ddp-token-balance-cpu.md). Deterministic (stable sorts, lowest rank
+    (experiments/results/ddp-token-balance-paper.md). Deterministic (stable sorts, lowest rank
     first on ties), vectorised over the G batches: n steps of [G, world_size] work.
     """
     lengths = np.asarray(lengths, dtype=np.int64)

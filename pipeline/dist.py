@@ -48,3 +48,32 @@ def all_gather(values: torch.Tensor) -> torch.Tensor:
     out = [torch.empty_like(values) for _ in range(world_size())]
     dist.all_gather(out, values.contiguous())
     return torch.stack(out)
+
+
+SIGTERM_CHECK_EVERY = 50  # training steps between two checks of rank 0's SIGTERM flag
+
+
+def throttle_sigterm_check(epoch_loop, every: int = SIGTERM_CHECK_EVERY) -> bool:
+    """Make Lightning's per-step SIGTERM broadcast (``_TrainingEpochLoop._broadcast_sigterm_tensor``
+    in Lightning 2.5-2.6: a broadcast from rank 0 read back with ``.item()``, i.e. a host wait for
+    the whole step's GPU work on every step of a multi-process run) happen on one step in `every`.
+
+    Every rank counts its own calls, and the ranks step in lockstep, so they all take part in the
+    same broadcasts; a SIGTERM on rank 0 stops every rank at most `every` steps later. Returns
+    False (and changes nothing) where the loop has no such method (other Lightning versions)."""
+    original = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
+    if original is None or every <= 1:
+        return False
+    if getattr(original, "_throttled", False):
+        return True
+    calls = 0
+
+    def throttled() -> None:
+        nonlocal calls
+        if calls % every == 0:
+            original()
+        calls += 1
+
+    throttled._throttled = True
+    epoch_loop._broadcast_sigterm_tensor = throttled
+    return True
