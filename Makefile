@@ -47,6 +47,9 @@ endif
 test: setup ## run the whole CPU test suite (Triton kernels through TRITON_INTERPRET=1)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
 
+test-fast: setup ## the CPU suite without the tests marked slow (multi-process DDP, end-to-end sweeps): a few minutes
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu and not slow" $(PYTEST_ARGS)
+
 test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA device)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
