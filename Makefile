@@ -44,11 +44,15 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 endif
 
-test: setup ## run the whole CPU test suite (Triton kernels through TRITON_INTERPRET=1)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(PYTEST_ARGS)
+# one pytest worker per core, at most TEST_WORKERS; a test file stays on one worker (its fixtures are built once)
+TEST_WORKERS ?= 2
+XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile")
+
+test: setup ## run the whole CPU test suite (Triton kernels through TRITON_INTERPRET=1; TEST_WORKERS=2 processes)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup ## the CPU suite without the tests marked slow (multi-process DDP, end-to-end sweeps): a few minutes
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu and not slow" $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu and not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA device)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
