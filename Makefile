@@ -51,7 +51,7 @@ XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) 
 test: setup ## run the whole CPU test suite (Triton kernels through TRITON_INTERPRET=1; TEST_WORKERS=2 processes)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(XDIST) $(PYTEST_ARGS)
 
-test-fast: setup ## the CPU suite without the tests marked slow (multi-process DDP, end-to-end sweeps): a few minutes
+test-fast: setup ## the CPU suite without the 27 tests marked slow (multi-process DDP, end-to-end fits, sweeps and reports)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu and not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA device)

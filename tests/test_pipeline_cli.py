@@ -158,6 +158,7 @@ def test_config_errors_are_one_line_naming_the_file(tiny, tracking, tmp_path, ca
     assert all_runs(tracking) == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,args", [("pipeline.sweep", ["experiments/ablations/smoke.yaml", "--dry"]),
                                          ("pipeline.report", ["--parent", "x", "--ou", "/tmp"]),
                                          ("pipeline.experiment", ["--pre", "tiny"]),

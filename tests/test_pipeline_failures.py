@@ -106,6 +106,7 @@ def server():
         srv.server_close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, message", [("hang", "answers /health but not its API"),
                                            ("500", "answers /health but its API fails (POST")])
 def test_a_server_whose_api_fails_is_refused_in_the_preflight(tiny, tmp_path, server, mode, message):
@@ -117,6 +118,7 @@ def test_a_server_whose_api_fails_is_refused_in_the_preflight(tiny, tmp_path, se
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 def test_every_tracking_call_is_bounded_and_ends_in_one_line(tiny, tmp_path, server):
     """The pre-flight passes, then the server stalls: MLflow's own calls give up (their bounds are
     the environment's: the test's short ones here) and the fit says which server failed."""
@@ -157,6 +159,7 @@ def test_the_other_tools_check_the_server_first(server, monkeypatch, capsys, too
 
 
 # --- a fresh sqlite database ---------------------------------------------------------------
+@pytest.mark.slow
 def test_concurrent_fits_on_a_fresh_database_all_succeed(tiny, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # no tables yet: the first users create them
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(TESTS)}
@@ -240,6 +243,7 @@ def _importable(module: str) -> bool:
 
 
 # --- signals -------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sigterm_ends_fit_with_143_and_a_killed_run(tiny, tmp_path, tmp_path_factory):
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
     args = fit_args(tiny, tmp_path, "--mlflow.run_name", "long", "--mlflow.system_metrics", "false",

@@ -56,6 +56,7 @@ def uninterrupted(tiny, tmp_path_factory) -> dict[str, dict[int, float]]:
     return history(uri, all_runs(uri)["full"].info.run_id)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "checkpointing",
     [["--checkpoint.every_n_train_steps", "3"], []],
@@ -96,6 +97,7 @@ def test_killed_run_resumes_into_the_same_mlflow_run(tiny, uninterrupted, tmp_pa
         assert len(steps) == len(set(steps)), (key, sorted(steps))
 
 
+@pytest.mark.slow
 def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_factory):
     """`python -m pipeline.experiment` on tiny data: the table printed and written, and the parent
     run, read back through the MLflow client, carries the comparison (metrics, table, plots)."""

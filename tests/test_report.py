@@ -29,6 +29,7 @@ def ok_run(uri: str):
     return run
 
 
+@pytest.mark.slow
 def test_report_files_and_artifacts(smoke, tmp_path, capsys):
     parent = the_parent(smoke.uri)
     assert report.main(["--parent", "smoke", "--out", str(tmp_path)]) == 0
@@ -69,6 +70,7 @@ def test_ratios_and_oracle_section():
     assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | - |" in lines
 
 
+@pytest.mark.slow
 def test_reproduce_is_exact_on_cpu(smoke, capsys):
     run = ok_run(smoke.uri)
     assert reproduce.main(["--run", run.info.run_id]) == 0

@@ -175,6 +175,7 @@ def test_smoke_sweep_records_every_outcome(smoke):
     assert (smoke.root / "data" / "tiny" / "meta.json").is_file()  # generated on demand
 
 
+@pytest.mark.slow
 def test_rerun_skips_finished_and_oom_children(smoke, capsys):
     parent = the_parent(smoke.uri)
     before = children(smoke.uri, parent.info.run_id)
@@ -202,6 +203,7 @@ def test_a_run_past_its_timeout_is_killed_and_recorded(smoke, tmp_path, monkeypa
     assert run.data.tags["sweep.error"] == "timed out after 2 s"
 
 
+@pytest.mark.slow
 def test_parallel_runs_are_tagged_prefixed_and_flagged_in_the_report(smoke, tmp_path, monkeypatch, capsys):
     from pipeline import _sweep_runs as runs_
     from pipeline.report import shared_device_note
@@ -243,6 +245,7 @@ def test_bad_report_targets(tmp_path, targets, message):
         load(path, tmp_path / "data")
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_run_in_flight_and_records_it(smoke, tmp_path):
     """`timeout`/`kill` end a sweep like Ctrl-C: no orphaned training process, the run KILLED."""
     import signal
@@ -327,6 +330,7 @@ def _sweep_process(smoke, uri: str, *extra: str):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.slow
 def test_two_identical_sweeps_started_together_run_each_point_once(smoke, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     procs = [_sweep_process(smoke, uri) for _ in range(2)]
@@ -340,6 +344,7 @@ def test_two_identical_sweeps_started_together_run_each_point_once(smoke, tmp_pa
     assert {k: len(v) for k, v in kids.items()} == {"backend=jagged/max_seq_len=16": 1}
 
 
+@pytest.mark.slow
 def test_a_sweep_killed_outright_takes_its_run_with_it(smoke, tmp_path):
     """SIGKILL leaves the sweep no time to stop its run: the kernel does (the fit then records it)."""
     import time
