@@ -4,7 +4,7 @@
 # batch 2048 (300 steps), and `pipeline.profile` at batch 512 and 2048 (5 back-to-back steps after
 # 3 warm-ups, the same CUDA-graph step), so fit's steady step can be set beside the isolated one.
 # Run from the repo root after the wheel install line (../shared/device/README.md), with OUT and
-# GIT_COMMIT set, paper data present. Returns $OUT/headline.log, $OUT/main_paper_cuda.md,
+# GIT_COMMIT set, paper data present. Returns $OUT/headline.log, $OUT/loop.log, $OUT/main_paper_cuda.md,
 # $OUT/profile_paper_b{512,2048}.md/.json, $OUT/mlflow.db, $OUT/mlruns.tgz.
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
@@ -19,16 +19,10 @@ save() { cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/mlruns.tgz"
 timeout $(( $(left) - 240 )) python3 -m pipeline.experiment --preset paper --data data/paper \
   --results-dir "$OUT" >> "$log" 2>&1; echo "experiment rc=$? at ${SECONDS}s" | tee -a "$log"
 save
-for backend in ${FIT_2048:-jagged sdpa}; do
-  if [ "$(left)" -lt 150 ]; then echo "$backend-b2048: not started, $(left)s left" | tee -a "$log"; continue; fi
-  timeout $(( $(left) - 100 )) python3 -m pipeline fit --config experiments/configs/base.yaml \
-    --config experiments/configs/paper.yaml --data.data_dir data/paper --model.ranker.backend "$backend" \
-    --data.batch_size 2048 --trainer.max_steps 300 --trainer.limit_val_batches 0 \
-    --trainer.limit_test_batches 5 --checkpoint.save_top_k 0 --checkpoint.save_last false \
-    --mlflow.experiment_name loop --mlflow.run_name "$backend-b2048-graphs" >> "$log" 2>&1
-  echo "$backend-b2048 rc=$? at ${SECONDS}s" | tee -a "$log"; save
-done
-python3 experiments/gpu/runs_table.py loop | tee -a "$log"
+# the batch-2048 fits are loop.sh's (same runs and names; its own log, loop.log)
+runs=""; for backend in ${FIT_2048:-jagged sdpa}; do runs+=" $backend:2048:graphs"; done
+CALL_BUDGET_S=$(( $(left) - 80 )) RUNS="$runs" TESTS="" PROFILE="" bash experiments/gpu/loop.sh > /dev/null
+grep -E "rc=|not started" "$OUT/loop.log" | tee -a "$log"
 for bs in 512 2048; do
   backends="jagged sdpa dense"; [ "$bs" = 2048 ] && backends="jagged sdpa"  # dense: out of memory in fit
   if [ "$(left)" -lt 60 ]; then echo "profile b$bs: not started, $(left)s left" | tee -a "$log"; continue; fi
