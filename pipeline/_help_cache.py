@@ -19,12 +19,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("torch", "pytorch-lightning", "jsonargparse", "mlflow-skinny", "mlflow")
-HELP_FLAGS = ({"--help"}, {"-h"})
 
 
 def is_help_request(argv: list[str]) -> bool:
     """`fit --help` and the like: a subcommand and one help flag, nothing else."""
-    return len(argv) == 2 and argv[0] in ("fit", "validate", "test") and {argv[1]} in HELP_FLAGS
+    return len(argv) == 2 and argv[0] in ("fit", "validate", "test") and argv[1] in ("--help", "-h")
 
 
 def cache_key(argv: list[str]) -> str:

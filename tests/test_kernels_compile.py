@@ -16,8 +16,7 @@ from kernels import (
 )
 
 pytestmark = [
-    # the Triton interpreter's scalar loads, and torch's own jit imports under inductor
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+    # torch's own jit imports under inductor (the interpreter's scalar loads: pyproject.toml)
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
 LENGTHS, N, D = (0, 1, 13, 40, 5), 32, 24

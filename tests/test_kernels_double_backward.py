@@ -35,8 +35,6 @@ from kernels.conversions import jagged_to_padded_reference, padded_to_jagged_ref
 from kernels.elementwise import jagged_dense_elementwise_reference
 from kernels.softmax import jagged_softmax_reference
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-
 LENGTHS, N = (3, 0, 5, 1), 4  # the 5-long sequence is truncated to N
 T, B = sum(LENGTHS), len(LENGTHS)
 # ops whose Triton backward has no derivative: they must raise, naming the op

@@ -31,7 +31,6 @@ from kernels import (
 from kernels._jagged_common import set_poison_outputs
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
     # the Triton interpreter computes on the NaN inputs with numpy, which says so
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
 ]

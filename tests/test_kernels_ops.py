@@ -32,8 +32,6 @@ from kernels.elementwise import jagged_dense_elementwise_reference
 from kernels.softmax import jagged_softmax_reference
 from tolerance import assert_close_to_oracle, max_abs_err
 
-# the Triton interpreter's scalar loads trip a numpy deprecation on every program
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
