@@ -95,7 +95,7 @@ def runs_frame(runs: list[Run], axes: list[str]) -> pl.DataFrame:
     """One row per run: ids, status, axis labels (column = axis name), metrics, env tags."""
     metric_keys = sorted({k for r in runs for k in r.data.metrics} | set(METRICS))
     cols: dict[str, list] = {k: [] for k in ("run_id", "run_name", "state", "status", "start_ms", "end_ms",
-                                             "config_hash", "point", "error", "parallel")}
+                                             "config_hash", "point", "error", "parallel", "concurrent")}
     cols.update({a: [] for a in axes})
     cols.update({f"tag.{t}": [] for t in ENV_TAGS})
     cols.update({m: [] for m in metric_keys})
@@ -111,6 +111,7 @@ def runs_frame(runs: list[Run], axes: list[str]) -> pl.DataFrame:
         cols["point"].append(tags.get("sweep.point") or r.info.run_name)
         cols["error"].append(tags.get("sweep.error"))
         cols["parallel"].append(tags.get("sweep.parallel") or "1")  # runs sharing the device at once
+        cols["concurrent"].append(tags.get("sweep.concurrent_runs") or tags.get("sweep.parallel") or "1")  # on the host
         for a in axes:
             cols[a].append(tags.get(f"sweep.axis.{a}"))
         for t in ENV_TAGS:

@@ -18,7 +18,8 @@ users). Every key but ``name`` and ``grid`` is optional::
              targets: [{at: {max_seq_len: "1024"}, vs: sdpa, min_speedup: 2, max_memory_ratio: 0.5,
                         max_auc_diff: 0.002}],         # PASS/MISS table: baseline vs `vs` at `at`
              profile: "profile_paper_*.md",            # pipeline.profile output to quote (results root)
-             seeds: seed}                              # an axis of seeds: AUC spread; targets on means
+             seeds: seed,                              # an axis of seeds: AUC spread; targets on means
+             converged_within: 0.002}                  # val AUC change over the last check that counts as flat
 
 A dataset is ``{dir: PATH}`` (must exist) or ``{preset: P, [name: N], [seed: S], [<data_gen
 key>: value ...]}``: the directory ``<data root>/<name or preset>``, written by ``python -m
@@ -46,7 +47,7 @@ from pipeline.tracking import REPO_ROOT
 CONFIGS = REPO_ROOT / "experiments" / "configs"
 DEFAULT_EXPERIMENT = "ablations"
 _TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "report"}
-_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds"}
+_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds", "converged_within"}
 _TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff"}
 CODE_PACKAGES = ("data_gen", "kernels", "models", "pipeline")  # what a fit runs
 

@@ -134,11 +134,18 @@ def plot_subtitle(parent: Run, df: pl.DataFrame) -> str:
 
 
 def shared_device_note(df: pl.DataFrame) -> list[str]:
-    """A warning when runs shared the device (`pipeline.sweep --parallel`)."""
+    """A warning when runs shared the device (`pipeline.sweep --parallel`), a note when they ran
+    at once on GPUs of their own (`--gpus 0,1`)."""
     shared = sorted({int(p) for p in df["parallel"].to_list() if p and int(p) > 1})
+    alone = df.filter(pl.col("parallel") == "1") if "concurrent" in df.columns else df.clear()
+    side = sorted({int(c) for c in alone["concurrent"].to_list() if c and int(c) > 1})
+    lines = [] if not side else [
+        "", f"{alone.filter(pl.col('concurrent') != '1').height} runs had a GPU to themselves while up to "
+            f"{max(side)} runs went at once on different GPUs of one host (`pipeline.sweep --gpus`), each "
+            "pinned to its own share of the CPU cores."]
     if not shared:
-        return []
-    return ["", f"**{df.filter(pl.col('parallel') != '1').height} of these runs shared the GPU with other runs "
+        return lines
+    return [*lines, "", f"**{df.filter(pl.col('parallel') != '1').height} of these runs shared the GPU with other runs "
                 f"(`--parallel {', '.join(map(str, shared))}`): their throughput and wall time are not "
                 "comparable with runs that had the device alone; peak memory is per process and accuracy "
                 "does not depend on it.**"]
@@ -248,6 +255,30 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
     return lines
 
 
+def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[str]:
+    """Validation AUC at each check of every finished run that validated more than once: the
+    change over the last interval says whether the run had converged (|change| <= tol: flat)."""
+    ok = df.filter(pl.col("status") == "OK")
+    rows = []
+    for r in ok.iter_rows(named=True):
+        hist = sorted(client.get_metric_history(r["run_id"], "val/auc"), key=lambda m: m.step)
+        if len(hist) < 2:
+            continue
+        last, prev = hist[-1].value, hist[-2].value
+        verdict = "flat" if abs(last - prev) <= tol else "rising" if last > prev else "falling"
+        curve = " → ".join(f"{m.value:.4f}" for m in hist[-4:])
+        rows.append([*(str(r[a]) for a in axes), f"{hist[-2].step}-{hist[-1].step}", curve,
+                     f"{last - prev:+.4f}", verdict])
+    if not rows:
+        return []
+    flat = sum(row[-1] == "flat" for row in rows)
+    return ["", "## Convergence (validation AUC at each check)", "",
+            f"A run counts as converged when its validation AUC moved by at most {tol} over the last interval "
+            f"between checks: {flat} of {len(rows)} runs did.", "",
+            "| " + " | ".join([*axes, "last interval (steps)", "val AUC (last checks)", "change", "verdict"]) + " |",
+            "|" + "---|" * (len(axes) + 4), *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def profile_section(out_root: Path, pattern: str | None) -> list[str]:
     """The newest `pipeline.profile` result matching pattern (under the results root): where a
     training step's time goes per backend, so the throughput ratios can be read against it."""
@@ -318,6 +349,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
             made.append(plots.ratio_plot(rat, x, order, f"{base} against the other {ser} values",
                                          out / "speedup.png", baseline=base, subtitle=sub))
     lines += seeds_section(df, spec.get("seeds"), names)
+    lines += convergence_section(client, df, names, float(spec.get("converged_within", 0.002)))
     lines += targets_section(df, spec, mem)
     lines += profile_section(out_root, spec.get("profile"))
     oracle = oracle_of(client, df) if spec.get("oracle") else None

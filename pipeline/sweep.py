@@ -2,7 +2,7 @@
 
     python -m pipeline.sweep experiments/ablations/seq_len.yaml [--dry-run] [--max-runs N]
         [--data DIR] [--data-root data] [--set key=value ...] [--where axis=label[,label]]
-        [--deadline-s S] [--timeout S] [--parallel N] [--retry-oom] [--new]
+        [--deadline-s S] [--timeout S] [--parallel N | --gpus 0,1] [--retry-oom] [--new]
     make experiment-seq_len [SWEEP_ARGS="--max-runs 3"]
 
 Every run is ``python -m pipeline fit --config <configs...> --<key> <value> ...`` in its own
@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import re
+import shutil
 import sys
 import threading
 import time
@@ -76,6 +79,34 @@ def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
     return child_fit_command(abl.configs, point.overrides, point.dataset.dir, abl.experiment, parent_id, point.name)
 
 
+class Slot:
+    """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), the number of slots
+    sharing that GPU, and this slot's share of the CPU cores (taskset), so that concurrent runs
+    on different GPUs share neither a device nor a core."""
+
+    def __init__(self, gpu: str, sharing: int, cores: list[int]):
+        self.gpu, self.sharing, self.cores = gpu, sharing, cores
+
+    def pin(self, cmd: list[str]) -> list[str]:
+        taskset = shutil.which("taskset")
+        if not taskset or not self.cores:
+            return cmd
+        return [taskset, "-c", ",".join(map(str, self.cores)), *cmd]
+
+
+def device_slots(gpus: str | None) -> list[Slot]:
+    """--gpus "0,1" -> one run at a time on each of GPUs 0 and 1; "0,0,1,1" -> two on each.
+    The cores this process may use are dealt out evenly, in blocks, one block per slot."""
+    if not gpus:
+        return []
+    ids = [g.strip() for g in gpus.split(",")]
+    if any(not g.isdigit() for g in ids):
+        raise ConfigError(f"--gpus {gpus}: expected comma-separated GPU indices, e.g. 0,1 or 0,0,1,1")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per = len(cores) // len(ids)
+    return [Slot(g, ids.count(g), cores[i * per:(i + 1) * per] if per else []) for i, g in enumerate(ids)]
+
+
 class Sweep:
     lock_fds: tuple[int, ...] = ()  # the sweep's lock, inherited by every run it starts
 
@@ -87,6 +118,10 @@ class Sweep:
         self.experiment_id = exp.experiment_id if exp else None  # created when the sweep runs
         self.parent: Run | None = None
         self.hashes: dict[str, str] = {}  # point name -> config hash
+        self.slots = device_slots(args.gpus)
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(len(self.slots)):
+            self._free.put(i)
 
     # --- the parent ------------------------------------------------------------------------
     def existing_parent(self) -> Run | None:
@@ -145,11 +180,13 @@ class Sweep:
         return None
 
     # --- one point -----------------------------------------------------------------------
-    def child_tags(self, point: Point, config_hash: str) -> dict[str, str]:
+    def child_tags(self, point: Point, config_hash: str, slot: Slot | None = None) -> dict[str, str]:
+        """sweep.parallel: how many runs shared this run's device at most (1: it had it alone)."""
+        device = {} if slot is None else {"sweep.gpu": slot.gpu, "sweep.concurrent_runs": str(len(self.slots))}
         return {"sweep.name": self.abl.name, "sweep.point": point.name, "sweep.config_hash": config_hash,
                 "sweep.code_version": code_version(),
                 "sweep.overrides": json.dumps(point.overrides, default=str)[:5000],
-                "sweep.parallel": str(self.parallel),
+                "sweep.parallel": str(slot.sharing if slot else self.parallel), **device,
                 **{f"sweep.axis.{a}": label for a, label in point.labels.items()}}
 
     def find_child(self, config_hash: str, known: set[str]) -> Run | None:
@@ -164,12 +201,12 @@ class Sweep:
         return fresh[0] if fresh else None
 
     def record(self, point: Point, config_hash: str, child: Run | None, status: str, output: str,
-               error: str | None, wall_s: float | None) -> str:
+               error: str | None, wall_s: float | None, tags: dict[str, str] | None = None) -> str:
         """Tag the child with its outcome; a run that never started gets a record of its own."""
         if child is None:
             child = self.client.create_run(
                 self.experiment_id, run_name=point.name,
-                tags={"mlflow.parentRunId": self.parent.info.run_id, **self.child_tags(point, config_hash)})
+                tags={"mlflow.parentRunId": self.parent.info.run_id, **(tags or self.child_tags(point, config_hash))})
         run_id = child.info.run_id
         self.client.set_tag(run_id, "status", status)
         if wall_s is not None:
@@ -182,18 +219,32 @@ class Sweep:
         return run_id
 
     def run_point(self, point: Point, config_hash: str) -> str:
+        if not self.slots:
+            return self._run_point(point, config_hash, None)
+        index = self._free.get()  # a free device slot: at most len(--gpus) runs at once
+        try:
+            return self._run_point(point, config_hash, self.slots[index])
+        finally:
+            self._free.put(index)
+
+    def _run_point(self, point: Point, config_hash: str, slot: Slot | None) -> str:
         cmd = fit_command(self.abl, point, self.parent.info.run_id)
+        tags = self.child_tags(point, config_hash, slot)
+        env = child_env(tags)
+        if slot is not None:
+            env["CUDA_VISIBLE_DEVICES"] = slot.gpu
+            cmd = slot.pin(cmd)
         known = {r.info.run_id for r in runs_.child_runs(self.parent)}
         t0 = time.perf_counter()
         try:
-            rc, output, timed_out = stream(cmd, child_env(self.child_tags(point, config_hash)), self.timeout_s,
+            rc, output, timed_out = stream(cmd, env, self.timeout_s,
                                            prefix=f"[{point.name}] " if self.parallel > 1 else "",
                                            stop=self._stop, pass_fds=self.lock_fds)
         except KeyboardInterrupt:  # a run that FINISHED before the signal is a result; else it is KILLED
             child = self.find_child(config_hash, known)
             done = child is not None and child.info.status == "FINISHED"
             self.record(point, config_hash, child, "OK" if done else "KILLED", "", "interrupted (Ctrl-C)",
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, tags)
             raise
         wall = time.perf_counter() - t0
         child = self.find_child(config_hash, known)
@@ -206,7 +257,7 @@ class Sweep:
         else:
             status = "FAILED"
             error = error_line(output) if rc != 0 else "exited 0 without a FINISHED MLflow run"
-        self.record(point, config_hash, child, status, output, error, wall)
+        self.record(point, config_hash, child, status, output, error, wall, tags)
         return status
 
     @property
@@ -316,7 +367,7 @@ class Sweep:
 
     @property
     def parallel(self) -> int:
-        return max(1, self.args.parallel)
+        return len(self.slots) or max(1, self.args.parallel)
 
     def finish(self, parent_id: str, results: dict[str, str]) -> int:
         for point in self.abl.points:  # the whole grid, so that the report sees it whatever --where said
@@ -370,11 +421,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="run N points at once on the same device (accuracy ablations: throughput of "
                         "concurrent runs is not comparable and the report says so; peak memory is per process)")
+    p.add_argument("--gpus", default=None, metavar="LIST",
+                   help="one run at a time per entry, on that GPU and its share of the CPU cores: 0,1 runs two "
+                        "points at once, each with a GPU of its own (throughput stays comparable); 0,0,1,1 puts two "
+                        "on each GPU (shared, as --parallel)")
     p.add_argument("--retry-oom", action="store_true", help="rerun points recorded as OOM")
     p.add_argument("--new", action="store_true", help="start a new parent run instead of resuming")
     args = p.parse_args(argv)
     if args.parallel < 1:
         p.error(f"--parallel must be >= 1, got {args.parallel}")
+    if args.gpus is not None and args.parallel != 1:
+        p.error("--gpus sets how many runs go at once: give it or --parallel, not both")
     args.argv = argv
     return args
 

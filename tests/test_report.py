@@ -149,3 +149,23 @@ def test_seeds_table_and_targets_on_seed_means():
     failed = df.with_columns(status=pl.when(pl.col("test/auc") == 0.708).then(pl.lit("FAILED")).otherwise(pl.col("status")))
     assert "NOT MEASURED (jagged OK, sdpa FAILED)" in "\n".join(report.targets_section(failed, spec, "x"))
     assert report.seeds_section(df, None, ["backend"]) == []
+
+
+def test_convergence_section_judges_the_last_validation_interval():
+    from types import SimpleNamespace
+
+    import polars as pl
+
+    from pipeline.report import convergence_section
+
+    curves = {"a": [0.70, 0.74, 0.745], "b": [0.70, 0.72, 0.73], "c": [0.75, 0.74], "d": [0.7]}
+    client = SimpleNamespace(get_metric_history=lambda run_id, key: [
+        SimpleNamespace(step=100 * (i + 1), value=v) for i, v in enumerate(curves[run_id])])
+    df = pl.DataFrame({"run_id": ["a", "b", "c", "d", "e"], "status": ["OK", "OK", "OK", "OK", "FAILED"],
+                       "backend": ["jagged", "sdpa", "dense", "jagged", "sdpa"], "seed": ["0", "0", "0", "1", "1"]})
+    lines = convergence_section(client, df, ["backend", "seed"], 0.006)
+    assert "1 of 3 runs did" in " ".join(lines)  # d validated once, e did not finish: neither is judged
+    rows = [ln for ln in lines if ln.startswith("| jagged") or ln.startswith("| sdpa") or ln.startswith("| dense")]
+    assert [r.split("|")[-2].strip() for r in rows] == ["flat", "rising", "falling"]
+    assert "200-300" in rows[0] and "+0.0050" in rows[0]
+    assert convergence_section(client, df.filter(pl.col("run_id") == "d"), ["backend", "seed"], 0.002) == []

@@ -371,3 +371,52 @@ def test_a_sweep_killed_outright_takes_its_run_with_it(smoke, tmp_path):
         p.kill()
     assert not alive, "the training process outlived its sweep"
     assert client.get_run(running[0].info.run_id).info.status == "KILLED"
+
+
+def test_gpus_and_parallel_are_exclusive(capsys):
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["x.yaml", "--parallel", "2", "--gpus", "0,1"])
+    assert "not both" in capsys.readouterr().err
+
+
+def test_device_slots_deal_gpus_and_cores(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    two = sweep.device_slots("0,1")
+    assert [(s.gpu, s.sharing, s.cores) for s in two] == [("0", 1, [0, 1, 2, 3]), ("1", 1, [4, 5, 6, 7])]
+    four = sweep.device_slots("0,0,1,1")
+    assert [s.sharing for s in four] == [2, 2, 2, 2] and sorted(c for s in four for c in s.cores) == list(range(8))
+    assert sweep.device_slots(None) == []
+    with pytest.raises(ConfigError, match="GPU indices"):
+        sweep.device_slots("0,cuda:1")
+
+
+@pytest.mark.slow
+def test_gpus_give_each_concurrent_run_its_device_and_cores(smoke, tmp_path, monkeypatch):
+    """--gpus 0,1: two points at once, each run told its own GPU and pinned to its own cores;
+    tagged as not sharing a device, and the report says they ran side by side."""
+    from pipeline import _sweep_runs as runs_
+    from pipeline.report import shared_device_note
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    seen, lock = [], __import__("threading").Lock()
+
+    def fake_stream(cmd, env, timeout_s, prefix="", stop=None, pass_fds=()):
+        with lock:
+            seen.append((env["CUDA_VISIBLE_DEVICES"], cmd[:3] if "taskset" in cmd[0] else None))
+        return 1, "error: injected by the test", False
+
+    monkeypatch.setattr(sweep, "stream", fake_stream)
+    argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16,24",
+            "--gpus", "0,1"]
+    assert sweep.main(argv) == 1
+    assert len(seen) == 2 and {gpu for gpu, _ in seen} <= {"0", "1"}
+    if __import__("shutil").which("taskset"):
+        assert {tuple(c[1:]) for _, c in seen if c} <= {("-c", "0,1"), ("-c", "2,3")}
+    kids = [r for runs in children(uri, the_parent(uri).info.run_id).values() for r in runs]
+    assert {r.data.tags["sweep.parallel"] for r in kids} == {"1"}
+    assert {r.data.tags["sweep.concurrent_runs"] for r in kids} == {"2"}
+    df = runs_.runs_frame(kids, ["backend", "max_seq_len"])
+    note = " ".join(shared_device_note(df))
+    assert "on different GPUs" in note and "shared the GPU" not in note

@@ -17,6 +17,10 @@
 # their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
 # seq_len jagged run at max_seq_len 1024: its metrics beside the original's, GPU tolerance).
+# GPUS=0,1 (a multi-GPU machine): the throughput sweeps run one point per GPU at once (`pipeline.sweep
+# --gpus`: each run has its GPU alone and its share of the cores), the accuracy sweeps ACC_GPUS
+# (default: PARALLEL runs dealt over GPUS, e.g. 0,1,0,1). Datasets the parts declare are generated
+# first, once.
 # Returns $OUT/ablations.log, $OUT/mlflow.db, $OUT/results.tgz (experiments/results/) and the profile.
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
@@ -33,6 +37,17 @@ left() { echo $((budget - SECONDS)); }
 preset=${PRESET:-paper}  # the data of the runs whose ablation file names none (PRESET=tiny: a CPU check)
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; } | tee "$log"
 make data PRESET="$preset" SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
+python3 - "$preset" $PARTS >> "$log" 2>&1 <<'PY'  # the parts' own datasets, once, before any sweep
+import sys
+from pathlib import Path
+from pipeline._sweep_spec import load
+for part in {p.split("@")[0] for p in sys.argv[2:]}:
+    path = Path(f"experiments/ablations/{part}.yaml")
+    if path.is_file():
+        for point in load(path, Path("data"), f"data/{sys.argv[1]}", {}).points:
+            point.dataset.ensure()
+PY
+echo "datasets rc=$? at ${SECONDS}s" | tee -a "$log"
 
 sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget ends, then report
   local name=$1; shift
@@ -48,12 +63,18 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
 }
 
 par=${PARALLEL:-4}
+through=() accuracy=(--parallel "$par")
+if [ -n "${GPUS:-}" ]; then
+  IFS=, read -ra ids <<< "$GPUS"
+  acc=${ACC_GPUS:-$(for ((i = 0; i < par; i++)); do printf '%s,' "${ids[i % ${#ids[@]}]}"; done)}
+  through=(--gpus "$GPUS") accuracy=(--gpus "${acc%,}")
+fi
 for spec in $PARTS; do
   part=${spec%%@*}; where=()  # NAME@axis=label,label runs only those points (e.g. batch_size@batch_size=512)
   [ "$spec" != "$part" ] && where=(--where "${spec#*@}")
   case $part in
-    seq_len|sparsity|compile|smoke|batch_size) sweep "$part" "${where[@]}" ;;
-    history_value|model|auc_parity) sweep "$part" "${where[@]}" --parallel "$par" --set data.num_workers=4 ;;
+    seq_len|sparsity|compile|smoke|batch_size) sweep "$part" "${where[@]}" "${through[@]}" ;;
+    history_value|model|auc_parity) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
     profile)
       timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
         --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1
