@@ -36,7 +36,9 @@ save() {
 left() { echo $((budget - SECONDS)); }
 preset=${PRESET:-paper}  # the data of the runs whose ablation file names none (PRESET=tiny: a CPU check)
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; } | tee "$log"
-make data PRESET="$preset" SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
+if [ "${PRESET_DATA:-1}" = 1 ]; then  # PRESET_DATA=0: the parts asked for bring their own datasets
+  make data PRESET="$preset" SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
+fi
 python3 - "$preset" $PARTS >> "$log" 2>&1 <<'PY'  # the parts' own datasets, once, before any sweep
 import sys
 from pathlib import Path
@@ -54,7 +56,9 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
   local t=$(( $(left) - 75 ))
   if [ "$t" -lt 60 ]; then echo "$name: not started, ${t}s left" | tee -a "$log"; return; fi
   # on SIGTERM the sweep stops the run in flight (recorded KILLED, resumed by the next call)
-  timeout -k 90 "$t" python3 -m pipeline.sweep "experiments/ablations/$name.yaml" --data "data/$preset" \
+  # the files' own datasets on the GPU; --data (it replaces every file-level dataset) only for a check on other data
+  local data=(); [ "$preset" != paper ] && data=(--data "data/$preset")
+  timeout -k 90 "$t" python3 -m pipeline.sweep "experiments/ablations/$name.yaml" "${data[@]}" \
     --deadline-s $((t - 60)) "$@" >> "$log" 2>&1
   echo "$name sweep rc=$? at ${SECONDS}s" | tee -a "$log"
   timeout 45 python3 -m pipeline.report --parent "$name" --commit "$GIT_COMMIT" >> "$log" 2>&1
