@@ -46,7 +46,8 @@ from pipeline._sweep_spec import load
 for part in {p.split("@")[0] for p in sys.argv[2:]}:
     path = Path(f"experiments/ablations/{part}.yaml")
     if path.is_file():
-        for point in load(path, Path("data"), f"data/{sys.argv[1]}", {}).points:
+        other = None if sys.argv[1] == "paper" else f"data/{sys.argv[1]}"  # as sweep() passes --data
+        for point in load(path, Path("data"), other, {}).points:
             point.dataset.ensure()
 PY
 echo "datasets rc=$? at ${SECONDS}s" | tee -a "$log"
@@ -83,17 +84,18 @@ for spec in $PARTS; do
       timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
         --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1
       echo "profile rc=$? at ${SECONDS}s" | tee -a "$log"; save ;;
-    reproduce)  # rerun seq_len's jagged run at max_seq_len 1024 from its logged config (GPU tolerance)
+    reproduce)  # rerun a jagged run from its logged config (GPU tolerance): REPRO_SWEEP's point REPRO_AXIS=REPRO_LABEL
+      # (default seq_len at max_seq_len=1024)
       run_id=$(python3 -c "
 import mlflow
 runs = mlflow.search_runs(search_all_experiments=True, output_format='list', order_by=['attributes.start_time DESC'],
-    filter_string=\"tags.\`sweep.name\` = '${REPRO_SWEEP:-seq_len}' and tags.\`sweep.axis.backend\` = 'jagged' and tags.\`sweep.axis.max_seq_len\` = '${REPRO_LEN:-1024}' and attributes.status = 'FINISHED'\")
+    filter_string=\"tags.\`sweep.name\` = '${REPRO_SWEEP:-seq_len}' and tags.\`sweep.axis.backend\` = 'jagged' and tags.\`sweep.axis.${REPRO_AXIS:-max_seq_len}\` = '${REPRO_LABEL:-1024}' and attributes.status = 'FINISHED'\")
 print(runs[0].info.run_id if runs else '')")
       if [ -n "$run_id" ] && [ "$(left)" -gt 150 ]; then
         timeout $(( $(left) - 30 )) python3 -m pipeline.reproduce --run "$run_id" >> "$log" 2>&1
         echo "reproduce $run_id rc=$? at ${SECONDS}s" | tee -a "$log"
       else
-        echo "reproduce: no finished seq_len jagged@1024 run, or under 150 s left" | tee -a "$log"
+        echo "reproduce: no finished ${REPRO_SWEEP:-seq_len} jagged run at ${REPRO_AXIS:-max_seq_len}=${REPRO_LABEL:-1024}, or under 150 s left" | tee -a "$log"
       fi ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
