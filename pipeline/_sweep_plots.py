@@ -110,9 +110,13 @@ def _points(rows: pl.DataFrame, x: str, order: list[str], metric: str, seeds: st
 def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], metric: str, ylabel: str,
               title: str, path: Path, extra=None, extra_ticks: tuple[float, ...] = (),
               logy: bool = False, subtitle: str = "", seeds: str | None = None) -> Path | None:
-    """`metric` vs `x` per series (the `seeds` axis, if any, averaged: error bars from min to max)."""
+    """`metric` vs `x` per series (the `seeds` axis, if any, averaged: error bars from min to max).
+    With the seeds axis as x, a line across seeds would mean nothing: see :func:`seed_spread_plot`."""
     if metric not in df.columns or df[metric].is_null().all():
         return None
+    if seeds and x == seeds:
+        return seed_spread_plot(df, seeds, [s for s in series if s != seeds], metric, ylabel, title, path,
+                                subtitle)
     fig, ax = plt.subplots(figsize=(8, 4.6))
     if numeric(order) is None:  # fix the category order before any series draws
         ax.plot(order, [float("nan")] * len(order), alpha=0)
@@ -135,6 +139,34 @@ def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], met
         ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     return _finish(fig, ax, title, subtitle, path)
+
+
+def seed_spread_plot(df: pl.DataFrame, seeds: str, series: list[str], metric: str, ylabel: str, title: str,
+                     path: Path, subtitle: str = "") -> Path:
+    """One column per series: every seed's value as a dot, the mean as a bar from min to max;
+    a series with a seed that has no number says so under its column."""
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    groups = series_groups(df, seeds, series)
+    for i, (name, rows) in enumerate(groups.items()):
+        ok = rows.filter((pl.col("status") == "OK") & pl.col(metric).is_not_null())
+        vals = ok[metric].to_list()
+        color = f"C{i}"
+        if vals:
+            spread = [len(vals) - 1 and (j / (len(vals) - 1) - 0.5) * 0.3 for j in range(len(vals))]
+            ax.plot([i + d for d in spread], vals, "o", color=color, alpha=0.5, markersize=5,
+                    label=f"{name}: one dot per {seeds} ({len(vals)})")
+            mean = sum(vals) / len(vals)
+            ax.errorbar([i], [mean], yerr=[[mean - min(vals)], [max(vals) - mean]], marker="_", markersize=22,
+                        capsize=6, color=color, linestyle="none", label=f"{name}: mean, bar min to max")
+        bad = [s for s in rows["status"].to_list() if s != "OK"]
+        if bad or not vals:
+            _mark_missing(ax, [i], [bad[0] if bad else "NO METRIC"], color, name)
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set_xlim(-0.6, len(groups) - 0.4)
+    ax.set_xlabel("/".join(series) or "runs")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, axis="y", alpha=0.3)
+    return _finish(fig, ax, f"{title} over {seeds}", subtitle, path)
 
 
 def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], title: str, path: Path,

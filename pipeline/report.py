@@ -345,7 +345,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     if base and ser in names and base in df[ser].to_list():
         rat = ratios(df, ratio_axes, ser, base, mem)
         lines += ratio_section(rat, x)
-        if x != ser:  # a grid over the series alone has no x to draw the ratios against
+        if x not in (ser, seeds):  # no x to draw the ratios against: the series alone, or seeds (table only)
             made.append(plots.ratio_plot(rat, x, order, f"{base} against the other {ser} values",
                                          out / "speedup.png", baseline=base, subtitle=sub))
     lines += seeds_section(df, spec.get("seeds"), names)

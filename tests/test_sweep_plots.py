@@ -60,3 +60,21 @@ def test_ratio_panels_say_which_way_and_mark_gaps(tmp_path, monkeypatch):
     assert "above 1: jagged faster" in speed.get_ylabel() and "above 1: jagged leaner" in memory.get_ylabel()
     assert [t.get_text() for t in speed.texts] == ["sdpa OOM", "NOT RUN"]
     plt.close("all")
+
+
+def test_seeds_as_x_draw_one_column_per_series_not_a_line_across_seeds(tmp_path, monkeypatch):
+    figs = _capture(monkeypatch)
+    df = _frame([
+        ("a", "jagged", "0", "OK", 1.0), ("a", "jagged", "1", "OK", 3.0), ("a", "jagged", "2", "OK", 2.0),
+        ("a", "sdpa", "0", "OK", 1.5), ("a", "sdpa", "1", "KILLED", None), ("a", "sdpa", "2", "OK", 2.5),
+    ]).drop("x")
+    path = plots.line_plot(df, "seed", ["0", "1", "2"], ["backend", "seed"], "m", "metric (units)", "T",
+                           tmp_path / "p.png", seeds="seed")
+    assert path.is_file()
+    ax = figs[-1].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["jagged", "sdpa"]
+    assert [t.get_text() for t in ax.texts] == ["KILLED"]  # sdpa's missing seed is said, under its column
+    means = {c.get_label().split(":")[0]: c.lines[0].get_ydata()[0] for c in ax.containers}
+    assert means == {"jagged": 2.0, "sdpa": 2.0}
+    dots = [ln for ln in ax.lines if ln.get_label().startswith("jagged: one dot")]
+    assert sorted(dots[0].get_ydata()) == [1.0, 2.0, 3.0]
