@@ -407,7 +407,9 @@ class Sweep:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.sweep", description=__doc__.split("\n")[0])
     p.add_argument("ablation", help="experiments/ablations/<name>.yaml")
-    p.add_argument("--data", default=None, help="data directory of the runs that declare no dataset of their own")
+    p.add_argument("--data", default=None,
+                   help="data directory replacing the file's top-level `dataset` (e.g. tiny data for a check); "
+                        "grid points that declare a dataset keep theirs")
     p.add_argument("--data-root", default=str(REPO_ROOT / "data"), help="where declared datasets live / are generated")
     p.add_argument("--dry-run", action="store_true", help="print each point's action and command, run nothing")
     p.add_argument("--max-runs", type=int, default=None, help="start at most N runs (skipped points do not count)")
