@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-fast test-gpu data data-validate data-report experiment ui \
-        bench sweep report reproduce profile clean
+        bench sweep report summary reproduce profile clean
 
 help: ## list every target with one line each
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -87,6 +87,9 @@ experiment-%: experiments/ablations/%.yaml setup ## run the ablation %.yaml, res
 report: setup ## tables + plots of a sweep or main job into experiments/results/<name>/ (PARENT=<run id or name>; RESULTS=dir)
 	@test -n "$(PARENT)" || { echo "usage: make report PARENT=<sweep parent run id or name, e.g. seq_len>"; exit 2; }
 	$(PY) -m pipeline.report --parent $(PARENT) --out $(or $(RESULTS),experiments/results) $(REPORT_ARGS)
+
+summary: setup ## experiments/results/REPORT.md: the paper's claims, every target and ablation, from the committed results
+	$(PY) -m pipeline.summary $(if $(RESULTS),--results $(RESULTS))
 
 reproduce: setup ## rerun one MLflow run from its logged config and data digest, compare metrics (RUN=<run id>)
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<MLflow run id> [REPRODUCE_ARGS='--rtol 5e-3']"; exit 2; }

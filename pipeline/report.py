@@ -217,7 +217,7 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
             checks.append(("peak memory ratio", _div(b.get(mem), o.get(mem)), "<=", t["max_memory_ratio"], "x"))
         if "max_auc_diff" in t:
             diff = None if b.get("test/auc") is None or o.get("test/auc") is None else abs(b["test/auc"] - o["test/auc"])
-            checks.append(("test AUC |difference|", diff, "<=", t["max_auc_diff"], ""))
+            checks.append(("test AUC absolute difference", diff, "<=", t["max_auc_diff"], ""))
         for name, value, op, limit, unit in checks:
             ok = value is not None and (value >= limit if op == ">=" else value <= limit)
             lines.append(f"| {point} | {name} {runs_.fmt(value, '.4f' if not unit else '.2f')}{unit} | "

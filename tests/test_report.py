@@ -111,7 +111,7 @@ def test_targets_section_passes_misses_and_unmeasured():
     lines = report.targets_section(df, spec, "mem/train_peak_allocated_mb")
     assert "| fill=0.25: jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | PASS |" in lines
     assert "| fill=0.25: jagged vs sdpa | peak memory ratio 0.33x | <= 0.3x | MISS |" in lines
-    assert "| fill=0.25: jagged vs sdpa | test AUC |difference| 0.0010 | <= 0.002 | PASS |" in lines
+    assert "| fill=0.25: jagged vs sdpa | test AUC absolute difference 0.0010 | <= 0.002 | PASS |" in lines
     assert "| fill=0.25: jagged vs dense | - | - | NOT MEASURED (jagged OK, dense OOM) |" in lines
     assert report.targets_section(df, {}, "x") == []
 
@@ -145,7 +145,7 @@ def test_seeds_table_and_targets_on_seed_means():
     text = "\n".join(report.targets_section(df, spec, "mem/train_peak_allocated_mb"))
     assert "mean over the `seed_everything` axis" in text
     assert "| jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | PASS |" in text  # no `at`: the pair
-    assert "test AUC |difference| 0.0020 | <= 0.0015 | MISS |" in text
+    assert "test AUC absolute difference 0.0020 | <= 0.0015 | MISS |" in text
     failed = df.with_columns(status=pl.when(pl.col("test/auc") == 0.708).then(pl.lit("FAILED")).otherwise(pl.col("status")))
     assert "NOT MEASURED (jagged OK, sdpa FAILED)" in "\n".join(report.targets_section(failed, spec, "x"))
     assert report.seeds_section(df, None, ["backend"]) == []

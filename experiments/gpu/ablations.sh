@@ -100,5 +100,6 @@ print(runs[0].info.run_id if runs else '')")
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done
+python3 -m pipeline.summary >> "$log" 2>&1  # experiments/results/REPORT.md over what is there now
 save
 grep -E "rc=|: [0-9]+ (OK|OOM|FAILED|NOT RUN)" "$log" | tail -30

@@ -1,0 +1,71 @@
+"""pipeline.summary: REPORT.md from committed result files only."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline import summary
+
+KERNELS = """# Kernel benchmarks on GPU X
+
+## Targets
+
+| target | status | measured |
+|---|---|---|
+| headline S fwd_bwd vs dense_torch: >= 9x faster and 22x less memory | **PASS** | speed 50x |
+| headline S fwd_bwd vs sdpa_padded_mask: >= 3x faster and 53% less memory | **MISS** | speed 2.5x |
+"""
+
+REPORT = """# Ablation `batch_size`
+
+- device: `GPU X`; torch `2.11`
+- git commit: `abc1234`
+- budget and overrides of every run: `{budget}`
+
+## Targets
+
+| point | measured | target | result |
+|---|---|---|---|
+| batch_size=512: jagged vs sdpa | train ex/s ratio 3.00x | >= 2.5x | PASS |
+"""
+
+
+def _results(tmp_path, budget: dict):
+    (tmp_path / "kernels-x.md").write_text(KERNELS)
+    (tmp_path / "batch_size").mkdir()
+    (tmp_path / "batch_size" / "report.md").write_text(REPORT.format(budget=json.dumps(budget)))
+    (tmp_path / "batch_size" / "runs.csv").write_text(
+        "status,batch_size,backend,perf/train_examples_per_s,mem/train_peak_allocated_mb\n"
+        "OK,512,jagged,3000,1000\nOK,512,sdpa,1000,2500\nOOM,512,dense,,\n")
+    (tmp_path / "profile_x.json").write_text(json.dumps({"device": "GPU X", "commit": "abc1234", "results": [
+        {"backend": "jagged", "batch_size": 512, "graph_step_ms": 10.0, "gpu_ms": 10.0, "attn_ms": 1.0},
+        {"backend": "sdpa", "batch_size": 512, "graph_step_ms": 30.0, "gpu_ms": 30.0, "attn_ms": 8.0}]}))
+    return tmp_path
+
+
+def test_summary_quotes_sources_marks_missing_and_stale(tmp_path):
+    current = __import__("yaml").safe_load((summary.ABLATIONS / "batch_size.yaml").read_text())["set"]
+    text = summary.build(_results(tmp_path, current))
+    assert "fwd+bwd PASS: speed 50x" in text and "fwd+bwd MISS: speed 2.5x" in text
+    assert "| 512 | 3,000 | 1,000 | 3.00x | 1,000 | 2,500 | 0.40x |" in text
+    assert "| [batch_size](batch_size/report.md) | batch_size=512: jagged vs sdpa: >= 2.5x | train ex/s ratio 3.00x | PASS |" in text
+    assert "| [batch_size](batch_size/report.md) | GPU X | `abc1234` | 2 OK, 1 OOM | current |" in text
+    for name in ("seq_len", "sparsity", "compile", "auc_parity", "history_value", "model"):
+        assert f"| {name} | NOT RUN |" in text
+    # 20 ms saved: 7 in attention, 13 outside; attention free would make jagged at most 10/9 faster
+    assert "Of the 20.0 ms saved per step, 7.0 ms are in attention and 13.0 ms outside it" in text
+    assert "at most 1.11x faster" in text
+
+
+def test_a_report_from_another_budget_is_marked_stale(tmp_path):
+    current = __import__("yaml").safe_load((summary.ABLATIONS / "batch_size.yaml").read_text())["set"]
+    text = summary.build(_results(tmp_path, {**current, "trainer.max_steps": 100}))
+    assert "stale: trainer.max_steps: ran 100, file 300" in text
+    assert "[batch_size](batch_size/report.md) (stale budget)" in text
+
+
+def test_main_writes_the_file_and_rejects_a_missing_folder(tmp_path, capsys):
+    assert summary.main(["--results", str(tmp_path / "nope")]) == 2
+    assert "no results folder" in capsys.readouterr().err
+    assert summary.main(["--results", str(tmp_path)]) == 0
+    assert (tmp_path / "REPORT.md").read_text().startswith("# Jagged Flash Attention")
