@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -250,7 +251,6 @@ def test_sigterm_stops_the_run_in_flight_and_records_it(smoke, tmp_path):
     """`timeout`/`kill` end a sweep like Ctrl-C: no orphaned training process, the run KILLED."""
     import signal
     import subprocess
-    import time
 
     import psutil
 
@@ -260,14 +260,7 @@ def test_sigterm_stops_the_run_in_flight_and_records_it(smoke, tmp_path):
             "--set", "trainer.limit_train_batches=100000", "--set", "trainer.max_epochs=100"]  # long enough
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *argv], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    client, deadline, running = MlflowClient(uri), time.monotonic() + 120, []
-    while not running and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-        exp = client.get_experiment_by_name("ablations")
-        if exp is not None:
-            running = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
-                       if r.data.tags.get("sweep.role") != "parent"]
-    assert running, "the training run never started"
+    client, running = MlflowClient(uri), _running_child(proc, uri, 120)
     training = [p for p in psutil.Process(proc.pid).children(recursive=True) if "fit" in " ".join(p.cmdline())]
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -321,6 +314,19 @@ def test_a_grid_value_the_fit_refuses_is_not_runnable(tmp_path, monkeypatch, cap
         mp.undo()
 
 
+def _running_child(proc, uri: str, timeout_s: float) -> list:
+    """The sweep's training runs once one is RUNNING in MLflow (fails the test if none starts)."""
+    client, deadline, running = MlflowClient(uri), time.monotonic() + timeout_s, []
+    while not running and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+        exp = client.get_experiment_by_name("ablations")
+        if exp is not None:
+            running = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
+                       if r.data.tags.get("sweep.role") != "parent"]
+    assert running, "the training run never started"
+    return running
+
+
 def _sweep_process(smoke, uri: str, *extra: str):
     import subprocess
 
@@ -347,21 +353,12 @@ def test_two_identical_sweeps_started_together_run_each_point_once(smoke, tmp_pa
 @pytest.mark.slow
 def test_a_sweep_killed_outright_takes_its_run_with_it(smoke, tmp_path):
     """SIGKILL leaves the sweep no time to stop its run: the kernel does (the fit then records it)."""
-    import time
-
     import psutil
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     proc = _sweep_process(smoke, uri, "--set", "trainer.limit_train_batches=100000", "--set",
                           "trainer.max_epochs=100")
-    client, deadline, running = MlflowClient(uri), time.monotonic() + 180, []
-    while not running and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.5)
-        exp = client.get_experiment_by_name("ablations")
-        if exp is not None:
-            running = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
-                       if r.data.tags.get("sweep.role") != "parent"]
-    assert running, "the training run never started"
+    client, running = MlflowClient(uri), _running_child(proc, uri, 180)
     training = [p for p in psutil.Process(proc.pid).children(recursive=True) if "fit" in " ".join(p.cmdline())]
     assert training
     proc.kill()
