@@ -79,9 +79,14 @@ def _generate(args: argparse.Namespace, extra: list[str]) -> None:
     tr = meta["splits"]["train"]
     o = tr["oracle"]
     recent = ", ".join(f"last {k}: {o[f'auc_recent_{k}']:.3f}" for k in cfg.oracle_ks)
-    print(f"wrote {cfg.rows:,} rows to {args.out} in {seconds:.1f} s; digest {meta['digest']}")
+    rows = sum(split["rows"] for split in meta["splits"].values())
+    print(f"wrote {rows:,} rows to {args.out} in {seconds:.1f} s; digest {meta['digest']}")
     print(f"train: mean length {tr['length_stats']['mean']:.1f}, CTR {tr['ctr']:.3f}, "
           f"oracle AUC {o['auc']:.3f} ({recent})")
+    if cfg.is_timeline:
+        from .timeline import seen_users_line
+
+        print(seen_users_line(meta))
 
 
 def main(argv: list[str] | None = None) -> int:

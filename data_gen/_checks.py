@@ -14,13 +14,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .schema import DataValidationError, columns as schema_columns, sha256_file
+from .schema import (DataValidationError, columns as schema_columns, is_timeline, sha256_file,
+                     split_days)
 
 
-def read_table(data_dir: Path, entry: dict[str, Any], meta: dict[str, Any],
+def read_table(data_dir: Path, split: str, entry: dict[str, Any], meta: dict[str, Any],
                columns: list[str] | None, *, check_digest: bool, deep: bool,
                want_table: bool = True) -> pa.Table | None:
-    """Read one shard listed in meta (entry = {path, rows, sha256}) after checking it.
+    """Read one shard of `split` listed in meta (entry = {path, rows, sha256}) after checking it.
 
     deep=False checks only the footer (row count, schema) and, with check_digest, the bytes.
     """
@@ -36,7 +37,7 @@ def read_table(data_dir: Path, entry: dict[str, Any], meta: dict[str, Any],
     if pf.metadata.num_rows != entry.get("rows"):
         raise DataValidationError(
             f"{pf.metadata.num_rows} rows, meta.json says {entry.get('rows')}", file=path)
-    expected = schema_columns(meta["config"]["n_dense"])
+    expected = schema_columns(meta["config"]["n_dense"], is_timeline(meta))
     _check_schema(path, pf.schema_arrow, expected)
     if check_digest and sha256_file(path) != entry.get("sha256"):
         raise DataValidationError("sha256 differs from meta.json (file changed since it was "
@@ -56,6 +57,8 @@ def read_table(data_dir: Path, entry: dict[str, Any], meta: dict[str, Any],
         row0 = 0
         for batch in table.to_batches():
             _check_batch(path, batch, row0, meta["config"])
+            if is_timeline(meta):
+                _check_timeline(path, batch, row0, meta["config"], split)
             row0 += batch.num_rows
     return table if columns is None else table.select(columns)
 
@@ -84,6 +87,11 @@ def _list_parts(arr: pa.Array) -> tuple[np.ndarray, pa.Array]:
     """(offsets rebased to 0: int64 [B + 1], the values of exactly these rows)."""
     off = arr.offsets.to_numpy().astype(np.int64)
     return off - off[0], arr.values.slice(off[0], off[-1] - off[0])
+
+
+def _row_of_flat(off: np.ndarray) -> Callable[[int], int]:
+    """The row of a flat sequence position, for offsets off [B + 1]."""
+    return lambda i: int(np.searchsorted(off, i, side="right") - 1)
 
 
 def _fail_first(path: Path, column: str, bad: np.ndarray, row_of: Callable[[int], int],
@@ -115,10 +123,7 @@ def _check_batch(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, An
         _fail_first(path, name, np.diff(seq[name][0]) != ref, int, row0,
                     "sequence length differs from hist_item's (misaligned sequences)")
     off = seq["hist_item"][0]
-
-    def row_of_flat(i: int) -> int:
-        return int(np.searchsorted(off, i, side="right") - 1)
-
+    row_of_flat = _row_of_flat(off)
     item, action, age = (seq[n][1] for n in ("hist_item", "hist_action", "hist_age"))
     _fail_first(path, "hist_item", (item < 0) | (item >= vocab), row_of_flat, row0,
                 f"item id outside the vocabulary [0, {vocab})")
@@ -149,3 +154,27 @@ def _check_scalars(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, 
     for i in range(cfg["n_dense"]):
         _fail_first(path, f"dense_{i}", ~np.isfinite(col(f"dense_{i}")), int, row0,
                     "dense feature is not finite")
+
+
+def _check_timeline(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, Any],
+                    split: str) -> None:
+    """A timeline row: a known user, an impression on one of its split's days, and a history
+    strictly before the impression (every age > 0)."""
+    def col(name: str) -> np.ndarray:
+        return batch.column(name).to_numpy(zero_copy_only=False)
+
+    users = cfg["users"]
+    user = col("user_id")
+    _fail_first(path, "user_id", (user < 0) | (user >= users), int, row0,
+                f"user id outside [0, {users})")
+    first, last = split_days(cfg["days"])[split]
+    day = col("impression_day")
+    _fail_first(path, "impression_day", (day < first) | (day > last), int, row0,
+                f"impression day outside the {split} split's days [{first}, {last}]")
+    time = col("impression_time")
+    _fail_first(path, "impression_time", ~np.isfinite(time) | (np.floor(time) + 1 != day), int,
+                row0, "impression time not within its impression_day")
+    off, age = _list_parts(batch.column("hist_age"))
+    age = age.to_numpy(zero_copy_only=False)
+    _fail_first(path, "hist_age", age <= 0, _row_of_flat(off), row0,
+                "history item not before the impression (age <= 0)")

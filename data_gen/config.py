@@ -1,8 +1,12 @@
-"""The generator's configuration: one dataclass, three presets, `--key value` overrides.
+"""The generator's configuration: one dataclass, its presets, `--key value` overrides.
 
 Every knob of the data lives here so that `meta.json` can record the whole resolved config and a
 run can be reproduced from it. Validation runs before any work: a bad argument must fail in
 milliseconds with a message, not after minutes of generation.
+
+Two modes: per-example (the default: every row has a fresh user) and timeline (`users` > 0:
+each of `users` users has one event stream, impressions over `days` days, splits by day; see
+data_gen/timeline.py). Each mode's meta.json records only the fields that apply to it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,18 @@ class DataConfig:
     # files
     rows_per_shard: int = 65_536
     row_group_size: int = 16_384
+    # timeline mode (users > 0): `users` event streams over `days` days, each user shown
+    # impressions at a rate drawn once per user from a Gamma of mean impressions_per_day and
+    # shape activity_shape (small: many rare users, a few heavy ones); rows, val_fraction and
+    # test_fraction do not apply (the splits are days: train 1..days-2, val days-1, test days)
+    users: int = 0
+    days: int = 0
+    impressions_per_day: float = 1.0
+    activity_shape: float = 0.5
+
+    @property
+    def is_timeline(self) -> bool:
+        return self.users > 0
 
     def split_rows(self) -> dict[str, int]:
         """Rows per split; train takes what rounding leaves."""
@@ -78,9 +94,16 @@ class DataConfig:
         return {"train": self.rows - n_val - n_test, "val": n_val, "test": n_test}
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields that apply to this config's mode (what meta.json records)."""
         d = dataclasses.asdict(self)
         d["oracle_ks"] = list(self.oracle_ks)
+        for key in PER_EXAMPLE_ONLY if self.is_timeline else TIMELINE_ONLY:
+            del d[key]
         return d
+
+
+TIMELINE_ONLY = ("users", "days", "impressions_per_day", "activity_shape")
+PER_EXAMPLE_ONLY = ("rows", "val_fraction", "test_fraction")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -93,6 +116,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the GPU experiments: 1M train rows, mean length 256, lengths up to 4096
     "paper": dict(rows=1_250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0,
                   max_len=4_096, rows_per_shard=65_536, row_group_size=16_384),
+    # timeline mode for tests: the tiny world, 300 users over 7 days (about 2k impressions)
+    "timeline_tiny": dict(vocab_size=20_000, n_clusters=100, mean_len=96.0, max_len=2_048,
+                          n_dense=4, rows_per_shard=1_024, row_group_size=512, users=300,
+                          days=7, impressions_per_day=1.0),
+    # timeline mode at the paper's scale: 40k users over 14 days, about 1.1M impressions
+    "timeline": dict(vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0, max_len=4_096,
+                     rows_per_shard=65_536, row_group_size=16_384, users=40_000, days=14,
+                     impressions_per_day=2.0),
 }
 
 
@@ -131,6 +162,7 @@ def resolve_config(preset: str = "tiny", overrides: dict[str, Any] | None = None
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     types = _field_types()
     values: dict[str, Any] = dict(PRESETS[preset])
+    given = []
     for raw_key, raw in (overrides or {}).items():
         key = raw_key.lstrip("-").replace("-", "_")
         if key not in types:
@@ -138,8 +170,16 @@ def resolve_config(preset: str = "tiny", overrides: dict[str, Any] | None = None
             hint = f" (did you mean --{near[0].replace('_', '-')}?)" if near else ""
             raise ConfigError(f"unknown option --{raw_key.lstrip('-')}{hint}")
         values[key] = _coerce(key, raw, types[key])
+        given.append(key)
     cfg = DataConfig(**values)
     validate_config(cfg)
+    other_mode = PER_EXAMPLE_ONLY if cfg.is_timeline else TIMELINE_ONLY
+    ignored = [f"--{k.replace('_', '-')}" for k in given if k in other_mode and k != "users"]
+    if ignored and cfg.is_timeline:  # it would be ignored: say so instead
+        raise ConfigError(f"{ignored[0]} does not apply in timeline mode (--users > 0): the "
+                          "rows are the users' impressions over --days days")
+    if ignored:
+        raise ConfigError(f"{ignored[0]} applies only in timeline mode: give --users too")
     return cfg
 
 
@@ -196,10 +236,24 @@ def validate_config(cfg: DataConfig) -> None:
            f"oracle_ks must be distinct, sorted and >= 0, got {ks}")
     _check(cfg.rows_per_shard >= 1, "rows_per_shard must be >= 1")
     _check(cfg.row_group_size >= 1, "row_group_size must be >= 1")
+    _validate_timeline(cfg)
     from .lengths import build_length_model  # local: lengths imports ConfigError from here
 
     build_length_model(cfg)  # raises ConfigError when mean_len is out of the family's reach
 
+
+
+def _validate_timeline(cfg: DataConfig) -> None:
+    _check(0 <= cfg.users <= 100_000_000, f"users must be in [0, 1e8], got {cfg.users}")
+    if not cfg.is_timeline:
+        _check(cfg.days == 0, f"days={cfg.days} needs --users > 0 (timeline mode)")
+        return
+    _check(3 <= cfg.days <= 3_650, "timeline mode needs days in [3, 3650] (train on days "
+           f"1..days-2, validate on days-1, test on the last), got days={cfg.days}")
+    _check(_finite(cfg.impressions_per_day) and cfg.impressions_per_day > 0,
+           f"impressions_per_day must be > 0, got {cfg.impressions_per_day}")
+    _check(_finite(cfg.activity_shape) and cfg.activity_shape > 0,
+           f"activity_shape must be > 0, got {cfg.activity_shape}")
 
 
 def config_from_dict(d: dict[str, Any]) -> DataConfig:

@@ -1,8 +1,9 @@
 """Generate a data set: shards in parallel, each from its own seed stream, then meta.json.
 
 Determinism: the seed is split with `SeedSequence.spawn` into one stream for the item world
-and one per split, and each split's stream into one per shard. A shard's bytes depend only on
-(config, seed, split, shard index), never on how many worker processes ran or in what order.
+and one per split, and each split's stream into one per shard (timeline mode: one per block of
+users, see timeline.py). A shard's bytes depend only on (config, seed, split, shard index),
+never on how many worker processes ran or in what order.
 
 Nothing is written half: a shard is written under a hidden temporary name and renamed into
 place (`os.replace`, atomic on POSIX), and meta.json, without which no reader accepts the
@@ -24,19 +25,16 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from . import metrics
+from . import metrics, timeline
 from .config import DataConfig
 from .history import sample_history, sample_users
 from .lengths import LengthModel, build_length_model
-from .planted import planted_logits, sample_candidates
+from .rows import build_rows
 from .schema import (DIGEST_METHOD, META_FILE, SPLITS, columns as schema_columns,
-                     dataset_digest, sha256_file)
+                     dataset_digest, sha256_file, split_days)
 from .world import World, build_world
 
 GENERATOR_VERSION = "1.0.0"
-# Rows generated together inside a shard. Part of the definition of the data (it orders the
-# draws of a shard's stream), so changing it needs a new GENERATOR_VERSION.
-CHUNK_ROWS = 4096
 ORACLE_DEFINITION = (
     "auc, ne: AUC and normalized entropy of p_true (the probability each label was drawn "
     "from) against the labels. auc_recent_<k>: AUC against the same labels of the planted "
@@ -71,57 +69,25 @@ def plan_shards(cfg: DataConfig, seed: int) -> tuple[np.random.SeedSequence, lis
     return world_seed, shards
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + np.tanh(0.5 * x))  # overflow-free
-
-
 def generate_shard(world: World, cfg: DataConfig, lengths_model: LengthModel,
                    spec: ShardSpec) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """All columns of one shard (numpy; sequences as flat values + int64 offsets [B + 1]) and
-    the per-row statistics the parent needs for meta.json."""
+    """All columns of one per-example shard, a fresh user per row, and the per-row statistics
+    the parent needs for meta.json (see rows.build_rows)."""
     rng = np.random.default_rng(spec.seed)
-    b = spec.rows
-    lengths = lengths_model.sample(rng, b)  # [B]
-    offsets = np.zeros(b + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    t = int(offsets[-1])
-    item = np.empty(t, np.int32)
-    action = np.empty(t, np.int8)
-    age = np.empty(t, np.float32)
-    cand = np.empty(b, np.int32)
-    dense = np.empty((b, cfg.n_dense), np.float32)
-    n_views = len(cfg.oracle_ks) + 1
-    logits = np.empty((n_views, b), np.float32)
-    p_true, label, user_id = np.empty(b, np.float32), np.empty(b, np.int8), np.empty(b, np.int64)
-    for lo in range(0, b, CHUNK_ROWS):
-        hi = min(lo + CHUNK_ROWS, b)
+    lengths = lengths_model.sample(rng, spec.rows)  # [B]
+
+    def fresh_users(lo: int, hi: int, out):
         users = sample_users(world, cfg, rng, lengths[lo:hi])
-        flat = slice(offsets[lo], offsets[hi])
-        hist = sample_history(world, cfg, rng, users, lengths[lo:hi],
-                              out=(item[flat], action[flat], age[flat]))
-        ci, cc = sample_candidates(world, cfg, rng, users, hist)
-        dense[lo:hi] = rng.standard_normal((hi - lo, cfg.n_dense), dtype=np.float32)
-        view = planted_logits(world, cfg, hist, ci, cc, dense[lo:hi])  # [n_views, B_chunk]
-        p = _sigmoid(view[-1]).astype(np.float32)
-        label[lo:hi] = rng.random(hi - lo) < p  # drawn from the stored float32 p_true
-        user_id[lo:hi] = rng.integers(0, 2**62, hi - lo)
-        p_true[lo:hi], logits[:, lo:hi], cand[lo:hi] = p, view, ci
-    cols: dict[str, Any] = {
-        "example_id": np.arange(spec.first_id, spec.first_id + b, dtype=np.int64),
-        "user_id": user_id, "hist_item": (offsets, item), "hist_action": (offsets, action),
-        "hist_age": (offsets, age), "cand_item": cand,
-        **{f"dense_{i}": np.ascontiguousarray(dense[:, i]) for i in range(cfg.n_dense)},
-        "label": label, "p_true": p_true,
-    }
-    stats = {"lengths": lengths.astype(np.int32), "label": label, "p_true": p_true,
-             "logits": logits}
-    return cols, stats
+        return users, sample_history(world, cfg, rng, users, lengths[lo:hi], out=out)
+
+    return build_rows(world, cfg, rng, spec.first_id, lengths, fresh_users,
+                      lambda lo, hi: rng.integers(0, 2**62, hi - lo))
 
 
 def write_shard(cols: dict[str, Any], cfg: DataConfig, path: Path) -> str:
     """Write one shard with polars (zstd) atomically; return its sha256."""
     arrays = {}
-    for name, _, is_list in schema_columns(cfg.n_dense):
+    for name, _, is_list in schema_columns(cfg.n_dense, cfg.is_timeline):
         if is_list:
             offsets, values = cols[name]
             arrays[name] = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
@@ -148,12 +114,24 @@ def _init_worker(cfg: DataConfig, world: World, out: str) -> None:
     _STATE.update(cfg=cfg, world=world, out=Path(out), lengths=build_length_model(cfg))
 
 
-def _run_shard(spec: ShardSpec) -> dict[str, Any]:
-    cfg, out = _STATE["cfg"], _STATE["out"]
-    cols, stats = generate_shard(_STATE["world"], cfg, _STATE["lengths"], spec)
-    sha = write_shard(cols, cfg, out / spec.relpath)
-    return {"split": spec.split, "index": spec.index, "rows": spec.rows,
-            "file": {"path": spec.relpath, "rows": spec.rows, "sha256": sha}, "stats": stats}
+def _written(split: str, index: int, relpath: str, cols: dict[str, Any],
+             stats: dict[str, Any]) -> dict[str, Any]:
+    """Write one shard; what the parent keeps of it."""
+    rows = int(stats["label"].size)
+    sha = write_shard(cols, _STATE["cfg"], _STATE["out"] / relpath)
+    return {"split": split, "index": index, "rows": rows,
+            "file": {"path": relpath, "rows": rows, "sha256": sha}, "stats": stats}
+
+
+def _run_shard(spec: ShardSpec) -> list[dict[str, Any]]:
+    cols, stats = generate_shard(_STATE["world"], _STATE["cfg"], _STATE["lengths"], spec)
+    return [_written(spec.split, spec.index, spec.relpath, cols, stats)]
+
+
+def _run_block(spec: timeline.TimelineBlock) -> list[dict[str, Any]]:
+    parts = timeline.generate_block(_STATE["world"], _STATE["cfg"], _STATE["lengths"], spec)
+    return [_written(split, spec.index, spec.relpath(split), cols, stats)
+            for split, cols, stats in parts]
 
 
 def _cpu_count() -> int:
@@ -208,21 +186,22 @@ def _worker_environment():
                 os.environ[k] = v
 
 
-def _iter_results(cfg: DataConfig, world: World, out: Path, shards: list[ShardSpec],
-                  workers: int):
-    """Shard results in completion order, from this process or a pool of `workers`."""
+def _iter_results(cfg: DataConfig, world: World, out: Path, specs: list, workers: int):
+    """Each spec's shard results (a list), in completion order, from this process or a pool of
+    `workers`."""
+    run = _run_block if cfg.is_timeline else _run_shard
     if workers == 1:
         _init_worker(cfg, world, str(out))
         try:
-            for spec in shards:
-                yield _run_shard(spec)
+            for spec in specs:
+                yield run(spec)
         finally:
             _STATE.clear()
         return
     with _worker_environment():
         pool = mp.get_context("spawn").Pool(workers, _init_worker, (cfg, world, str(out)))
     with pool:  # leaving the block (also by an exception) terminates the workers
-        yield from pool.imap_unordered(_run_shard, shards, chunksize=1)
+        yield from pool.imap_unordered(run, specs, chunksize=1)
 
 
 def _split_summary(cfg: DataConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -234,10 +213,13 @@ def _split_summary(cfg: DataConfig, results: list[dict[str, Any]]) -> dict[str, 
                               "ne": metrics.normalized_entropy(label, p_true)}
     for k, logit in zip(cfg.oracle_ks, cat["logits"]):
         oracle[f"auc_recent_{k}"] = metrics.auc(label, logit)
-    return {"rows": int(label.size), "ctr": float(label.mean()),
-            "mean_p_true": float(p_true.mean()),
-            "length_stats": metrics.length_stats(cat["lengths"]), "oracle": oracle,
-            "files": [r["file"] for r in results]}
+    summary = {"rows": int(label.size), "ctr": float(label.mean()),
+               "mean_p_true": float(p_true.mean()),
+               "length_stats": metrics.length_stats(cat["lengths"]), "oracle": oracle,
+               "files": [r["file"] for r in results]}
+    if cfg.is_timeline:
+        summary["users"] = timeline.split_users([r["stats"]["users"] for r in results])
+    return summary
 
 
 def _type_name(t: pa.DataType) -> str:
@@ -253,11 +235,11 @@ def build_meta(cfg: DataConfig, seed: int, preset: str, results: list[dict[str, 
     config = cfg.to_dict()
     config["length_model"] = {"dist": model.dist, "params": model.params,
                               "expected": model.expected()}
-    return {
+    meta = {
         "generator_version": GENERATOR_VERSION, "seed": seed, "preset": preset,
         "config": config, "digest": dataset_digest(shas), "digest_method": DIGEST_METHOD,
         "columns": {n: (f"list<{_type_name(t)}>" if is_list else _type_name(t))
-                    for n, t, is_list in schema_columns(cfg.n_dense)},
+                    for n, t, is_list in schema_columns(cfg.n_dense, cfg.is_timeline)},
         "sequence_order": "oldest first: the most recent item is the last of each list",
         "oracle_definition": ORACLE_DEFINITION,
         "splits": splits,
@@ -265,6 +247,11 @@ def build_meta(cfg: DataConfig, seed: int, preset: str, results: list[dict[str, 
                         "polars": pl.__version__, "pyarrow": pa.__version__,
                         "seconds": round(seconds, 2)},
     }
+    if cfg.is_timeline:
+        meta["timeline"] = {"split_days": split_days(cfg.days),
+                            "users_per_shard": timeline.users_per_block(cfg),
+                            "definition": timeline.TIMELINE_DEFINITION}
+    return meta
 
 
 def generate_dataset(cfg: DataConfig, seed: int, out: str | Path, *, preset: str = "custom",
@@ -279,18 +266,19 @@ def generate_dataset(cfg: DataConfig, seed: int, out: str | Path, *, preset: str
 
     start = time.perf_counter()
     out = Path(out)
-    world_seed, shards = plan_shards(cfg, seed)
+    plan = timeline.plan_blocks if cfg.is_timeline else plan_shards
+    world_seed, specs = plan(cfg, seed)  # timeline: raises ConfigError for an empty split
     _prepare_out(out, overwrite)
     world = build_world(cfg, world_seed)
-    n_workers = max(1, min(workers or _cpu_count(), len(shards)))
+    n_workers = max(1, min(workers or _cpu_count(), len(specs)))
     results: list[dict[str, Any]] = []
-    bar = tqdm(total=cfg.rows, unit="rows", unit_scale=True, desc=f"generate {out}",
-               disable=not progress)
-    running = _iter_results(cfg, world, out, shards, n_workers)
+    bar = tqdm(total=sum(spec.rows for spec in specs), unit="rows", unit_scale=True,
+               desc=f"generate {out}", disable=not progress)
+    running = _iter_results(cfg, world, out, specs, n_workers)
     try:
-        for res in running:
-            results.append(res)
-            bar.update(res["rows"])
+        for written in running:
+            results += written
+            bar.update(sum(res["rows"] for res in written))
     except BaseException:
         running.close()  # stops the workers before their temporary files are removed
         _remove_temps(out)  # finished shards stay, but without meta.json nothing accepts them

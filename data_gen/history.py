@@ -50,6 +50,14 @@ class Users:
         s = self.slot_cdf.shape[0] + 1
         return self.slots[group * s + slot]
 
+    def take(self, rows: np.ndarray) -> "Users":
+        """The users at `rows` (int [B'], repeats allowed) as a new B'-row Users."""
+        s = self.slot_cdf.shape[0] + 1
+        groups = (2 * rows[:, None] + np.arange(2)).reshape(-1)  # [B' * 2]
+        return Users(slots=self.slots.reshape(-1, s)[groups].reshape(-1),
+                     slot_cdf=self.slot_cdf[:, groups], switch=self.switch[rows],
+                     gap_days=self.gap_days[rows])
+
 
 @dataclass(frozen=True)
 class History:
@@ -62,6 +70,17 @@ class History:
     cluster: np.ndarray  # [T] int32, the cluster each item was drawn from
     row: np.ndarray  # [T] int32, local row of each item
     recency: np.ndarray  # [T] int32, items after this one in its row (0 = most recent)
+
+
+def row_and_recency(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For jagged rows with offsets [B + 1]: each position's row and the number of items after
+    it in its row (0 = most recent), both int32 [T]."""
+    lengths = np.diff(offsets)
+    t = int(offsets[-1])
+    row = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)  # [T]
+    recency = np.repeat((offsets[1:] - 1).astype(np.int32), lengths)
+    recency -= np.arange(t, dtype=np.int32)  # [T]
+    return row, recency
 
 
 def action_strength(n_actions: int) -> np.ndarray:
@@ -127,9 +146,7 @@ def sample_history(world: World, cfg: DataConfig, rng: np.random.Generator, user
     t = int(offsets[-1])
     item, action, age = out if out is not None else (
         np.empty(t, np.int32), np.empty(t, np.int8), np.empty(t, np.float32))
-    row = np.repeat(np.arange(b, dtype=np.int32), lengths)  # [T]
-    recency = np.repeat((offsets[1:] - 1).astype(np.int32), lengths)
-    recency -= np.arange(t, dtype=np.int32)  # [T]
+    row, recency = row_and_recency(offsets)  # [T] each
     group = row * 2
     group += recency >= np.repeat(users.switch, lengths)  # [T] 2 * row + (draw is past)
     # One uniform decides noise vs interest and, rescaled, the slot: saves a [T] draw.

@@ -16,11 +16,10 @@ import numpy as np
 import pyarrow as pa
 
 from .config import config_from_dict
-from .generate import plan_shards
-from .history import History
+from .history import History, row_and_recency
 from .planted import planted_logits
 from .schema import load_meta, read_split
-from .world import World, build_world
+from .world import World, build_world, world_seed
 
 
 def _history(world: World, table: pa.Table) -> tuple[History, np.ndarray, np.ndarray,
@@ -34,15 +33,13 @@ def _history(world: World, table: pa.Table) -> tuple[History, np.ndarray, np.nda
 
     offsets, item = flat("hist_item")
     action, age = flat("hist_action")[1], flat("hist_age")[1]
-    lengths = np.diff(offsets)
-    row = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
-    recency = (np.repeat(offsets[1:] - 1, lengths) - np.arange(item.size)).astype(np.int32)
+    row, recency = row_and_recency(offsets)
     hist = History(offsets=offsets, item=item, action=action, age=age,
                    cluster=world.item_cluster[item], row=row, recency=recency)
     cand = table.column("cand_item").to_numpy()
     n_dense = sum(1 for n in table.column_names if n.startswith("dense_"))
     dense = np.stack([table.column(f"dense_{i}").to_numpy() for i in range(n_dense)], axis=1) \
-        if n_dense else np.zeros((lengths.size, 0), np.float32)
+        if n_dense else np.zeros((offsets.size - 1, 0), np.float32)
     return hist, cand, world.item_cluster[cand], dense
 
 
@@ -52,7 +49,7 @@ def oracle_logits(data_dir: str | Path, split: str, ks: list[int]) -> dict[str, 
     meta = load_meta(data_dir)
     cfg = config_from_dict(meta["config"])
     cfg = dataclasses.replace(cfg, oracle_ks=tuple(sorted(set(int(k) for k in ks))))
-    world = build_world(cfg, plan_shards(cfg, int(meta["seed"]))[0])
+    world = build_world(cfg, world_seed(int(meta["seed"])))
     table = read_split(data_dir, split)
     hist, cand, cand_cluster, dense = _history(world, table)
     logits = planted_logits(world, cfg, hist, cand, cand_cluster, dense)

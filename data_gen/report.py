@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from .config import config_from_dict
 from .lengths import build_length_model
-from .schema import SPLITS, read_split, validate_dataset
+from .schema import SPLITS, is_timeline, read_split, split_days, validate_dataset
 
 
 def fit_zipf_slope(counts: np.ndarray, min_count: int = 20) -> dict[str, float]:
@@ -127,8 +127,21 @@ def _summary(meta: dict[str, Any], fit: dict[str, float]) -> str:
               f"over ranks 1..{fit['max_rank']}: {_fmt(fit['slope'])} (expected about "
               f"{-cfg['alpha']}).", "",
               f"Oracle: {meta.get('oracle_definition', '')}", "",
+              *_timeline_lines(meta),
               "![lengths](lengths.png)  ![popularity](popularity.png)", ""]
     return "\n".join(lines)
+
+
+def _timeline_lines(meta: dict[str, Any]) -> list[str]:
+    if not is_timeline(meta):
+        return []
+    from .timeline import seen_users_line
+
+    cfg = meta["config"]
+    days = split_days(cfg["days"])
+    return [f"Timeline: {cfg['users']:,} users over {cfg['days']} days (train days "
+            f"{days['train'][0]}-{days['train'][1]}, val day {days['val'][0]}, test day "
+            f"{days['test'][0]}); {seen_users_line(meta)}.", ""]
 
 
 def write_report(data_dir: str | Path, out_dir: str | Path | None = None,

@@ -3,8 +3,11 @@
 Layout of a data set directory:
 
     meta.json                      written last: no meta.json, no data set
-    train/part-00000.parquet ...   one row per example (see COLUMNS)
+    train/part-00000.parquet ...   one row per example (see columns())
     val/...   test/...
+
+A timeline data set (meta.json config with `users` > 0) has two more columns, the impression's
+day (1-based) and time (days since the start of day 1), and its splits are days (split_days).
 
 Sequence columns are Parquet lists (read by pyarrow as `list` or `large_list`), oldest item
 first: a model that keeps the last `max_seq_len` items keeps the END of each list.
@@ -34,6 +37,7 @@ SEQUENCE_COLUMNS = (("hist_item", pa.int32()), ("hist_action", pa.int8()),
                     ("hist_age", pa.float32()))
 HEAD_COLUMNS = (("example_id", pa.int64()), ("user_id", pa.int64()))
 TAIL_COLUMNS = (("label", pa.int8()), ("p_true", pa.float32()))
+TIMELINE_COLUMNS = (("impression_day", pa.int32()), ("impression_time", pa.float64()))
 DIGEST_METHOD = "sha256 of the newline-joined, sorted list of per-file sha256 hex digests"
 
 
@@ -52,14 +56,24 @@ class DataValidationError(ValueError):
         super().__init__(f"{', '.join(where)}: {problem}")
 
 
-def columns(n_dense: int) -> list[tuple[str, pa.DataType, bool]]:
+def columns(n_dense: int, timeline: bool = False) -> list[tuple[str, pa.DataType, bool]]:
     """Every column in file order: (name, value type, is_list)."""
-    out = [(n, t, False) for n, t in HEAD_COLUMNS]
+    out = [(n, t, False) for n, t in HEAD_COLUMNS + (TIMELINE_COLUMNS if timeline else ())]
     out += [(n, t, True) for n, t in SEQUENCE_COLUMNS]
     out.append(("cand_item", pa.int32(), False))
     out += [(f"dense_{i}", pa.float32(), False) for i in range(n_dense)]
     out += [(n, t, False) for n, t in TAIL_COLUMNS]
     return out
+
+
+def is_timeline(meta: dict[str, Any]) -> bool:
+    """Whether meta.json describes a timeline data set (see data_gen/timeline.py)."""
+    return bool(meta["config"].get("users"))
+
+
+def split_days(days: int) -> dict[str, tuple[int, int]]:
+    """The first and last day (1-based, inclusive) of each split of a `days`-day timeline."""
+    return {"train": (1, days - 2), "val": (days - 1, days - 1), "test": (days, days)}
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -92,7 +106,8 @@ def load_meta(data_dir: str | Path) -> dict[str, Any]:
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
         raise DataValidationError(f"meta.json lacks {', '.join(missing)}", file=path)
-    for key in ("vocab_size", "n_actions", "n_dense"):
+    timeline_keys = ("users", "days") if is_timeline(meta) else ()
+    for key in ("vocab_size", "n_actions", "n_dense") + timeline_keys:
         if not isinstance(meta["config"].get(key), int):
             raise DataValidationError(f"meta.json config lacks an integer {key!r}", file=path)
     for split in SPLITS:
@@ -126,13 +141,13 @@ def validate_dataset(data_dir: str | Path, *, check_digest: bool = True, deep: b
             raise DataValidationError(f"split {split!r} has no files", file=data_dir / META_FILE)
     if check_digest:
         _check_digest(data_dir, meta)
-    entries = [e for split in SPLITS for e in meta["splits"][split]["files"]]
+    entries = [(split, e) for split in SPLITS for e in meta["splits"][split]["files"]]
     if progress:
         from tqdm.auto import tqdm
 
         entries = tqdm(entries, desc=f"validate {data_dir}", unit="file")
-    for entry in entries:
-        _validate_file(data_dir, entry, meta, check_digest=check_digest, deep=deep)
+    for split, entry in entries:
+        _validate_file(data_dir, split, entry, meta, check_digest=check_digest, deep=deep)
     return meta
 
 
@@ -155,16 +170,16 @@ def read_split(data_dir: str | Path, split: str, columns: list[str] | None = Non
         _check_digest(data_dir, meta)
     tables = []
     for entry in meta["splits"][split]["files"]:
-        tables.append(read_table(data_dir, entry, meta, columns,
+        tables.append(read_table(data_dir, split, entry, meta, columns,
                                  check_digest=validate, deep=validate))
     if not tables:
         raise DataValidationError(f"split {split!r} has no files", file=data_dir / META_FILE)
     return pa.concat_tables(tables)
 
 
-def _validate_file(data_dir: Path, entry: dict[str, Any], meta: dict[str, Any], *,
+def _validate_file(data_dir: Path, split: str, entry: dict[str, Any], meta: dict[str, Any], *,
                    check_digest: bool, deep: bool) -> None:
     from ._checks import read_table
 
-    read_table(data_dir, entry, meta, None, check_digest=check_digest, deep=deep,
+    read_table(data_dir, split, entry, meta, None, check_digest=check_digest, deep=deep,
                want_table=False)

@@ -133,6 +133,12 @@ def zipf_probs(vocab_size: int, alpha: float) -> np.ndarray:
     return w / w.sum()
 
 
+def world_seed(seed: int) -> np.random.SeedSequence:
+    """The world's seed stream: the first child of the data set's seed (the rest of the
+    children seed the shards, in either mode)."""
+    return np.random.SeedSequence(seed).spawn(1)[0]
+
+
 def build_world(cfg: DataConfig, seed: np.random.SeedSequence) -> World:
     """All item-level tables for cfg, from the world's own seed stream (deterministic)."""
     rng = np.random.default_rng(seed)

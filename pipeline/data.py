@@ -64,7 +64,9 @@ class RankerData(pl.LightningDataModule):
     """Jagged batches of the train/val/test splits of a data set (data.* options).
 
     Args:
-        data_dir: a directory written by python -m data_gen generate (meta.json + splits).
+        data_dir: a directory written by python -m data_gen generate (meta.json + splits), in
+            either mode: the timeline mode's extra columns (impression day and time) are
+            validated with the rest but not loaded.
         batch_size: training examples per step and process (the last partial training batch
             is dropped). In a distributed run every step trains a global batch of world size x
             batch_size rows, split across the ranks by tokens.

@@ -45,18 +45,18 @@ def _bad_row(path: Path, min_len: int = 2) -> int:
     return int(np.flatnonzero((np.arange(lengths.size) > 600) & (lengths >= min_len))[0])
 
 
-def _rewrite(path: Path, change, resign: bool = True) -> None:
-    """Rewrite SHARD as change(table) and, unless resign=False, update meta.json's sha256 and
+def _rewrite(path: Path, change, resign: bool = True, shard: str = SHARD) -> None:
+    """Rewrite `shard` as change(table) and, unless resign=False, update meta.json's sha256 and
     digest, as if the generator had written the bad data (so the content check must catch
     it, not the checksum)."""
-    table = change(pq.read_table(path / SHARD))
-    pq.write_table(table, path / SHARD, row_group_size=512)
+    table = change(pq.read_table(path / shard))
+    pq.write_table(table, path / shard, row_group_size=512)
     if resign:
         meta = json.loads((path / "meta.json").read_text())
         for split in meta["splits"].values():
             for f in split["files"]:
-                if f["path"] == SHARD:
-                    f["sha256"] = sha256_file(path / SHARD)
+                if f["path"] == shard:
+                    f["sha256"] = sha256_file(path / shard)
         meta["digest"] = dataset_digest([f["sha256"] for s in meta["splits"].values()
                                          for f in s["files"]])
         (path / "meta.json").write_text(json.dumps(meta))
