@@ -7,6 +7,7 @@ content (nulls, alignment, ranges), batch by batch, reporting the first bad row 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -138,10 +139,12 @@ def _check_batch(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, An
     _check_scalars(path, batch, row0, cfg)
 
 
-def _check_scalars(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, Any]) -> None:
-    def col(name: str) -> np.ndarray:
-        return batch.column(name).to_numpy(zero_copy_only=False)
+def _column(batch: pa.RecordBatch, name: str) -> np.ndarray:
+    return batch.column(name).to_numpy(zero_copy_only=False)
 
+
+def _check_scalars(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, Any]) -> None:
+    col = partial(_column, batch)
     vocab = cfg["vocab_size"]
     cand = col("cand_item")
     _fail_first(path, "cand_item", (cand < 0) | (cand >= vocab), int, row0,
@@ -160,9 +163,7 @@ def _check_timeline(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str,
                     split: str) -> None:
     """A timeline row: a known user, an impression on one of its split's days, and a history
     strictly before the impression (every age > 0)."""
-    def col(name: str) -> np.ndarray:
-        return batch.column(name).to_numpy(zero_copy_only=False)
-
+    col = partial(_column, batch)
     users = cfg["users"]
     user = col("user_id")
     _fail_first(path, "user_id", (user < 0) | (user >= users), int, row0,
