@@ -6,7 +6,7 @@ The launchers are run on "meta" tensors with their kernels swapped for recorders
 the configurations the launchers would launch (block sizes, warps, stages, constexprs) are then
 compiled by Triton's own compiler down to a cubin for the chosen architecture. It catches
 compile errors before any GPU time is spent and, with --ptxas, prints registers, spills and
-shared memory per kernel: the numbers to look at when tuning block sizes (issue 4). Pointer
+shared memory per kernel: the numbers to look at when tuning block sizes. Pointer
 alignment and stride divisibility are not specialised here, so the code differs slightly from
 what runs on the GPU; compile errors and resource use are what this is for.
 """

@@ -66,7 +66,7 @@ def kernel_targets(results: Path) -> tuple[list[list[str]], str]:
     if not found:
         return [], ""
     md = found[-1].read_text()
-    rows = next((r for h in ("Targets", "Targets (issue 4)") if (r := _table_rows(md, h))), [])
+    rows = _table_rows(md, "Targets")  # also "## Targets (...)"
     return [[r[0], r[1].strip("*"), r[2]] for r in rows if len(r) >= 3], found[-1].name
 
 

@@ -64,7 +64,7 @@ def print_summary(rows: list[dict], ceilings: dict | None) -> None:
     for g in geomean_table(rows):
         op = f" {g['op']}" if g["op"] else ""
         print(f"  {g['kind']}{op} [{g['suite']}] {g['mode']:<8} vs {g['peer']:<18} {g['geomean']:.2f}x  ({g['n']} shapes)")
-    print("\n== targets (issue 4) ==")
+    print("\n== targets ==")
     for t in evaluate(rows, ceilings):
         print(f"  {t['status']:<10} {t['target']}\n             {t['detail']}")
     sys.stdout.flush()

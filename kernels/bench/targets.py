@@ -1,4 +1,4 @@
-"""The targets of issue 4, checked on measured rows: PASS / MISS (or N/A, INCOMPLETE) with numbers.
+"""The kernel benchmark targets, checked on measured rows: PASS / MISS (or N/A, INCOMPLETE) with numbers.
 
 Comparisons are never relaxed: "at least as fast" is speedup >= 1.0 exactly; a shape where ours
 did not produce a time but the peer did counts as a miss. Memory-bound ops are judged on the
