@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 import warnings
@@ -41,6 +39,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from kernels.runenv import device_name, git_commit
 from models.config import BACKENDS
 from pipeline.cli import RankerCLI
 from pipeline.errors import ConfigError
@@ -258,26 +257,9 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
     }
 
 
-def git_commit() -> str:
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parents[1])
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
 def device_slug() -> str:
     if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0).replace("NVIDIA", "").strip().split()[0].lower()
+        return device_name().replace("NVIDIA", "").strip().split()[0].lower()
     return "cpu"
 
 

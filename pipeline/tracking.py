@@ -12,13 +12,10 @@
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +26,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from kernels.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
 from pipeline.errors import ConfigError
 from pipeline.store import check_tracking, first_line, shown  # noqa: F401  (check_tracking: re-exported)
 
@@ -38,37 +36,6 @@ DEFAULT_EXPERIMENT = "jagged-rankers"
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
-
-
-@functools.lru_cache(maxsize=None)
-def git_commit() -> str:
-    """$GIT_COMMIT when set (a copy of the code whose .git is absent or stale, e.g. on a remote
-    GPU machine: pass `GIT_COMMIT=$(git rev-parse HEAD)`); else HEAD of the repo ('-dirty' when
-    tracked files differ); else 'unknown'."""
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    try:
-        run = functools.partial(subprocess.run, cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-        head = run(["git", "rev-parse", "--verify", "--quiet", "HEAD"])
-        sha = head.stdout.strip() if head.returncode == 0 else ""
-        dirty = run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip() if sha else ""
-    except (OSError, subprocess.SubprocessError):
-        sha = dirty = ""
-    if re.fullmatch(r"[0-9a-f]{40}", sha):
-        return sha + ("-dirty" if dirty else "")
-    return "unknown"
-
-
-def device_name() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return (platform.processor() or platform.machine()) + f" ({os.cpu_count()} cores)"
 
 
 def _version(pkg: str) -> str:

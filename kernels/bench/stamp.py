@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import datetime as _dt
-import os
 import platform
 import re
-import subprocess
 
 import torch
+
+from kernels.runenv import git_commit
 
 
 def gpu_name(device: torch.device) -> str:
@@ -23,30 +23,6 @@ def slug(name: str) -> str:
         return "cpu"
     s = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I).lower()
     return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
-
-
-def git_commit(explicit: str | None = None) -> str:
-    """--commit, else $GIT_COMMIT, else `git rev-parse` (+ '-dirty'), else 'unknown'.
-
-    The GPU machine gets a copy of the working tree without .git: pass the commit there.
-    """
-    if explicit:
-        return explicit
-    if os.environ.get("GIT_COMMIT"):
-        return os.environ["GIT_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        if not sha:
-            return "unknown"
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def make_stamp(device: torch.device, commit: str | None = None) -> dict:
@@ -64,7 +40,7 @@ def make_stamp(device: torch.device, commit: str | None = None) -> dict:
         "triton": triton_version,
         "cuda": torch.version.cuda or "none",
         "python": platform.python_version(),
-        "commit": git_commit(commit),
+        "commit": git_commit(commit, short=True),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
