@@ -13,6 +13,7 @@ evaluation example counted once (the data module shards evaluation without paddi
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import time
@@ -228,6 +229,7 @@ class RankerModule(pl.LightningModule):
                 dm = self.trainer.datamodule
                 self._cpu_buckets = [StaticBatch(c, dm.batch_size, self.data_spec_n_dense, dm.max_seq_len, self.device)
                                      for c in token_capacities(counts, self.token_buckets)]
+            keep_heap()
         # what is alive now (modules, compiled kernels, data) is never traversed by the garbage
         # collector again: a full collection over it took hundreds of ms, every few hundred steps
         gc.collect()
@@ -356,6 +358,31 @@ class RankerModule(pl.LightningModule):
         fused = self.device.type == "cuda" or None
         return build_optimizer(self.optimizer_name, list(self.parameters()), self.model.embed.item.weight, lr=self.lr,
                                weight_decay=self.weight_decay, betas=self.betas, fused=fused)
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_heap() -> bool:
+    """Let the C heap keep the memory a training step frees, for the next step (glibc only;
+    False where it did not apply).
+
+    By default glibc serves a large block (from 128 KiB, a threshold it raises as it goes) with
+    a fresh mmap and returns it on free, and hands the heap's free top back to the system: the
+    next step's blocks of those sizes (the item table's gradient and each optimizer temporary,
+    activations) then cost a page fault per 4 KiB page touched. Which blocks that hits depends
+    on the order of every allocation before, so it changes from run to run and from one
+    attention backend to the other. Fixed thresholds (blocks up to 32 MiB from the heap, its
+    free top returned only above 1 GiB) end that: a step reuses the pages of the one before,
+    and the process stays at its high-water mark instead of shrinking between steps.
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError, TypeError):  # no mallopt (macOS, Windows)
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
 def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, table_sync: str = "allreduce") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import platform
 import time
 
 import numpy as np
@@ -14,7 +15,7 @@ from pytorch_lightning.loggers.logger import Logger
 from models import RankerConfig
 from pipeline.callbacks import PerfMonitor, settle_steps
 from pipeline.data import RankerData
-from pipeline.module import RankerModule
+from pipeline.module import RankerModule, keep_heap
 from test_pipeline_data import tiny_data_dir
 
 SLOW_S = 1000.0  # what each slow hook adds to the monitor's clock
@@ -116,3 +117,8 @@ def test_settled_at_the_first_step_of_a_stable_stretch():
     relapse = np.array(steady[:20] + [200.0] * 8 + steady)
     assert settle_steps(relapse, 10.0) > 20
     assert settle_steps(np.array([10.0, 50.0, 50.0]), 10.0) == 3  # never settles
+
+
+def test_keep_heap_applies_where_the_c_library_is_glibc():
+    """The heap thresholds are glibc's (mallopt); elsewhere keep_heap changes nothing and says so."""
+    assert keep_heap() is (platform.libc_ver()[0] == "glibc")
