@@ -114,7 +114,7 @@ def test_shipped_ablations_expand():
     assert dirs["0.25"].dir == Path("/d/fill025") and dirs["0.25"].overrides["max_len"] == 1024
     assert all(p.overrides["data.max_seq_len"] == 1024 for p in sparsity.points)
     parity = load(ABLATIONS / "auc_parity.yaml", Path("/d"))  # the same data set as sparsity's fill 0.25
-    assert {p.dataset.dir for p in parity.points} == {Path("/d/fill025")}
+    assert {p.dataset.dir for p in parity.points} == {Path("/d/fill025_1m")}
     assert {p.dataset.overrides["mean_len"] for p in parity.points} == {256}
     assert sorted({p.overrides["seed_everything"] for p in parity.points}) == [0, 1, 2]
     model = load(ABLATIONS / "model.yaml", REPO / "data")
@@ -223,7 +223,8 @@ def test_parallel_runs_are_tagged_prefixed_and_flagged_in_the_report(smoke, tmp_
     df = runs_.runs_frame([ok, bad], ["backend", "max_seq_len"])
     (note,) = [ln for ln in shared_device_note(df) if ln]
     assert "2 of these runs shared the GPU" in note and "--parallel 2" in note
-    assert shared_device_note(df.with_columns(parallel=df["parallel"].str.replace("2", "1"))) == []
+    alone = df.with_columns(parallel=df["parallel"].str.replace("2", "1"), concurrent=df["concurrent"].str.replace("2", "1"))
+    assert shared_device_note(alone) == []
 
 
 def test_parallel_must_be_positive(capsys):
