@@ -5,6 +5,7 @@ must be set before any module decorates a kernel, which is why it is set here, f
 """
 
 import os
+import zlib
 
 import torch
 
@@ -16,8 +17,12 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    # Fresh but reproducible random inputs per test: the seed depends on the test's id.
-    seed = abs(hash(request.node.nodeid)) % (2**31)
+    # Fresh but reproducible random inputs per test: the seed is a checksum of the test's id,
+    # the same in every process (Python's str hash is salted per process, so a failure seen
+    # once could not be replayed).
+    # TEST_SEED_SALT=k draws another reproducible set, to look for tolerance tails.
+    salt = os.environ.get("TEST_SEED_SALT", "")
+    seed = zlib.crc32((salt + request.node.nodeid).encode())
     torch.manual_seed(seed)
     yield
 
