@@ -3,10 +3,41 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Optional
 
 BACKENDS = ("dense", "sdpa", "jagged")
+
+
+class InvalidConfig(ValueError):
+    """A ranker setting that cannot work; the message names the option (the CLI prints it alone)."""
+
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass
+class UserEmbeddingConfig:
+    """A user embedding learned offline (python -m pipeline.user_embeddings) as a ranker feature.
+
+    Args:
+        dim: width of the embeddings in the file (checked against it).
+        path: the Parquet file written by `pipeline.user_embeddings export` (its manifest
+            <path>.json beside it).
+        lag_days: an impression on day t reads the newest embedding with as_of_day <= t -
+            lag_days (an embedding as of day d is computed from the logs before day d).
+    """
+
+    dim: int
+    path: str
+    lag_days: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dim <= 0:
+            raise InvalidConfig(f"user_embedding.dim must be > 0, got {self.dim}")
+        if self.lag_days < 0:
+            raise InvalidConfig(f"user_embedding.lag_days must be >= 0 (a negative lag reads embeddings "
+                             f"computed after the impression: leakage), got {self.lag_days}")
+        if not str(self.path):
+            raise InvalidConfig("user_embedding.path is empty")
 
 
 @dataclass
@@ -28,6 +59,8 @@ class RankerConfig:
         mlp_dims: hidden widths of the final MLP.
         kernel_backend: the kernels' implementation: auto (Triton on CUDA, torch reference on
             CPU), torch (the reference everywhere, for debugging) or triton.
+        user_embedding: a user embedding learned offline, joined to each example as of its
+            day (timeline data only): {dim, path, lag_days}; none by default.
     """
 
     backend: Literal["dense", "sdpa", "jagged"] = "jagged"
@@ -41,20 +74,29 @@ class RankerConfig:
     pool_heads: int = 4
     mlp_dims: list[int] = field(default_factory=lambda: [256, 128])
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
+    user_embedding: Optional[UserEmbeddingConfig] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.user_embedding, dict):  # from a checkpoint's hyperparameters
+            self.user_embedding = UserEmbeddingConfig(**self.user_embedding)
         if self.backend not in BACKENDS:
-            raise ValueError(f"ranker backend must be one of {BACKENDS}, got {self.backend!r}")
+            raise InvalidConfig(f"ranker backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
+            raise InvalidConfig(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         for name in ("embed_dim", "num_heads", "ffn_mult", "num_age_buckets", "pool_heads"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ranker {name} must be > 0, got {getattr(self, name)}")
+                raise InvalidConfig(f"ranker {name} must be > 0, got {getattr(self, name)}")
         if self.num_layers < 0:
-            raise ValueError(f"ranker num_layers must be >= 0, got {self.num_layers}")
+            raise InvalidConfig(f"ranker num_layers must be >= 0, got {self.num_layers}")
         if self.embed_dim % self.num_heads:
-            raise ValueError(
+            raise InvalidConfig(
                 f"ranker embed_dim ({self.embed_dim}) must be a multiple of num_heads ({self.num_heads})"
             )
         if any(d <= 0 for d in self.mlp_dims):
-            raise ValueError(f"ranker mlp_dims must all be > 0, got {self.mlp_dims}")
+            raise InvalidConfig(f"ranker mlp_dims must all be > 0, got {self.mlp_dims}")
+
+
+def feature_width(n_dense: int, cfg: RankerConfig) -> int:
+    """Columns of a batch's "dense" tensor: the data set's n_dense features, then, with a user
+    embedding, its dim values and a known flag (1: joined, 0: the user has none yet)."""
+    return n_dense + (cfg.user_embedding.dim + 1 if cfg.user_embedding is not None else 0)

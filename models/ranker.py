@@ -18,7 +18,12 @@ class Ranker(nn.Module):
     ``cfg.backend``) -> target attention of the candidate over the encoded history
     -> candidate-conditioned pooling of the history (interaction block)
     -> MLP over [candidate, mean of the encoded history, target attention, pooling,
-    dense features, log1p(length)] -> logit.
+    dense features, user embedding, log1p(length)] -> logit.
+
+    With ``cfg.user_embedding`` the ``dense`` input carries, after the data set's n_dense
+    features, an embedding learned offline (dim values) and a known flag: rows without one
+    (a user not seen before its as-of day) use a learned "unknown" vector instead. The vector
+    goes through LayerNorm and a projection to embed_dim.
 
     The parameters do not depend on the backend: a state_dict of one loads into the others.
     ``sparse_item_grad`` makes the item table's gradient sparse (how it is computed, not what:
@@ -35,8 +40,14 @@ class Ranker(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.target = TargetAttention(d, cfg.num_heads) if cfg.target_attention else None
         self.interaction = HistoryInteraction(d, cfg.pool_heads) if cfg.interaction else None
+        self.n_dense = n_dense
         self.dense_proj = nn.Linear(n_dense, d) if n_dense > 0 else None
-        in_dim = d * (2 + cfg.target_attention + cfg.pool_heads * cfg.interaction + (n_dense > 0)) + 1
+        user = cfg.user_embedding
+        if user is not None:
+            self.user_unknown = nn.Parameter(torch.zeros(user.dim))
+            self.user_proj = nn.Sequential(nn.LayerNorm(user.dim), nn.Linear(user.dim, d))
+        n_feats = 2 + cfg.target_attention + cfg.pool_heads * cfg.interaction + (n_dense > 0) + (user is not None)
+        in_dim = d * n_feats + 1
         self.head = mlp(in_dim, cfg.mlp_dims)
 
     def forward(
@@ -53,7 +64,8 @@ class Ranker(nn.Module):
 
         hist_item [T] int32/int64, hist_action [T] integer, hist_age [T] float (days): the
         histories, jagged by offsets [B+1] int64 (each at most max_seq_len long, most recent
-        items kept); cand_item [B] integer; dense [B, n_dense] float.
+        items kept); cand_item [B] integer; dense [B, feature_width] float (models.feature_width:
+        the data set's dense features, then the user embedding's columns if configured).
         """
         hist = Histories(offsets, max_seq_len, self.cfg.backend, self.cfg.kernel_backend)
         x = hist.layout(self.embed(hist_item, hist_action, hist_age))  # [T, D] or [B, N, D]
@@ -67,11 +79,19 @@ class Ranker(nn.Module):
         if self.interaction is not None:
             feats.append(self.interaction(cand, x, hist))
         if self.dense_proj is not None:
-            feats.append(self.dense_proj(dense))
+            feats.append(self.dense_proj(dense[:, :self.n_dense]))
+        if self.cfg.user_embedding is not None:
+            feats.append(self._user(dense[:, self.n_dense:]))
         feats.append(torch.log1p(hist.lengths.to(cand.dtype))[:, None])
         feats = [f.to(cand.dtype) for f in feats]
         logits = self.head(torch.cat(feats, dim=-1)).squeeze(-1)  # [B]
         return logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32
+
+    def _user(self, cols: torch.Tensor) -> torch.Tensor:
+        """[B, dim + 1] (embedding, known flag) -> [B, D]; unknown rows take the learned vector."""
+        emb, known = cols[:, :-1], cols[:, -1:] > 0.5
+        emb = torch.where(known, emb, self.user_unknown.to(emb.dtype))
+        return self.user_proj(emb.to(self.user_unknown.dtype))
 
     @staticmethod
     def _mean(x: torch.Tensor, hist: Histories) -> torch.Tensor:

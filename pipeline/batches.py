@@ -39,7 +39,12 @@ def _flat(col: pa.ChunkedArray) -> np.ndarray:
 
 
 class JaggedSplit:
-    """One split as flat arrays: histories (values + row offsets), candidate, dense, label."""
+    """One split as flat arrays: histories (values + row offsets), candidate, dense, label, the
+    user and the impression day (0 for a per-example data set, which has no days).
+
+    ``attach_user_features`` adds per-row columns (a user embedding joined as of the row's day)
+    that ``gather`` appends to the batch's "dense" tensor.
+    """
 
     def __init__(self, table: pa.Table, n_dense: int):
         self.num_rows = table.num_rows
@@ -59,8 +64,23 @@ class JaggedSplit:
             [_flat(table.column(f"dense_{i}")).astype(np.float32, copy=False) for i in range(n_dense)], axis=1
         ) if n_dense else np.zeros((self.num_rows, 0), np.float32)  # [R, n_dense]
         self.label = _flat(table.column("label")).astype(np.float32)
+        self.user = _flat(table.column("user_id")).astype(np.int64, copy=False)
+        self.day = (_flat(table.column("impression_day")).astype(np.int32, copy=False)
+                    if "impression_day" in table.column_names else np.zeros(self.num_rows, np.int32))
+        self.user_features = None
 
-    ARRAYS = ("row_offsets", "item", "action", "age", "cand", "dense", "label")  # the whole state
+    ARRAYS = ("row_offsets", "item", "action", "age", "cand", "dense", "label", "user", "day")  # the whole state
+
+    def attach_user_features(self, table: np.ndarray, rows: np.ndarray) -> None:
+        """Per-row features from a table: row r gets table[rows[r]] and a known flag 1, or zeros
+        and flag 0 where rows[r] < 0. table: [E, dim] float32; rows: [R] int."""
+        if len(rows) != self.num_rows:
+            raise ValueError(f"{len(rows)} feature rows for a split of {self.num_rows}")
+        padded = np.concatenate([np.asarray(table, np.float32), np.zeros((1, table.shape[1]), np.float32)])
+        known = np.ones((len(padded), 1), np.float32)
+        known[-1] = 0.0
+        self.user_features = (np.concatenate([padded, known], axis=1),  # [E + 1, dim + 1]
+                              np.where(rows < 0, len(table), rows).astype(np.int64))
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The split's flat arrays by name (see ARRAYS): what ``from_arrays`` rebuilds it from."""
@@ -73,9 +93,11 @@ class JaggedSplit:
         for name in cls.ARRAYS:
             setattr(self, name, arrays[name])
         self.num_rows = len(self.cand)
+        self.user_features = None
         n_items = int(self.row_offsets[-1]) if len(self.row_offsets) else -1
         if (len(self.row_offsets) != self.num_rows + 1 or self.dense.ndim != 2
                 or len(self.dense) != self.num_rows or len(self.label) != self.num_rows
+                or len(self.user) != self.num_rows or len(self.day) != self.num_rows
                 or min(len(self.item), len(self.action), len(self.age)) < n_items):
             raise ValueError("inconsistent split arrays (row counts or history lengths differ)")
         return self
@@ -93,13 +115,17 @@ class JaggedSplit:
         total = int(offsets[-1])
         # row t of the batch reads values[end_b - keep_b + (t - offsets_b)]
         src = np.arange(total, dtype=np.int64) + np.repeat(end - keep - offsets[:-1], keep)
+        dense = self.dense[idx]
+        if self.user_features is not None:
+            table, rows = self.user_features
+            dense = np.concatenate([dense, table[rows[idx]]], axis=1)
         return {
             "hist_item": torch.from_numpy(self.item[src]),  # [T] int32
             "hist_action": torch.from_numpy(self.action[src]),  # [T] int8
             "hist_age": torch.from_numpy(self.age[src]),  # [T] float32
             "offsets": torch.from_numpy(offsets),  # [B+1] int64
             "cand_item": torch.from_numpy(self.cand[idx]),  # [B] int32
-            "dense": torch.from_numpy(self.dense[idx]),  # [B, n_dense] float32
+            "dense": torch.from_numpy(dense),  # [B, models.feature_width] float32
             "label": torch.from_numpy(self.label[idx]),  # [B] float32
             "n_tokens": total,
             "max_seq_len": int(max_seq_len),

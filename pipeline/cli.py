@@ -49,6 +49,7 @@ from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
+from models.config import InvalidConfig
 from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar
 from pipeline.data import RankerData
 from pipeline.dist import launch_rank_zero
@@ -146,6 +147,8 @@ class RankerCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed_to_int)
         parser.link_arguments("data.spec", "model.data_spec", apply_on="instantiate")
+        # the ranker's user embedding option tells the data module what to join
+        parser.link_arguments("model.ranker.user_embedding", "data.user_embedding")
 
     def parse_arguments(self, parser, args) -> None:
         try:
@@ -243,6 +246,20 @@ class RankerCLI(LightningCLI):
         run: MLflowRun = self._get(self.config_init, "mlflow")
         meta = Path(self.datamodule.data_dir) / "meta.json"
         log_run_inputs(self._params(self.subcommand, params), config_yaml, meta, resumed=run.resumed)
+        self._log_user_embedding()
+
+    def _log_user_embedding(self) -> None:
+        """The joined embedding file's identity and, per split, the examples whose user had none."""
+        dm = self.datamodule
+        if dm.user_embedding is None or not dm.user_embedding_stats:
+            return
+        mlflow.set_tags({"user_embedding.sha256": dm.user_embedding_manifest["sha256"],
+                         "user_embedding.encoder_run_id": str(dm.user_embedding_manifest.get("encoder_run_id", ""))})
+        for split, st in dm.user_embedding_stats.items():
+            mlflow.log_metrics({f"data/{split}_user_embedding_missing": st.missing,
+                                f"data/{split}_user_embedding_missing_share": st.missing_share})
+            print(f"user embeddings ({split}): {st.missing:,} of {st.rows:,} examples ({st.missing_share:.1%}) have "
+                  f"none as of day - {dm.user_embedding.lag_days}: they use the learned unknown vector", flush=True)
 
     def before_fit(self) -> None:
         if launch_rank_zero():
@@ -329,8 +346,11 @@ _DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 def ending(err: BaseException) -> tuple[int, str, str] | None:
     """(exit status, run status, one-line message) of an error that needs no traceback."""
-    if isinstance(err, ConfigError):
-        return 2, "FAILED", f"error: {err}"
+    cause = err
+    while cause is not None and not isinstance(cause, (ConfigError, InvalidConfig)):
+        cause = cause.__cause__  # jsonargparse wraps what a config class raised while parsing
+    if cause is not None:
+        return 2, "FAILED", f"error: {cause}"
     if isinstance(err, FloatingPointError):  # NaN/inf loss
         return 1, "FAILED", f"error: {err}"
     if isinstance(err, SIGTERMException):

@@ -30,6 +30,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -41,23 +42,27 @@ from data_gen.schema import (
     META_FILE,
     DataValidationError,
     dataset_digest,
+    is_timeline,
     load_meta,
     read_split,
     sha256_file,
     validate_dataset,
 )
+from models.config import UserEmbeddingConfig
 from pipeline.batches import HIST_COLUMNS, BatchDataset, EpochBatchSampler, JaggedSplit
 from pipeline.errors import ConfigError
+from pipeline.user_features import JoinStats, UserEmbeddings, join_as_of, read_embeddings
 
 SPLITS = ("train", "val", "test")
 CACHE_DIR = ".cache"  # under the data directory
-CACHE_VERSION = 2  # bump when JaggedSplit's arrays or the marker change meaning
+CACHE_VERSION = 3  # bump when JaggedSplit's arrays or the marker change meaning
 CACHE_MARKER = "complete.json"  # written last: a split directory without it is never read
 log = logging.getLogger(__name__)
 
 
-def _columns(n_dense: int) -> list[str]:
-    return [*HIST_COLUMNS, "cand_item", *(f"dense_{i}" for i in range(n_dense)), "label"]
+def _columns(n_dense: int, timeline: bool) -> list[str]:
+    return [*HIST_COLUMNS, "cand_item", *(f"dense_{i}" for i in range(n_dense)), "label", "user_id",
+            *(["impression_day"] if timeline else [])]
 
 
 class RankerData(pl.LightningDataModule):
@@ -78,6 +83,9 @@ class RankerData(pl.LightningDataModule):
             a function of (seed, epoch, rank, world size).
         cache: reuse the decoded arrays of earlier processes (memory-mapped .npy files under
             <data_dir>/.cache/), and write them after a full read.
+        user_embedding: set from model.ranker.user_embedding (not by hand): every example is
+            joined to its user's newest embedding as of its day - lag (pipeline/user_features.py);
+            the counts of examples without one are in ``user_embedding_stats``.
     """
 
     def __init__(
@@ -89,6 +97,7 @@ class RankerData(pl.LightningDataModule):
         num_workers: int = 2,
         seed: int = 0,
         cache: bool = True,
+        user_embedding: Optional[UserEmbeddingConfig] = None,
     ):
         super().__init__()
         if max_seq_len <= 0:
@@ -111,6 +120,18 @@ class RankerData(pl.LightningDataModule):
             "digest": str(self.meta.get("digest", "")),
         }
         self._splits: dict[str, JaggedSplit] = {}
+        if isinstance(user_embedding, dict):
+            user_embedding = UserEmbeddingConfig(**user_embedding)
+        if user_embedding is not None and not is_timeline(self.meta):
+            raise ConfigError(f"model.ranker.user_embedding needs a timeline data set (days and returning users); "
+                              f"{self.data_dir!r} is per-example data (generate one with --preset timeline)")
+        self.user_embedding = user_embedding
+        self._embeddings: UserEmbeddings | None = None
+        self.user_embedding_stats: dict[str, JoinStats] = {}
+
+    @property
+    def user_embedding_manifest(self) -> dict:
+        return self._embeddings.manifest if self._embeddings is not None else {}
 
     def load_splits(self, stage: str) -> None:
         """Load and fully validate every split that `stage` reads (fit: all three, as it tests
@@ -124,7 +145,21 @@ class RankerData(pl.LightningDataModule):
         wanted = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)}.get(stage, SPLITS)
         for split in wanted:
             if split not in self._splits:
-                self._splits[split] = load_split(self.data_dir, split, self.spec["n_dense"], cache=self.cache)
+                data = load_split(self.data_dir, split, self.spec["n_dense"], cache=self.cache)
+                if self.user_embedding is not None:
+                    self._join_user_embeddings(split, data)
+                self._splits[split] = data
+
+    def _join_user_embeddings(self, split: str, data: JaggedSplit) -> None:
+        cfg = self.user_embedding
+        if self._embeddings is None:  # read and checked once, before the first split is joined
+            self._embeddings = read_embeddings(cfg.path, data_digest=self.spec["digest"], dim=cfg.dim)
+        rows, stats = join_as_of(data.user, data.day, self._embeddings, cfg.lag_days)
+        data.attach_user_features(self._embeddings.table, rows)
+        self.user_embedding_stats[split] = stats
+        log.info("user embeddings, %s split: %d of %d examples (%.1f%%) have none as of their day - %d "
+                 "and use the unknown vector", split, stats.missing, stats.rows, 100 * stats.missing_share,
+                 cfg.lag_days)
 
     def _sampler(self, split: str, batch_size: int, train: bool) -> EpochBatchSampler:
         data = self._splits[split]
@@ -194,10 +229,11 @@ def _batches_per_epoch(available: int, limit: int | float | None) -> int:
 
 def load_split(data_dir: str | Path, split: str, n_dense: int, *, cache: bool = True) -> JaggedSplit:
     """One split as a JaggedSplit: from a valid cache, else a full validated read (then cached)."""
-    if not cache:
-        return JaggedSplit(read_split(data_dir, split, columns=_columns(n_dense)), n_dense)
     data_dir = Path(data_dir)
     meta = load_meta(data_dir)
+    columns = _columns(n_dense, is_timeline(meta))
+    if not cache:
+        return JaggedSplit(read_split(data_dir, split, columns=columns), n_dense)
     entries = meta["splits"][split]["files"] if split in meta["splits"] else []
     digest = str(meta["digest"])
     usable = bool(re.fullmatch(r"[0-9a-f]{16,}", digest)) and bool(entries)
@@ -206,7 +242,7 @@ def load_split(data_dir: str | Path, split: str, n_dense: int, *, cache: bool = 
         if cached is not None:
             return cached
     before = _shard_stats(data_dir, entries)
-    data = JaggedSplit(read_split(data_dir, split, columns=_columns(n_dense)), n_dense)  # hashes every shard
+    data = JaggedSplit(read_split(data_dir, split, columns=columns), n_dense)  # hashes every shard
     if usable and before is not None and _shard_stats(data_dir, entries) == before:  # unchanged while read
         arrays = data.arrays()
         marker = {"version": CACHE_VERSION, "digest": digest, "split": split, "n_dense": n_dense,

@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
-from models import Ranker, RankerConfig
+from models import Ranker, RankerConfig, feature_width
 from pipeline.dist import all_reduce, rank, throttle_sigterm_check, world_size
 from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
@@ -142,7 +142,7 @@ class RankerModule(pl.LightningModule):
         table = self.model.embed.item.weight
         self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()), manual_table=self.cuda_graphs,
                                   table_sync=table_sync)
-        self.data_spec_n_dense = int(data_spec["n_dense"])
+        self.data_spec_n_dense = feature_width(int(data_spec["n_dense"]), ranker)  # a batch's "dense" columns
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         # the epoch's running mean and its epoch are checkpointed, so a run resumed mid-epoch

@@ -12,7 +12,8 @@
 # The accuracy parts may share the call with the GPU kernel tests (both are correctness only;
 # never with tune_ops or the benchmarks, whose timings need the GPU alone):
 #   PARTS=tests bash experiments/gpu/kernels.sh & PARTS="auc_parity history_value" bash experiments/gpu/ablations.sh; wait
-# Parts (NAME or NAME@axis=label,...: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), history_value,
+# Parts (NAME or NAME@axis=label,...: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), alure
+# (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
@@ -80,6 +81,19 @@ for spec in $PARTS; do
   case $part in
     seq_len|sparsity|compile|smoke|batch_size) sweep "$part" "${where[@]}" "${through[@]}" ;;
     history_value|model|auc_parity) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
+    alure)  # the user encoder (days 1-12) and its daily export, once per machine; then the ranker sweep
+      ue=data/timeline/user_embeddings
+      if [ ! -f "$ue/emb.parquet.json" ]; then
+        timeout $(( $(left) - 200 )) python3 -m pipeline.user_embeddings fit --data data/timeline --embed-dim 128 \
+          --dim 64 --max-seq-len 4096 --out "$ue/encoder.pt" >> "$log" 2>&1 \
+          && timeout $(( $(left) - 150 )) python3 -m pipeline.user_embeddings export --data data/timeline \
+          --encoder "$ue/encoder.pt" --out "$ue/emb.parquet" >> "$log" 2>&1
+        echo "alure encoder rc=$? at ${SECONDS}s" | tee -a "$log"
+      fi
+      mkdir -p experiments/results/alure
+      cp -f "$ue/encoder.pt.json" experiments/results/alure/encoder.json 2>/dev/null
+      cp -f "$ue/emb.parquet.json" experiments/results/alure/embeddings.json 2>/dev/null
+      sweep alure "${where[@]}" "${through[@]}" ;;
     profile)
       timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
         --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1
