@@ -19,7 +19,9 @@ users). Every key but ``name`` and ``grid`` is optional::
                         max_auc_diff: 0.002}],         # PASS/MISS table: baseline vs `vs` at `at`
              profile: "profile_paper_*.md",            # pipeline.profile output to quote (results root)
              seeds: seed,                              # an axis of seeds: AUC spread; targets on means
-             converged_within: 0.002}                  # val AUC change over the last check that counts as flat
+             converged_within: 0.002,                  # val AUC change over the last check that counts as flat
+             recovery: {low: short, high: long, candidates: [short_emb], min_share: 0.7,
+                        max_cost_ratio: 0.5}}          # share of the low->high AUC gain a candidate recovers
 
 A dataset is ``{dir: PATH}`` (must exist) or ``{preset: P, [name: N], [seed: S], [<data_gen
 key>: value ...]}``: the directory ``<data root>/<name or preset>``, written by ``python -m
@@ -47,7 +49,7 @@ from pipeline.tracking import REPO_ROOT
 CONFIGS = REPO_ROOT / "experiments" / "configs"
 DEFAULT_EXPERIMENT = "ablations"
 _TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "report"}
-_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds", "converged_within"}
+_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds", "converged_within", "recovery"}
 _TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff"}
 CODE_PACKAGES = ("data_gen", "kernels", "models", "pipeline")  # what a fit runs
 
@@ -267,11 +269,27 @@ def load(path: str | Path, data_root: Path, data_dir: str | None = None,
         if report.get(key) and report[key] not in labels:
             raise ConfigError(f"{path}: report.{key} {report[key]!r} is not an axis ({list(labels)})")
     _check_targets(path, report, points)
+    _check_recovery(path, report, points)
     return Ablation(
         name=str(raw["name"]), path=path.resolve(), description=str(raw.get("description", "")),
         experiment=str(raw.get("experiment", DEFAULT_EXPERIMENT)), configs=configs,
         timeout_s=raw.get("timeout_s"), report=report, axes=[a for a, _ in axes], points=points, raw=raw,
     )
+
+
+def _check_recovery(path: Path, report: dict, points: list[Point]) -> None:
+    """report.recovery names labels of the x axis: low, high and candidates, with both limits."""
+    rec = report.get("recovery")
+    if rec is None:
+        return
+    keys = {"low", "high", "candidates", "min_share", "max_cost_ratio"}
+    if not isinstance(rec, dict) or set(rec) != keys or not isinstance(rec["candidates"], list):
+        raise ConfigError(f"{path}: report.recovery needs exactly {sorted(keys)} (candidates a list)")
+    x = report.get("x")
+    labels = {p.labels.get(x) for p in points}
+    for name in [rec["low"], rec["high"], *rec["candidates"]]:
+        if str(name) not in labels:
+            raise ConfigError(f"{path}: report.recovery names {name!r}, not a label of the x axis {x!r}")
 
 
 def _check_targets(path: Path, report: dict, points: list) -> None:

@@ -225,6 +225,51 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
     return lines
 
 
+def recovery_section(df: pl.DataFrame, x: str, spec: dict, mem: str, out: Path | None = None) -> list[str]:
+    """report.recovery: how much of the AUC gain from point `low` to point `high` of axis x each
+    candidate recovers, (AUC(c) - AUC(low)) / (AUC(high) - AUC(low)), and at what online cost
+    relative to `high` (time per training example: ex/s(high) / ex/s(c); peak memory ratio).
+    PASS when the share is >= min_share and both cost ratios are < max_cost_ratio. The offline
+    encoder's own cost (encoder.json beside the report, from pipeline.user_embeddings) is quoted."""
+    rec = spec.get("recovery")
+    if not rec:
+        return []
+    rows = {r[x]: r for r in df.iter_rows(named=True)}
+    low, high = rows.get(str(rec["low"])), rows.get(str(rec["high"]))
+    lines = ["", "## Recovery of the long history's gain", "",
+             f"Share of the test-AUC gain from `{rec['low']}` to `{rec['high']}` that each variant recovers, and its "
+             f"online cost relative to `{rec['high']}` (time per training example, peak memory). Goal: share >= "
+             f"{rec['min_share']} at cost ratios < {rec['max_cost_ratio']}.", ""]
+    if not low or not high or low["status"] != "OK" or high["status"] != "OK":
+        return lines + [f"NOT MEASURED: `{rec['low']}` or `{rec['high']}` did not finish."]
+    gain = high["test/auc"] - low["test/auc"]
+    lines += [f"AUC {rec['low']} {low['test/auc']:.4f}, {rec['high']} {high['test/auc']:.4f}: gain {gain:+.4f}.", "",
+              "| variant | test AUC | share of the gain | time per example vs high | memory vs high | result |",
+              "|---|---|---|---|---|---|"]
+    for name in rec["candidates"]:
+        c = rows.get(str(name))
+        if c is None or c["status"] != "OK":
+            lines.append(f"| {name} | - | - | - | - | NOT MEASURED ({'missing' if c is None else c['status']}) |")
+            continue
+        share = (c["test/auc"] - low["test/auc"]) / gain if gain > 0 else None
+        cost, memory = _div(high.get(THROUGHPUT), c.get(THROUGHPUT)), _div(c.get(mem), high.get(mem))
+        ok = (share is not None and share >= rec["min_share"] and cost is not None and memory is not None
+              and cost < rec["max_cost_ratio"] and memory < rec["max_cost_ratio"])
+        lines.append(f"| {name} | {c['test/auc']:.4f} | {runs_.fmt(share, '.2f')} | {runs_.fmt(cost, '.2f')}x | "
+                     f"{runs_.fmt(memory, '.2f')}x | {'PASS' if ok else 'MISS'} |")
+    if gain <= 0:
+        lines += ["", f"No gain from `{rec['low']}` to `{rec['high']}` at this budget: no share to recover."]
+    encoder = out / "encoder.json" if out is not None else None
+    if encoder is not None and encoder.is_file():
+        e = json.loads(encoder.read_text())
+        r = e["results"]
+        lines += ["", f"Encoder ({e['device']}, commit {str(e['commit'])[:12]}): {e['impressions']:,} impressions of "
+                  f"days 1-{e['days_trained']}, histories up to {e['config']['max_seq_len']} items; "
+                  f"{r['train/examples_per_s']:,.0f} examples/s, {r['train/seconds_per_day']:.1f} s per day of data, "
+                  f"validation AUC {r['val/auc']:.4f}."]
+    return lines
+
+
 def _mean_row(runs: pl.DataFrame) -> dict | None:
     """One row standing for several seeds of a point: metric means; status OK only if all are."""
     if runs.height == 0:
@@ -351,6 +396,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     lines += seeds_section(df, spec.get("seeds"), names)
     lines += convergence_section(client, df, names, float(spec.get("converged_within", 0.002)))
     lines += targets_section(df, spec, mem)
+    lines += recovery_section(df, x, spec, mem, out)
     lines += profile_section(out_root, spec.get("profile"))
     oracle = oracle_of(client, df) if spec.get("oracle") else None
     if oracle:

@@ -169,3 +169,27 @@ def test_convergence_section_judges_the_last_validation_interval():
     assert [r.split("|")[-2].strip() for r in rows] == ["flat", "rising", "falling"]
     assert "200-300" in rows[0] and "+0.0050" in rows[0]
     assert convergence_section(client, df.filter(pl.col("run_id") == "d"), ["backend", "seed"], 0.002) == []
+
+
+def test_recovery_section_shares_of_the_gain_and_costs(tmp_path):
+    df = pl.DataFrame({
+        "variant": ["short", "long", "short_emb", "short_emb_lag3", "long_emb"],
+        "status": ["OK", "OK", "OK", "OK", "FAILED"],
+        report.THROUGHPUT: [400.0, 100.0, 380.0, 390.0, None],
+        "mem/train_peak_allocated_mb": [10.0, 40.0, 12.0, 12.0, None],
+        "test/auc": [0.70, 0.74, 0.732, 0.71, None],
+    })
+    spec = {"recovery": {"low": "short", "high": "long", "candidates": ["short_emb", "short_emb_lag3", "long_emb"],
+                         "min_share": 0.7, "max_cost_ratio": 0.5}}
+    (tmp_path / "encoder.json").write_text(json.dumps({
+        "device": "GPU", "commit": "abc", "impressions": 1000, "days_trained": 12, "config": {"max_seq_len": 4096},
+        "results": {"train/examples_per_s": 5000.0, "train/seconds_per_day": 3.5, "val/auc": 0.7}}))
+    lines = report.recovery_section(df, "variant", spec, "mem/train_peak_allocated_mb", tmp_path)
+    assert "| short_emb | 0.7320 | 0.80 | 0.26x | 0.30x | PASS |" in lines
+    assert "| short_emb_lag3 | 0.7100 | 0.25 | 0.26x | 0.30x | MISS |" in lines
+    assert "| long_emb | - | - | - | - | NOT MEASURED (FAILED) |" in lines
+    assert any("5,000 examples/s, 3.5 s per day of data" in ln for ln in lines)
+    assert report.recovery_section(df, "variant", {}, "x") == []
+    no_long = df.with_columns(pl.when(pl.col("variant") == "long").then(pl.lit("OOM")).otherwise(pl.col("status"))
+                              .alias("status"))
+    assert "NOT MEASURED" in report.recovery_section(no_long, "variant", spec, "x")[-1]
