@@ -10,7 +10,7 @@ Every public op takes ``backend="torch" | "triton" | "auto"``; see ``kernels._di
 """
 
 from kernels._validation import set_debug_checks
-from kernels.conversions import jagged_to_padded, padded_to_jagged
+from kernels.conversions import jagged_to_padded, offsets_from_lengths, padded_to_jagged
 from kernels.softmax import jagged_softmax
 from kernels.bmm import jagged_dense_bmm, jagged_jagged_bmm
 from kernels.elementwise import jagged_dense_elementwise_add, jagged_dense_elementwise_mul
@@ -19,6 +19,7 @@ from kernels.dense_attention import jagged_dense_attention
 
 __all__ = [
     "set_debug_checks",
+    "offsets_from_lengths",
     "jagged_to_padded",
     "padded_to_jagged",
     "jagged_softmax",

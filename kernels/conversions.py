@@ -227,3 +227,13 @@ def padded_to_jagged(
 
         return padded_to_jagged_triton(padded, offsets, total)
     return torch.ops.jagged.padded_to_jagged(padded, offsets, total, be)
+
+
+def offsets_from_lengths(lengths, device=None, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Offsets [B+1] (0, then the running sum) of sequences with these lengths (a list or a
+    tensor [B]), as `dtype` on `device` (default: the lengths' device, or the CPU)."""
+    lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+    torch.cumsum(lengths.reshape(-1), 0, out=offsets[1:])
+    return offsets.to(device=device if device is not None else lengths.device, dtype=dtype)
+

@@ -25,7 +25,7 @@ from pipeline.errors import ConfigError
 
 METRICS = {  # metric key -> (column title, format)
     "test/auc": ("test AUC", ".4f"),
-    "test/ne": ("test NE", ".4f"),
+    "test/ne": ("test NE (train CTR)", ".4f"),
     "test/logloss": ("test log loss", ".4f"),
     "perf/train_examples_per_s": ("train ex/s", ",.0f"),
     "perf/train_tokens_per_s": ("tokens/s", ",.0f"),

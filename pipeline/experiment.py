@@ -144,6 +144,8 @@ def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tupl
         "",
         markdown_table(header, rows),
         "",
+        f"NE is the log loss over the entropy of the training split's CTR "
+        f"({_fmt(meta['splits']['train'].get('ctr'), '.4f')}), for every split. "
         "Throughput is over steady-state training steps (warm-up and validation excluded); "
         "tokens are real history items. Wall time is the whole process (start-up, data loading, "
         "training, validation, test).",

@@ -45,8 +45,8 @@ _LOSS_STATES = ("train_loss.mean_value", "train_loss.weight")  # the epoch's run
 _MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
 
 
-class RunningMean(MeanMetric):
-    """Weighted running mean whose update never synchronises the GPU.
+class CumulativeMean(MeanMetric):
+    """Weighted cumulative mean (over an epoch) whose update never synchronises the GPU.
 
     torchmetrics' MeanMetric checks every update for NaN (``nans.any()``: a device sync per
     training step, which stalls the host behind the GPU) and turns a Python weight into a
@@ -147,7 +147,7 @@ class RankerModule(pl.LightningModule):
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         # the epoch's running mean and its epoch are checkpointed, so a run resumed mid-epoch
         # logs the same mean as an uninterrupted one (and one resumed at an epoch end starts afresh)
-        self.train_loss = RunningMean()
+        self.train_loss = CumulativeMean()
         self.train_loss.persistent(True)
         self.register_buffer("train_loss_epoch", torch.tensor(-1, dtype=torch.int64))
         # first step whose loss was not finite (-1: none); checked without a sync every step

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import offsets_from_lengths
 from kernels._attention_reference import dense_attention_reference, flash_attention_reference
 from kernels._jagged_common import set_poison_outputs
 from kernels._validation import set_debug_checks
@@ -38,7 +39,7 @@ def poison_and_debug():
 
 
 def make_offsets(lengths: list[int], device) -> torch.Tensor:
-    return torch.tensor([0] + list(lengths), dtype=torch.int64, device=device).cumsum(0)
+    return offsets_from_lengths(lengths, device)
 
 
 def ignored_rows(lengths: list[int], max_seq_len: int, device) -> torch.Tensor:

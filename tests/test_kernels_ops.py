@@ -23,6 +23,7 @@ from kernels import (
     jagged_jagged_bmm,
     jagged_softmax,
     jagged_to_padded,
+    offsets_from_lengths,
     padded_to_jagged,
 )
 from kernels._jagged_common import set_poison_outputs
@@ -73,9 +74,7 @@ DEVICE_CASES = [pytest.param("cpu", c, id=f"cpu-{c.name}") for c in CPU_CASES] +
 
 
 def make_offsets(lengths, device="cpu", dtype=torch.int64) -> torch.Tensor:
-    off = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    off[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return off.to(device=device, dtype=dtype)
+    return offsets_from_lengths(lengths, device, dtype)
 
 
 def randn(*shape, dtype, device, scale=1.0) -> torch.Tensor:

@@ -90,15 +90,15 @@ def test_reset_starts_over():
 
 def test_running_mean_is_the_weighted_mean_and_never_checks_for_nan(monkeypatch):
     # RankerModule's training-loss mean: MeanMetric's NaN check syncs the GPU every step
-    from pipeline.module import RunningMean
+    from pipeline.module import CumulativeMean
 
     def no_sync(*args, **kwargs):
-        raise AssertionError("RunningMean.update must not inspect values (a device sync on CUDA)")
+        raise AssertionError("CumulativeMean.update must not inspect values (a device sync on CUDA)")
 
     monkeypatch.setattr(torch, "isnan", no_sync)
     monkeypatch.setattr(torch.Tensor, "any", no_sync)
     losses, sizes = [0.7, 0.5, 0.25], [512, 512, 100]
-    mean = RunningMean()
+    mean = CumulativeMean()
     for loss, n in zip(losses, sizes):
         mean.update(torch.tensor(loss), weight=n)
     expected = sum(l * n for l, n in zip(losses, sizes)) / sum(sizes)

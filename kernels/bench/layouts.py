@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.bench.suites import Shape, make_lengths, offsets_from_lengths, seed_for
+from kernels import offsets_from_lengths
+from kernels.bench.suites import Shape, make_lengths, seed_for
 
 REF_CHUNK_BYTES = 1 << 30
 SMALL_REF_TOKENS = 4096  # at most this many tokens: use the project's torch reference

@@ -62,12 +62,6 @@ def make_lengths(B: int, N: int, density: float, seed: int) -> torch.Tensor:
     return lengths.clamp_(max=N)
 
 
-def offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    return offsets
-
-
 def attention_flops(lengths: torch.Tensor, H: int, D: int, mode: str) -> float:
     """Useful FLOPs of jagged self-attention: fwd 4*H*D*sum(L^2); fwd_bwd adds 2.5x that."""
     fwd = 4.0 * H * D * float((lengths.double() ** 2).sum())
