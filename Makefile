@@ -22,7 +22,7 @@ export MLFLOW_TRACKING_URI
 export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast test-gpu data data-validate data-report experiment ui \
+.PHONY: help setup test test-fast test-gpu data user-embeddings data-validate data-report experiment ui \
         bench sweep report summary reproduce profile clean
 
 help: ## list every target with one line each
@@ -51,7 +51,7 @@ XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) 
 test: setup ## run the whole CPU test suite (Triton kernels through TRITON_INTERPRET=1; TEST_WORKERS=2 processes)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(XDIST) $(PYTEST_ARGS)
 
-test-fast: setup ## the CPU suite without the 27 tests marked slow (multi-process DDP, end-to-end fits, sweeps and reports)
+test-fast: setup ## the CPU suite without the tests marked slow (multi-process DDP, end-to-end fits, sweeps and reports)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu and not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA device)
@@ -60,6 +60,11 @@ test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA devi
 data: setup ## generate the PRESET data set (tiny|small|paper|timeline_tiny|timeline) under data/PRESET if absent
 	@if [ -f $(DATA)/meta.json ]; then echo "$(DATA) exists (delete it to regenerate)"; \
 	else $(PY) -m data_gen generate --preset $(PRESET) --out $(DATA); fi
+
+user-embeddings: data ## PRESET=timeline: train the user encoder on DATA and export its daily embeddings (DATA/user_embeddings/; UE_ARGS=... for fit)
+	$(PY) -m pipeline.user_embeddings fit --data $(DATA) --out $(DATA)/user_embeddings/encoder.pt $(UE_ARGS)
+	$(PY) -m pipeline.user_embeddings export --data $(DATA) --encoder $(DATA)/user_embeddings/encoder.pt \
+	  --out $(DATA)/user_embeddings/emb.parquet
 
 data-validate: setup ## validate the PRESET data set (schema, alignment, checksums)
 	$(PY) -m data_gen validate $(DATA)

@@ -1,4 +1,4 @@
-"""Runs in separate processes: kill and resume, the MLflow server's REST API, the main job."""
+"""Runs in separate processes: kill and resume, the main job's comparison on its parent run."""
 
 from __future__ import annotations
 

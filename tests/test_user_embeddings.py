@@ -92,6 +92,7 @@ def test_join_takes_the_newest_embedding_as_of_the_day_minus_the_lag():
     assert stats.missing == 4
 
 
+@pytest.mark.slow
 def test_a_ranker_trains_with_the_embedding_and_logs_the_missing_users(exported, timeline_data, tracking,  # noqa: F811
                                                                         tmp_path, capsys):
     args = fit_args(timeline_data[0], tmp_path, "--mlflow.run_name", "with-emb", "--mlflow.system_metrics", "false",
