@@ -24,7 +24,7 @@ import numpy as np
 
 from data_gen.schema import load_meta
 from pipeline.batches import EpochBatchSampler, balance_ranks
-from pipeline.data import load_split
+from pipeline.split_cache import load_split
 from pipeline.tracking import git_commit
 
 

@@ -48,7 +48,7 @@ from data_gen.schema import DataValidationError, is_timeline, load_meta, read_sp
 from kernels.runenv import device_name, git_commit
 from models.attention import Histories
 from models.layers import EncoderBlock, HistoryEmbedding, mlp
-from pipeline.data import SPLITS, load_split
+from pipeline.split_cache import SPLITS, load_split
 from pipeline.errors import ConfigError
 from pipeline.tracking import environment_tags, tracking_uri
 from pipeline.user_features import write_embeddings

@@ -13,9 +13,10 @@ import torch
 import yaml
 
 from data_gen.schema import DataValidationError
-from pipeline import data as data_mod
+from pipeline import split_cache as data_mod
 from pipeline.cli import main as cli_main
-from pipeline.data import CACHE_DIR, CACHE_MARKER, RankerData
+from pipeline.data import RankerData
+from pipeline.split_cache import CACHE_DIR, CACHE_MARKER
 from test_pipeline_data import tiny_data_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from models import Ranker, RankerConfig
 from pipeline.batches import EpochBatchSampler
-from pipeline.data import load_split
+from pipeline.split_cache import load_split
 from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, GradSync
 from pipeline.metrics import ranking_metrics
