@@ -384,8 +384,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False,
     bd = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
         bm, bn, warps, stages = (64, 32, 8, 1) if bd <= 64 else (16, 16, 4, 1)
-    elif bd <= 64:  # 64-row query blocks: 0.20 ms vs 0.22 (128 rows) at the headline shape and
-        # 0.13 vs 0.29 on short sequences; 32-key steps win below a mean length of 256 only
+    elif bd <= 64:  # 32-key steps win below a mean length of 256 only (TUNING.md, v2)
         bm, bn, warps, stages = 64, (32 if short else 64), 4, 3
     elif bd <= 128:
         bm, bn, warps, stages = 64, 32, 4, 3
@@ -408,7 +407,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
                                          (16, 16, 16, 16, 4, 1))
     elif bd <= 64:
         n1, m1, m2, n2, warps, stages = 64, 32, 64, 32, 4, 3
-    elif bd <= 128:  # 16-row steps, 3 stages: 0.72 ms vs 1.01 (32-row steps, 8 warps)
+    elif bd <= 128:  # 16-row steps, 3 stages (TUNING.md, v2)
         n1, m1, m2, n2, warps, stages = 64, 16, 64, 16, 4, 3
     else:
         n1, m1, m2, n2, warps, stages = 32, 32, 32, 32, 8, 1
