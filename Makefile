@@ -57,7 +57,7 @@ test-fast: setup ## the CPU suite without the tests marked slow (multi-process D
 test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA device)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
-data: setup ## generate the PRESET data set (tiny|small|paper|timeline_tiny|timeline) under data/PRESET if absent
+data: setup ## generate the PRESET data set (tiny|small|paper|long|timeline_tiny|timeline) under data/PRESET if absent
 	@if [ -f $(DATA)/meta.json ]; then echo "$(DATA) exists (delete it to regenerate)"; \
 	else $(PY) -m data_gen generate --preset $(PRESET) --out $(DATA); fi
 

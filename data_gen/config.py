@@ -116,6 +116,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the GPU experiments: 1M train rows, mean length 256, lengths up to 4096
     "paper": dict(rows=1_250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0,
                   max_len=4_096, rows_per_shard=65_536, row_group_size=16_384),
+    # long histories (S2-attention's case): lengths up to 16384, expected mean 2150, and a
+    # long-range signal: re-consumption counts only items at least 2048 back, so the oracle
+    # AUC keeps rising from the last 1024 to 4096 to 16384 items (meta.json)
+    "long": dict(rows=250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=2_150.0,
+                 max_len=16_384, far_start=2_048, oracle_ks=(0, 256, 1_024, 4_096, 16_384),
+                 rows_per_shard=16_384, row_group_size=4_096),
     # timeline mode for tests: the tiny world, 300 users over 7 days (about 2k impressions)
     "timeline_tiny": dict(vocab_size=20_000, n_clusters=100, mean_len=96.0, max_len=2_048,
                           n_dense=4, rows_per_shard=1_024, row_group_size=512, users=300,

@@ -230,3 +230,15 @@ def test_meta_is_plain_json_with_the_oracle_definition(tiny_data):
     assert again == load_meta(path) == validate_dataset(path)
     assert "last k history items" in meta["oracle_definition"]
     assert meta["config"]["length_model"]["dist"] == "power"
+
+
+def test_long_preset_has_long_histories_and_a_long_range_signal(tmp_path):
+    # the spec of the `long` preset (S2-attention's case), checked on 1,500 of its rows
+    cfg = resolve_config("long", {"rows": 1500, "vocab_size": 50_000})
+    assert cfg.max_len == 16_384 and cfg.mean_len >= 2048 and cfg.oracle_ks[-1] == 16_384
+    generate_dataset(cfg, 0, tmp_path / "long", preset="long", workers=1, progress=False)
+    meta = load_meta(tmp_path / "long")
+    oracle = meta["splits"]["train"]["oracle"]
+    assert meta["splits"]["train"]["length_stats"]["max"] <= 16_384
+    # more of the history, more of the planted signal, past 1024 items
+    assert oracle["auc_recent_1024"] + 0.02 < oracle["auc_recent_4096"] <= oracle["auc_recent_16384"] + 1e-3
