@@ -16,6 +16,7 @@ from kernels.bmm import jagged_dense_bmm, jagged_jagged_bmm
 from kernels.elementwise import jagged_dense_elementwise_add, jagged_dense_elementwise_mul
 from kernels.flash_attention import jagged_flash_attention
 from kernels.dense_attention import jagged_dense_attention
+from kernels.s2 import S2Shards, s2_coverage
 
 __all__ = [
     "set_debug_checks",
@@ -29,4 +30,6 @@ __all__ = [
     "jagged_dense_elementwise_mul",
     "jagged_flash_attention",
     "jagged_dense_attention",
+    "S2Shards",
+    "s2_coverage",
 ]

@@ -41,6 +41,7 @@ from kernels._validation import (
     check_offsets_device,
     check_same,
 )
+from kernels.s2 import S2Shards, s2_attention_reference
 
 Tensor = torch.Tensor
 
@@ -199,6 +200,7 @@ def jagged_flash_attention(
     scale: float | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    shards: S2Shards | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Softmax attention within each sequence of a jagged batch (FlashAttention-2 on the GPU).
 
@@ -217,6 +219,9 @@ def jagged_flash_attention(
         backend: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton on CUDA). Second
             derivatives (differentiating the gradients of ``create_graph=True``) need ``"torch"``:
             on Triton they raise a RuntimeError.
+        shards: an ``S2Shards`` layout (kernels/s2.py): each head sees only its strided key
+            blocks plus the local window. None (default): every key. For now on the torch
+            backend only (the masked reference, differentiable), without ``return_lse``.
 
     Returns:
         ``out [T, H, D]`` in the inputs' dtype, with
@@ -233,6 +238,8 @@ def jagged_flash_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
+    if shards is not None:
+        return _s2(q, k, v, offsets, max_seq_len, causal, scale, return_lse, resolved, shards)
     if eager_triton(resolved):
         if needs_grad(q, k, v):
             out, lse = _FlashAttnFn.apply(q, k, v, offsets, max_seq_len, causal, scale)
@@ -244,3 +251,15 @@ def jagged_flash_attention(
         out, lse = torch.ops.jagged.flash_attention_fwd(q, k, v, offsets, max_seq_len, causal,
                                                         scale, resolved)
     return (out, lse) if return_lse else out
+
+
+def _s2(q, k, v, offsets, max_seq_len, causal, scale, return_lse, resolved, shards) -> Tensor:
+    if not isinstance(shards, S2Shards):
+        raise TypeError(f"shards must be a kernels.S2Shards, got {type(shards).__name__}")
+    shards.offsets_for(q.shape[1])  # head_offsets of the wrong length raise here
+    if resolved != "torch":
+        raise NotImplementedError("jagged_flash_attention: S2 shards run on backend='torch' for now (the "
+                                  "Triton kernels that skip the unseen key blocks are not built yet)")
+    if return_lse:
+        raise NotImplementedError("jagged_flash_attention: return_lse is not available with shards")
+    return s2_attention_reference(q, k, v, offsets, max_seq_len, shards, causal, scale)

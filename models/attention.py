@@ -68,12 +68,13 @@ class Histories:
             return x
         return jagged_to_padded(x, self.offsets, self.max_seq_len, backend=self.kernel_backend)
 
-    def self_attention(self, q, k, v) -> torch.Tensor:
-        """q, k, v [T, H, Dh] or [B, N, H, Dh] -> the same shape; bidirectional within a history."""
+    def self_attention(self, q, k, v, shards=None) -> torch.Tensor:
+        """q, k, v [T, H, Dh] or [B, N, H, Dh] -> the same shape; bidirectional within a history.
+        shards: an S2 layout (kernels.S2Shards; jagged layout only) or None (every key)."""
         with record_function("attention/self"):  # a profiler range (pipeline.profile); no-op otherwise
             if not self.padded:
                 return jagged_flash_attention(
-                    q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend
+                    q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend, shards=shards
                 )
             return _padded_attention(q, k, v, self.key_mask, self.backend)
 

@@ -41,6 +41,45 @@ class UserEmbeddingConfig:
 
 
 @dataclass
+class S2Config:
+    """S2 attention in the history encoder (kernels/s2.py): each head sees the local_blocks
+    most recent key blocks of `block` items and every stride-th block at its own offset.
+
+    Args:
+        block: items per key block (a positive multiple of 16).
+        local_blocks: most recent blocks every head sees.
+        stride: a head sees every stride-th older block.
+        dense_every: every dense_every-th encoder layer stays dense (the hybrid layout that
+            keeps quality); 0: every layer is S2.
+        allow_partial_context: accept heads that together miss some block residues (s2
+            coverage < 1: fewer heads than the stride needs, with the default offsets).
+    """
+
+    block: int = 64
+    local_blocks: int = 4
+    stride: int = 8
+    dense_every: int = 2
+    allow_partial_context: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dense_every < 0:
+            raise InvalidConfig(f"s2.dense_every must be >= 0, got {self.dense_every}")
+        try:
+            self.shards()
+        except (ValueError, TypeError) as err:
+            raise InvalidConfig(f"model.ranker.s2: {err}") from None
+
+    def shards(self):
+        from kernels.s2 import S2Shards
+
+        return S2Shards(self.block, self.local_blocks, self.stride)
+
+    def is_dense(self, layer: int) -> bool:
+        """Whether encoder layer `layer` (0-based) stays dense."""
+        return self.dense_every > 0 and (layer + 1) % self.dense_every == 0
+
+
+@dataclass
 class RankerConfig:
     """The ranker's architecture (model.ranker.*); sizes that come from the data are not here.
 
@@ -61,6 +100,9 @@ class RankerConfig:
             CPU), torch (the reference everywhere, for debugging) or triton.
         user_embedding: a user embedding learned offline, joined to each example as of its
             day (timeline data only): {dim, path, lag_days}; none by default.
+        s2: S2 attention in the encoder's self-attention (jagged backend only; on the torch
+            kernel backend until its Triton kernels land): {block, local_blocks, stride,
+            dense_every, allow_partial_context}; none by default.
     """
 
     backend: Literal["dense", "sdpa", "jagged"] = "jagged"
@@ -75,10 +117,24 @@ class RankerConfig:
     mlp_dims: list[int] = field(default_factory=lambda: [256, 128])
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
     user_embedding: Optional[UserEmbeddingConfig] = None
+    s2: Optional[S2Config] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.user_embedding, dict):  # from a checkpoint's hyperparameters
             self.user_embedding = UserEmbeddingConfig(**self.user_embedding)
+        if isinstance(self.s2, dict):
+            self.s2 = S2Config(**self.s2)
+        if self.s2 is not None:
+            if self.backend != "jagged":
+                raise InvalidConfig(f"model.ranker.s2 needs backend jagged (the S2 mask lives in the jagged "
+                                    f"kernels), got backend {self.backend!r}")
+            from kernels.s2 import s2_coverage
+
+            coverage = s2_coverage(self.s2.shards(), self.num_heads)
+            if coverage < 1.0 and not self.s2.allow_partial_context:
+                raise InvalidConfig(f"model.ranker.s2: {self.num_heads} heads see {coverage:.0%} of the block residues "
+                                    f"of stride {self.s2.stride}: older context is lost; use num_heads >= stride or "
+                                    "set s2.allow_partial_context true")
         if self.backend not in BACKENDS:
             raise InvalidConfig(f"ranker backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:

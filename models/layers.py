@@ -37,11 +37,12 @@ class HistoryEmbedding(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-norm transformer block: x + Attn(LN(x)), then x + FFN(LN(x))."""
+    """Pre-norm transformer block: x + Attn(LN(x)), then x + FFN(LN(x)); with ``shards`` (an
+    S2 layout, kernels.S2Shards) each head attends to its strided key blocks only."""
 
-    def __init__(self, dim: int, num_heads: int, ffn_mult: int):
+    def __init__(self, dim: int, num_heads: int, ffn_mult: int, shards=None):
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads, self.shards = num_heads, shards  # shards: an S2 layout or None (dense)
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -52,7 +53,7 @@ class EncoderBlock(nn.Module):
         """x [T, D] (jagged) or [B, N, D] (padded) -> same shape."""
         qkv = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1))  # [..., 3, H, Dh]
         q, k, v = qkv.unbind(-3)  # [..., H, Dh]
-        x = x + self.proj(hist.self_attention(q, k, v).flatten(-2))
+        x = x + self.proj(hist.self_attention(q, k, v, self.shards).flatten(-2))
         return x + self.ffn(self.norm2(x))
 
 

@@ -36,7 +36,10 @@ class Ranker(nn.Module):
         self.cfg = cfg
         d = cfg.embed_dim
         self.embed = HistoryEmbedding(vocab_size, n_actions, d, cfg.num_age_buckets, sparse_item=sparse_item_grad)
-        self.blocks = nn.ModuleList(EncoderBlock(d, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers))
+        s2 = cfg.s2
+        self.blocks = nn.ModuleList(
+            EncoderBlock(d, cfg.num_heads, cfg.ffn_mult, None if s2 is None or s2.is_dense(i) else s2.shards())
+            for i in range(cfg.num_layers))
         self.norm = nn.LayerNorm(d)
         self.target = TargetAttention(d, cfg.num_heads) if cfg.target_attention else None
         self.interaction = HistoryInteraction(d, cfg.pool_heads) if cfg.interaction else None

@@ -1,0 +1,158 @@
+"""S2 attention's layout (kernels/s2.py): the spec as a brute-force loop against the masked
+reference, the layout's checks, coverage, and what the public op does with shards today."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import S2Shards, jagged_flash_attention, offsets_from_lengths, s2_coverage
+from kernels._attention_reference import flash_attention_reference
+from kernels.s2 import s2_attention_reference
+
+F64 = torch.float64
+
+
+def brute_force(q, k, v, lengths, max_seq_len, shards, causal, scale):
+    """The issue's definition, one (sequence, head, query, key) at a time."""
+    out = torch.zeros_like(q)
+    H = q.shape[1]
+    offs = shards.offsets_for(H)
+    start = 0
+    for length in lengths:
+        n = min(length, max_seq_len)
+        for h in range(H):
+            for s in range(n):
+                keys = []
+                for t in range(n):
+                    if causal:
+                        j, i = t // shards.block, s // shards.block
+                        ok = t <= s and (i - j < shards.local_blocks or (j + offs[h]) % shards.stride == 0)
+                    else:
+                        j = (n - 1 - t) // shards.block
+                        ok = j < shards.local_blocks or (j + offs[h]) % shards.stride == 0
+                    if ok:
+                        keys.append(start + t)
+                if keys:
+                    sc = torch.stack([q[start + s, h] @ k[t, h] for t in keys]) * scale
+                    p = torch.softmax(sc, 0)
+                    out[start + s, h] = sum(pi * v[t, h] for pi, t in zip(p, keys))
+        start += length
+    return out
+
+
+CASES = [  # lengths, max_seq_len, shards, H, causal
+    ([0, 1, 5, 40, 70], 64, S2Shards(16, 1, 2), 3, False),
+    ([0, 1, 5, 40, 70], 64, S2Shards(16, 1, 2), 3, True),
+    ([33, 48, 16], 48, S2Shards(16, 0, 3, head_offsets=(0, 2)), 2, False),  # some queries see nothing
+    ([33, 48, 16], 48, S2Shards(16, 0, 3, head_offsets=(1, 2)), 2, True),
+    ([100], 96, S2Shards(32, 2, 4), 1, True),
+]
+
+
+@pytest.mark.parametrize("lengths,N,shards,H,causal", CASES)
+def test_masked_reference_is_the_spec(lengths, N, shards, H, causal):
+    T, D = sum(lengths), 16
+    q, k, v = (torch.randn(T, H, D, dtype=F64) for _ in range(3))
+    off = offsets_from_lengths(lengths)
+    got = s2_attention_reference(q, k, v, off, N, shards, causal)
+    want = brute_force(q, k, v, lengths, N, shards, causal, 1 / math.sqrt(D))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_stride_one_sees_everything_like_dense_attention(causal):
+    lengths, N, H, D = [0, 3, 17, 50], 40, 2, 16
+    q, k, v = (torch.randn(sum(lengths), H, D, dtype=F64) for _ in range(3))
+    off = offsets_from_lengths(lengths)
+    got = jagged_flash_attention(q, k, v, off, N, causal=causal, backend="torch", shards=S2Shards(16, 0, 1))
+    want = flash_attention_reference(q, k, v, off, N, causal, 1 / math.sqrt(D))[0]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_gradients_are_those_of_the_masked_math():
+    lengths, N, H, D = [5, 0, 21], 20, 2, 16
+    off = offsets_from_lengths(lengths)
+    xs = [torch.randn(sum(lengths), H, D, dtype=F64, requires_grad=True) for _ in range(3)]
+    shards = S2Shards(16, 0, 2)
+    assert torch.autograd.gradcheck(lambda *a: s2_attention_reference(*a, off, N, shards, True), xs)
+    out = jagged_flash_attention(*xs, off, N, backend="torch", shards=shards)
+    grads = torch.autograd.grad(out.sum(), xs)
+    assert all((g[5 + N:] == 0).all() for g in grads)  # rows past max_seq_len: zero gradient
+
+
+def test_coverage_counts_the_residues_the_heads_see():
+    assert s2_coverage(S2Shards(64, 4, 8), 8) == 1.0  # default offsets spread over 8 residues
+    assert s2_coverage(S2Shards(64, 4, 8), 2) == 0.25  # offsets 0, 4: two residues of eight
+    assert s2_coverage(S2Shards(64, 4, 8, head_offsets=(1, 1)), 2) == 0.125
+    assert S2Shards(64, 4, 8).offsets_for(2) == (0, 4) and S2Shards(64, 4, 3).offsets_for(4) == (0, 1, 2, 0)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(block=24, local_blocks=1, stride=2), "block must be a positive multiple of 16"),
+    (dict(block=0, local_blocks=1, stride=2), "block must be a positive multiple of 16"),
+    (dict(block=16, local_blocks=-1, stride=2), "local_blocks must be >= 0"),
+    (dict(block=16, local_blocks=1, stride=0), "stride must be >= 1"),
+    (dict(block=16, local_blocks=1, stride=4, head_offsets=(0, 4)), r"head_offsets must be ints in \[0, stride=4\)"),
+])
+def test_bad_layouts_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        S2Shards(**kwargs)
+
+
+def test_the_public_op_with_shards_today():
+    off = offsets_from_lengths([3, 4])
+    q = k = v = torch.randn(7, 2, 16)
+    with pytest.raises(ValueError, match="head_offsets has 3 entries for 2 heads"):
+        jagged_flash_attention(q, k, v, off, 8, backend="torch", shards=S2Shards(16, 1, 4, head_offsets=(0, 1, 2)))
+    with pytest.raises(NotImplementedError, match="backend='torch' for now"):
+        jagged_flash_attention(q, k, v, off, 8, backend="triton", shards=S2Shards(16, 1, 4))
+    with pytest.raises(TypeError, match="kernels.S2Shards"):
+        jagged_flash_attention(q, k, v, off, 8, backend="torch", shards=(16, 1, 4))
+
+
+def _ranker_inputs(lengths, N):
+    off = offsets_from_lengths(lengths)
+    T = sum(lengths)
+    return dict(hist_item=torch.randint(0, 50, (T,)), hist_action=torch.zeros(T, dtype=torch.long),
+                hist_age=torch.rand(T) * 30, offsets=off, max_seq_len=N,
+                cand_item=torch.randint(0, 50, (len(lengths),)), dense=torch.randn(len(lengths), 2))
+
+
+def test_the_ranker_with_s2_layers():
+    from models import Ranker, RankerConfig
+    from models.config import S2Config
+
+    base = dict(embed_dim=32, num_heads=2, num_layers=2, mlp_dims=[16], kernel_backend="torch")
+    dense = Ranker(RankerConfig(**base), vocab_size=50, n_actions=3, n_dense=2).double()
+    inputs = _ranker_inputs([0, 5, 40, 64, 70], 64)
+    inputs["hist_age"] = inputs["hist_age"].double()
+    inputs["dense"] = inputs["dense"].double()
+    want = dense(**inputs)
+
+    def with_s2(**s2):
+        model = Ranker(RankerConfig(**base, s2=S2Config(**s2)), vocab_size=50, n_actions=3, n_dense=2).double()
+        model.load_state_dict(dense.state_dict())  # S2 adds no parameters
+        return model(**inputs)
+
+    torch.testing.assert_close(with_s2(block=16, local_blocks=0, stride=1, dense_every=0), want)  # sees all
+    sparse = with_s2(block=16, local_blocks=1, stride=2, dense_every=0)
+    hybrid = with_s2(block=16, local_blocks=1, stride=2, dense_every=2)
+    assert not torch.allclose(sparse, want) and not torch.allclose(hybrid, sparse)
+    # a history within the local window sees every key: the same logit as the dense ranker
+    torch.testing.assert_close(sparse[1], want[1])
+
+
+def test_ranker_s2_settings_that_cannot_work_are_refused():
+    from models import RankerConfig
+    from models.config import InvalidConfig, S2Config
+
+    with pytest.raises(InvalidConfig, match="2 heads see 50% of the block residues of stride 4"):
+        RankerConfig(s2=S2Config(block=16, local_blocks=1, stride=4))
+    RankerConfig(s2=S2Config(block=16, local_blocks=1, stride=4, allow_partial_context=True))
+    with pytest.raises(InvalidConfig, match="needs backend jagged"):
+        RankerConfig(backend="sdpa", s2=S2Config(block=16, local_blocks=1, stride=2))
+    with pytest.raises(InvalidConfig, match="multiple of 16"):
+        S2Config(block=8)
