@@ -353,9 +353,10 @@ class RankerModule(pl.LightningModule):
         self._log_eval(self.test_metrics, "test")
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        # fused AdamW on CUDA: one kernel pass over every parameter instead of a dozen foreach
-        # passes (the 1M-row item table alone is 128M parameters at the paper preset)
-        fused = self.device.type == "cuda" or None
+        # fused AdamW (CUDA and CPU): one pass over every parameter instead of a dozen foreach
+        # passes (the 1M-row item table alone is 128M parameters at the paper preset; on the CPU
+        # the `small` ranker's update takes a tenth of the foreach time)
+        fused = self.device.type in ("cuda", "cpu") or None
         return build_optimizer(self.optimizer_name, list(self.parameters()), self.model.embed.item.weight, lr=self.lr,
                                weight_decay=self.weight_decay, betas=self.betas, fused=fused)
 

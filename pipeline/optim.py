@@ -32,7 +32,7 @@ def build_optimizer(name: str, params: list[nn.Parameter], table: nn.Parameter, 
                     weight_decay: float, betas: tuple[float, float], fused: bool | None) -> torch.optim.Optimizer:
     """The optimizer `name` over `params` (`table`, the item table, among them).
 
-    fused: AdamW's one-kernel update (on CUDA); the others use torch's default implementation.
+    fused: AdamW's one-pass update (CUDA and CPU); the others use torch's default implementation.
     """
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)

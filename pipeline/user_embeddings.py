@@ -159,7 +159,7 @@ def fit(args) -> dict:
     model = UserEncoder(cfg, vocab_size=int(meta["config"]["vocab_size"]), n_actions=int(meta["config"]["n_actions"]))
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
-                            **({"fused": True} if device.type == "cuda" else {}))
+                            fused=device.type in ("cuda", "cpu") or None)
     rng = np.random.default_rng(args.seed)
     plan = [b for _ in range(args.epochs) for b in _batches(rows, args.batch_size, rng)]
     if args.max_steps:
