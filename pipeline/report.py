@@ -244,18 +244,19 @@ def recovery_section(df: pl.DataFrame, x: str, spec: dict, mem: str, out: Path |
         return lines + [f"NOT MEASURED: `{rec['low']}` or `{rec['high']}` did not finish."]
     gain = high["test/auc"] - low["test/auc"]
     lines += [f"AUC {rec['low']} {low['test/auc']:.4f}, {rec['high']} {high['test/auc']:.4f}: gain {gain:+.4f}.", "",
-              "| variant | test AUC | share of the gain | time per example vs high | memory vs high | result |",
-              "|---|---|---|---|---|---|"]
+              f"| variant | test AUC | vs {rec['low']} | share of the gain | time per example vs high | memory vs high | result |",
+              "|---|---|---|---|---|---|---|"]
     for name in rec["candidates"]:
         c = rows.get(str(name))
         if c is None or c["status"] != "OK":
-            lines.append(f"| {name} | - | - | - | - | NOT MEASURED ({'missing' if c is None else c['status']}) |")
+            lines.append(f"| {name} | - | - | - | - | - | NOT MEASURED ({'missing' if c is None else c['status']}) |")
             continue
         share = (c["test/auc"] - low["test/auc"]) / gain if gain > 0 else None
         cost, memory = _div(high.get(THROUGHPUT), c.get(THROUGHPUT)), _div(c.get(mem), high.get(mem))
         ok = (share is not None and share >= rec["min_share"] and cost is not None and memory is not None
               and cost < rec["max_cost_ratio"] and memory < rec["max_cost_ratio"])
-        lines.append(f"| {name} | {c['test/auc']:.4f} | {runs_.fmt(share, '.2f')} | {runs_.fmt(cost, '.2f')}x | "
+        lines.append(f"| {name} | {c['test/auc']:.4f} | {c['test/auc'] - low['test/auc']:+.4f} | {runs_.fmt(share, '.2f')} | "
+                     f"{runs_.fmt(cost, '.2f')}x | "
                      f"{runs_.fmt(memory, '.2f')}x | {'PASS' if ok else 'MISS'} |")
     if gain <= 0:
         lines += ["", f"No gain from `{rec['low']}` to `{rec['high']}` at this budget: no share to recover."]

@@ -185,9 +185,9 @@ def test_recovery_section_shares_of_the_gain_and_costs(tmp_path):
         "device": "GPU", "commit": "abc", "impressions": 1000, "days_trained": 12, "config": {"max_seq_len": 4096},
         "results": {"train/examples_per_s": 5000.0, "train/seconds_per_day": 3.5, "val/auc": 0.7}}))
     lines = report.recovery_section(df, "variant", spec, "mem/train_peak_allocated_mb", tmp_path)
-    assert "| short_emb | 0.7320 | 0.80 | 0.26x | 0.30x | PASS |" in lines
-    assert "| short_emb_lag3 | 0.7100 | 0.25 | 0.26x | 0.30x | MISS |" in lines
-    assert "| long_emb | - | - | - | - | NOT MEASURED (FAILED) |" in lines
+    assert "| short_emb | 0.7320 | +0.0320 | 0.80 | 0.26x | 0.30x | PASS |" in lines
+    assert "| short_emb_lag3 | 0.7100 | +0.0100 | 0.25 | 0.26x | 0.30x | MISS |" in lines
+    assert "| long_emb | - | - | - | - | - | NOT MEASURED (FAILED) |" in lines
     assert any("5,000 examples/s, 3.5 s per day of data" in ln for ln in lines)
     assert report.recovery_section(df, "variant", {}, "x") == []
     no_long = df.with_columns(pl.when(pl.col("variant") == "long").then(pl.lit("OOM")).otherwise(pl.col("status"))
