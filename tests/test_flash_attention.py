@@ -82,6 +82,7 @@ def test_flash_torch_backend(causal):
     check_flash([5, 12], 1, 24, 12, causal, BF16, "cpu", backend="torch")
 
 
+@pytest.mark.slow  # a full fp64 gradcheck of the oracle: 35 s
 @pytest.mark.parametrize("causal", [False, True])
 def test_flash_reference_gradcheck(causal):
     off = make_offsets([0, 2, 3, 1], "cpu")

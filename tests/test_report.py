@@ -83,6 +83,7 @@ def test_reproduce_is_exact_on_cpu(smoke, capsys):
     assert quality and {k: new.data.metrics[k] for k in quality} == quality
 
 
+@pytest.mark.slow
 def test_reproduce_refuses_other_data(smoke, tmp_path, capsys):
     run = ok_run(smoke.uri)
     other = tmp_path / "tiny_copy"

@@ -155,6 +155,7 @@ def test_error_line():
     assert sweep.error_line("lots\nerror: data.max_seq_len must be > 0\n") == "error: data.max_seq_len must be > 0"
 
 
+@pytest.mark.slow
 def test_smoke_sweep_records_every_outcome(smoke):
     assert smoke.rc == 1  # one point failed: reported, not raised
     parent = the_parent(smoke.uri)
@@ -193,6 +194,7 @@ def test_rerun_skips_finished_and_oom_children(smoke, capsys):
     assert "not run" not in out and "FAILED" in out  # the summary covers the whole grid
 
 
+@pytest.mark.slow
 def test_a_run_past_its_timeout_is_killed_and_recorded(smoke, tmp_path, monkeypatch, capsys):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
