@@ -81,19 +81,22 @@ for spec in $PARTS; do
   case $part in
     seq_len|sparsity|compile|smoke|batch_size) sweep "$part" "${where[@]}" "${through[@]}" ;;
     history_value|model|auc_parity) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
-    alure)  # the user encoder (days 1-12) and its daily export, once per machine; then the ranker sweep
+    alure)  # the user encoder (days 1-12), its daily export, then the ranker sweep; each step once per machine
       ue=data/timeline/user_embeddings
-      if [ ! -f "$ue/emb.parquet.json" ]; then
-        timeout $(( $(left) - 200 )) python3 -m pipeline.user_embeddings fit --data data/timeline --embed-dim 128 \
-          --dim 64 --max-seq-len 4096 --out "$ue/encoder.pt" >> "$log" 2>&1 \
-          && timeout $(( $(left) - 150 )) python3 -m pipeline.user_embeddings export --data data/timeline \
-          --encoder "$ue/encoder.pt" --out "$ue/emb.parquet" >> "$log" 2>&1
-        echo "alure encoder rc=$? at ${SECONDS}s" | tee -a "$log"
+      if [ ! -f "$ue/encoder.pt.json" ]; then  # written when the encoder is saved
+        timeout $(( $(left) - 240 )) python3 -m pipeline.user_embeddings fit --data data/timeline --embed-dim 128 \
+          --dim 64 --max-seq-len 4096 --batch-size 512 --out "$ue/encoder.pt" >> "$log" 2>&1
+        echo "alure encoder fit rc=$? at ${SECONDS}s" | tee -a "$log"
+      fi
+      if [ -f "$ue/encoder.pt.json" ] && [ ! -f "$ue/emb.parquet.json" ]; then
+        timeout $(( $(left) - 180 )) python3 -m pipeline.user_embeddings export --data data/timeline \
+          --encoder "$ue/encoder.pt" --out "$ue/emb.parquet" --batch-size 1024 >> "$log" 2>&1
+        echo "alure encoder export rc=$? at ${SECONDS}s" | tee -a "$log"
       fi
       mkdir -p experiments/results/alure
       cp -f "$ue/encoder.pt.json" experiments/results/alure/encoder.json 2>/dev/null
       cp -f "$ue/emb.parquet.json" experiments/results/alure/embeddings.json 2>/dev/null
-      sweep alure "${where[@]}" "${through[@]}" ;;
+      if [ -f "$ue/emb.parquet.json" ]; then sweep alure "${where[@]}" "${through[@]}"; fi ;;
     profile)
       timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
         --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1
