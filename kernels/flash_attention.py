@@ -220,8 +220,10 @@ def jagged_flash_attention(
             derivatives (differentiating the gradients of ``create_graph=True``) need ``"torch"``:
             on Triton they raise a RuntimeError.
         shards: an ``S2Shards`` layout (kernels/s2.py): each head sees only its strided key
-            blocks plus the local window. None (default): every key. For now on the torch
-            backend only (the masked reference, differentiable), without ``return_lse``.
+            blocks plus the local window. None (default): every key. Without ``return_lse``;
+            the torch backend runs the masked reference (differentiable twice), Triton its own
+            kernels (kernels/_s2_attention_triton.py: first version, not yet tuned; no double
+            backward; a graph break under torch.compile).
 
     Returns:
         ``out [T, H, D]`` in the inputs' dtype, with
@@ -257,9 +259,32 @@ def _s2(q, k, v, offsets, max_seq_len, causal, scale, return_lse, resolved, shar
     if not isinstance(shards, S2Shards):
         raise TypeError(f"shards must be a kernels.S2Shards, got {type(shards).__name__}")
     shards.offsets_for(q.shape[1])  # head_offsets of the wrong length raise here
-    if resolved != "torch":
-        raise NotImplementedError("jagged_flash_attention: S2 shards run on backend='torch' for now (the "
-                                  "Triton kernels that skip the unseen key blocks are not built yet)")
     if return_lse:
         raise NotImplementedError("jagged_flash_attention: return_lse is not available with shards")
-    return s2_attention_reference(q, k, v, offsets, max_seq_len, shards, causal, scale)
+    if resolved == "torch":
+        return s2_attention_reference(q, k, v, offsets, max_seq_len, shards, causal, scale)
+    return _S2AttnFn.apply(q, k, v, offsets, max_seq_len, shards, causal, scale)
+
+
+class _S2AttnFn(torch.autograd.Function):
+    """S2 attention through its Triton launchers (kernels/_s2_attention_triton.py): one route,
+    eager; under torch.compile the launchers are a graph break. No double backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offsets, max_seq_len, shards, causal, scale):
+        from kernels._s2_attention_triton import s2_attention_fwd
+
+        out, lse2 = s2_attention_fwd(q, k, v, offsets, max_seq_len, shards, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse2, offsets)
+        ctx.args = (max_seq_len, shards, causal, scale)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        from kernels._s2_attention_triton import s2_attention_bwd
+
+        q, k, v, out, lse2, offsets = ctx.saved_tensors
+        max_seq_len, shards, causal, scale = ctx.args
+        dq, dk, dv = s2_attention_bwd(dout, q, k, v, out, lse2, offsets, max_seq_len, shards, causal, scale)
+        return dq, dk, dv, None, None, None, None, None

@@ -104,13 +104,13 @@ def test_bad_layouts_are_refused(kwargs, message):
         S2Shards(**kwargs)
 
 
-def test_the_public_op_with_shards_today():
+def test_the_public_op_refuses_bad_shards():
     off = offsets_from_lengths([3, 4])
     q = k = v = torch.randn(7, 2, 16)
     with pytest.raises(ValueError, match="head_offsets has 3 entries for 2 heads"):
         jagged_flash_attention(q, k, v, off, 8, backend="torch", shards=S2Shards(16, 1, 4, head_offsets=(0, 1, 2)))
-    with pytest.raises(NotImplementedError, match="backend='torch' for now"):
-        jagged_flash_attention(q, k, v, off, 8, backend="triton", shards=S2Shards(16, 1, 4))
+    with pytest.raises(NotImplementedError, match="return_lse is not available with shards"):
+        jagged_flash_attention(q, k, v, off, 8, backend="torch", return_lse=True, shards=S2Shards(16, 1, 4))
     with pytest.raises(TypeError, match="kernels.S2Shards"):
         jagged_flash_attention(q, k, v, off, 8, backend="torch", shards=(16, 1, 4))
 
@@ -158,3 +158,68 @@ def test_ranker_s2_settings_that_cannot_work_are_refused():
         RankerConfig(backend="sdpa", s2=S2Config(block=16, local_blocks=1, stride=2))
     with pytest.raises(InvalidConfig, match="multiple of 16"):
         S2Config(block=8)
+
+
+# --- the Triton kernels (in the interpreter on CPU; compiled on a GPU) -------------------------
+TRITON_CASES = CASES + [
+    ([0, 200, 31, 64], 160, S2Shards(32, 1, 4), 4, False),  # keys past max_seq_len, H=4
+    ([0, 200, 31, 64], 160, S2Shards(32, 1, 4), 4, True),
+    ([50, 17], 64, S2Shards(48, 1, 2), 2, False),  # a block of 48 rows (not a power of 2)
+]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths,N,shards,H,causal", TRITON_CASES)
+def test_triton_kernels_match_the_masked_reference(lengths, N, shards, H, causal, dtype, device):
+    from tolerance import assert_close_to_oracle
+
+    D = 48 if shards.block == 48 else 16
+    off = offsets_from_lengths(lengths, device)
+    xs = [torch.randn(sum(lengths), H, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3)]
+    out = jagged_flash_attention(*xs, off, N, causal=causal, backend="triton", shards=shards)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, xs, dout)
+
+    def reference(dt):
+        ys = [x.detach().to(dt).requires_grad_() for x in xs]
+        o = s2_attention_reference(*ys, off, N, shards, causal)
+        return o, torch.autograd.grad(o, ys, dout.to(dt))
+
+    (o64, g64), (olow, glow) = reference(F64), reference(dtype)
+    tag = f"s2 L={lengths} N={N} {shards} H={H} causal={causal} {dtype}"
+    assert_close_to_oracle(out, o64, olow, f"{tag} out")
+    for name, g, w, lw in zip(("dq", "dk", "dv"), grads, g64, glow):
+        floor = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype] * max(1.0, max(t.abs().max().item() for t in g64))
+        assert_close_to_oracle(g, w, lw, f"{tag} {name}", floor=floor)
+    past = torch.cat([torch.arange(n, device=device) >= N for n in lengths])
+    assert all((g[past] == 0).all() for g in grads), f"{tag}: rows past max_seq_len have gradients"
+
+
+def test_triton_never_reads_a_key_block_no_head_sees():
+    # blocks that no head sees hold NaN: a kernel that loaded them (even times p = 0) would
+    # return NaN; the result must equal the reference on clean inputs
+    lengths, N, H, D = [96, 40], 96, 1, 16
+    shards = S2Shards(16, 1, 2)  # one head, offset 0: blocks 1, 3, 5 (from the end) unseen
+    off = offsets_from_lengths(lengths)
+    q, k, v = (torch.randn(sum(lengths), H, D) for _ in range(3))
+    want = s2_attention_reference(q, k, v, off, N, shards)
+    kp, vp = k.clone(), v.clone()
+    for start, n in ((0, 96), (96, 40)):
+        for t in range(n):
+            j = (n - 1 - t) // 16
+            if j >= 1 and j % 2 == 1:
+                kp[start + t] = float("nan")
+                vp[start + t] = float("nan")
+    assert torch.isnan(kp).any()
+    qg = q.clone().requires_grad_()
+    kg, vg = kp.requires_grad_(), vp.requires_grad_()
+    got = jagged_flash_attention(qg, kg, vg, off, N, backend="triton", shards=shards)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    dq, dk, dv = torch.autograd.grad(got.sum(), (qg, kg, vg))
+    qr = q.clone().requires_grad_()
+    (dq_want,) = torch.autograd.grad(s2_attention_reference(qr, k, v, off, N, shards).sum(), (qr,))
+    torch.testing.assert_close(dq, dq_want, rtol=1e-5, atol=1e-5)
+    unseen = torch.isnan(kp[:, 0, 0])
+    assert (dk[unseen] == 0).all() and (dv[unseen] == 0).all() and torch.isfinite(dk).all()

@@ -1,0 +1,267 @@
+"""Triton kernels of S2 attention (kernels/s2.py) on jagged sequences: forward, dQ, dK/dV.
+
+Work follows the visible key blocks, never n^2: a forward (or dQ) program takes BLOCK_M queries
+of one (sequence, head) and walks the sequence's S2 blocks, skipping every block its head does
+not see without loading it; the list of blocks is arithmetic on (n, block, local_blocks,
+stride, the head's offset), no layout tensor. A dK/dV program takes BLOCK_N keys (inside one S2
+block in causal mode: BLOCK_N divides the block) and returns zeros at once when its head sees
+none of them; otherwise it walks only the queries that see them. (Non-causal blocks count from
+the sequence's end, so a dK/dV chunk may straddle a seen and an unseen block: it loads the
+unseen rows and masks them, products included, so whatever they hold stays out.)
+
+First version, written for correctness: one program per (query tile, sequence, head) over
+max_seq_len (idle programs exit at once), 16-row tiles where the S2 block forces them. The
+tiling and the work list of the dense kernels (kernels/_flash_attention_triton.py) are the next
+step, measured on the GPU. Softmax in base 2 (scores scaled by scale * log2(e)); lse stored in
+base 2 for the backward; delta = rowsum(dO * O) computed by torch before the backward launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._triton_common import col_block, dot_precision, dot_upcast
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _strided(j, o_h, STRIDE):
+    """Whether block j (counted from the end, non-causal; from the start, causal) is one of the
+    strided blocks of the head with offset o_h."""
+    return ((j + o_h) % STRIDE) == 0
+
+
+@triton.jit
+def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len, qk_scale,
+            S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(Offsets + b).to(tl.int64)
+    n = tl.minimum(tl.load(Offsets + b + 1).to(tl.int64) - start, max_seq_len).to(tl.int32)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n:
+        return
+    o_h = tl.load(HeadOff + h)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    i_blk = m0 // S2_BLOCK  # causal: the tile's query block (BLOCK_M divides S2_BLOCK)
+    n_blocks = tl.cdiv(n, S2_BLOCK)
+    for j in range(0, n_blocks):
+        if CAUSAL:
+            lo = j * S2_BLOCK
+            hi = tl.minimum(lo + S2_BLOCK, n)
+            seen = (j <= i_blk) & ((i_blk - j < LOCAL) | _strided(j, o_h, STRIDE))
+        else:
+            hi = n - j * S2_BLOCK
+            lo = tl.maximum(hi - S2_BLOCK, 0)
+            seen = (j < LOCAL) | _strided(j, o_h, STRIDE)
+        if seen:
+            for t0 in range(lo, hi, BLOCK_N):
+                offs_n = t0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < hi
+                kv_mask = n_ok[:, None] & d_ok[None, :]
+                rows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+                k = tl.load(K + rows, mask=kv_mask, other=0.0)
+                v = tl.load(V + rows, mask=kv_mask, other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+                keep = n_ok[None, :] & m_ok[:, None]
+                if CAUSAL:
+                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
+                s = tl.where(keep, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+                m_i = m_new
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    tl.store(O + (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))  # inf: p = 0 in the backward
+    tl.store(LSE2 + (start + offs_m) * num_heads + h, lse2, mask=m_ok)  # [T, H]
+
+
+@triton.jit
+def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len,
+               qk_scale, sm_scale, S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
+               UPCAST: tl.constexpr):
+    pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(Offsets + b).to(tl.int64)
+    n = tl.minimum(tl.load(Offsets + b + 1).to(tl.int64) - start, max_seq_len).to(tl.int32)
+    m0 = pid_m * BLOCK_M
+    if m0 >= n:
+        return
+    o_h = tl.load(HeadOff + h)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < n
+    d_ok = offs_d < HEAD_DIM
+    qrows = (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+    q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    do = tl.load(DO + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(LSE2 + (start + offs_m) * num_heads + h, mask=m_ok, other=float("inf"))
+    delta = tl.load(Delta + (start + offs_m) * num_heads + h, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    i_blk = m0 // S2_BLOCK
+    n_blocks = tl.cdiv(n, S2_BLOCK)
+    for j in range(0, n_blocks):
+        if CAUSAL:
+            lo = j * S2_BLOCK
+            hi = tl.minimum(lo + S2_BLOCK, n)
+            seen = (j <= i_blk) & ((i_blk - j < LOCAL) | _strided(j, o_h, STRIDE))
+        else:
+            hi = n - j * S2_BLOCK
+            lo = tl.maximum(hi - S2_BLOCK, 0)
+            seen = (j < LOCAL) | _strided(j, o_h, STRIDE)
+        if seen:
+            for t0 in range(lo, hi, BLOCK_N):
+                offs_n = t0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < hi
+                kv_mask = n_ok[:, None] & d_ok[None, :]
+                rows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+                k = tl.load(K + rows, mask=kv_mask, other=0.0)
+                v = tl.load(V + rows, mask=kv_mask, other=0.0)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+                keep = n_ok[None, :] & m_ok[:, None]
+                if CAUSAL:
+                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
+                p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
+                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+    tl.store(DQ + qrows, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, stride_h, num_heads,
+                 max_seq_len, qk_scale, sm_scale, S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    pid_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    start = tl.load(Offsets + b).to(tl.int64)
+    n = tl.minimum(tl.load(Offsets + b + 1).to(tl.int64) - start, max_seq_len).to(tl.int32)
+    n0 = pid_n * BLOCK_N
+    if n0 >= n:
+        return
+    o_h = tl.load(HeadOff + h)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < n
+    d_ok = offs_d < HEAD_DIM
+    krows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if CAUSAL:  # the chunk lies in one block j (BLOCK_N divides S2_BLOCK)
+        j = n0 // S2_BLOCK
+        key_seen = n_ok
+        q_lo = n0
+        q_hi = tl.where(_strided(j, o_h, STRIDE), n, tl.minimum(n, (j + LOCAL) * S2_BLOCK))
+    else:  # blocks counted from the end: the chunk may straddle two
+        jn = (n - 1 - offs_n) // S2_BLOCK
+        key_seen = n_ok & ((jn < LOCAL) | (((jn + o_h) % STRIDE) == 0))
+        q_lo = 0
+        q_hi = tl.where(tl.max(key_seen.to(tl.int32), 0) > 0, n, 0)
+    if q_lo < q_hi:
+        k = tl.load(K + krows, mask=kv_mask, other=0.0)
+        v = tl.load(V + krows, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        for m0 in range(q_lo, q_hi, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < q_hi
+            qrows = (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+            q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            do = tl.load(DO + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse2 = tl.load(LSE2 + (start + offs_m) * num_heads + h, mask=m_ok, other=float("inf"))
+            delta = tl.load(Delta + (start + offs_m) * num_heads + h, mask=m_ok, other=0.0)
+            st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
+            keep = key_seen[:, None] & m_ok[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :])
+            pt = tl.where(keep, tl.exp2(st - lse2[None, :]), 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            dst = tl.where(keep, pt * (dpt - delta[None, :]), 0.0)  # an unseen key's row may hold anything
+            dk += tl.dot(dst.to(q.dtype), q, input_precision=DOT_PREC)
+    tl.store(DK + krows, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + krows, dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+def _launch_args(q: torch.Tensor, shards, causal: bool) -> dict:
+    block = shards.block
+    bm = 64 if block % 64 == 0 else 32 if block % 32 == 0 else 16
+    return dict(S2_BLOCK=block, LOCAL=shards.local_blocks, STRIDE=shards.stride, CAUSAL=causal,
+                BLOCK_M=16 if dot_upcast(q.dtype) or q.dtype == torch.float32 else bm, BLOCK_N=16,
+                BLOCK_D=col_block(q.shape[2], 16, 256), HEAD_DIM=q.shape[2],
+                DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype))
+
+
+def _head_offsets(shards, num_heads: int, device) -> torch.Tensor:
+    return torch.tensor(shards.offsets_for(num_heads), dtype=torch.int32, device=device)
+
+
+def _contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.contiguous() for t in ts]
+
+
+@torch.compiler.disable
+def s2_attention_fwd(q, k, v, offsets, max_seq_len: int, shards, causal: bool, scale: float):
+    """(out [T, H, D] in q's dtype, lse2 [T, H] fp32 in base 2, +inf for rows that see nothing)."""
+    q, k, v = _contiguous(q, k, v)
+    T, H, _ = q.shape
+    B = offsets.numel() - 1
+    out = torch.zeros_like(q)
+    lse2 = torch.full((T, H), float("inf"), dtype=torch.float32, device=q.device)
+    if T and B and max_seq_len:
+        kw = _launch_args(q, shards, causal)
+        grid = (triton.cdiv(max_seq_len, kw["BLOCK_M"]), B, H)
+        _s2_fwd[grid](q, k, v, out, lse2, offsets, _head_offsets(shards, H, q.device), q.stride(0), q.stride(1),
+                      H, max_seq_len, scale * LOG2E, **kw)
+    return out, lse2
+
+
+@torch.compiler.disable
+def s2_attention_bwd(dout, q, k, v, out, lse2, offsets, max_seq_len: int, shards, causal: bool, scale: float):
+    """dq, dk, dv of s2_attention_fwd."""
+    q, k, v, out, dout = _contiguous(q, k, v, out, dout)
+    T, H, _ = q.shape
+    B = offsets.numel() - 1
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if T and B and max_seq_len:
+        delta = (dout.float() * out.float()).sum(-1).contiguous()  # [T, H]
+        kw = _launch_args(q, shards, causal)
+        heads = _head_offsets(shards, H, q.device)
+        common = (offsets, heads, q.stride(0), q.stride(1), H, max_seq_len, scale * LOG2E, scale)
+        _s2_bwd_dq[(triton.cdiv(max_seq_len, kw["BLOCK_M"]), B, H)](q, k, v, dout, dq, lse2, delta, *common, **kw)
+        _s2_bwd_dkdv[(triton.cdiv(max_seq_len, kw["BLOCK_N"]), B, H)](q, k, v, dout, dk, dv, lse2, delta, *common,
+                                                                     **kw)
+    return dq, dk, dv
