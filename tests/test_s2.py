@@ -223,3 +223,23 @@ def test_triton_never_reads_a_key_block_no_head_sees():
     torch.testing.assert_close(dq, dq_want, rtol=1e-5, atol=1e-5)
     unseen = torch.isnan(kp[:, 0, 0])
     assert (dk[unseen] == 0).all() and (dv[unseen] == 0).all() and torch.isfinite(dk).all()
+
+
+def test_bench_ideal_speedup_and_report(tmp_path):
+    from kernels.bench import s2 as bench
+
+    lengths = torch.tensor([0, 64, 100, 250])
+    assert bench.visible_fraction(lengths, S2Shards(16, 0, 1), 2) == 1.0  # stride 1: every block
+    # non-causal, one head, offset 0, 4 blocks (n=64): local block 0 and strided blocks 0, 2 of 4
+    assert bench.visible_fraction(torch.tensor([64]), S2Shards(16, 1, 2), 1) == 0.5
+    # causal: 3 blocks, pairs (i>=j) 6; seen: diagonal (local 1) 3 + strided j=0 below it 2 = 5
+    assert bench.visible_fraction(torch.tensor([48]), S2Shards(16, 1, 2), 1, causal=True) == 5 / 6
+    rows = [dict(N=4096, B=64, T=1, stride=s, dense_ms=2.0, varlen_ms=None if s == 8 else 3.0, s2_ms=2.0 / s,
+                 speedup_dense=float(s), speedup_varlen=None if s == 8 else 1.5 * s, ideal=s * 1.2,
+                 efficiency=1 / 1.2, max_err=1e-3) for s in (2, 8)]
+    stamp = dict(gpu="Test GPU", gpu_slug="test-gpu", torch="x", triton="y", cuda="z", python="p", commit="abc",
+                 date="d")
+    md = bench.write(rows, stamp, tmp_path, type("A", (), {"dtype": "bfloat16"}))
+    text = md.read_text()
+    assert "| 4096 | 64 | 8 | 2.000 | - | 0.250 | 8.00x | - | 9.60x | 0.83 | 1.0e-03 |" in text
+    assert (tmp_path / "s2-test-gpu.png").is_file() and "commit abc" in text
