@@ -13,7 +13,8 @@
 # never with tune_ops or the benchmarks, whose timings need the GPU alone):
 #   PARTS=tests bash experiments/gpu/kernels.sh & PARTS="auc_parity history_value" bash experiments/gpu/ablations.sh; wait
 # Parts (NAME or NAME@axis=label,...: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), alure
-# (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), history_value,
+# (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), s2 (dense vs
+# S2 attention on the `long` data, each run alone on its GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
@@ -79,7 +80,7 @@ for spec in $PARTS; do
   part=${spec%%@*}; where=()  # NAME@axis=label,label runs only those points (e.g. batch_size@batch_size=512)
   [ "$spec" != "$part" ] && where=(--where "${spec#*@}")
   case $part in
-    seq_len|sparsity|compile|smoke|batch_size) sweep "$part" "${where[@]}" "${through[@]}" ;;
+    seq_len|sparsity|compile|smoke|batch_size|s2) sweep "$part" "${where[@]}" "${through[@]}" ;;
     history_value|model|auc_parity) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
     alure)  # the user encoder (days 1-12), its daily export, then the ranker sweep; each step once per machine
       ue=data/timeline/user_embeddings
