@@ -35,22 +35,69 @@ def _strided(j, o_h, STRIDE):
 
 
 @triton.jit
+def _sequence(Offsets, b, max_seq_len):
+    """Sequence b's first row and its length after truncation to max_seq_len."""
+    start = tl.load(Offsets + b).to(tl.int64)
+    n = tl.minimum(tl.load(Offsets + b + 1).to(tl.int64) - start, max_seq_len).to(tl.int32)
+    return start, n
+
+
+@triton.jit
+def _tile(start, h, first, n, stride_t, stride_h, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+          HEAD_DIM: tl.constexpr):
+    """Rows first..first+BLOCK of a sequence on head h: positions, their mask (< n), the mask of
+    the head dim, and the element offsets [BLOCK, BLOCK_D] into a [T, H, D] tensor."""
+    offs = first + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = (start + offs)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+    return offs, offs < n, offs_d, offs_d < HEAD_DIM, rows
+
+
+@triton.jit
+def _key_block(j, n, i_blk, o_h, S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr):
+    """Rows [lo, hi) of S2 block j of a sequence of n rows, and whether the program's queries
+    (query block i_blk, causal) see it on the head with offset o_h."""
+    if CAUSAL:
+        lo = j * S2_BLOCK
+        hi = tl.minimum(lo + S2_BLOCK, n)
+        seen = (j <= i_blk) & ((i_blk - j < LOCAL) | _strided(j, o_h, STRIDE))
+    else:
+        hi = n - j * S2_BLOCK
+        lo = tl.maximum(hi - S2_BLOCK, 0)
+        seen = (j < LOCAL) | _strided(j, o_h, STRIDE)
+    return lo, hi, seen
+
+
+@triton.jit
+def _key_chunk(K, V, start, h, offs_n, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h, CAUSAL: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """The k, v rows offs_n (below hi) of a seen block, and which (query, key) pairs count."""
+    n_ok = offs_n < hi
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    rows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]  # as _tile's
+    k = tl.load(K + rows, mask=kv_mask, other=0.0)
+    v = tl.load(V + rows, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    keep = n_ok[None, :] & m_ok[:, None]
+    if CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None])
+    return k, v, keep
+
+
+@triton.jit
 def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len, qk_scale,
             S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(Offsets + b).to(tl.int64)
-    n = tl.minimum(tl.load(Offsets + b + 1).to(tl.int64) - start, max_seq_len).to(tl.int32)
+    start, n = _sequence(Offsets, b, max_seq_len)
     m0 = pid_m * BLOCK_M
     if m0 >= n:
         return
     o_h = tl.load(HeadOff + h)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n
-    d_ok = offs_d < HEAD_DIM
-    q = tl.load(Q + (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    offs_m, m_ok, offs_d, d_ok, qrows = _tile(start, h, m0, n, stride_t, stride_h, BLOCK_M, BLOCK_D, HEAD_DIM)
+    q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -59,29 +106,13 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
     i_blk = m0 // S2_BLOCK  # causal: the tile's query block (BLOCK_M divides S2_BLOCK)
     n_blocks = tl.cdiv(n, S2_BLOCK)
     for j in range(0, n_blocks):
-        if CAUSAL:
-            lo = j * S2_BLOCK
-            hi = tl.minimum(lo + S2_BLOCK, n)
-            seen = (j <= i_blk) & ((i_blk - j < LOCAL) | _strided(j, o_h, STRIDE))
-        else:
-            hi = n - j * S2_BLOCK
-            lo = tl.maximum(hi - S2_BLOCK, 0)
-            seen = (j < LOCAL) | _strided(j, o_h, STRIDE)
+        lo, hi, seen = _key_block(j, n, i_blk, o_h, S2_BLOCK, LOCAL, STRIDE, CAUSAL)
         if seen:
             for t0 in range(lo, hi, BLOCK_N):
                 offs_n = t0 + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < hi
-                kv_mask = n_ok[:, None] & d_ok[None, :]
-                rows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]
-                k = tl.load(K + rows, mask=kv_mask, other=0.0)
-                v = tl.load(V + rows, mask=kv_mask, other=0.0)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
+                k, v, keep = _key_chunk(K, V, start, h, offs_n, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
+                                        CAUSAL, UPCAST)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-                keep = n_ok[None, :] & m_ok[:, None]
-                if CAUSAL:
-                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
                 s = tl.where(keep, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -92,8 +123,7 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
                 m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    tl.store(O + (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(O + qrows, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("inf"))  # inf: p = 0 in the backward
     tl.store(LSE2 + (start + offs_m) * num_heads + h, lse2, mask=m_ok)  # [T, H]
 
@@ -104,17 +134,12 @@ def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
                UPCAST: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(Offsets + b).to(tl.int64)
-    n = tl.minimum(tl.load(Offsets + b + 1).to(tl.int64) - start, max_seq_len).to(tl.int32)
+    start, n = _sequence(Offsets, b, max_seq_len)
     m0 = pid_m * BLOCK_M
     if m0 >= n:
         return
     o_h = tl.load(HeadOff + h)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < n
-    d_ok = offs_d < HEAD_DIM
-    qrows = (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+    offs_m, m_ok, offs_d, d_ok, qrows = _tile(start, h, m0, n, stride_t, stride_h, BLOCK_M, BLOCK_D, HEAD_DIM)
     q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     do = tl.load(DO + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
@@ -126,29 +151,13 @@ def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_
     i_blk = m0 // S2_BLOCK
     n_blocks = tl.cdiv(n, S2_BLOCK)
     for j in range(0, n_blocks):
-        if CAUSAL:
-            lo = j * S2_BLOCK
-            hi = tl.minimum(lo + S2_BLOCK, n)
-            seen = (j <= i_blk) & ((i_blk - j < LOCAL) | _strided(j, o_h, STRIDE))
-        else:
-            hi = n - j * S2_BLOCK
-            lo = tl.maximum(hi - S2_BLOCK, 0)
-            seen = (j < LOCAL) | _strided(j, o_h, STRIDE)
+        lo, hi, seen = _key_block(j, n, i_blk, o_h, S2_BLOCK, LOCAL, STRIDE, CAUSAL)
         if seen:
             for t0 in range(lo, hi, BLOCK_N):
                 offs_n = t0 + tl.arange(0, BLOCK_N)
-                n_ok = offs_n < hi
-                kv_mask = n_ok[:, None] & d_ok[None, :]
-                rows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]
-                k = tl.load(K + rows, mask=kv_mask, other=0.0)
-                v = tl.load(V + rows, mask=kv_mask, other=0.0)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
+                k, v, keep = _key_chunk(K, V, start, h, offs_n, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
+                                        CAUSAL, UPCAST)
                 s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-                keep = n_ok[None, :] & m_ok[:, None]
-                if CAUSAL:
-                    keep = keep & (offs_n[None, :] <= offs_m[:, None])
                 p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
                 dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
                 ds = p * (dp - delta[:, None])
@@ -162,17 +171,12 @@ def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, s
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start = tl.load(Offsets + b).to(tl.int64)
-    n = tl.minimum(tl.load(Offsets + b + 1).to(tl.int64) - start, max_seq_len).to(tl.int32)
+    start, n = _sequence(Offsets, b, max_seq_len)
     n0 = pid_n * BLOCK_N
     if n0 >= n:
         return
     o_h = tl.load(HeadOff + h)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < n
-    d_ok = offs_d < HEAD_DIM
-    krows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+    offs_n, n_ok, offs_d, d_ok, krows = _tile(start, h, n0, n, stride_t, stride_h, BLOCK_N, BLOCK_D, HEAD_DIM)
     kv_mask = n_ok[:, None] & d_ok[None, :]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
