@@ -98,10 +98,18 @@ for spec in $PARTS; do
       cp -f "$ue/encoder.pt.json" experiments/results/alure/encoder.json 2>/dev/null
       cp -f "$ue/emb.parquet.json" experiments/results/alure/embeddings.json 2>/dev/null
       if [ -f "$ue/emb.parquet.json" ]; then sweep alure "${where[@]}" "${through[@]}"; fi ;;
-    profile)
-      timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
-        --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 >> "$log" 2>&1
-      echo "profile rc=$? at ${SECONDS}s" | tee -a "$log"; save ;;
+    profile)  # PROFILE_BATCHES="default 2048:jagged+sdpa": the preset's batch, then 2048 for two backends
+      for pb in ${PROFILE_BATCHES:-default}; do
+        args=()
+        if [ "$pb" != default ]; then
+          slug=$(python3 -c 'from pipeline.profile import device_slug; print(device_slug())')
+          args=(--data.batch_size "${pb%%:*}" --out "experiments/results/profile_${preset}_${slug}_b${pb%%:*}.md")
+          if [[ $pb == *:* ]]; then IFS=+ read -ra bks <<< "${pb#*:}"; args+=(--backends "${bks[@]}"); fi
+        fi
+        timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
+          --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 "${args[@]}" >> "$log" 2>&1
+        echo "profile $pb rc=$? at ${SECONDS}s" | tee -a "$log"
+      done; save ;;
     reproduce)  # rerun a jagged run from its logged config (GPU tolerance): REPRO_SWEEP's point REPRO_AXIS=REPRO_LABEL
       # (default seq_len at max_seq_len=1024)
       run_id=$(python3 -c "
