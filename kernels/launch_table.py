@@ -121,6 +121,7 @@ def write_table(path: str | os.PathLike, entries: list[dict], meta: dict) -> Pat
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     entries = sorted(entries, key=lambda e: shape_key(e["family"], e["shape"]))
-    doc = {"schema": SCHEMA, **meta, "entries": entries}
-    path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    head = json.dumps({"schema": SCHEMA, **meta}, indent=1)[:-2]  # one entry per line below
+    body = ",\n".join("  " + json.dumps(e, sort_keys=True) for e in entries)
+    path.write_text(f'{head},\n "entries": [\n{body}\n ]\n}}\n')
     return path
