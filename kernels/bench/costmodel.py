@@ -11,8 +11,11 @@ fill = L / N, the dtype's bytes, log2 of every tunable launch key (tiles, warps,
 tile key, log2(L / tile) (tiles per sequence: where shape and config interact). Targets: log
 runtime (ms per call) and log energy (J per call, where NVML gave power).
 
-Model: scikit-learn's RandomForestRegressor (300 trees, all features per split). Why a forest and
-not gradient boosting: a few hundred rows per family, strongly interacting features (a tile that
+Model (``LogModel``): a least-squares power law in the shape for the scale of the runtime (it
+extrapolates to shapes outside the sweep, which a forest cannot), plus scikit-learn's
+RandomForestRegressor (200 trees, all features per split) on the residual: within one shape the
+power law is a constant, so the choice of config rests on the forest. Why a forest and not
+gradient boosting: a few hundred rows per family, strongly interacting features (a tile that
 wins at D=64 loses at D=128), and the picks must be safe on shapes never timed. A forest's
 prediction is an average of measured leaves, so it never extrapolates to a runtime below
 anything measured (boosting's additive corrections can, and such an optimistic error is exactly
@@ -80,10 +83,37 @@ def features(family: str, shape: dict, cfg: dict) -> list[float]:
             + [lg(cfg[k]) for k in TUNABLE[family]] + [lg(shape["L"]) - lg(cfg[k]) for k in tiles])
 
 
-def _forest(seed: int = 0):
-    from sklearn.ensemble import RandomForestRegressor
+N_SHAPE_FEATURES = len(SHAPE_COLS) + 2  # the leading columns of features(): shape only
 
-    return RandomForestRegressor(n_estimators=300, min_samples_leaf=1, max_features=1.0, random_state=seed, n_jobs=-1)
+
+class LogModel:
+    """log target = a power law in the shape (least squares on the log shape features: it
+    extrapolates the scale to shapes outside the sweep) + a random forest on the residual over
+    all features (the config effects; within one shape the picks depend on the forest only)."""
+
+    def __init__(self, seed: int = 0):
+        from sklearn.ensemble import RandomForestRegressor
+        from sklearn.linear_model import Ridge
+
+        self.lin = Ridge(alpha=1e-3)
+        self.forest = RandomForestRegressor(n_estimators=200, min_samples_leaf=1, max_features=1.0,
+                                            random_state=seed, n_jobs=-1)
+
+    def fit(self, X: np.ndarray, y: np.ndarray) -> "LogModel":
+        self.lin.fit(X[:, :N_SHAPE_FEATURES], y)
+        self.forest.fit(X, y - self.lin.predict(X[:, :N_SHAPE_FEATURES]))
+        return self
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return self.lin.predict(X[:, :N_SHAPE_FEATURES]) + self.forest.predict(X)
+
+    @property
+    def feature_importances_(self) -> np.ndarray:
+        return self.forest.feature_importances_
+
+
+def _forest(seed: int = 0) -> LogModel:
+    return LogModel(seed)
 
 
 class FamilyModel:
@@ -320,7 +350,7 @@ def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None) ->
 
     r0 = rows[0]
     meta = {k: r0[k] for k in ("gpu", "gpu_slug", "torch", "triton", "cuda", "commit")}
-    meta["model"] = "RandomForestRegressor(300) on log ms per family (kernels/bench/costmodel.py)"
+    meta["model"] = "power law + RandomForestRegressor(200) residual on log ms, per family (kernels/bench/costmodel.py)"
     path = Path(out.replace("<gpu>", r0["gpu_slug"])) if out else CONFIG_DIR / f"{r0['gpu_slug']}.json"
     entries = export_entries(rows, models)
     write_table(path, entries, meta)

@@ -80,7 +80,7 @@ def plot_importance(models: dict, path: Path, stamp: str) -> str:
         ax.set_title(fam, fontsize=9)
         ax.set_xlabel("importance (fraction of impurity decrease)", fontsize=7)
         ax.tick_params(labelsize=7)
-    return _save(fig, path, "Runtime model: feature importances (top 8 per family)", stamp)
+    return _save(fig, path, "Runtime model: forest feature importances (top 8 per family)", stamp)
 
 
 def plot_energy(rows: list[dict], path: Path, stamp: str) -> str:
@@ -114,9 +114,10 @@ def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
     ok = sum(r["status"] == "ok" for r in rows)
     lines = [f"# Launch-config cost model on {rows[0]['gpu']}", "", f"_{_stamp(rows)}_", "",
              f"Sweep: {len(rows)} rows ({ok} ok), {len({r['shape_id'] for r in rows})} shapes, grid "
-             f"{rows[0].get('grid', '?')}. Model: one RandomForestRegressor (300 trees) per family on log time "
-             "(and log energy); a forest averages measured leaves, so it never predicts a time below anything "
-             "measured (kernels/bench/costmodel.py says more). Evaluation: GroupKFold over whole shapes.", "",
+             f"{rows[0].get('grid', '?')}. Model, per family, on log time (and log energy): a power law in the shape "
+             "for the scale plus a RandomForestRegressor (200 trees) on the residual, which alone ranks the configs "
+             "of a shape; a forest averages measured leaves, so it never ranks a config by an extrapolation "
+             "(kernels/bench/costmodel.py says more). Evaluation: GroupKFold over whole shapes.", "",
              "Slowdown = time of the chosen config / best measured time on a held-out shape (median / worst). "
              "Target: model within 1.05 median and 1.15 worst, better than the hand rule on average.", "",
              "| family | shapes | R² log time | err median | err worst | R² log energy | model | hand | autotune "
