@@ -19,15 +19,17 @@ holds the first shapes of every family. The Parquet is rewritten after every sha
 also carry the GPU, torch/triton/CUDA versions and the git commit (``--commit``, else
 $GIT_COMMIT, else HEAD). Families, grids and config spaces: ``kernels.bench.sweep_families``.
 
-GPU command sequence (one GPU call, ``experiments/gpu/costmodel.sh``; OUT and GIT_COMMIT set,
-the wheel install line of ../shared/device/README.md first):
+GPU command sequence (one GPU call: ``experiments/gpu/costmodel.sh`` runs exactly this, with OUT
+and GIT_COMMIT set, after the wheel install line of ../shared/device/README.md)::
 
-    python3 -m kernels.bench.sweep --grid small --deadline-s 400 --out $OUT/sweep.parquet
-    python3 -m kernels.bench.costmodel fit    --data $OUT/sweep.parquet --model $OUT/costmodel.pkl
-    python3 -m kernels.bench.costmodel eval   --data $OUT/sweep.parquet --out $OUT/eval.json
-    python3 -m kernels.bench.costmodel report --data $OUT/sweep.parquet --out $OUT/report
-    python3 -m kernels.bench.costmodel export --data $OUT/sweep.parquet --out $OUT/configs/<gpu>.json
+    slug=$(python3 -c "import torch; from kernels.launch_table import slug; print(slug(torch.cuda.get_device_name()))")
+    python3 -m kernels.bench.sweep --grid small --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
+    python3 -m kernels.bench.costmodel eval   --data $OUT/sweep-$slug.parquet --out $OUT/eval-$slug.json
+    python3 -m kernels.bench.costmodel report --data $OUT/sweep-$slug.parquet --out $OUT/report
+    python3 -m kernels.bench.costmodel export --data $OUT/sweep-$slug.parquet --out $OUT/configs/$slug.json
 
+then, here: copy ``report/*`` to experiments/results/ and ``configs/<gpu>.json`` to kernels/configs/
+(the launchers read it from then on), rerun the gpu tests and the kernel benchmark on it.
 (rerun the sweep line with the same --out to extend a cut sweep). CPU check of the machinery:
 ``TRITON_INTERPRET=1 python -m kernels.bench.sweep --grid tiny --device cpu --out /tmp/s.parquet``.
 """
