@@ -16,6 +16,8 @@ ABLATION ?= seq_len
 RESULTS ?=
 SUITE ?= paper
 BACKENDS ?= dense sdpa jagged
+GRID ?= small
+SWEEP_OUT ?= runs/costmodel/sweep.parquet
 PORT ?= 5000
 MLFLOW_TRACKING_URI ?= sqlite:///$(CURDIR)/mlflow.db
 export MLFLOW_TRACKING_URI
@@ -23,7 +25,7 @@ export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-fast test-gpu data user-embeddings data-validate data-report experiment ui \
-        bench sweep report summary reproduce profile clean
+        bench config-sweep costmodel sweep report summary reproduce profile clean
 
 help: ## list every target with one line each
 	@grep -hE '^[a-zA-Z_%-]+:.*## ' $(MAKEFILE_LIST) | \
@@ -81,6 +83,15 @@ ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default;
 
 bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
 	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
+
+config-sweep: setup ## time every launch config of every kernel family on GRID=small|full shapes (GPU; tiny: CPU interpreter) into SWEEP_OUT, resumable (CONFIG_SWEEP_ARGS="--deadline-s 400 --families a,b --mlflow")
+	$(if $(filter tiny,$(GRID)),TRITON_INTERPRET=1 )$(PY) -m kernels.bench.sweep --grid $(GRID) --out $(SWEEP_OUT) \
+	  $(if $(filter tiny,$(GRID)),--device cpu) $(CONFIG_SWEEP_ARGS)
+
+costmodel: setup ## cost model from SWEEP_OUT: leave-shapes-out eval, experiments/results/costmodel-<gpu>.md + plots, kernels/configs/<gpu>.json
+	$(PY) -m kernels.bench.costmodel eval --data $(SWEEP_OUT) --out $(basename $(SWEEP_OUT))-eval.json $(COSTMODEL_ARGS)
+	$(PY) -m kernels.bench.costmodel report --data $(SWEEP_OUT) --out experiments/results $(COSTMODEL_ARGS)
+	$(PY) -m kernels.bench.costmodel export --data $(SWEEP_OUT) $(COSTMODEL_ARGS)
 
 sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|auc_parity|compile|smoke; SWEEP_ARGS=...)
 	$(PY) -m pipeline.sweep experiments/ablations/$(ABLATION).yaml $(SWEEP_ARGS)

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import _slot_tile, col_block, dot_precision, dot_upcast, num_slots
 
@@ -34,10 +35,20 @@ JAGGED_BMM_CONFIGS = {
 }
 
 
-def bmm_config(op: str, K: int, M: int, dtype: torch.dtype) -> dict:
-    """Launch keywords of op ("dense" or "jagged") for a [*, K] x [*, M] product in dtype."""
+def bmm_base_config(op: str, dtype: torch.dtype) -> dict:
+    """The hand-rule launch dict of op ("dense" or "jagged") in dtype, before clamping."""
     table = DENSE_BMM_CONFIGS if op == "dense" else JAGGED_BMM_CONFIGS
-    cfg = dict(table[4 if dtype.itemsize >= 4 else 2])
+    return table[4 if dtype.itemsize >= 4 else 2]
+
+
+def bmm_config(op: str, K: int, M: int, dtype: torch.dtype, B: int = 0, N: int = 0, T: int = 0) -> dict:
+    """Launch keywords of op ("dense" or "jagged") for a [*, K] x [*, M] product in dtype: the
+    hand rule or the launch table's pick (kernels/_launch_configs.py), clamped to the operands."""
+    cfg = bmm_base_config(op, dtype)
+    if _lc.active():
+        family = "jagged_dense_bmm" if op == "dense" else "jagged_jagged_bmm"
+        cfg = _lc.tuned(family, (_lc.p2(B), _lc.p2(N), _lc.p2(T // max(B, 1)), K, M, dtype), cfg)
+    cfg = dict(cfg)
     cfg["BLOCK_K"] = col_block(K, hi=cfg["BLOCK_K"])
     cfg["BLOCK_M"] = col_block(M, hi=cfg["BLOCK_M"])
     cfg.update(PRECISION=dot_precision(dtype), UPCAST=dot_upcast(dtype))
@@ -134,7 +145,7 @@ def jagged_dense_bmm_triton(
     if out.numel() == 0:
         return out
     B = offsets.numel() - 1
-    kw = bmm_config("dense", K, M, values.dtype)
+    kw = bmm_config("dense", K, M, values.dtype, B, max_seq_len, T)
     grid = (num_slots(T, B, kw["BLOCK_T"]) * triton.cdiv(M, kw["BLOCK_M"]),)
     with device_guard(values):
         _jagged_dense_bmm_kernel[grid](
@@ -153,7 +164,7 @@ def jagged_jagged_bmm_triton(
     out = new_output((B, K, M), a)  # [B, K, M]
     if out.numel() == 0:
         return out
-    kw = bmm_config("jagged", K, M, a.dtype)
+    kw = bmm_config("jagged", K, M, a.dtype, B, max_seq_len, a.shape[0])
     grid = (B * triton.cdiv(K, kw["BLOCK_K"]) * triton.cdiv(M, kw["BLOCK_M"]),)
     with device_guard(a):
         _jagged_jagged_bmm_kernel[grid](

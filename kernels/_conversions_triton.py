@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import _slot_tile, col_block, num_slots
 
@@ -87,6 +88,9 @@ def padded_to_jagged_triton(padded: torch.Tensor, offsets: torch.Tensor, total: 
     if out.numel() == 0:
         return out
     cfg = P2J_CONFIG
+    if _lc.active():  # the launch table's pick for this shape (kernels/_launch_configs.py)
+        cfg = _lc.tuned("padded_to_jagged", (_lc.p2(B), _lc.p2(N), _lc.p2(total // max(B, 1)), D,
+                                             padded.dtype), cfg)
     block_d = col_block(D, hi=cfg["BLOCK_D"])
     grid = (num_slots(total, B, cfg["BLOCK_N"]), triton.cdiv(D, block_d))
     with device_guard(padded):

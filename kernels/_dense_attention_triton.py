@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _launch_configs as _lc
 from kernels._flash_attention_triton import _INTERPRET, LOG2E, _last_dim_contiguous
 from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import _locate, _zero_rows, dot_precision, num_slots
@@ -283,17 +284,23 @@ def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
                 num_stages=1 if dtype == torch.float32 else 2)
 
 
-# block sizes and constexprs per (head dim, Tq, dtype): built once (fp32's DOT_PREC follows a
+# block sizes and constexprs per (head dim, Tq, dtype, direction, and the shape bucket when a
+# launch table is in use: kernels/_launch_configs.py): built once (fp32's DOT_PREC follows a
 # torch setting, so fp32 is not cached)
-_KW: dict = {}
+_KW: dict = _lc.register_cache({})
 
 
-def _dense_kw(D: int, Tq: int, dtype: torch.dtype) -> dict:
-    key = (D, Tq, dtype)
+def _dense_kw(D: int, Tq: int, dtype: torch.dtype, family: str = "dense_fwd",
+              B: int = 0, N: int = 0, T: int = 0, H: int = 0) -> dict:
+    """Launch keywords of the forward (family 'dense_fwd') or backward ('dense_bwd')."""
+    bucket = (_lc.p2(B), _lc.p2(N), _lc.p2(T // max(B, 1)), H) if _lc.active() else ()
+    key = (D, Tq, dtype, family, bucket)
     kw = _KW.get(key)
     if kw is None:
-        kw = dict(dense_config(D, Tq, dtype), HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
-                  DOT_PREC=dot_precision(dtype))
+        cfg = dense_config(D, Tq, dtype)
+        if bucket:
+            cfg = _lc.tuned(family, (*bucket, D, Tq, dtype), cfg)
+        kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), DOT_PREC=dot_precision(dtype))
         if dtype != torch.float32:
             _KW[key] = kw
     return kw
@@ -325,7 +332,7 @@ def dense_attention_fwd(
     lse = new_output((H, B, Tq), q, torch.float32)
     if B == 0 or Tq == 0:
         return out, lse
-    kw = _dense_kw(D, Tq, q.dtype)
+    kw = _dense_kw(D, Tq, q.dtype, "dense_fwd", B, max_seq_len, k.shape[0], H)
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     bias_args = _bias_args(bias, q)
     with device_guard(q):
@@ -361,7 +368,7 @@ def dense_attention_bwd(
         return dq, dk.zero_(), dv.zero_(), dbias
     if out.stride() != dout.stride():  # the kernel reads O with dO's strides
         out = out.contiguous()
-    kw = _dense_kw(D, Tq, q.dtype)
+    kw = _dense_kw(D, Tq, q.dtype, "dense_bwd", B, max_seq_len, T, H)
     n_dq = triton.cdiv(Tq, kw["BLOCK_M"]) * B * H
     n_kv = num_slots(T, B, kw["N_KV"]) * H if T > 0 else 0
     qs, ks, vs, dos, dqs = q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride()

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _launch_configs as _lc
 from kernels._dispatch import interpreter_on
 from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import _locate, _zero_rows, dot_precision, num_slots
@@ -415,28 +416,40 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
                 num_stages=stages, ROLES=3)
 
 
-# launch keywords (constexprs and options) per (head dim, dtype, causal): built once
-_FWD_KW: dict = {}
-_BWD_KW: dict = {}
+# launch keywords (constexprs and options) per (head dim, dtype, causal, length class, and the
+# shape bucket when a launch table is in use: kernels/_launch_configs.py): built once
+_FWD_KW: dict = _lc.register_cache({})
+_BWD_KW: dict = _lc.register_cache({})
 
 
-def _fwd_kw(D: int, dtype: torch.dtype, causal: bool, short: bool) -> dict:
-    key = (D, dtype, causal, short)
+def _bucket(B: int, N: int, T: int, H: int) -> tuple:
+    """The table's shape features (B, N, mean length, H), rounded to powers of two; () when
+    no table or forced config is in use (the hand rules depend on none of them)."""
+    return (_lc.p2(B), _lc.p2(N), _lc.p2(T // max(B, 1)), H) if _lc.active() else ()
+
+
+def _fwd_kw(D: int, dtype: torch.dtype, causal: bool, short: bool, bucket: tuple = ()) -> dict:
+    key = (D, dtype, causal, short, bucket)
     kw = _FWD_KW.get(key)
     if kw is None:
-        kw = dict(fwd_config(D, dtype, causal, short), HEAD_D=D,
-                  BLOCK_D=triton.next_power_of_2(D),
+        cfg = fwd_config(D, dtype, causal, short)
+        if bucket:
+            cfg = _lc.tuned("flash_fwd", (*bucket, D, dtype, int(causal)), cfg)
+        kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
                   CAUSAL=causal, DOT_PREC=dot_precision(dtype))
         if dtype != torch.float32:  # fp32's DOT_PREC follows a torch setting: not cached
             _FWD_KW[key] = kw
     return kw
 
 
-def _bwd_kw(D: int, dtype: torch.dtype, causal: bool) -> dict:
-    key = (D, dtype, causal)
+def _bwd_kw(D: int, dtype: torch.dtype, causal: bool, bucket: tuple = ()) -> dict:
+    key = (D, dtype, causal, bucket)
     kw = _BWD_KW.get(key)
     if kw is None:
-        kw = dict(bwd_config(D, dtype, causal), HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
+        cfg = bwd_config(D, dtype, causal)
+        if bucket:
+            cfg = _lc.tuned("flash_bwd", (*bucket, D, dtype, int(causal)), cfg)
+        kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
                   CAUSAL=causal, DOT_PREC=dot_precision(dtype))
         if dtype != torch.float32:
             _BWD_KW[key] = kw
@@ -463,7 +476,7 @@ def flash_attention_fwd(
     lse = new_output((H, T), q, torch.float32)
     if B == 0 or T == 0:
         return out, lse
-    kw = _fwd_kw(D, q.dtype, causal, T < 256 * B)  # mean length under 256: no sync needed
+    kw = _fwd_kw(D, q.dtype, causal, T < 256 * B, _bucket(B, max_seq_len, T, H))  # host ints: no sync
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     with device_guard(q):
         _flash_fwd_kernel[(num_slots(T, B, kw["BLOCK_M"]) * H,)](
@@ -508,7 +521,7 @@ def flash_attention_bwd(
     if B == 0 or T == 0:
         return dq, dk, dv
     delta = attention_bwd_delta(out, dout, dlse)
-    kw = _bwd_kw(D, q.dtype, causal)
+    kw = _bwd_kw(D, q.dtype, causal, _bucket(B, max_seq_len, T, H))
     n_kv = num_slots(T, B, kw["BLOCK_N1"]) * H
     n_q = num_slots(T, B, kw["BLOCK_M2"]) * H
     qs, ks, vs, dos, dqs = q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride()

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import _zero_rows, col_block
 
@@ -163,9 +164,13 @@ def _jagged_softmax_bwd_kernel(
     _zero_rows(gx_ptr, stride_xt, stride_xh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
 
-def _launch(H: int, B: int) -> tuple[tuple[int], dict]:
-    """(grid, launch keywords) from SOFTMAX_CONFIG: B x column blocks programs, flattened."""
+def _launch(H: int, B: int, family: str = "softmax_fwd", N: int = 0, T: int = 0,
+            dtype: torch.dtype | None = None) -> tuple[tuple[int], dict]:
+    """(grid, launch keywords) from SOFTMAX_CONFIG (or the launch table's pick for this shape,
+    kernels/_launch_configs.py): B x column blocks programs, flattened."""
     cfg = SOFTMAX_CONFIG
+    if _lc.active():
+        cfg = _lc.tuned(family, (_lc.p2(B), _lc.p2(N), _lc.p2(T // max(B, 1)), H, dtype), cfg)
     block_h = col_block(H, lo=min(16, cfg["BLOCK_H"]), hi=cfg["BLOCK_H"])
     kw = dict(BLOCK_N=cfg["BLOCK_N"], SMALL_N=min(cfg["SMALL_N"], cfg["BLOCK_N"]), BLOCK_H=block_h,
               num_warps=cfg["num_warps"])
@@ -177,7 +182,7 @@ def jagged_softmax_fwd_triton(values: torch.Tensor, offsets: torch.Tensor, max_s
     out = new_output((T, H), values)  # [T, H]
     if out.numel() == 0:
         return out
-    grid, kw = _launch(H, offsets.numel() - 1)
+    grid, kw = _launch(H, offsets.numel() - 1, "softmax_fwd", max_seq_len, T, values.dtype)
     with device_guard(values):
         _jagged_softmax_fwd_kernel[grid](
             values, offsets, out, max_seq_len, H,
@@ -193,7 +198,7 @@ def jagged_softmax_bwd_triton(
     grad_values = new_output((T, H), out)  # [T, H]
     if grad_values.numel() == 0:
         return grad_values
-    grid, kw = _launch(H, offsets.numel() - 1)
+    grid, kw = _launch(H, offsets.numel() - 1, "softmax_bwd", max_seq_len, T, out.dtype)
     with device_guard(out):
         _jagged_softmax_bwd_kernel[grid](
             grad, out, offsets, grad_values, max_seq_len, H,

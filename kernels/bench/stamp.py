@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import platform
-import re
 
 import torch
 
+from kernels.launch_table import slug  # noqa: F401  (one slug function: re-exported)
 from kernels.runenv import git_commit
 
 
@@ -15,14 +15,6 @@ def gpu_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()})"
-
-
-def slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'; any CPU -> 'cpu'."""
-    if name.lower().startswith("cpu"):
-        return "cpu"
-    s = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I).lower()
-    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
 
 
 def make_stamp(device: torch.device, commit: str | None = None) -> dict:

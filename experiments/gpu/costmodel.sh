@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU-machine call for issue 13: the launch-config sweep, then the cost model's held-out-shape
+# evaluation, report and exported table, all from the sweep's Parquet.
+# Run from the repo root on the GPU machine after the wheel install line
+# (../shared/device/README.md; polars and mlflow come from the wheels, scikit-learn and
+# nvidia-ml-py are in the image), with OUT set to a folder that comes back and GIT_COMMIT set
+# (the GPU machine has no .git). Writes under $OUT:
+#   sweep-<gpu>.parquet        every (family, shape, config) row: ms, power, energy, status
+#   sweep.log, run.log         the sweep's progress; this script's summary
+#   eval-<gpu>.json            per-family R^2, errors, per-shape slowdowns (model, hand, autotune)
+#   report/costmodel-<gpu>.md  + 4 PNG plots (copy to experiments/results/)
+#   configs/<gpu>.json         the launch table (copy to kernels/configs/ to put it in use)
+# The sweep starts no new config after SWEEP_DEADLINE s (default 400) and is resumable: to go on
+# in a later call, carry the returned Parquet back and pass it as RESUME=<path>. GRID=small|full.
+# MLFLOW=1 also logs the sweep as an MLflow run (Parquet as artifact) into ./mlflow.db.
+# Where the machine returns few files per command, end with `bash experiments/gpu/pack.sh`. E.g.
+#   GIT_COMMIT=$(git rev-parse HEAD) bash experiments/gpu/costmodel.sh; bash experiments/gpu/pack.sh
+set -uo pipefail
+: "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
+export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
+log=$OUT/run.log
+nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv,noheader | tee "$log"
+slug=$(python3 -c "import torch; from kernels.launch_table import slug; print(slug(torch.cuda.get_device_name()))")
+data=$OUT/sweep-$slug.parquet
+if [ -n "${RESUME:-}" ]; then cp "$RESUME" "$data" && echo "resuming from $RESUME" | tee -a "$log"; fi
+deadline=${SWEEP_DEADLINE:-400}
+timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-small}" \
+  --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} > "$OUT/sweep.log" 2>&1
+echo "sweep rc=$?" | tee -a "$log"
+tail -4 "$OUT/sweep.log" | tee -a "$log"
+timeout 120 python3 -m kernels.bench.costmodel eval --data "$data" --out "$OUT/eval-$slug.json" >> "$log" 2>&1
+echo "costmodel eval rc=$?" | tee -a "$log"
+timeout 120 python3 -m kernels.bench.costmodel report --data "$data" --out "$OUT/report" > /dev/null 2>> "$log"
+echo "costmodel report rc=$?" | tee -a "$log"
+timeout 120 python3 -m kernels.bench.costmodel export --data "$data" --out "$OUT/configs/$slug.json" >> "$log" 2>&1
+echo "costmodel export rc=$?" | tee -a "$log"
+tail -30 "$log"

@@ -1,0 +1,142 @@
+"""The one point where a launcher's hand-rule configuration may be replaced by a measured one.
+
+Every launcher builds its launch dict (tiles, warps, stages) from the hand rules of
+kernels/TUNING.md and passes it through :func:`tuned` together with the family's shape features
+(:data:`FAMILIES`). With no table for this GPU (:mod:`kernels.launch_table`; a CPU has none,
+``JFA_LAUNCH_TABLE=off`` disables any), :func:`tuned` returns the hand-rule dict itself, unchanged.
+With a table, the keys of the table entry's config that the hand-rule dict has replace its
+values; the entry is looked up once per (family, features) and cached, so a call costs about a
+microsecond. Launchers bucket the features to powers of two first (:func:`p2`), which bounds the
+cache and their own launch-dict caches.
+
+:func:`forced` makes every launch of one family use a given config (the sweep's way of timing
+configurations through the real launchers); :func:`use_table` swaps the table (tests, tune_ops).
+Both clear the launchers' caches, which register themselves through :func:`register_cache`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from pathlib import Path
+
+from kernels.launch_table import LaunchTable, table_path
+
+# family -> its shape features, in the order launchers pass them. B sequences, N max_seq_len,
+# L mean length T/B, H heads (softmax: columns), D head dim / feature width, K x M the bmm
+# operands' widths, Tq dense queries; dtype a string ('bfloat16'), causal 0/1.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "flash_fwd": ("B", "N", "L", "H", "D", "dtype", "causal"),
+    "flash_bwd": ("B", "N", "L", "H", "D", "dtype", "causal"),
+    "dense_fwd": ("B", "N", "L", "H", "D", "Tq", "dtype"),
+    "dense_bwd": ("B", "N", "L", "H", "D", "Tq", "dtype"),
+    "softmax_fwd": ("B", "N", "L", "H", "dtype"),
+    "softmax_bwd": ("B", "N", "L", "H", "dtype"),
+    "jagged_dense_bmm": ("B", "N", "L", "K", "M", "dtype"),
+    "jagged_jagged_bmm": ("B", "N", "L", "K", "M", "dtype"),
+    "padded_to_jagged": ("B", "N", "L", "D", "dtype"),
+}
+
+_UNSET = object()
+_table: object = _UNSET  # LaunchTable | None once resolved
+_entries: dict = {}  # (family, features) -> entry config or None
+_forced: dict[str, dict] = {}
+_caches: list[dict] = []
+_lock = threading.Lock()
+
+
+def p2(x: int) -> int:
+    """x rounded to the nearest power of two in log space (1 for x <= 1): the feature bucket."""
+    return 1 << max(0, ((x * 181) >> 7).bit_length() - 1)  # 181/128 ~ sqrt(2)
+
+
+def register_cache(cache: dict) -> dict:
+    """A launcher's launch-dict cache, cleared whenever the table or a forced config changes."""
+    _caches.append(cache)
+    return cache
+
+
+def clear_caches() -> None:
+    _entries.clear()
+    for c in _caches:
+        c.clear()
+
+
+def _current_gpu() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def _resolve() -> LaunchTable | None:
+    global _table
+    with _lock:
+        if _table is _UNSET:
+            path = table_path(_current_gpu())
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"launch table {path} (from $JFA_LAUNCH_TABLE) does not exist")
+            _table = LaunchTable.load(path) if path is not None else None
+    return _table  # type: ignore[return-value]
+
+
+def active() -> bool:
+    """True when launches may differ from the hand rules (a table is loaded or a config forced)."""
+    return bool(_forced) or (_resolve() if _table is _UNSET else _table) is not None
+
+
+def use_table(table: LaunchTable | str | Path | None) -> None:
+    """Use `table` (a LaunchTable, a path, or None for none) from now on; 'env' re-reads
+    $JFA_LAUNCH_TABLE / the GPU's file at the next launch."""
+    global _table
+    if table == "env":
+        _table = _UNSET
+    elif isinstance(table, (str, Path)):
+        _table = LaunchTable.load(table)
+    else:
+        _table = table
+    clear_caches()
+
+
+def current_table() -> LaunchTable | None:
+    return _resolve() if _table is _UNSET else _table  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def forced(family: str, config: dict):
+    """Within the block, every launch of `family` uses `config` over its hand-rule dict."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+    _forced[family] = dict(config)
+    clear_caches()
+    try:
+        yield
+    finally:
+        _forced.pop(family, None)
+        clear_caches()
+
+
+def _merge(default: dict, cfg: dict) -> dict:
+    out = dict(default)
+    out.update((k, v) for k, v in cfg.items() if k in default)
+    return out
+
+
+def tuned(family: str, features: tuple, default: dict) -> dict:
+    """`default` (the hand rules' launch dict) with the table's config for (family, features)
+    laid over it; `default` itself when there is neither a table entry nor a forced config.
+    `features`: values in the order of FAMILIES[family] (dtype may be a torch.dtype)."""
+    if _forced:
+        cfg = _forced.get(family)
+        if cfg is not None:
+            return _merge(default, cfg)
+    table = _resolve() if _table is _UNSET else _table
+    if table is None:
+        return default
+    key = (family, features)
+    cfg = _entries.get(key, _UNSET)
+    if cfg is _UNSET:
+        shape = {k: (str(v).removeprefix("torch.") if k == "dtype" else int(v))
+                 for k, v in zip(FAMILIES[family], features)}
+        entry = table.lookup(family, shape)  # type: ignore[union-attr]
+        cfg = _entries[key] = entry["config"] if entry is not None else None
+    return default if cfg is None else _merge(default, cfg)

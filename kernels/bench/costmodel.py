@@ -1,0 +1,432 @@
+"""A measured cost model of launch configs (issue 13): fit, held-out-shape evaluation, export.
+
+    python -m kernels.bench.costmodel fit    --data sweep.parquet [--model costmodel.pkl]
+    python -m kernels.bench.costmodel eval   --data sweep.parquet [--out eval.json] [--folds 5]
+    python -m kernels.bench.costmodel export --data sweep.parquet [--out kernels/configs/<gpu>.json]
+    python -m kernels.bench.costmodel report --data sweep.parquet [--out experiments/results]
+
+Data: the Parquet of ``kernels.bench.sweep`` (rows with status ok). One model per kernel family.
+Features: log2 of the shape (B sequences, N max_seq_len, L mean length, H, D, Tq, T tokens),
+fill = L / N, the dtype's bytes, log2 of every tunable launch key (tiles, warps, stages) and, per
+tile key, log2(L / tile) (tiles per sequence: where shape and config interact). Targets: log
+runtime (ms per call) and log energy (J per call, where NVML gave power).
+
+Model (``LogModel``): a least-squares power law in the shape for the scale of the runtime (it
+extrapolates to shapes outside the sweep, which a forest cannot), plus scikit-learn's
+RandomForestRegressor (200 trees, all features per split) on the residual: within one shape the
+power law is a constant, so the choice of config rests on the forest. Why a forest and not
+gradient boosting: a few hundred rows per family, strongly interacting features (a tile that
+wins at D=64 loses at D=128), and the picks must be safe on shapes never timed. A forest's
+prediction is an average of measured leaves, so it never extrapolates to a runtime below
+anything measured (boosting's additive corrections can, and such an optimistic error is exactly
+what makes a bad config look best); it needs no tuning of learning rate or depth to be decent
+on small data, and its impurity importances come for free. GPPerf (the issue's seed) used one too.
+
+Evaluation splits by SHAPE: GroupKFold over whole shapes, so every held-out shape's configs are
+all unseen. Reported per family: R^2 and the median / worst absolute error of log runtime
+(as a percentage, exp(|err|) - 1), and per held-out shape the slowdown (time / best measured
+time) of (a) the model's pick, (b) the hand rule (``sweep_families.hand_config``, the very
+function the launcher calls), (c) Triton autotune over ``sweep_families.AUTOTUNE`` (it finds the
+best of its candidates, at the cost of timing each: the sum of their compile + timing seconds).
+Energy: the config with the least (predicted) energy among those within 5% of the (predicted)
+fastest, with its measured time and energy beside the fastest pick's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kernels.bench.sweep_families import AUTOTUNE, DTYPES, TUNABLE, SweepShape, hand_config, valid
+
+SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
+ENERGY_SLACK = 1.05  # the energy-aware pick: least energy within 5% of the fastest
+
+
+def config_id(cfg: dict) -> str:
+    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
+
+
+def load(path: str | Path) -> list[dict]:
+    """Rows of the sweep Parquet (all statuses), config parsed into a dict."""
+    import polars as pl
+
+    if not Path(path).is_file():
+        raise SystemExit(f"error: {path}: no such sweep file (run python -m kernels.bench.sweep first)")
+    rows = pl.read_parquet(path).to_dicts()
+    for r in rows:
+        r["cfg"] = json.loads(r["config"])
+    return rows
+
+
+def shape_of(r: dict) -> SweepShape:
+    return SweepShape(r["B"], r["N"], r["fill"], r["H"], r["D"], r["dtype"], r["Tq"])
+
+
+def feature_names(family: str) -> list[str]:
+    tiles = [k for k in TUNABLE[family] if k.startswith(("BLOCK", "SMALL", "M_KV", "N_KV"))]
+    return ([f"log2 {k}" for k in SHAPE_COLS] + ["fill", "dtype bytes"]
+            + [f"log2 {k}" for k in TUNABLE[family]] + [f"log2 L/{k}" for k in tiles])
+
+
+def features(family: str, shape: dict, cfg: dict) -> list[float]:
+    """One row of features; `shape` has B, N, L, H, D, Tq, T, dtype (see feature_names)."""
+    lg = lambda x: math.log2(max(float(x), 1.0))  # noqa: E731
+    tiles = [k for k in TUNABLE[family] if k.startswith(("BLOCK", "SMALL", "M_KV", "N_KV"))]
+    return ([lg(shape[k]) for k in SHAPE_COLS] + [shape["L"] / max(shape["N"], 1), DTYPES[shape["dtype"]].itemsize]
+            + [lg(cfg[k]) for k in TUNABLE[family]] + [lg(shape["L"]) - lg(cfg[k]) for k in tiles])
+
+
+N_SHAPE_FEATURES = len(SHAPE_COLS) + 2  # the leading columns of features(): shape only
+
+
+class LogModel:
+    """log target = a power law in the shape (least squares on the log shape features: it
+    extrapolates the scale to shapes outside the sweep) + a random forest on the residual over
+    all features (the config effects; within one shape the picks depend on the forest only)."""
+
+    def __init__(self, seed: int = 0):
+        from sklearn.ensemble import RandomForestRegressor
+        from sklearn.linear_model import Ridge
+
+        self.lin = Ridge(alpha=1e-3)
+        self.forest = RandomForestRegressor(n_estimators=200, min_samples_leaf=1, max_features=1.0,
+                                            random_state=seed, n_jobs=-1)
+
+    def fit(self, X: np.ndarray, y: np.ndarray) -> "LogModel":
+        self.lin.fit(X[:, :N_SHAPE_FEATURES], y)
+        self.forest.fit(X, y - self.lin.predict(X[:, :N_SHAPE_FEATURES]))
+        return self
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return self.lin.predict(X[:, :N_SHAPE_FEATURES]) + self.forest.predict(X)
+
+    @property
+    def feature_importances_(self) -> np.ndarray:
+        return self.forest.feature_importances_
+
+
+def _forest(seed: int = 0) -> LogModel:
+    return LogModel(seed)
+
+
+class FamilyModel:
+    """Runtime (and energy) forests of one family plus the configs it may pick from."""
+
+    def __init__(self, family: str, rows: list[dict], seed: int = 0):
+        ok = [r for r in rows if r["status"] == "ok" and math.isfinite(r["ms"]) and r["ms"] > 0]
+        if not ok:
+            raise ValueError(f"{family}: no ok rows to fit")
+        self.family = family
+        X = np.array([features(family, r, r["cfg"]) for r in ok])
+        self.time = _forest(seed).fit(X, np.log(np.array([r["ms"] for r in ok])))
+        en = [r for r in ok if r.get("energy_j") is not None and math.isfinite(r["energy_j"]) and r["energy_j"] > 0]
+        self.energy = None
+        if len(en) >= 4:
+            Xe = np.array([features(family, r, r["cfg"]) for r in en])
+            self.energy = _forest(seed).fit(Xe, np.log(np.array([r["energy_j"] for r in en])))
+        self.configs = {config_id(r["cfg"]): r["cfg"] for r in ok}
+        # a config that failed (out of resources, mismatch) at some D and dtype stays out there
+        self.banned = {(r["D"], r["dtype"], config_id(r["cfg"])) for r in rows if r["status"] != "ok"}
+
+    def candidates(self, shape: dict) -> list[dict]:
+        s = SweepShape(shape["B"], shape["N"], shape.get("fill", 0.0), shape["H"], shape["D"], shape["dtype"], shape["Tq"])
+        return [c for cid, c in self.configs.items()
+                if (shape["D"], shape["dtype"], cid) not in self.banned and valid(self.family, c, s)]
+
+    def predict(self, shape: dict, cfgs: list[dict]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Predicted ms and J per call of each config on `shape`."""
+        X = np.array([features(self.family, shape, c) for c in cfgs])
+        ms = np.exp(self.time.predict(X))
+        return ms, (np.exp(self.energy.predict(X)) if self.energy is not None else None)
+
+    def pick(self, shape: dict, cfgs: list[dict] | None = None) -> dict:
+        """{'fastest': cfg, 'pred_ms', 'frugal': cfg (least energy within 5% of the fastest)}."""
+        cfgs = cfgs if cfgs is not None else self.candidates(shape)
+        ms, en = self.predict(shape, cfgs)
+        i = int(np.argmin(ms))
+        out = {"fastest": cfgs[i], "pred_ms": float(ms[i]), "frugal": cfgs[i]}
+        if en is not None:
+            near = [j for j in range(len(cfgs)) if ms[j] <= ENERGY_SLACK * ms[i]]
+            out["frugal"] = cfgs[min(near, key=lambda j: en[j])]
+        return out
+
+
+def by_family(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["family"], []).append(r)
+    return out
+
+
+def fit(rows: list[dict], seed: int = 0) -> dict[str, FamilyModel]:
+    return {f: FamilyModel(f, rs, seed) for f, rs in by_family(rows).items()
+            if any(r["status"] == "ok" for r in rs)}
+
+
+def _shape_dict(r: dict) -> dict:
+    return {k: r[k] for k in (*SHAPE_COLS, "dtype", "fill")}
+
+
+def eval_family(family: str, rows: list[dict], folds: int = 5, seed: int = 0, hand_fn=hand_config) -> dict:
+    """Leave-shapes-out evaluation of one family (see the module docstring); per-shape records
+    and held-out predictions included for the report."""
+    from sklearn.metrics import r2_score
+    from sklearn.model_selection import GroupKFold
+
+    shapes = sorted({r["shape_id"] for r in rows})
+    if len(shapes) < 2:
+        return {"family": family, "n_shapes": len(shapes), "skipped": "fewer than 2 shapes"}
+    groups = np.array([r["shape_id"] for r in rows])
+    pred_rows, per_shape = [], []
+    for tr, te in GroupKFold(n_splits=min(folds, len(shapes))).split(rows, groups=groups):
+        model = FamilyModel(family, [rows[i] for i in tr], seed)
+        test = [rows[i] for i in te]
+        ok = [r for r in test if r["status"] == "ok"]
+        if ok:
+            X = np.array([features(family, r, r["cfg"]) for r in ok])
+            p = model.time.predict(X)
+            pe = model.energy.predict(X) if model.energy is not None else [math.nan] * len(ok)
+            pred_rows += [{"shape_id": r["shape_id"], "ms": r["ms"], "pred_ms": float(np.exp(a)),
+                           "energy_j": r.get("energy_j", math.nan), "pred_energy_j": float(np.exp(b))}
+                          for r, a, b in zip(ok, p, pe)]
+        for sid in sorted({r["shape_id"] for r in test}):
+            per_shape.append(_shape_record(model, [r for r in test if r["shape_id"] == sid], hand_fn))
+    y = np.log([p["ms"] for p in pred_rows])
+    yp = np.log([p["pred_ms"] for p in pred_rows])
+    err = np.abs(yp - y)
+    ye = [(p["energy_j"], p["pred_energy_j"]) for p in pred_rows
+          if p["energy_j"] is not None and math.isfinite(p["energy_j"]) and math.isfinite(p["pred_energy_j"])]
+    return {
+        "family": family, "n_shapes": len(shapes), "n_rows": len(pred_rows),
+        "r2_log_ms": float(r2_score(y, yp)) if len(y) > 1 else math.nan,
+        "median_err_pct": float(100 * (math.exp(np.median(err)) - 1)),
+        "worst_err_pct": float(100 * (math.exp(err.max()) - 1)),
+        "r2_log_energy": (float(r2_score(np.log([a for a, _ in ye]), np.log([b for _, b in ye])))
+                          if len(ye) > 1 else math.nan),
+        "shapes": per_shape, "predictions": pred_rows,
+    }
+
+
+def _shape_record(model: FamilyModel, rows: list[dict], hand_fn) -> dict:
+    """Slowdowns on one held-out shape: model pick, hand rule, autotune; energy of the picks."""
+    ok = {config_id(r["cfg"]): r for r in rows if r["status"] == "ok"}
+    status = {config_id(r["cfg"]): r["status"] for r in rows}
+    r0 = rows[0]
+    rec = {"shape_id": r0["shape_id"], "n_configs": len(rows), "n_ok": len(ok)}
+    if not ok:
+        return rec | {"model": math.nan, "hand": math.nan, "autotune": math.nan}
+    best = min(ok.values(), key=lambda r: r["ms"])
+    rec["best_ms"], rec["best_config"] = best["ms"], best["config_id"]
+    # the model chooses among the configs that were tried on this shape (it never saw their times)
+    cands = [c for c in model.candidates(_shape_dict(r0)) if config_id(c) in status] or [r["cfg"] for r in rows]
+    pick = model.pick(_shape_dict(r0), cands)
+    chosen = ok.get(config_id(pick["fastest"]))
+    rec["model_config"] = config_id(pick["fastest"])
+    rec["model"] = chosen["ms"] / best["ms"] if chosen else math.inf  # a pick that failed here
+    hand = ok.get(config_id(hand_fn(r0["family"], shape_of(r0))))
+    rec["hand"] = hand["ms"] / best["ms"] if hand else math.nan
+    at = [ok[config_id(c)] for c in AUTOTUNE.get(r0["family"], []) if config_id(c) in ok]
+    rec["autotune"] = min(r["ms"] for r in at) / best["ms"] if at else math.nan
+    rec["autotune_cost_s"] = sum((r["compile_s"] or 0) + (r["bench_s"] or 0) for r in at) if at else math.nan
+    _energy(rec, ok, best, pick)
+    return rec
+
+
+def _energy(rec: dict, ok: dict, best: dict, pick: dict) -> None:
+    """Measured energy of the fastest vs the energy-aware configs (oracle and model's)."""
+    if not (best.get("energy_j") is not None and math.isfinite(best["energy_j"])):
+        return
+    near = [r for r in ok.values() if r["ms"] <= ENERGY_SLACK * best["ms"] and math.isfinite(r["energy_j"])]
+    frugal = min(near, key=lambda r: r["energy_j"])
+    rec |= {"fastest_energy_j": best["energy_j"], "frugal_energy_j": frugal["energy_j"],
+            "frugal_ms": frugal["ms"], "frugal_config": frugal["config_id"]}
+    m_fast, m_frugal = ok.get(config_id(pick["fastest"])), ok.get(config_id(pick["frugal"]))
+    if m_fast and m_frugal:
+        rec |= {"model_energy_j": m_fast["energy_j"], "model_frugal_energy_j": m_frugal["energy_j"],
+                "model_frugal_ms": m_frugal["ms"]}
+
+
+def summarize(ev: dict) -> dict:
+    """Median / worst / geometric-mean slowdowns per method over the held-out shapes."""
+    out = {}
+    for m in ("model", "hand", "autotune"):
+        v = [s[m] for s in ev.get("shapes", []) if m in s and not math.isnan(s[m])]
+        fin = [x for x in v if math.isfinite(x)]
+        out[m] = {"n": len(v), "median": float(np.median(v)) if v else math.nan,
+                  "worst": float(max(v)) if v else math.nan,
+                  "geomean": float(math.exp(np.mean(np.log(fin)))) if fin else math.nan}
+    cost = [s["autotune_cost_s"] for s in ev.get("shapes", []) if math.isfinite(s.get("autotune_cost_s", math.nan))]
+    out["autotune_cost_s_per_shape"] = float(np.median(cost)) if cost else math.nan
+    fe = [(s["fastest_energy_j"], s["frugal_energy_j"]) for s in ev.get("shapes", []) if "frugal_energy_j" in s]
+    out["energy_saving_pct"] = float(100 * np.median([1 - b / a for a, b in fe])) if fe else math.nan
+    out["meets_target"] = bool(out["model"]["n"] and out["model"]["median"] <= 1.05 and out["model"]["worst"] <= 1.15)
+    return out
+
+
+def evaluate(rows: list[dict], folds: int = 5, seed: int = 0, hand_fn=hand_config) -> dict[str, dict]:
+    res = {}
+    for fam, rs in by_family(rows).items():
+        ev = eval_family(fam, rs, folds, seed, hand_fn)
+        ev["summary"] = summarize(ev)
+        res[fam] = ev
+        s = ev["summary"]
+        print(f"  {fam:<18} {ev['n_shapes']:3d} shapes  R2 {ev.get('r2_log_ms', math.nan):6.3f}  "
+              f"err med {ev.get('median_err_pct', math.nan):5.1f}% worst {ev.get('worst_err_pct', math.nan):6.1f}%  "
+              f"slowdown model {s['model']['median']:.3f}/{s['model']['worst']:.3f}  "
+              f"hand {s['hand']['median']:.3f}/{s['hand']['worst']:.3f}  "
+              f"autotune {s['autotune']['median']:.3f} ({s['autotune_cost_s_per_shape']:.1f} s/shape)  "
+              f"target {'met' if s['meets_target'] else 'MISSED'}", flush=True)
+    return res
+
+
+# ---- export -------------------------------------------------------------------------------
+
+
+def _mean_length(B: int, N: int, fill: float) -> float:
+    from kernels.bench.suites import make_lengths
+
+    return float(make_lengths(B, N, fill, 0).double().mean())
+
+
+def dense_grid(family: str, rows: list[dict]) -> list[dict]:
+    """Unseen shapes around the swept ones: N in powers of two 64..8192, fills 0.1..0.75, B so
+    that B*N is 2^18 or 2^20 padded tokens, for each swept (H, D, Tq, dtype)."""
+    kinds = sorted({(r["H"], r["D"], r["Tq"], r["dtype"]) for r in rows})
+    Ns = [1 << e for e in range(6, 14)]  # 64 .. 8192
+    out = []
+    for (H, D, Tq, dtype) in kinds:
+        for N in Ns:
+            for tokens in (1 << 18, 1 << 20):
+                B = max(1, tokens // N)
+                for fill in (0.1, 0.25, 0.5, 0.75):
+                    L = _mean_length(B, N, fill)
+                    out.append(dict(B=B, N=N, L=L, H=H, D=D, Tq=Tq, T=L * B, dtype=dtype, fill=fill))
+    return out
+
+
+def table_shape(family: str, shape: dict) -> dict:
+    """The features the launchers look up (kernels._launch_configs.FAMILIES) for a shape."""
+    from kernels._launch_configs import FAMILIES
+
+    vals = dict(shape, L=max(1, round(shape["L"])), K=shape["D"], M=shape["D"], causal=0)
+    return {k: (vals[k] if k == "dtype" else int(vals[k])) for k in FAMILIES[family]}
+
+
+def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: bool = True) -> list[dict]:
+    """Measured best per swept shape ('measured'), then the model's pick for the dense grid's
+    shapes that no swept shape already covers ('predicted')."""
+    entries, seen = [], set()
+    for fam, rs in by_family(rows).items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        for sid in sorted({r["shape_id"] for r in ok}):
+            best = min((r for r in ok if r["shape_id"] == sid), key=lambda r: r["ms"])
+            shape = table_shape(fam, _shape_dict(best))
+            entries.append({"family": fam, "shape": shape, "config": best["cfg"], "source": "measured",
+                            "ms": round(best["ms"], 5)})
+            seen.add(json.dumps([fam, shape], sort_keys=True))
+        if not unseen or fam not in models:
+            continue
+        for sh in dense_grid(fam, ok):
+            shape = table_shape(fam, sh)
+            k = json.dumps([fam, shape], sort_keys=True)
+            if k in seen:
+                continue
+            seen.add(k)
+            pick = models[fam].pick(sh)
+            entries.append({"family": fam, "shape": shape, "config": pick["fastest"], "source": "predicted",
+                            "pred_ms": round(pick["pred_ms"], 5)})
+    return entries
+
+
+def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None) -> Path:
+    from kernels.launch_table import CONFIG_DIR, write_table
+
+    r0 = rows[0]
+    meta = {k: r0[k] for k in ("gpu", "gpu_slug", "torch", "triton", "cuda", "commit")}
+    meta["model"] = "power law + RandomForestRegressor(200) residual on log ms, per family (kernels/bench/costmodel.py)"
+    path = Path(out.replace("<gpu>", r0["gpu_slug"])) if out else CONFIG_DIR / f"{r0['gpu_slug']}.json"
+    entries = export_entries(rows, models)
+    write_table(path, entries, meta)
+    n_meas = sum(e["source"] == "measured" for e in entries)
+    print(f"{len(entries)} entries ({n_meas} measured, {len(entries) - n_meas} predicted) -> {path}", flush=True)
+    return path
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m kernels.bench.costmodel",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("fit", "eval", "export", "report"))
+    p.add_argument("--data", required=True, help="the sweep's Parquet file")
+    p.add_argument("--model", default=None, help="fit: where to pickle the models (default beside --data)")
+    p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default "
+                   "kernels/configs/<gpu>.json); report: folder (default experiments/results)")
+    p.add_argument("--families", default=None, help="comma-separated subset of the data's families")
+    p.add_argument("--folds", type=int, default=5, help="eval: GroupKFold splits over shapes (at most #shapes)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.folds < 2:
+        p.error("--folds must be at least 2")
+    if not Path(args.data).is_file():
+        p.error(f"--data {args.data}: no such file (run python -m kernels.bench.sweep first)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = load(args.data)
+    if args.families:
+        fams = [f for f in args.families.split(",") if f]
+        known = {r["family"] for r in rows}
+        if not set(fams) <= known:
+            print(f"error: families {sorted(set(fams) - known)} not in {args.data} (it has {sorted(known)})",
+                  file=sys.stderr)
+            return 2
+        rows = [r for r in rows if r["family"] in fams]
+    if not any(r["status"] == "ok" for r in rows):
+        print(f"error: {args.data} has no ok rows", file=sys.stderr)
+        return 2
+    print(f"{len(rows)} rows, {len({r['shape_id'] for r in rows})} shapes, "
+          f"{len({r['family'] for r in rows})} families from {args.data}", flush=True)
+    if args.what == "fit":
+        models = fit(rows, args.seed)
+        path = Path(args.model or Path(args.data).with_suffix(".costmodel.pkl"))
+        path.write_bytes(pickle.dumps(models))
+        print(f"{len(models)} family models -> {path}")
+    elif args.what == "eval":
+        res = evaluate(rows, args.folds, args.seed)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(_json_safe(res), indent=1))
+            print(f"-> {args.out}")
+    elif args.what == "export":
+        export(rows, fit(rows, args.seed), args.out)
+    else:
+        from kernels.bench.costmodel_report import write_report
+
+        for p in write_report(rows, args.out or "experiments/results", args.folds, args.seed):
+            print(f"-> {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The cost model's report: ``costmodel-<gpu>.md`` and four PNG plots, from a sweep's Parquet.
+
+Plots (each subtitled with the GPU, torch/triton versions and the commit of the sweep):
+predicted vs measured time per call on held-out shapes; the slowdown distribution (time / best
+measured) of the model's pick, the hand rule and autotune per family; the runtime forests'
+feature importances (mean decrease in impurity); energy per call vs time per call of every
+config of each family's first shape, with the fastest and the energy-aware pick marked.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernels.bench.costmodel import ENERGY_SLACK, by_family, evaluate, feature_names, fit  # noqa: E402
+
+
+def _stamp(rows: list[dict]) -> str:
+    r = rows[0]
+    return f"{r['gpu']} · torch {r['torch']} · triton {r['triton']} · CUDA {r['cuda']} · commit {r['commit']}"
+
+
+def _save(fig, path: Path, title: str, stamp: str) -> str:
+    fig.suptitle(title, fontsize=11)
+    fig.text(0.5, 0.93, stamp, ha="center", fontsize=8, color="dimgray")
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": stamp})
+    plt.close(fig)
+    return str(path)
+
+
+def plot_pred(res: dict, path: Path, stamp: str) -> str:
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    lo, hi = math.inf, 0.0
+    for fam, ev in res.items():
+        p = ev.get("predictions", [])
+        if p:
+            x, y = [q["ms"] for q in p], [q["pred_ms"] for q in p]
+            ax.scatter(x, y, s=8, alpha=0.6, label=fam)
+            lo, hi = min(lo, *x, *y), max(hi, *x, *y)
+    if hi > 0:
+        ax.plot([lo, hi], [lo, hi], color="gray", lw=1, ls="--", label="y = x")
+    ax.set(xscale="log", yscale="log", xlabel="measured time per call (ms)",
+           ylabel="predicted time per call (ms), shape held out")
+    ax.legend(fontsize=7)
+    return _save(fig, path, "Cost model: predicted vs measured (leave-shapes-out)", stamp)
+
+
+def plot_slowdown(res: dict, path: Path, stamp: str) -> str:
+    fams = list(res)
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.3 * len(fams)), 4.5))
+    for k, (m, color) in enumerate((("model", "C0"), ("hand", "C1"), ("autotune", "C2"))):
+        data = [[s[m] for s in res[f].get("shapes", []) if m in s and math.isfinite(s[m])] or [math.nan]
+                for f in fams]
+        pos = np.arange(len(fams)) + (k - 1) * 0.27
+        bp = ax.boxplot(data, positions=pos, widths=0.24, patch_artist=True, showfliers=True)
+        for b in bp["boxes"]:
+            b.set_facecolor(color)
+        ax.plot([], [], color=color, lw=6, label=m)
+    ax.axhline(1.05, color="gray", ls=":", lw=1, label="5% over the best")
+    ax.set_xticks(np.arange(len(fams)), fams, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("time / best measured time (x), held-out shapes")
+    ax.legend(fontsize=8)
+    return _save(fig, path, "Slowdown of each method's pick against the best config", stamp)
+
+
+def plot_importance(models: dict, path: Path, stamp: str) -> str:
+    n = len(models)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 4.5), squeeze=False)
+    for ax, (fam, m) in zip(axes[0], models.items()):
+        names, imp = feature_names(fam), m.time.feature_importances_
+        order = np.argsort(imp)[-8:]
+        ax.barh([names[i] for i in order], imp[order])
+        ax.set_title(fam, fontsize=9)
+        ax.set_xlabel("importance (fraction of impurity decrease)", fontsize=7)
+        ax.tick_params(labelsize=7)
+    return _save(fig, path, "Runtime model: forest feature importances (top 8 per family)", stamp)
+
+
+def plot_energy(rows: list[dict], path: Path, stamp: str) -> str:
+    fams = by_family([r for r in rows if r["status"] == "ok"])
+    fig, axes = plt.subplots(1, max(1, len(fams)), figsize=(3.2 * max(1, len(fams)), 3.8), squeeze=False)
+    for ax, (fam, rs) in zip(axes[0], fams.items()):
+        sid = rs[0]["shape_id"]
+        pts = [r for r in rs if r["shape_id"] == sid and r["energy_j"] is not None and math.isfinite(r["energy_j"])]
+        ax.set_title(f"{fam}\n{sid}", fontsize=7)
+        ax.set_xlabel("time per call (ms)", fontsize=7)
+        ax.set_ylabel("energy per call (mJ)", fontsize=7)
+        if not pts:
+            ax.text(0.5, 0.5, "no power readings\n(NVML absent)", ha="center", va="center", transform=ax.transAxes)
+            continue
+        ax.scatter([r["ms"] for r in pts], [1e3 * r["energy_j"] for r in pts], s=10, alpha=0.6)
+        best = min(pts, key=lambda r: r["ms"])
+        frugal = min((r for r in pts if r["ms"] <= ENERGY_SLACK * best["ms"]), key=lambda r: r["energy_j"])
+        ax.scatter([best["ms"]], [1e3 * best["energy_j"]], color="C3", marker="*", s=80, label="fastest")
+        ax.scatter([frugal["ms"]], [1e3 * frugal["energy_j"]], color="C2", marker="D", s=40,
+                   label="least energy within 5%")
+        ax.legend(fontsize=6)
+        ax.tick_params(labelsize=7)
+    return _save(fig, path, "Energy vs time per config (first shape of each family)", stamp)
+
+
+def _fmt(x: float, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
+    ok = sum(r["status"] == "ok" for r in rows)
+    lines = [f"# Launch-config cost model on {rows[0]['gpu']}", "", f"_{_stamp(rows)}_", "",
+             f"Sweep: {len(rows)} rows ({ok} ok), {len({r['shape_id'] for r in rows})} shapes, grid "
+             f"{rows[0].get('grid', '?')}. Model, per family, on log time (and log energy): a power law in the shape "
+             "for the scale plus a RandomForestRegressor (200 trees) on the residual, which alone ranks the configs "
+             "of a shape; a forest averages measured leaves, so it never ranks a config by an extrapolation "
+             "(kernels/bench/costmodel.py says more). Evaluation: GroupKFold over whole shapes.", "",
+             "Slowdown = time of the chosen config / best measured time on a held-out shape (median / worst). "
+             "Target: model within 1.05 median and 1.15 worst, better than the hand rule on average.", "",
+             "| family | shapes | R² log time | err median | err worst | R² log energy | model | hand | autotune "
+             "| autotune cost (s/shape) | energy saved within 5% | target |",
+             "|---|---:|---:|---:|---:|---:|---|---|---|---:|---:|---|"]
+    for fam, ev in res.items():
+        s = ev["summary"]
+        mm = lambda m: f"{_fmt(s[m]['median'])} / {_fmt(s[m]['worst'])}"  # noqa: E731
+        lines.append(f"| {fam} | {ev['n_shapes']} | {_fmt(ev.get('r2_log_ms', math.nan))} | "
+                     f"{_fmt(ev.get('median_err_pct', math.nan), '.1f')}% | {_fmt(ev.get('worst_err_pct', math.nan), '.1f')}% | "
+                     f"{_fmt(ev.get('r2_log_energy', math.nan))} | {mm('model')} | {mm('hand')} | {mm('autotune')} | "
+                     f"{_fmt(s['autotune_cost_s_per_shape'], '.1f')} | {_fmt(s['energy_saving_pct'], '.1f')}% | "
+                     f"{'met' if s['meets_target'] else 'missed'} |")
+    lines += ["", "Per held-out shape (slowdowns; energy of the fastest vs the least-energy config within 5%, mJ):", "",
+              "| family | shape | best ms | best config | model | hand | autotune | E fastest | E frugal |",
+              "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for fam, ev in res.items():
+        for s in ev.get("shapes", []):
+            e = lambda k: _fmt(1e3 * s[k], ".2f") if k in s else "-"  # noqa: E731
+            lines.append(f"| {fam} | {s['shape_id']} | {_fmt(s.get('best_ms', math.nan), '.4f')} | "
+                         f"`{s.get('best_config', '-')}` | {_fmt(s.get('model', math.nan))} | "
+                         f"{_fmt(s.get('hand', math.nan))} | {_fmt(s.get('autotune', math.nan))} | "
+                         f"{e('fastest_energy_j')} | {e('frugal_energy_j')} |")
+    lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def write_report(rows: list[dict], out: str, folds: int = 5, seed: int = 0) -> list[str]:
+    """Evaluate, fit on all rows, write costmodel-<gpu>.md and its plots into `out`."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    slug, stamp = rows[0]["gpu_slug"], _stamp(rows)
+    res = evaluate(rows, folds, seed)
+    models = fit(rows, seed)
+    plots = [plot_pred(res, folder / f"costmodel-pred-{slug}.png", stamp),
+             plot_slowdown(res, folder / f"costmodel-slowdown-{slug}.png", stamp),
+             plot_importance(models, folder / f"costmodel-importance-{slug}.png", stamp),
+             plot_energy(rows, folder / f"costmodel-energy-{slug}.png", stamp)]
+    md = folder / f"costmodel-{slug}.md"
+    md.write_text(markdown(rows, res, plots))
+    return [str(md), *plots]

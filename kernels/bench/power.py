@@ -1,0 +1,92 @@
+"""Board power sampled through NVML in a background thread, for energy per kernel call.
+
+``with PowerSampler(device_index) as p: ...`` samples the board's power (W) every `period_s`
+while the block runs; ``p.mean_w`` is the mean of the samples (NaN without NVML: the
+``nvidia-ml-py`` package, a CUDA device, a driver). Energy per call (J) = mean power (W) x time
+per call (s). The samples span do_bench's whole window (warm-up, L2 flushes, timed runs), so
+the figure is the board's power while the kernel runs back to back, idle power included: fine
+for comparing configurations of one kernel, not an isolated kernel's energy. The instantaneous
+reading (``NVML_FI_DEV_POWER_INSTANT``) is used where the driver has it; otherwise
+``nvmlDeviceGetPowerUsage``, which some drivers average over up to a second.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+
+def _nvml():
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver, no device: energy is NaN
+        return None
+    return pynvml
+
+
+class PowerSampler:
+    """Mean board power (W) over a `with` block; NaN when NVML is unavailable."""
+
+    def __init__(self, device_index: int | None = 0, period_s: float = 0.005):
+        """device_index: the NVML index of the GPU; None samples nothing (a CPU run)."""
+        self.period_s, self.samples = period_s, []
+        self._nvml = _nvml() if device_index is not None else None
+        self._handle = self._nvml.nvmlDeviceGetHandleByIndex(device_index) if self._nvml else None
+        self._instant = self._nvml is not None and self._read_instant() is not None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def _read_instant(self) -> float | None:
+        nv = self._nvml
+        field = getattr(nv, "NVML_FI_DEV_POWER_INSTANT", None)
+        if field is None:
+            return None
+        try:
+            v = nv.nvmlDeviceGetFieldValues(self._handle, [field])[0]
+            if v.nvmlReturn != 0:
+                return None
+            return float(v.value.uiVal) / 1e3  # mW -> W
+        except Exception:  # noqa: BLE001 - an old driver: fall back to the averaged reading
+            return None
+
+    def read_w(self) -> float:
+        if self._instant:
+            w = self._read_instant()
+            if w is not None:
+                return w
+        return self._nvml.nvmlDeviceGetPowerUsage(self._handle) / 1e3
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.samples.append(self.read_w())
+            except Exception:  # noqa: BLE001 - a failed read loses one sample, not the run
+                pass
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> "PowerSampler":
+        self.samples = []
+        if self.available:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def mean_w(self) -> float:
+        return sum(self.samples) / len(self.samples) if self.samples else math.nan

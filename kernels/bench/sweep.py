@@ -1,0 +1,298 @@
+"""Launch-config sweep (issue 13): every valid config of every kernel family on a grid of shapes,
+timed with the harness's rules and with board power sampled through NVML; one Parquet row each.
+
+    python -m kernels.bench.sweep [--grid tiny|small|full] [--families a,b] [--deadline-s 400]
+                                  [--out runs/costmodel/sweep-<gpu>.parquet] [--mlflow]
+
+What is measured per (family, shape, config): ``ms`` the do_bench median (CUDA events, L2 flushed,
+after warm-up; ``kernels.bench.measure.bench_ms``; a host clock on the CPU), ``power_w`` the mean
+board power during that timing (``kernels.bench.power``), ``energy_j`` = power x time per call
+(J; NaN without NVML), ``compile_s`` the first call's wall seconds (Triton compile), ``bench_s``
+the wall seconds the timing took (what an autotuner spends on this candidate), ``rel_err`` of
+the outputs against the hand-rule config's outputs, ``spills`` (registers spilled, where Triton
+reports it). ``status``: ok, mismatch (rel_err over the bench's tolerance), out_of_resources,
+compile_error, error. Configs go through the real launchers (``kernels._launch_configs.forced``).
+
+The run is resumable (rows already in --out are skipped) and bounded (--deadline-s: no new
+config is started after it). Shapes are visited round-robin over the families, so a cut run
+holds the first shapes of every family. The Parquet is rewritten after every shape; columns
+also carry the GPU, torch/triton/CUDA versions and the git commit (``--commit``, else
+$GIT_COMMIT, else HEAD). Families, grids and config spaces: ``kernels.bench.sweep_families``.
+
+GPU command sequence (one GPU call: ``experiments/gpu/costmodel.sh`` runs exactly this, with OUT
+and GIT_COMMIT set, after the wheel install line of ../shared/device/README.md)::
+
+    slug=$(python3 -c "import torch; from kernels.launch_table import slug; print(slug(torch.cuda.get_device_name()))")
+    python3 -m kernels.bench.sweep --grid small --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
+    python3 -m kernels.bench.costmodel eval   --data $OUT/sweep-$slug.parquet --out $OUT/eval-$slug.json
+    python3 -m kernels.bench.costmodel report --data $OUT/sweep-$slug.parquet --out $OUT/report
+    python3 -m kernels.bench.costmodel export --data $OUT/sweep-$slug.parquet --out $OUT/configs/$slug.json
+
+then, here: copy ``report/*`` to experiments/results/ and ``configs/<gpu>.json`` to kernels/configs/
+(the launchers read it from then on), rerun the gpu tests and the kernel benchmark on it.
+(rerun the sweep line with the same --out to extend a cut sweep). CPU check of the machinery:
+``TRITON_INTERPRET=1 python -m kernels.bench.sweep --grid tiny --device cpu --out /tmp/s.parquet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernels._launch_configs import FAMILIES, forced
+from kernels.bench.measure import CHECK_TOL, bench_ms, free_memory, rel_err, sync
+from kernels.bench.power import PowerSampler
+from kernels.bench.stamp import make_stamp
+from kernels.bench.sweep_families import DTYPES, LEVELS, SweepShape, grid, hand_config, make_case, space
+
+KEY = ("family", "shape_id", "config_id")
+_KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
+    "flash_fwd": ("_flash_attention_triton", "_flash_fwd_kernel"),
+    "flash_bwd": ("_flash_attention_triton", "_flash_bwd_kernel"),
+    "dense_fwd": ("_dense_attention_triton", "_dense_fwd_kernel"),
+    "dense_bwd": ("_dense_attention_triton", "_dense_bwd_kernel"),
+    "softmax_fwd": ("_softmax_triton", "_jagged_softmax_fwd_kernel"),
+    "softmax_bwd": ("_softmax_triton", "_jagged_softmax_bwd_kernel"),
+    "jagged_dense_bmm": ("_bmm_triton", "_jagged_dense_bmm_kernel"),
+    "jagged_jagged_bmm": ("_bmm_triton", "_jagged_jagged_bmm_kernel"),
+    "padded_to_jagged": ("_conversions_triton", "_padded_to_jagged_kernel"),
+}
+
+
+def config_id(cfg: dict) -> str:
+    """'BLOCK_M=64,BLOCK_N=32,num_stages=3,num_warps=4' (keys sorted): one config, one string."""
+    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
+
+
+def _compiled(family: str) -> dict:
+    """{cache key: CompiledKernel} of the family's kernel (empty where Triton hides it)."""
+    import importlib
+
+    mod, name = _KERNELS[family]
+    fn = getattr(importlib.import_module(f"kernels.{mod}"), name)
+    out = {}
+    try:
+        for dev_cache in fn.device_caches.values():
+            out.update(dev_cache[0])
+    except (AttributeError, TypeError, IndexError):
+        pass
+    return out
+
+
+def _spills(before: dict, after: dict) -> float:
+    new = [k for key, k in after.items() if key not in before]
+    vals = [getattr(k, "n_spills", None) for k in new]
+    vals = [v for v in vals if v is not None]
+    return float(max(vals)) if vals else math.nan
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if t is not None]
+
+
+def _status(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if name == "OutOfResources" or "out of resource" in str(exc).lower():
+        return "out_of_resources"
+    if "Compilation" in name or "compil" in str(exc).lower()[:200]:
+        return "compile_error"
+    return "error"
+
+
+def _sticky(exc: BaseException) -> bool:
+    """A CUDA error that poisons the context (every later launch would fail)."""
+    msg = str(exc).lower()
+    return "illegal memory access" in msg or "unspecified launch failure" in msg or "device-side assert" in msg
+
+
+def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device,
+                sampler: PowerSampler, args) -> dict:
+    """One row's measurements of `fn` under `cfg` (see the module docstring)."""
+    row = dict(status="ok", error="", ms=math.nan, power_w=math.nan, energy_j=math.nan, n_power=0,
+               compile_s=math.nan, bench_s=math.nan, rel_err=math.nan, spills=math.nan)
+    with forced(family, cfg):
+        before = _compiled(family)
+        t0 = time.perf_counter()
+        try:
+            outs = _outputs(fn())
+            sync(device)
+        except Exception as exc:  # noqa: BLE001 - a config that does not run is a row
+            row.update(status=_status(exc), error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            if _sticky(exc):
+                row["sticky"] = True
+            return row
+        row["compile_s"] = time.perf_counter() - t0
+        row["spills"] = _spills(before, _compiled(family))
+        if ref is not None:
+            errs = [rel_err(o.float(), r.float()) for o, r in zip(outs, ref)]
+            row["rel_err"] = max(errs) if errs else 0.0
+            if not row["rel_err"] <= CHECK_TOL[dtype]:
+                row["status"] = "mismatch"
+        del outs
+        t1 = time.perf_counter()
+        with sampler:
+            row["ms"] = bench_ms(fn, device, args.warmup_ms, args.rep_ms)
+        row["bench_s"] = time.perf_counter() - t1
+        row["power_w"], row["n_power"] = sampler.mean_w, len(sampler.samples)
+        row["energy_j"] = row["power_w"] * row["ms"] / 1e3
+    return row
+
+
+def _shape_cols(family: str, s: SweepShape, info: dict) -> dict:
+    return dict(family=family, shape_id=s.id, B=s.B, N=s.N, fill=s.fill, H=s.H, D=s.D, Tq=s.Tq,
+                K=s.D if "bmm" in family else 0, M=s.D if "bmm" in family else 0, dtype=s.dtype,
+                T=info["T"], L=info["L"])
+
+
+def load_rows(path: Path) -> list[dict]:
+    import polars as pl
+
+    return pl.read_parquet(path).to_dicts() if path.is_file() else []
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    import polars as pl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pl.DataFrame(rows, infer_schema_length=None).write_parquet(tmp)
+    os.replace(tmp, path)
+
+
+def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device, stamp: dict,
+                sampler: PowerSampler, args, out_of_time) -> tuple[list[dict], bool]:
+    """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen)."""
+    fn, info = make_case(family, s, device, args.seed)
+    dtype = DTYPES[s.dtype]
+    with forced(family, hand):
+        ref = [o.detach().clone() for o in _outputs(fn())]
+    rows, sticky = [], False
+    for cfg in todo:
+        if out_of_time():
+            break
+        m = time_config(family, fn, cfg, ref, dtype, device, sampler, args)
+        sticky = bool(m.pop("sticky", False))
+        rows.append({**_shape_cols(family, s, info), "config_id": config_id(cfg), "config": json.dumps(cfg),
+                     "is_hand": config_id(cfg) == config_id(hand), **m, "warmup_ms": args.warmup_ms,
+                     "rep_ms": args.rep_ms, "grid": args.grid, **{k: stamp[k] for k in STAMP_COLS}})
+        if sticky:
+            break
+    del fn, ref
+    free_memory(device)
+    return rows, sticky
+
+
+STAMP_COLS = ("gpu", "gpu_slug", "torch", "triton", "cuda", "commit", "date")
+
+
+def _progress(family: str, s: SweepShape, rows: list[dict], n_left: int, elapsed: float) -> None:
+    ok = [r for r in rows if r["status"] == "ok"]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    hand = next((r for r in ok if r["is_hand"]), None)
+    tail = (f"best {best['ms']:.4f} ms [{best['config_id']}]" if best else "no ok config")
+    if best and hand:
+        tail += f", hand {hand['ms'] / best['ms']:.2f}x"
+    print(f"  {family:<18} {s.id:<40} {len(rows):3d} configs ({len(rows) - len(ok)} not ok), {tail}; "
+          f"{n_left} shapes left, {elapsed:.0f} s", flush=True)
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    stamp = make_stamp(device, args.commit)
+    out = Path(args.out.replace("<gpu>", stamp["gpu_slug"]))
+    rows = load_rows(out)
+    done = {tuple(r[k] for k in KEY) for r in rows}
+    t0 = time.monotonic()
+    out_of_time = lambda: args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s  # noqa: E731
+    grids = {f: grid(f, args.grid) for f in args.families}
+    order = [(f, g[i]) for i in range(max(map(len, grids.values()))) for f, g in grids.items() if i < len(g)]
+    sampler = PowerSampler((device.index or 0) if device.type == "cuda" else None)
+    print(f"sweep {args.grid}: {len(order)} (family, shape) pairs, {len(rows)} rows already in {out}; "
+          f"{stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, commit {stamp['commit']}; "
+          f"power {'NVML' if sampler.available else 'absent (energy NaN)'}", flush=True)
+    n_new = 0
+    for i, (family, s) in enumerate(order):
+        hand = hand_config(family, s)
+        todo = [c for c in space(family, s, args.grid) if (family, s.id, config_id(c)) not in done]
+        if not todo:
+            continue
+        if out_of_time():
+            print(f"deadline ({args.deadline_s:g} s) reached: {len(order) - i} shapes not finished", flush=True)
+            break
+        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, sampler, args, out_of_time)
+        rows += new
+        n_new += len(new)
+        write_rows(out, rows)
+        _progress(family, s, new, len(order) - i - 1, time.monotonic() - t0)
+        if sticky:
+            print("a CUDA error poisoned the context: stopping; rerun to resume after that config", flush=True)
+            return 3
+    print(f"{n_new} new rows, {len(rows)} in all -> {out} ({time.monotonic() - t0:.0f} s)", flush=True)
+    if args.mlflow:
+        log_mlflow(out, rows, n_new, stamp, args)
+    return 0
+
+
+def log_mlflow(path: Path, rows: list[dict], n_new: int, stamp: dict, args) -> str:
+    """One MLflow run (experiment 'kernel-costmodel') with the Parquet as an artifact."""
+    import mlflow
+
+    from pipeline.tracking import tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri())
+    mlflow.set_experiment("kernel-costmodel")
+    with mlflow.start_run(run_name=f"sweep-{stamp['gpu_slug']}-{args.grid}") as run:
+        mlflow.set_tags({f"stamp.{k}": str(stamp[k]) for k in STAMP_COLS} | {"kind": "config-sweep"})
+        mlflow.log_params({"grid": args.grid, "families": ",".join(args.families), "deadline_s": args.deadline_s,
+                           "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "seed": args.seed})
+        mlflow.log_metrics({"rows": len(rows), "new_rows": n_new,
+                            "ok_rows": sum(r["status"] == "ok" for r in rows)})
+        mlflow.log_artifact(str(path))
+    print(f"MLflow run {run.info.run_id} ({tracking_uri()})", flush=True)
+    return run.info.run_id
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m kernels.bench.sweep",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--grid", default="small", choices=LEVELS)
+    p.add_argument("--families", default="all", help=f"comma-separated, of: {', '.join(FAMILIES)}")
+    p.add_argument("--out", default="runs/costmodel/sweep-<gpu>.parquet", help="Parquet file (<gpu>: the GPU's slug)")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no new config after this many seconds")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up, ms")
+    p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time, ms")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--commit", default=None, help="git commit to record (default $GIT_COMMIT, else HEAD)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mlflow", action="store_true", help="log an MLflow run with the Parquet as its artifact")
+    args = p.parse_args(argv)
+    fams = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad or not fams:
+        p.error(f"unknown families {bad}; known: {', '.join(FAMILIES)}")
+    args.families = fams
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device not in ("cuda", "cpu"):
+        p.error(f"--device must be cuda or cpu, not {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        p.error("--deadline-s must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""What `kernels.bench.sweep` sweeps: kernel families, their shape grids and launch-config spaces.
+
+A family is one launcher of kernels/_*_triton.py whose launch dict goes through
+``kernels._launch_configs.tuned`` (the same names as ``_launch_configs.FAMILIES``). For each:
+
+- ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small`` (one GPU call
+  of ~400 s) or ``full`` (several resumed calls). Lengths are drawn as in the benchmark harness
+  (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
+- ``space(family, shape, level)``: every launch config tried (tiles, warps, stages), with the
+  combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
+  and the hand rule's config always included.
+- ``hand_config(family, shape)``: the hand rule's config, computed by the very function the
+  launcher calls (so the comparison cannot drift from the code).
+- ``AUTOTUNE[family]``: the candidate list a ``triton.autotune`` decorator would carry (the
+  configs of FA2-style Triton kernels, generative-recommenders' HSTU list, and ours): the
+  cost model's evaluation compares against the best of these, and charges their timing time.
+- ``make_case(family, shape, device)``: a zero-argument function calling the launcher on fresh
+  inputs of the shape (outputs returned, for the check against the hand config's output).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels._launch_configs import FAMILIES
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LEVELS = ("tiny", "small", "full")
+# the keys of each family's launch dict that the sweep varies (the others come from the launcher)
+TUNABLE = {
+    "flash_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "flash_bwd": ("BLOCK_N1", "BLOCK_M1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"),
+    "dense_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "dense_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages"),
+    "softmax_fwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps"),
+    "softmax_bwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps"),
+    "jagged_dense_bmm": ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages"),
+    "jagged_jagged_bmm": ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages"),
+    "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
+}
+assert TUNABLE.keys() == FAMILIES.keys()
+
+
+@dataclass(frozen=True)
+class SweepShape:
+    """B sequences of lengths ~U[1, 2*fill*N] clipped to N (max_seq_len); H heads (softmax:
+    columns); D head dim (feature width; K = M = D for the bmm ops); Tq dense queries."""
+
+    B: int
+    N: int
+    fill: float
+    H: int = 1
+    D: int = 0
+    dtype: str = "bfloat16"
+    Tq: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"B{self.B}-N{self.N}-f{self.fill:g}-H{self.H}-D{self.D}-Tq{self.Tq}-{self.dtype}"
+
+
+def _attn(Ns, fills, HDs, dtypes=("bfloat16",), tokens=1 << 20) -> list[SweepShape]:
+    return [SweepShape(max(1, tokens // N), N, f, H, D, dt) for N, f, (H, D), dt
+            in itertools.product(Ns, fills, HDs, dtypes)]
+
+
+_SMALL = {
+    "attn": [SweepShape(1024, 1024, 0.25, 2, 64), SweepShape(4096, 128, 0.3, 4, 32),
+             SweepShape(256, 1024, 0.25, 4, 128), SweepShape(16384, 128, 0.3, 2, 64),
+             SweepShape(1024, 256, 0.25, 2, 64), SweepShape(2048, 512, 0.5, 2, 64)],
+    "dense": [SweepShape(1024, 1024, 0.25, 2, 64, Tq=1), SweepShape(1024, 1024, 0.25, 2, 64, Tq=16),
+              SweepShape(1024, 1024, 0.25, 2, 64, Tq=64), SweepShape(256, 2048, 0.25, 4, 128, Tq=16),
+              SweepShape(4096, 256, 0.5, 2, 64, Tq=4)],
+    "softmax": [SweepShape(1024, 1024, 0.1, 128), SweepShape(1024, 1024, 0.5, 128),
+                SweepShape(4096, 256, 0.25, 64), SweepShape(256, 4096, 0.25, 32),
+                SweepShape(1024, 512, 0.75, 256)],
+    "ops": [SweepShape(1024, 1024, 0.1, 1, 128), SweepShape(1024, 1024, 0.5, 1, 128),
+            SweepShape(4096, 512, 0.5, 1, 256), SweepShape(2048, 256, 0.25, 1, 64),
+            SweepShape(512, 2048, 0.25, 1, 128)],
+}
+_TINY = {
+    "attn": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 2, 16, "float32")],
+    "dense": [SweepShape(3, 24, 0.6, 1, 16, "float32", Tq=2), SweepShape(2, 40, 0.5, 2, 16, "float32", Tq=3)],
+    "softmax": [SweepShape(3, 24, 0.6, 4, 0, "float32"), SweepShape(2, 40, 0.5, 3, 0, "float32")],
+    "ops": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 1, 16, "float32")],
+}
+_FULL = {
+    "attn": _attn([128, 256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [(2, 64), (4, 32), (4, 128)]),
+    "dense": [SweepShape(max(1, (1 << 20) // N), N, f, H, D, Tq=tq) for N, f, (H, D), tq in itertools.product(
+        [256, 1024, 4096], [0.1, 0.25, 0.5], [(2, 64), (4, 128)], [1, 4, 16, 64])],
+    "softmax": [SweepShape(max(1, (1 << 20) // N), N, f, H) for N, f, H in itertools.product(
+        [256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [32, 64, 128, 256])],
+    "ops": [SweepShape(max(1, (1 << 20) // N), N, f, 1, D) for N, f, D in itertools.product(
+        [256, 512, 1024, 2048], [0.1, 0.25, 0.5, 0.75], [64, 128, 256])],
+}
+_KIND = {"flash_fwd": "attn", "flash_bwd": "attn", "dense_fwd": "dense", "dense_bwd": "dense",
+         "softmax_fwd": "softmax", "softmax_bwd": "softmax", "jagged_dense_bmm": "ops",
+         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops"}
+
+
+def grid(family: str, level: str) -> list[SweepShape]:
+    return list({"tiny": _TINY, "small": _SMALL, "full": _FULL}[level][_KIND[family]])
+
+
+def _product(keys: tuple, *values) -> list[dict]:
+    return [dict(zip(keys, v)) for v in itertools.product(*values)]
+
+
+def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
+    """All combinations of the level, before the validity rules."""
+    k = TUNABLE[family]
+    if level == "tiny":  # the interpreter: warps and stages mean nothing there
+        return {
+            "flash_fwd": _product(k, [16, 32], [16], [4], [1]),
+            "flash_bwd": [dict(zip(k, v)) for v in [(32, 16, 32, 16, 4, 1), (16, 16, 16, 16, 4, 1)]],
+            "dense_fwd": _product(k, [16], [16, 32], [4], [1]),
+            "dense_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1), (16, 32, 16, 32, 4, 1)]],
+            "softmax_fwd": _product(k, [32], [16, 32], [16], [4]),
+            "softmax_bwd": _product(k, [32], [16, 32], [16], [4]),
+            "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
+            "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1]),
+            "padded_to_jagged": _product(k, [16, 32], [16], [4]),
+        }[family]
+    full = level == "full"
+    warps, stages = [4, 8], ([2, 3, 4] if full else [3])
+    if family in ("flash_fwd", "dense_fwd"):
+        bm = [16, 32, 64, 128] if family == "dense_fwd" else [32, 64, 128]
+        return _product(k, bm, [16, 32, 64, 128] if full else [16, 32, 64], warps, stages)
+    if family == "flash_bwd":
+        pairs = [(64, 32), (64, 16), (32, 32), (128, 32), (64, 64), (32, 16)] + ([(128, 16), (128, 64)] if full else [])
+        return [dict(zip(k, (n1, m1, n1, m1, w, st))) for (n1, m1), w, st in itertools.product(pairs, warps, stages)]
+    if family == "dense_bwd":
+        tiles = [(16, 64), (32, 64), (64, 64), (16, 32), (64, 32)] + ([(32, 128), (64, 128)] if full else [])
+        return [dict(zip(k, (m, n, m, n, w, st))) for (m, n), w, st in itertools.product(tiles, warps, stages)]
+    if family.startswith("softmax"):
+        return _product(k, [256, 512, 1024], [64, 128, 256] if full else [64, 128], [8, 16, 32] if full else [16], warps)
+    if family == "jagged_dense_bmm":
+        return _product(k, [64, 128], [64, 128], [32, 64, 128] if full else [32, 64], warps, stages)
+    if family == "jagged_jagged_bmm":
+        return _product(k, [64, 128], [64, 128], [32, 64] + ([128] if full else []), warps, stages)
+    return _product(k, [32, 64, 128], [64, 128, 256] if full else [128], warps)  # padded_to_jagged
+
+
+def valid(family: str, cfg: dict, s: SweepShape) -> bool:
+    """Combinations the kernels cannot run, or that waste a whole tile, are skipped by rule."""
+    if family == "flash_fwd":
+        return cfg["BLOCK_M"] % cfg["BLOCK_N"] == 0  # the causal split needs whole key blocks
+    if family == "flash_bwd":
+        return cfg["BLOCK_N1"] % cfg["BLOCK_M1"] == 0 and cfg["BLOCK_M2"] % cfg["BLOCK_N2"] == 0
+    if family == "dense_fwd":  # query blocks no larger than twice Tq (the rest is masked work)
+        return cfg["BLOCK_M"] <= max(16, 2 * s.Tq)
+    if family == "dense_bwd":
+        return cfg["BLOCK_M"] <= max(16, 2 * s.Tq) and cfg["M_KV"] <= max(16, 2 * s.Tq)
+    if family.startswith("softmax"):
+        return cfg["SMALL_N"] <= cfg["BLOCK_N"]
+    if family == "padded_to_jagged":
+        return cfg["BLOCK_D"] <= max(16, 2 * s.D)
+    return True
+
+
+def _key(cfg: dict) -> tuple:
+    return tuple(sorted(cfg.items()))
+
+
+def space(family: str, s: SweepShape, level: str) -> list[dict]:
+    """The configs to time for (family, shape): valid combinations, hand config first."""
+    out = {_key(hand_config(family, s)): hand_config(family, s)}
+    for cfg in _raw_space(family, s, level):
+        if valid(family, cfg, s):
+            out.setdefault(_key(cfg), cfg)
+    return list(out.values())
+
+
+def hand_config(family: str, s: SweepShape) -> dict:
+    """The hand rule's launch config for the shape, from the launchers' own functions."""
+    from kernels import _bmm_triton, _conversions_triton, _softmax_triton
+    from kernels._dense_attention_triton import dense_config
+    from kernels._flash_attention_triton import bwd_config, fwd_config
+
+    dt = DTYPES[s.dtype]
+    if family == "flash_fwd":
+        cfg = fwd_config(s.D, dt, False, s.fill * s.N < 256)  # the launcher's test: T < 256 B
+    elif family == "flash_bwd":
+        cfg = bwd_config(s.D, dt, False)
+    elif family in ("dense_fwd", "dense_bwd"):
+        cfg = dense_config(s.D, s.Tq, dt)
+    elif family.startswith("softmax"):
+        cfg = _softmax_triton.SOFTMAX_CONFIG
+    elif family == "padded_to_jagged":
+        cfg = _conversions_triton.P2J_CONFIG
+    else:
+        cfg = _bmm_triton.bmm_base_config("dense" if family == "jagged_dense_bmm" else "jagged", dt)
+    return {k: cfg[k] for k in TUNABLE[family]}
+
+
+AUTOTUNE = {  # a plausible @triton.autotune list per family (subsets of the small space)
+    "flash_fwd": _product(TUNABLE["flash_fwd"], [64, 128], [32, 64], [4, 8], [3]),
+    "flash_bwd": [dict(zip(TUNABLE["flash_bwd"], v)) for v in
+                  [(64, 32, 64, 32, 4, 3), (64, 16, 64, 16, 4, 3), (128, 32, 128, 32, 8, 2), (32, 32, 32, 32, 4, 3)]],
+    "dense_fwd": _product(TUNABLE["dense_fwd"], [16, 64], [32, 64], [4, 8], [2]),
+    "dense_bwd": [dict(zip(TUNABLE["dense_bwd"], v)) for v in
+                  [(16, 64, 16, 64, 4, 2), (64, 64, 64, 64, 8, 2), (32, 32, 32, 32, 4, 3), (64, 32, 64, 32, 4, 2)]],
+    "softmax_fwd": _product(TUNABLE["softmax_fwd"], [512, 1024], [128], [16], [4, 8]),
+    "softmax_bwd": _product(TUNABLE["softmax_bwd"], [512, 1024], [128], [16], [4, 8]),
+    "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
+    "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
+    "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),
+}
+
+
+def make_case(family: str, s: SweepShape, device: torch.device, seed: int = 0) -> tuple[Callable[[], object], dict]:
+    """(fn, info): fn() runs the family's launcher on inputs of shape `s` (fresh, seeded) and
+    returns its outputs; info holds T (tokens) and L (mean length T/B)."""
+    from kernels.bench.suites import make_lengths
+    from kernels.conversions import offsets_from_lengths
+
+    lengths = make_lengths(s.B, s.N, s.fill, seed)
+    T = int(lengths.sum())
+    offsets = offsets_from_lengths(lengths).to(device)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    dt = DTYPES[s.dtype]
+
+    def rand(*size):
+        return torch.randn(*size, device=device, dtype=dt, generator=gen)
+
+    fn = _BUILDERS[family](s, T, offsets, rand)
+    return fn, {"T": T, "L": T / max(s.B, 1)}
+
+
+def _flash(s, T, off, rand, bwd: bool):
+    from kernels._flash_attention_triton import flash_attention_bwd, flash_attention_fwd
+
+    q, k, v = (rand(T, s.H, s.D) for _ in range(3))
+    scale = 1 / math.sqrt(s.D)
+    if not bwd:
+        return lambda: flash_attention_fwd(q, k, v, off, s.N, False, scale)[0]
+    out, lse = flash_attention_fwd(q, k, v, off, s.N, False, scale)
+    do = rand(T, s.H, s.D)
+    return lambda: flash_attention_bwd(do, None, q, k, v, out, lse, off, s.N, False, scale)
+
+
+def _dense(s, T, off, rand, bwd: bool):
+    from kernels._dense_attention_triton import dense_attention_bwd, dense_attention_fwd
+
+    q, k, v = rand(s.B, s.Tq, s.H, s.D), rand(T, s.H, s.D), rand(T, s.H, s.D)
+    scale = 1 / math.sqrt(s.D)
+    if not bwd:
+        return lambda: dense_attention_fwd(q, k, v, off, s.N, None, scale)[0]
+    out, lse = dense_attention_fwd(q, k, v, off, s.N, None, scale)
+    do = rand(s.B, s.Tq, s.H, s.D)
+    return lambda: dense_attention_bwd(do, q, k, v, out, lse, off, s.N, None, scale, False)[:3]
+
+
+def _softmax(s, T, off, rand, bwd: bool):
+    from kernels._softmax_triton import jagged_softmax_bwd_triton, jagged_softmax_fwd_triton
+
+    x = rand(T, s.H)
+    if not bwd:
+        return lambda: jagged_softmax_fwd_triton(x, off, s.N)
+    y, g = jagged_softmax_fwd_triton(x, off, s.N), rand(T, s.H)
+    return lambda: jagged_softmax_bwd_triton(g, y, off, s.N)
+
+
+def _bmm(s, T, off, rand, jagged: bool):
+    from kernels._bmm_triton import jagged_dense_bmm_triton, jagged_jagged_bmm_triton
+
+    a = rand(T, s.D)
+    if jagged:
+        c = rand(T, s.D)
+        return lambda: jagged_jagged_bmm_triton(a, c, off, s.N)
+    dense = rand(s.B, s.D, s.D)
+    return lambda: jagged_dense_bmm_triton(a, off, dense, s.N)
+
+
+def _p2j(s, T, off, rand):
+    from kernels._conversions_triton import padded_to_jagged_triton
+
+    padded = rand(s.B, s.N, s.D)
+    return lambda: padded_to_jagged_triton(padded, off, T)
+
+
+_BUILDERS = {
+    "flash_fwd": lambda *a: _flash(*a, bwd=False), "flash_bwd": lambda *a: _flash(*a, bwd=True),
+    "dense_fwd": lambda *a: _dense(*a, bwd=False), "dense_bwd": lambda *a: _dense(*a, bwd=True),
+    "softmax_fwd": lambda *a: _softmax(*a, bwd=False), "softmax_bwd": lambda *a: _softmax(*a, bwd=True),
+    "jagged_dense_bmm": lambda *a: _bmm(*a, jagged=False), "jagged_jagged_bmm": lambda *a: _bmm(*a, jagged=True),
+    "padded_to_jagged": _p2j,
+}

@@ -1,0 +1,127 @@
+"""Launch-configuration tables: measured picks of tiles, warps and stages per GPU and shape.
+
+A table is a committed JSON file, ``kernels/configs/<gpu-slug>.json`` (the slug of the CUDA
+device's name, ``'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'``), written by
+``python -m kernels.bench.costmodel export`` (issue 13). It holds one entry per (kernel family,
+shape)::
+
+    {"schema": "jfa-launch-table/1", "gpu": "...", "torch": "...", "triton": "...", "commit": "...",
+     "entries": [{"family": "flash_fwd",
+                  "shape": {"B": 1024, "N": 1024, "L": 256, "H": 2, "D": 64, "dtype": "bfloat16", "causal": 0},
+                  "config": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+                  "source": "measured" | "predicted", "pred_ms": 0.2}, ...]}
+
+Shape features: B sequences, N = max_seq_len (tokens), L = mean length T / B (tokens), H heads
+(or columns), Tq dense queries; these are compared in log2 space. Every other feature (D, K, M,
+dtype, causal) must match exactly. :meth:`LaunchTable.lookup` returns the exact entry, else the
+nearest entry of the family (Euclidean distance over the log2 features), else None.
+
+Which file is read (:func:`table_path`): ``$JFA_LAUNCH_TABLE`` = ``off`` (or ``0``, ``none``)
+reads none; any other value is the path of a table; unset, the file of the current CUDA device
+(none on a CPU). Only the standard library and torch are imported here: no scikit-learn at
+run time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+SCHEMA = "jfa-launch-table/1"
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+ENV = "JFA_LAUNCH_TABLE"
+OFF = ("off", "0", "none", "false")
+LOG_FEATURES = ("B", "N", "L", "H", "Tq")  # compared in log2 space; all others must be equal
+
+
+def slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'; any CPU -> 'cpu'."""
+    if name.lower().startswith("cpu"):
+        return "cpu"
+    s = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I).lower()
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
+
+
+def shape_key(family: str, shape: dict) -> str:
+    """Canonical string of one (family, shape): 'flash_fwd|B=1024|D=64|...' (keys sorted)."""
+    return family + "|" + "|".join(f"{k}={shape[k]}" for k in sorted(shape))
+
+
+def _log2(x: float) -> float:
+    return math.log2(max(float(x), 1.0))
+
+
+class LaunchTable:
+    """Entries of one table file, indexed by family; lookups are pure functions of the entries."""
+
+    def __init__(self, entries: list[dict], meta: dict | None = None, path: str | None = None):
+        self.meta, self.path = meta or {}, path
+        self.exact: dict[str, dict] = {}
+        self.by_family: dict[str, list[dict]] = {}
+        for e in entries:
+            self.exact[shape_key(e["family"], e["shape"])] = e
+            self.by_family.setdefault(e["family"], []).append(e)
+
+    def __len__(self) -> int:
+        return len(self.exact)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "LaunchTable":
+        """Read a table file; ValueError (one line) when it is not a table of this schema."""
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"launch table {path}: {exc}") from None
+        if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("entries"), list):
+            raise ValueError(f"launch table {path}: not a {SCHEMA} document")
+        for e in doc["entries"]:
+            if not (isinstance(e, dict) and {"family", "shape", "config"} <= e.keys()):
+                raise ValueError(f"launch table {path}: an entry lacks family, shape or config: {e!r:.120}")
+        meta = {k: v for k, v in doc.items() if k != "entries"}
+        return cls(doc["entries"], meta, str(path))
+
+    def lookup(self, family: str, shape: dict) -> dict | None:
+        """The entry (dict with 'config') for `shape`: exact, else nearest in log2 space among
+        the family's entries with the same exact features and the same feature names, else None."""
+        hit = self.exact.get(shape_key(family, shape))
+        if hit is not None:
+            return hit
+        best, best_d = None, math.inf
+        for e in self.by_family.get(family, ()):
+            s = e["shape"]
+            if s.keys() != shape.keys():
+                continue
+            if any(s[k] != shape[k] for k in shape if k not in LOG_FEATURES):
+                continue
+            d = sum((_log2(s[k]) - _log2(shape[k])) ** 2 for k in shape if k in LOG_FEATURES)
+            if d < best_d:
+                best, best_d = e, d
+        return best
+
+
+def table_path(gpu_name: str | None) -> Path | None:
+    """The table to read: $JFA_LAUNCH_TABLE (a path, or 'off'), else configs/<slug(gpu)>.json
+    when `gpu_name` names a GPU; None when disabled, on a CPU, or when the file is absent."""
+    env = os.environ.get(ENV, "").strip()
+    if env.lower() in OFF:
+        return None
+    if env:
+        return Path(env)
+    if not gpu_name or slug(gpu_name) == "cpu":
+        return None
+    path = CONFIG_DIR / f"{slug(gpu_name)}.json"
+    return path if path.is_file() else None
+
+
+def write_table(path: str | os.PathLike, entries: list[dict], meta: dict) -> Path:
+    """Write entries (sorted by key, so diffs stay readable) with `meta` as a table file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = sorted(entries, key=lambda e: shape_key(e["family"], e["shape"]))
+    head = json.dumps({"schema": SCHEMA, **meta}, indent=1)[:-2]  # one entry per line below
+    body = ",\n".join("  " + json.dumps(e, sort_keys=True) for e in entries)
+    path.write_text(f'{head},\n "entries": [\n{body}\n ]\n}}\n')
+    return path
