@@ -280,10 +280,22 @@ class RankerCLI(LightningCLI):
 def parse_error(err: ArgumentError, argv: list[str]) -> str:
     """One line for a parse error, naming the config file that holds an unknown key."""
     text = " ".join(str(err).split())
+    configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    if "Problems parsing config" in text:  # YAML syntax: jsonargparse names no file, yaml does
+        for path in configs:
+            try:
+                yaml.safe_load(Path(path).read_text())
+            except yaml.YAMLError as yerr:
+                mark = getattr(yerr, "problem_mark", None)
+                where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+                problem = getattr(yerr, "problem", None) or "not valid YAML"
+                return f"{where}: {problem}; `python -m pipeline fit --help` lists the options"
+            except OSError:
+                continue
     bad = re.search(r"does not accept option '([^']+)'", text)
     if bad:
         key = bad.group(1)
-        for path in (argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"):
+        for path in configs:
             try:
                 flat = flatten(yaml.safe_load(Path(path).read_text()) or {})
             except (OSError, yaml.YAMLError, AttributeError):

@@ -149,8 +149,11 @@ def test_config_errors_are_one_line_naming_the_file(tiny, tracking, tmp_path, ca
     either is one line on stderr (no usage dump) and exit 2."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("trainer:\n  max_epoch: 1\n")
+    broken = tmp_path / "broken.yaml"  # a YAML syntax error: the file, line and column
+    broken.write_text("model:\n  lr: [0.1\n")
     for extra, message in ((["--trainer.max_epoch", "1"], "unrecognized arguments: --trainer.max_epoch"),
-                           (["--config", str(bad)], f"{bad}: unknown key 'trainer.max_epoch'")):
+                           (["--config", str(bad)], f"{bad}: unknown key 'trainer.max_epoch'"),
+                           (["--config", str(broken)], f"{broken}:3:1: expected ',' or ']'")):
         with pytest.raises(SystemExit) as exc:
             main(fit_args(tiny, tmp_path, *extra))
         err = capsys.readouterr().err.strip()

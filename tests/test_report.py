@@ -50,6 +50,9 @@ def test_report_files_and_artifacts(smoke, tmp_path, capsys):
     assert report.main(["--parent", parent.info.run_id, "--out", str(tmp_path), "--no-log"]) == 0
     assert report.main(["--parent", "no-such-sweep", "--out", str(tmp_path)]) == 2
     assert "no sweep parent run" in capsys.readouterr().err
+    # a child run's id: refused, naming the parent to report instead
+    assert report.main(["--parent", run.info.run_id, "--out", str(tmp_path), "--no-log"]) == 2
+    assert f"is not a parent run: it is one run of the parent {parent.info.run_id}" in capsys.readouterr().err
 
 
 def test_ratios_and_oracle_section():
