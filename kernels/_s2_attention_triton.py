@@ -9,10 +9,15 @@ none of them; otherwise it walks only the queries that see them. (Non-causal blo
 the sequence's end, so a dK/dV chunk may straddle a seen and an unseen block: it loads the
 unseen rows and masks them, products included, so whatever they hold stays out.)
 
-First version, written for correctness: one program per (query tile, sequence, head) over
-max_seq_len (idle programs exit at once), 16-row tiles where the S2 block forces them. The
-tiling and the work list of the dense kernels (kernels/_flash_attention_triton.py) are the next
-step, measured on the GPU. Softmax in base 2 (scores scaled by scale * log2(e)); lse stored in
+One program per (query tile, sequence, head) over max_seq_len (idle programs exit at once).
+A forward or dQ program walks its visible blocks as one flat loop over their key chunks (the
+strided run, then the local run: two arithmetic progressions of blocks, `_visible_blocks`), so
+there is no branch per block and no nested loop for the compiler's software pipelining to stop
+at; tiles as the dense kernels' (64-row query tiles, 32-key chunks at D <= 64) where the S2 block
+allows, 16 rows in fp32. The
+first version walked every block with an `if seen` and 16-row key chunks: on the H100 it reached
+only 0.29-0.41 of the ideal speed-up (kernels.bench.s2 at 863ba9b). The work list of the dense
+kernels (kernels/_flash_attention_triton.py) is not used here yet. Softmax in base 2 (scores scaled by scale * log2(e)); lse stored in
 base 2 for the backward; delta = rowsum(dO * O) computed by torch before the backward launch.
 """
 
@@ -54,25 +59,49 @@ def _tile(start, h, first, n, stride_t, stride_h, BLOCK: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
-def _key_block(j, n, i_blk, o_h, S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr):
-    """Rows [lo, hi) of S2 block j of a sequence of n rows, and whether the program's queries
-    (query block i_blk, causal) see it on the head with offset o_h."""
-    if CAUSAL:
-        lo = j * S2_BLOCK
-        hi = tl.minimum(lo + S2_BLOCK, n)
-        seen = (j <= i_blk) & ((i_blk - j < LOCAL) | _strided(j, o_h, STRIDE))
-    else:
-        hi = n - j * S2_BLOCK
-        lo = tl.maximum(hi - S2_BLOCK, 0)
-        seen = (j < LOCAL) | _strided(j, o_h, STRIDE)
-    return lo, hi, seen
+def _visible_blocks(n, i_blk, o_h, S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr):
+    """The S2 blocks that the queries of query block i_blk (causal) or of the whole sequence
+    (non-causal) see on the head with offset o_h, as two arithmetic runs: (count, first block,
+    step) of the strided run and (count, first block) of the local run; the blocks of the two
+    runs are disjoint and together they are every block the head sees."""
+    if CAUSAL:  # blocks from the start; keys up to the query block
+        j_loc = tl.maximum(i_blk - LOCAL + 1, 0)  # the local run: j_loc .. i_blk
+        n_loc = i_blk + 1 - j_loc
+        j_str = (STRIDE - o_h % STRIDE) % STRIDE  # the strided run: below j_loc
+        n_str = tl.cdiv(tl.maximum(j_loc - j_str, 0), STRIDE)
+    else:  # blocks from the end; all of the sequence
+        n_blocks = tl.cdiv(n, S2_BLOCK)
+        j_loc = 0
+        n_loc = tl.minimum(LOCAL, n_blocks)
+        j_str = LOCAL + (STRIDE - (LOCAL + o_h) % STRIDE) % STRIDE  # the strided run: from LOCAL on
+        n_str = tl.cdiv(tl.maximum(n_blocks - j_str, 0), STRIDE)
+    return n_str, j_str, n_loc, j_loc
 
 
 @triton.jit
-def _key_chunk(K, V, start, h, offs_n, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h, CAUSAL: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """The k, v rows offs_n (below hi) of a seen block, and which (query, key) pairs count."""
-    n_ok = offs_n < hi
+def _nth_key_chunk(it, n, n_str, j_str, j_loc, STRIDE, S2_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CAUSAL: tl.constexpr):
+    """Chunk `it` of the flat walk over the visible blocks (S2_BLOCK // BLOCK_N chunks a block,
+    the strided run first): its key rows and the rows [lo, hi) of its block."""
+    CHUNKS: tl.constexpr = S2_BLOCK // BLOCK_N
+    i = it // CHUNKS
+    j = tl.where(i < n_str, j_str + i * STRIDE, j_loc + (i - n_str))
+    if CAUSAL:
+        lo = j * S2_BLOCK
+        hi = tl.minimum(lo + S2_BLOCK, n)
+        first = lo
+    else:  # the block's end is exact; its start, clamped at row 0, is not a chunk boundary
+        hi = n - j * S2_BLOCK
+        lo = tl.maximum(hi - S2_BLOCK, 0)
+        first = hi - S2_BLOCK
+    return first + (it % CHUNKS) * BLOCK_N + tl.arange(0, BLOCK_N), lo, hi
+
+
+@triton.jit
+def _key_chunk(K, V, start, h, offs_n, lo, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
+               CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+    """The k, v rows offs_n (those in [lo, hi), a seen block's) and which (query, key) pairs count."""
+    n_ok = (offs_n >= lo) & (offs_n < hi)
     kv_mask = n_ok[:, None] & d_ok[None, :]
     rows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]  # as _tile's
     k = tl.load(K + rows, mask=kv_mask, other=0.0)
@@ -88,7 +117,7 @@ def _key_chunk(K, V, start, h, offs_n, hi, offs_m, m_ok, offs_d, d_ok, stride_t,
 
 @triton.jit
 def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len, qk_scale,
-            S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, n = _sequence(Offsets, b, max_seq_len)
@@ -104,23 +133,22 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     i_blk = m0 // S2_BLOCK  # causal: the tile's query block (BLOCK_M divides S2_BLOCK)
-    n_blocks = tl.cdiv(n, S2_BLOCK)
-    for j in range(0, n_blocks):
-        lo, hi, seen = _key_block(j, n, i_blk, o_h, S2_BLOCK, LOCAL, STRIDE, CAUSAL)
-        if seen:
-            for t0 in range(lo, hi, BLOCK_N):
-                offs_n = t0 + tl.arange(0, BLOCK_N)
-                k, v, keep = _key_chunk(K, V, start, h, offs_n, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
-                                        CAUSAL, UPCAST)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-                s = tl.where(keep, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-                m_i = m_new
+    n_str, j_str, n_loc, j_loc = _visible_blocks(n, i_blk, o_h, S2_BLOCK, LOCAL, STRIDE, CAUSAL)
+    # one flat loop over the visible blocks' key chunks (no branch, no nested loop: the compiler
+    # can pipeline the next chunk's loads under this one's math)
+    for it in range(0, (n_str + n_loc) * (S2_BLOCK // BLOCK_N)):
+        offs_n, lo, hi = _nth_key_chunk(it, n, n_str, j_str, j_loc, STRIDE, S2_BLOCK, BLOCK_N, CAUSAL)
+        k, v, keep = _key_chunk(K, V, start, h, offs_n, lo, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
+                                CAUSAL, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     tl.store(O + qrows, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
@@ -130,7 +158,7 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
 
 @triton.jit
 def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len,
-               qk_scale, sm_scale, S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               qk_scale, sm_scale, S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
                UPCAST: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -149,25 +177,22 @@ def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_
     delta = tl.load(Delta + (start + offs_m) * num_heads + h, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     i_blk = m0 // S2_BLOCK
-    n_blocks = tl.cdiv(n, S2_BLOCK)
-    for j in range(0, n_blocks):
-        lo, hi, seen = _key_block(j, n, i_blk, o_h, S2_BLOCK, LOCAL, STRIDE, CAUSAL)
-        if seen:
-            for t0 in range(lo, hi, BLOCK_N):
-                offs_n = t0 + tl.arange(0, BLOCK_N)
-                k, v, keep = _key_chunk(K, V, start, h, offs_n, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
-                                        CAUSAL, UPCAST)
-                s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-                p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-                ds = p * (dp - delta[:, None])
-                dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+    n_str, j_str, n_loc, j_loc = _visible_blocks(n, i_blk, o_h, S2_BLOCK, LOCAL, STRIDE, CAUSAL)
+    for it in range(0, (n_str + n_loc) * (S2_BLOCK // BLOCK_N)):  # as the forward's walk
+        offs_n, lo, hi = _nth_key_chunk(it, n, n_str, j_str, j_loc, STRIDE, S2_BLOCK, BLOCK_N, CAUSAL)
+        k, v, keep = _key_chunk(K, V, start, h, offs_n, lo, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
+                                CAUSAL, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
     tl.store(DQ + qrows, (dq * sm_scale).to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, stride_h, num_heads,
-                 max_seq_len, qk_scale, sm_scale, S2_BLOCK, LOCAL, STRIDE, CAUSAL: tl.constexpr,
+                 max_seq_len, qk_scale, sm_scale, S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -220,13 +245,28 @@ def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, s
     tl.store(DV + krows, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-def _launch_args(q: torch.Tensor, shards, causal: bool) -> dict:
-    block = shards.block
+def _tiles(dtype: torch.dtype, head_dim: int, block: int) -> tuple[dict, dict]:
+    """Tiles, warps and stages of the forward and dQ programs (BLOCK_M queries, key chunks of
+    BLOCK_N) and of the dK/dV programs (BLOCK_N keys, query steps of BLOCK_M): the dense
+    kernels' choices (kernels/TUNING.md) where the S2 block allows them (every tile divides
+    the block: causal tiles lie in one block); 16-row tiles in fp32, above D = 128 and in the interpreter."""
+    if dot_upcast(dtype) or dtype == torch.float32 or head_dim > 128:  # larger tiles spill above D = 128
+        t = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+        return t, t
     bm = 64 if block % 64 == 0 else 32 if block % 32 == 0 else 16
-    return dict(S2_BLOCK=block, LOCAL=shards.local_blocks, STRIDE=shards.stride, CAUSAL=causal,
-                BLOCK_M=16 if dot_upcast(q.dtype) or q.dtype == torch.float32 else bm, BLOCK_N=16,
-                BLOCK_D=col_block(q.shape[2], 16, 256), HEAD_DIM=q.shape[2],
-                DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype))
+    step = min(bm, 32 if head_dim <= 64 else 16)
+    warps = 4 if head_dim <= 64 or bm == 16 else 8  # 64-row tiles spill with 4 warps at D = 128 (gpu_check --ptxas)
+    return (dict(BLOCK_M=bm, BLOCK_N=step, num_warps=warps, num_stages=3),
+            dict(BLOCK_M=step, BLOCK_N=bm, num_warps=warps, num_stages=3))
+
+
+def _launch_args(q: torch.Tensor, shards, causal: bool) -> tuple[dict, dict]:
+    """Launch keywords of the forward and dQ kernels, and of the dK/dV kernel."""
+    rows_q, rows_kv = _tiles(q.dtype, q.shape[2], shards.block)
+    common = dict(S2_BLOCK=shards.block, LOCAL=shards.local_blocks, STRIDE=shards.stride, CAUSAL=causal,
+                  BLOCK_D=col_block(q.shape[2], 16, 256), HEAD_DIM=q.shape[2],
+                  DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype))
+    return dict(common, **rows_q), dict(common, **rows_kv)
 
 
 def _head_offsets(shards, num_heads: int, device) -> torch.Tensor:
@@ -246,7 +286,7 @@ def s2_attention_fwd(q, k, v, offsets, max_seq_len: int, shards, causal: bool, s
     out = torch.zeros_like(q)
     lse2 = torch.full((T, H), float("inf"), dtype=torch.float32, device=q.device)
     if T and B and max_seq_len:
-        kw = _launch_args(q, shards, causal)
+        kw, _ = _launch_args(q, shards, causal)
         grid = (triton.cdiv(max_seq_len, kw["BLOCK_M"]), B, H)
         _s2_fwd[grid](q, k, v, out, lse2, offsets, _head_offsets(shards, H, q.device), q.stride(0), q.stride(1),
                       H, max_seq_len, scale * LOG2E, **kw)
@@ -262,10 +302,10 @@ def s2_attention_bwd(dout, q, k, v, out, lse2, offsets, max_seq_len: int, shards
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if T and B and max_seq_len:
         delta = (dout.float() * out.float()).sum(-1).contiguous()  # [T, H]
-        kw = _launch_args(q, shards, causal)
+        kw, kv_kw = _launch_args(q, shards, causal)
         heads = _head_offsets(shards, H, q.device)
         common = (offsets, heads, q.stride(0), q.stride(1), H, max_seq_len, scale * LOG2E, scale)
         _s2_bwd_dq[(triton.cdiv(max_seq_len, kw["BLOCK_M"]), B, H)](q, k, v, dout, dq, lse2, delta, *common, **kw)
-        _s2_bwd_dkdv[(triton.cdiv(max_seq_len, kw["BLOCK_N"]), B, H)](q, k, v, dout, dk, dv, lse2, delta, *common,
-                                                                     **kw)
+        _s2_bwd_dkdv[(triton.cdiv(max_seq_len, kv_kw["BLOCK_N"]), B, H)](q, k, v, dout, dk, dv, lse2, delta,
+                                                                        *common, **kv_kw)
     return dq, dk, dv

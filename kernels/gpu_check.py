@@ -1,4 +1,4 @@
-"""Compile every attention kernel for a GPU target on any machine, no GPU needed.
+"""Compile every attention kernel (flash, dense, S2) for a GPU target on any machine, no GPU needed.
 
     python -m kernels.gpu_check [--arch 90] [--dtypes bf16,fp16,fp32] [--dims 16,48,...] [--ptxas]
 
@@ -37,13 +37,14 @@ def _record(run) -> list:
     """Run `run()` with every attention kernel replaced by a recorder; return the launches."""
     from kernels import _dense_attention_triton as dense
     from kernels import _flash_attention_triton as flash
+    from kernels import _s2_attention_triton as s2
 
     calls: list = []
     saved = []
-    for mod in (flash, dense):
+    for mod in (flash, dense, s2):
         for name in dir(mod):
             obj = getattr(mod, name)
-            if name.endswith("_kernel") and hasattr(obj, "arg_names"):
+            if (name.endswith("_kernel") or name.startswith("_s2_")) and hasattr(obj, "arg_names"):
                 saved.append((mod, name, obj))
                 setattr(mod, name, _Recorder(obj, calls))
     try:
@@ -64,7 +65,7 @@ def _signature(fn, args, kwargs):
             sig[name] = "constexpr"
             const[name] = kwargs[name]
             continue
-        a = next(positional)
+        a = kwargs[name] if name in kwargs else next(positional)  # S2 passes LOCAL, STRIDE by name
         if isinstance(a, torch.Tensor):
             sig[name] = "*" + _TYPES[a.dtype]
         elif isinstance(a, bool):
@@ -96,6 +97,8 @@ def _workloads(dtype, D):
     """(label, thunk) pairs that call every launcher once on meta tensors."""
     from kernels._dense_attention_triton import dense_attention_bwd, dense_attention_fwd
     from kernels._flash_attention_triton import flash_attention_bwd, flash_attention_fwd
+    from kernels._s2_attention_triton import s2_attention_bwd, s2_attention_fwd
+    from kernels.s2 import S2Shards
 
     T, H, B, N, Tq = 64, 2, 2, 32, 8
     m = dict(device="meta", dtype=dtype)
@@ -113,6 +116,13 @@ def _workloads(dtype, D):
         yield f"dense bias={b is not None}", lambda b=b: (
             dense_attention_fwd(qd, k, v, off, N, b, 0.1),
             dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, b is not None))
+    lse2 = torch.empty(T, H, device="meta", dtype=torch.float32)
+    for block in (64, 48):
+        for causal in (False, True):
+            shards = S2Shards(block, 1, 4)
+            yield f"s2 block={block} causal={causal}", lambda c=causal, s=shards: (
+                s2_attention_fwd(q, k, v, off, N, s, c, 0.1),
+                s2_attention_bwd(q, q, k, v, q, lse2, off, N, s, c, 0.1))
 
 
 def main(argv=None) -> int:

@@ -138,3 +138,22 @@ def test_autocast_under_compile():
     eager = run(model)
     compiled = run(torch.compile(model, backend="aot_eager", fullgraph=True))
     torch.testing.assert_close(compiled, eager)
+
+
+def test_every_attention_kernel_compiles_for_sm90_without_a_gpu():
+    """`python -m kernels.gpu_check`: the launchers' real configurations (flash, dense and S2
+    kernels) through Triton's compiler to a Hopper cubin on this CPU machine (outside the
+    interpreter, whose configurations differ)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "kernels.gpu_check", "--dtypes", "bf16,fp32", "--dims", "64,128"],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and " 0 failures" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for kernel in ("_flash_fwd_kernel", "_flash_bwd_kernel", "_dense_fwd_kernel", "_dense_bwd_kernel",
+                   "_s2_fwd", "_s2_bwd_dq", "_s2_bwd_dkdv"):
+        assert f" {kernel} " in proc.stdout, kernel

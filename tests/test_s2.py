@@ -197,6 +197,34 @@ def test_triton_kernels_match_the_masked_reference(lengths, N, shards, H, causal
     assert all((g[past] == 0).all() for g in grads), f"{tag}: rows past max_seq_len have gradients"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_kernels_with_tall_tiles(monkeypatch, causal):
+    """The GPU's bf16 tiles (key chunks as tall as the query tile, several chunks a block or one,
+    dK/dV query steps shorter than its key rows) in fp32 in the interpreter, where the kernels
+    otherwise run 16-row tiles only."""
+    import kernels._s2_attention_triton as s2t
+
+    for m, n, kv, step in ((32, 32, 32, 16), (16, 16, 32, 16), (32, 16, 16, 32)):
+        tiles = (dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=1),
+                 dict(BLOCK_M=step, BLOCK_N=kv, num_warps=4, num_stages=1))
+        monkeypatch.setattr(s2t, "_tiles", lambda dtype, d, block, t=tiles: t)
+        for lengths, N, shards, H in (([0, 200, 31, 64], 160, S2Shards(32, 1, 4), 2),
+                                      ([70, 1, 129], 128, S2Shards(64, 0, 3), 2),
+                                      ([96, 40], 96, S2Shards(32, 2, 2, head_offsets=(1,)), 1)):
+            off = offsets_from_lengths(lengths)
+            xs = [torch.randn(sum(lengths), H, 16, requires_grad=True) for _ in range(3)]
+            out = jagged_flash_attention(*xs, off, N, causal=causal, backend="triton", shards=shards)
+            ys = [x.detach().double().requires_grad_() for x in xs]
+            want = s2_attention_reference(*ys, off, N, shards, causal)
+            dout = torch.randn_like(out)
+            got_g = torch.autograd.grad(out, xs, dout)
+            want_g = torch.autograd.grad(want, ys, dout.double())
+            tag = f"tiles {tiles} {shards} causal={causal}"
+            torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4, msg=tag)
+            for name, g, w in zip(("dq", "dk", "dv"), got_g, want_g):
+                torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=f"{tag} {name}")
+
+
 def test_triton_never_reads_a_key_block_no_head_sees():
     # blocks that no head sees hold NaN: a kernel that loaded them (even times p = 0) would
     # return NaN; the result must equal the reference on clean inputs
