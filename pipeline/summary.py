@@ -112,6 +112,19 @@ def profile_rows(results: Path) -> list[dict]:
     return rows
 
 
+def reproduce_rows(results: Path) -> list[dict]:
+    """The `reproduce` results (experiments/results/reproduce/*.md): device and the stated result
+    line (`**Result: ...**`)."""
+    rows = []
+    for path in sorted((results / "reproduce").glob("*.md")):
+        md = path.read_text()
+        result = re.search(r"\*\*Result: ([^*]+)\*\*", md)
+        device = re.search(r"^- device: ([^;(\n]+)", md, re.M)
+        rows.append({"file": f"reproduce/{path.name}", "device": device.group(1).strip() if device else "?",
+                     "result": result.group(1).strip() if result else "no result line"})
+    return rows
+
+
 def _fmt(x, spec: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -213,6 +226,14 @@ def build(results: Path) -> str:
                        f"{a['budget']} |")
         else:
             out.append(f"| {a['name']} | NOT RUN | - | - | `make experiment-{a['name']}` on the GPU |")
+    batches = sorted({int(r["batch_size"]) for r in prof if r.get("batch_size")})
+    out.append(f"| profile | {', '.join(sorted({r['device'] for r in prof}))} | "
+               f"{', '.join(sorted({r['commit'] for r in prof}))} | batch {', '.join(map(str, batches))} | "
+               "one step per backend (below) |" if prof else
+               "| profile | NOT RUN | - | - | `make profile PRESET=paper` on the GPU |")
+    for r in reproduce_rows(results) or [None]:
+        out.append(f"| [reproduce]({r['file']}) | {r['device']} | - | one run | {r['result']} |" if r else
+                   "| reproduce | NOT RUN | - | - | `PARTS=reproduce bash experiments/gpu/ablations.sh` on the GPU |")
     out += ["", "## Why model level is not kernel level: attention's share of a training step", ""]
     if prof:
         out += ["From `pipeline.profile` (`make profile`): the step replayed as a CUDA graph, the GPU-busy time "

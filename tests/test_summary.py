@@ -50,8 +50,12 @@ def test_summary_quotes_sources_marks_missing_and_stale(tmp_path):
     assert "| 512 | 3,000 | 1,000 | 3.00x | 1,000 | 2,500 | 0.40x |" in text
     assert "| [batch_size](batch_size/report.md) | batch_size=512: jagged vs sdpa: >= 2.5x | train ex/s ratio 3.00x | PASS |" in text
     assert "| [batch_size](batch_size/report.md) | GPU X | `abc1234` | 2 OK, 1 OOM | current |" in text
-    for name in ("seq_len", "sparsity", "compile", "auc_parity", "history_value", "model"):
+    for name in ("seq_len", "sparsity", "compile", "auc_parity", "history_value", "model", "reproduce"):
         assert f"| {name} | NOT RUN |" in text
+    assert "| profile | GPU X | abc1234 | batch 512 |" in text
+    (tmp_path / "reproduce").mkdir()
+    (tmp_path / "reproduce" / "r.md").write_text("# x\n\n- device: GPU X (both); torch\n\n**Result: NOT REPRODUCED** (why)\n")
+    assert "| [reproduce](reproduce/r.md) | GPU X | - | one run | NOT REPRODUCED |" in summary.build(tmp_path)
     # 20 ms saved: 7 in attention, 13 outside; attention free would make jagged at most 10/9 faster
     assert "Of the 20.0 ms saved per step, 7.0 ms are in attention and 13.0 ms outside it" in text
     assert "at most 1.11x faster" in text
