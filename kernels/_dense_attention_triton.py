@@ -26,9 +26,9 @@ import triton
 import triton.language as tl
 
 from kernels import _launch_configs as _lc
-from kernels._flash_attention_triton import _INTERPRET, LOG2E, _last_dim_contiguous
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _locate, _zero_rows, dot_precision, num_slots
+from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, _INTERPRET, _last_dim_contiguous, _locate, _zero_rows,
+                                    dot_precision, num_slots)
 
 
 # Sizes that change from batch to batch are not specialised on (no recompile per batch shape).
@@ -47,7 +47,7 @@ def _scores(q, k, bias_ptrs, b_mask, qk_scale, HAS_BIAS: tl.constexpr, DOT_PREC:
     """q @ k^T in log2 units (+ bias * log2 e): q [R, D], k [C, D] -> [R, C] fp32."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if HAS_BIAS:
-        s += tl.load(bias_ptrs, mask=b_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        s += tl.load(bias_ptrs, mask=b_mask, other=0.0).to(tl.float32) * LOG2E_C
     return s
 
 
@@ -97,7 +97,7 @@ def _dense_fwd_kernel(
         m_i = m_new
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
-    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * LN2_C, float("-inf"))
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :],
              (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=q_mask)
     tl.store(LSE + (h * num_seqs + b) * num_queries + offs_m, lse, mask=m_ok)
@@ -109,7 +109,7 @@ def _load_lse2_delta(LSE, row0, offs_m, m_ok, o_ptrs, q_mask, do):
     delta = rowsum(dO * O), computed here from the Tq query rows (few: cheaper than a pre-pass
     launch)."""
     lse = tl.load(LSE + row0 + offs_m, mask=m_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
     o = tl.load(o_ptrs, mask=q_mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     return lse2, delta

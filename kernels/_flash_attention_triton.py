@@ -34,41 +34,10 @@ import triton
 import triton.language as tl
 
 from kernels import _launch_configs as _lc
-from kernels._dispatch import interpreter_on
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _locate, _zero_rows, dot_precision, num_slots
+from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, _INTERPRET, _last_dim_contiguous, _locate, _zero_rows,
+                                    dot_precision, num_slots)
 
-LOG2E = 1.4426950408889634
-
-
-def _patch_interpreter_bf16_dot() -> None:
-    """TRITON_INTERPRET only: triton 3.6's interpreter multiplies bf16 tiles as their raw uint16
-    bits (np.matmul on the storage); widen them to fp32 first (exact), as the GPU MMA does."""
-    import numpy as np
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder, "_jagged_bf16_dot", False):
-        return
-    create_dot = builder.create_dot
-
-    def widen(x):
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
-                                        tl.float32)
-
-    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
-
-    builder.create_dot = patched
-    builder._jagged_bf16_dot = True
-
-
-# @triton.jit picks the interpreter when this module is imported; so do the block sizes.
-_INTERPRET = interpreter_on()
-if _INTERPRET:
-    _patch_interpreter_bf16_dot()
 
 # ---- kernels ------------------------------------------------------------------------------
 # Sizes that change from batch to batch are not specialised on (no recompile per batch shape).
@@ -158,7 +127,7 @@ def _flash_fwd_kernel(
                                seq_len, offs_m, offs_n, offs_d, d_ok, qk_scale,
                                BLOCK_N, True, CAUSAL, DOT_PREC)
     acc = acc / l_i[:, None]
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # natural log
+    lse = (m_i + tl.math.log2(l_i)) * LN2_C  # natural log
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
     tl.store(lse_base + offs_m, lse, mask=m_ok)
@@ -198,11 +167,11 @@ def _bwd_dkdv_inner(
         if MASK_LEN:  # rows past the sequence get lse = +inf, hence P = 0
             m_ok = offs_m < seq_len
             q_mask = m_ok[:, None] & d_ok[None, :]
-            lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+            lse2 = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf")) * LOG2E_C
             delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         else:
             q_mask = d_ok[None, :]
-            lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
+            lse2 = tl.load(lse_base + offs_m) * LOG2E_C
             delta = tl.load(delta_base + offs_m)
         q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=q_mask, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=q_mask,
@@ -325,7 +294,7 @@ def _bwd_dq_program(
                      + offs_d[None, :], mask=q_mask, other=0.0)
         # rows past the sequence get lse = +inf, hence P = 0
         lse2 = tl.load(LSE + h * stride_lh + seq_start + offs_m, mask=m_ok,
-                       other=float("inf")) * 1.4426950408889634
+                       other=float("inf")) * LOG2E_C
         delta = tl.load(DELTA + h * stride_lh + seq_start + offs_m, mask=m_ok, other=0.0)
         k_base = K + seq_start * stride_kt + h * stride_kh
         v_base = V + seq_start * stride_vt + h * stride_vh
@@ -346,21 +315,18 @@ def _flash_bwd_kernel(
     qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, num_kv_programs,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M1: tl.constexpr,
     BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROLES: tl.constexpr,
 ):
-    """ROLES 3: the first num_kv_programs programs compute dK, dV per slot of BLOCK_N1 keys
-    (query steps of BLOCK_M1), the others dQ per slot of BLOCK_M2 queries (key steps of
-    BLOCK_N2). ROLES 1 or 2: only the dK/dV or only the dQ programs (two launches)."""
+    """One launch, two roles: the first num_kv_programs programs compute dK, dV per slot of
+    BLOCK_N1 keys (query steps of BLOCK_M1), the others dQ per slot of BLOCK_M2 queries (key
+    steps of BLOCK_N2)."""
     pid = tl.program_id(0)
-    if ROLES == 2:
-        pid += num_kv_programs
-    if ROLES != 2 and pid < num_kv_programs:
+    if pid < num_kv_programs:
         _bwd_dkdv_program(pid, Q, K, V, DO, DK, DV, LSE, DELTA, Offsets,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                           stride_lh, qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
                           HEAD_D, BLOCK_D, BLOCK_N1, BLOCK_M1, CAUSAL, DOT_PREC)
-    elif ROLES != 1:
+    else:
         _bwd_dq_program(pid - num_kv_programs, Q, K, V, DO, DQ, LSE, DELTA, Offsets,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh,
@@ -373,8 +339,7 @@ def _flash_bwd_kernel(
 # fp32 are picked for no spills, not measured.
 
 
-def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False,
-               short: bool = False) -> dict:
+def fwd_config(head_dim: int, dtype: torch.dtype, short: bool = False) -> dict:
     """BLOCK_M, BLOCK_N (BLOCK_M % BLOCK_N == 0), num_warps, num_stages for the forward.
 
     `short`: the mean sequence length (T / B, known on the host) is under 256. fp32 inputs use
@@ -394,13 +359,13 @@ def fwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False,
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
+def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     """dK/dV programs: BLOCK_N1 keys, query steps of BLOCK_M1; dQ programs: BLOCK_M2 queries,
     key steps of BLOCK_N2 (BLOCK_M1 divides BLOCK_N1, BLOCK_N2 divides BLOCK_M2); warps, stages
     shared by both (one launch)."""
     if _INTERPRET:
         return dict(BLOCK_N1=32, BLOCK_M1=16, BLOCK_M2=32, BLOCK_N2=16, num_warps=4,
-                    num_stages=1, ROLES=3)
+                    num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
         n1, m1, m2, n2, warps, stages = ((32, 32, 32, 32, 8, 1) if bd <= 64 else
@@ -413,7 +378,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, causal: bool = False) -> dict:
     else:
         n1, m1, m2, n2, warps, stages = 32, 32, 32, 32, 8, 1
     return dict(BLOCK_N1=n1, BLOCK_M1=m1, BLOCK_M2=m2, BLOCK_N2=n2, num_warps=warps,
-                num_stages=stages, ROLES=3)
+                num_stages=stages)
 
 
 # launch keywords (constexprs and options) per (head dim, dtype, causal, length class, and the
@@ -432,7 +397,7 @@ def _fwd_kw(D: int, dtype: torch.dtype, causal: bool, short: bool, bucket: tuple
     key = (D, dtype, causal, short, bucket)
     kw = _FWD_KW.get(key)
     if kw is None:
-        cfg = fwd_config(D, dtype, causal, short)
+        cfg = fwd_config(D, dtype, short)
         if bucket:
             cfg = _lc.tuned("flash_fwd", (*bucket, D, dtype, int(causal)), cfg)
         kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
@@ -446,7 +411,7 @@ def _bwd_kw(D: int, dtype: torch.dtype, causal: bool, bucket: tuple = ()) -> dic
     key = (D, dtype, causal, bucket)
     kw = _BWD_KW.get(key)
     if kw is None:
-        cfg = bwd_config(D, dtype, causal)
+        cfg = bwd_config(D, dtype)
         if bucket:
             cfg = _lc.tuned("flash_bwd", (*bucket, D, dtype, int(causal)), cfg)
         kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
@@ -454,10 +419,6 @@ def _bwd_kw(D: int, dtype: torch.dtype, causal: bool, bucket: tuple = ()) -> dic
         if dtype != torch.float32:
             _BWD_KW[key] = kw
     return kw
-
-
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 # ---- launchers ----------------------------------------------------------------------------
@@ -530,9 +491,5 @@ def flash_attention_bwd(
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
             scale * LOG2E, scale, max_seq_len, H, B, n_kv)
     with device_guard(q):
-        if kw["ROLES"] == 3:
-            _flash_bwd_kernel[(n_kv + n_q,)](*args, **kw)
-        else:  # one launch per role: the kernel of both roles would spill
-            _flash_bwd_kernel[(n_kv,)](*args, **dict(kw, ROLES=1))
-            _flash_bwd_kernel[(n_q,)](*args, **dict(kw, ROLES=2))
+        _flash_bwd_kernel[(n_kv + n_q,)](*args, **kw)
     return dq, dk, dv

@@ -27,9 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import col_block, dot_precision, dot_upcast
-
-LOG2E = 1.4426950408889634
+from kernels._triton_common import LOG2E, col_block, dot_precision, dot_upcast
 
 
 @triton.jit

@@ -13,6 +13,45 @@ import triton.language as tl
 
 from kernels._dispatch import interpreter_on
 
+LOG2E = 1.4426950408889634  # log2(e): the kernels' softmax runs in base 2 (scores * scale * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): base-2 log-sum-exp back to natural log
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # the same numbers inside @triton.jit code
+LN2_C: tl.constexpr = tl.constexpr(LN2)
+
+
+def _patch_interpreter_bf16_dot() -> None:
+    """TRITON_INTERPRET only: triton 3.6's interpreter multiplies bf16 tiles as their raw uint16
+    bits (np.matmul on the storage); widen them to fp32 first (exact), as the GPU MMA does."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_jagged_bf16_dot", False):
+        return
+    create_dot = builder.create_dot
+
+    def widen(x):
+        if x.dtype.scalar != tl.bfloat16:
+            return x
+        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32),
+                                        tl.float32)
+
+    def patched(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = patched
+    builder._jagged_bf16_dot = True
+
+
+# @triton.jit picks the interpreter when the kernel modules are imported; so do the block sizes.
+_INTERPRET = interpreter_on()
+if _INTERPRET:
+    _patch_interpreter_bf16_dot()
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
 
 @triton.jit
 def _zero_rows(

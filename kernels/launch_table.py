@@ -2,7 +2,7 @@
 
 A table is a committed JSON file, ``kernels/configs/<gpu-slug>.json`` (the slug of the CUDA
 device's name, ``'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'``), written by
-``python -m kernels.bench.costmodel export`` (issue 13). It holds one entry per (kernel family,
+``python -m kernels.bench.costmodel export``. It holds one entry per (kernel family,
 shape)::
 
     {"schema": "jfa-launch-table/1", "gpu": "...", "torch": "...", "triton": "...", "commit": "...",

@@ -77,7 +77,7 @@ def test_tuned_without_table_is_the_hand_rule_itself():
     assert lc.tuned("flash_fwd", (1024, 1024, 256, 2, 64, torch.bfloat16, 0), default) is default
     # the launcher's cached launch dict is exactly the hand rule's, keyed as before
     kw = _fwd_kw(16, torch.bfloat16, False, True, ())
-    assert {k: kw[k] for k in fwd_config(16, torch.bfloat16, False, True)} == fwd_config(16, torch.bfloat16, False, True)
+    assert {k: kw[k] for k in fwd_config(16, torch.bfloat16, True)} == fwd_config(16, torch.bfloat16, True)
     assert (16, torch.bfloat16, False, True, ()) in _FWD_KW
 
 
@@ -184,7 +184,7 @@ def test_no_table_is_bit_identical_to_the_hand_config():
     off, T = offsets_from_lengths(lengths), int(lengths.sum())
     q, k, v = (torch.randn(T, 1, 16) for _ in range(3))
     plain = flash_attention_fwd(q, k, v, off, 32, False, 0.25)[0]
-    with lc.forced("flash_fwd", fwd_config(16, torch.float32, False, True)):
+    with lc.forced("flash_fwd", fwd_config(16, torch.float32, True)):
         hand = flash_attention_fwd(q, k, v, off, 32, False, 0.25)[0]
     assert torch.equal(plain, hand)
 

@@ -1,4 +1,4 @@
-"""A measured cost model of launch configs (issue 13): fit, held-out-shape evaluation, export.
+"""A measured cost model of launch configs: fit, held-out-shape evaluation, export.
 
     python -m kernels.bench.costmodel fit    --data sweep.parquet [--model costmodel.pkl]
     python -m kernels.bench.costmodel eval   --data sweep.parquet [--out eval.json] [--folds 5]

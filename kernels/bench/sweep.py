@@ -1,4 +1,4 @@
-"""Launch-config sweep (issue 13): every valid config of every kernel family on a grid of shapes,
+"""Launch-config sweep: every valid config of every kernel family on a grid of shapes,
 timed with the harness's rules and with board power sampled through NVML; one Parquet row each.
 
     python -m kernels.bench.sweep [--grid tiny|small|full] [--families a,b] [--deadline-s 400]

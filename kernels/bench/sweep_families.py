@@ -184,9 +184,9 @@ def hand_config(family: str, s: SweepShape) -> dict:
 
     dt = DTYPES[s.dtype]
     if family == "flash_fwd":
-        cfg = fwd_config(s.D, dt, False, s.fill * s.N < 256)  # the launcher's test: T < 256 B
+        cfg = fwd_config(s.D, dt, s.fill * s.N < 256)  # the launcher's test: T < 256 B
     elif family == "flash_bwd":
-        cfg = bwd_config(s.D, dt, False)
+        cfg = bwd_config(s.D, dt)
     elif family in ("dense_fwd", "dense_bwd"):
         cfg = dense_config(s.D, s.Tq, dt)
     elif family.startswith("softmax"):
