@@ -136,7 +136,7 @@ def test_unknown_rows_use_the_learned_vector_whatever_their_columns_hold():
     dense = torch.randn(2, 2 + 4 + 1, dtype=torch.float64)
     dense[:, -1] = torch.tensor([1.0, 0.0])  # row 0 known, row 1 unknown
     other = dense.clone()
-    other[:, 2:6] += 1.0
+    other[:, 2:6] += torch.arange(1.0, 5.0, dtype=torch.float64)  # not a constant shift: the LayerNorm would erase it
     a, b = model(dense=dense, **inputs), model(dense=other, **inputs)
     assert a[1] == b[1] and a[0] != b[0]
     assert RankerConfig(**asdict(cfg)) == cfg  # a checkpoint's hyperparameters rebuild the config
