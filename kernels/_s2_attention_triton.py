@@ -114,6 +114,18 @@ def _key_chunk(K, V, start, h, offs_n, lo, hi, offs_m, m_ok, offs_d, d_ok, strid
 
 
 @triton.jit
+def _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+    """A forward or dQ program's query rows m0..m0+BLOCK_M: _tile's positions, masks and offsets,
+    the q tile (fp32 when UPCAST) and the head's stride offset."""
+    offs_m, m_ok, offs_d, d_ok, qrows = _tile(start, h, m0, n, stride_t, stride_h, BLOCK_M, BLOCK_D, HEAD_DIM)
+    q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    return offs_m, m_ok, offs_d, d_ok, qrows, q, tl.load(HeadOff + h)
+
+
+@triton.jit
 def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len, qk_scale,
             S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -122,11 +134,8 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
     m0 = pid_m * BLOCK_M
     if m0 >= n:
         return
-    o_h = tl.load(HeadOff + h)
-    offs_m, m_ok, offs_d, d_ok, qrows = _tile(start, h, m0, n, stride_t, stride_h, BLOCK_M, BLOCK_D, HEAD_DIM)
-    q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    offs_m, m_ok, offs_d, d_ok, qrows, q, o_h = _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h,
+                                                            BLOCK_M, BLOCK_D, HEAD_DIM, UPCAST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -164,12 +173,10 @@ def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_
     m0 = pid_m * BLOCK_M
     if m0 >= n:
         return
-    o_h = tl.load(HeadOff + h)
-    offs_m, m_ok, offs_d, d_ok, qrows = _tile(start, h, m0, n, stride_t, stride_h, BLOCK_M, BLOCK_D, HEAD_DIM)
-    q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    offs_m, m_ok, offs_d, d_ok, qrows, q, o_h = _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h,
+                                                            BLOCK_M, BLOCK_D, HEAD_DIM, UPCAST)
     do = tl.load(DO + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if UPCAST:
-        q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse2 = tl.load(LSE2 + (start + offs_m) * num_heads + h, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + (start + offs_m) * num_heads + h, mask=m_ok, other=0.0)
