@@ -41,13 +41,13 @@ def bmm_base_config(op: str, dtype: torch.dtype) -> dict:
     return table[4 if dtype.itemsize >= 4 else 2]
 
 
-def bmm_config(op: str, K: int, M: int, dtype: torch.dtype, B: int = 0, N: int = 0, T: int = 0) -> dict:
+def bmm_config(op: str, K: int, M: int, dtype: torch.dtype, B: int, N: int, T: int) -> dict:
     """Launch keywords of op ("dense" or "jagged") for a [*, K] x [*, M] product in dtype: the
     hand rule or the launch table's pick (kernels/_launch_configs.py), clamped to the operands."""
     cfg = bmm_base_config(op, dtype)
     if _lc.active():
         family = "jagged_dense_bmm" if op == "dense" else "jagged_jagged_bmm"
-        cfg = _lc.tuned(family, (_lc.p2(B), _lc.p2(N), _lc.p2(T // max(B, 1)), K, M, dtype), cfg)
+        cfg = _lc.tuned(family, _lc.bucket(B, N, T, K, M, dtype), cfg)
     cfg = dict(cfg)
     cfg["BLOCK_K"] = col_block(K, hi=cfg["BLOCK_K"])
     cfg["BLOCK_M"] = col_block(M, hi=cfg["BLOCK_M"])

@@ -89,8 +89,7 @@ def padded_to_jagged_triton(padded: torch.Tensor, offsets: torch.Tensor, total: 
         return out
     cfg = P2J_CONFIG
     if _lc.active():  # the launch table's pick for this shape (kernels/_launch_configs.py)
-        cfg = _lc.tuned("padded_to_jagged", (_lc.p2(B), _lc.p2(N), _lc.p2(total // max(B, 1)), D,
-                                             padded.dtype), cfg)
+        cfg = _lc.tuned("padded_to_jagged", _lc.bucket(B, N, total, D, padded.dtype), cfg)
     block_d = col_block(D, hi=cfg["BLOCK_D"])
     grid = (num_slots(total, B, cfg["BLOCK_N"]), triton.cdiv(D, block_d))
     with device_guard(padded):

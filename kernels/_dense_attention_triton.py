@@ -290,10 +290,9 @@ def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
 _KW: dict = _lc.register_cache({})
 
 
-def _dense_kw(D: int, Tq: int, dtype: torch.dtype, family: str = "dense_fwd",
-              B: int = 0, N: int = 0, T: int = 0, H: int = 0) -> dict:
+def _dense_kw(D: int, Tq: int, dtype: torch.dtype, family: str, B: int, N: int, T: int, H: int) -> dict:
     """Launch keywords of the forward (family 'dense_fwd') or backward ('dense_bwd')."""
-    bucket = (_lc.p2(B), _lc.p2(N), _lc.p2(T // max(B, 1)), H) if _lc.active() else ()
+    bucket = _lc.bucket(B, N, T, H) if _lc.active() else ()
     key = (D, Tq, dtype, family, bucket)
     kw = _KW.get(key)
     if kw is None:

@@ -382,15 +382,10 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
 
 
 # launch keywords (constexprs and options) per (head dim, dtype, causal, length class, and the
-# shape bucket when a launch table is in use: kernels/_launch_configs.py): built once
+# shape bucket (_lc.bucket; () when no table or forced config is in use, the hand rules depending
+# on none of it): kernels/_launch_configs.py): built once
 _FWD_KW: dict = _lc.register_cache({})
 _BWD_KW: dict = _lc.register_cache({})
-
-
-def _bucket(B: int, N: int, T: int, H: int) -> tuple:
-    """The table's shape features (B, N, mean length, H), rounded to powers of two; () when
-    no table or forced config is in use (the hand rules depend on none of them)."""
-    return (_lc.p2(B), _lc.p2(N), _lc.p2(T // max(B, 1)), H) if _lc.active() else ()
 
 
 def _fwd_kw(D: int, dtype: torch.dtype, causal: bool, short: bool, bucket: tuple = ()) -> dict:
@@ -437,7 +432,8 @@ def flash_attention_fwd(
     lse = new_output((H, T), q, torch.float32)
     if B == 0 or T == 0:
         return out, lse
-    kw = _fwd_kw(D, q.dtype, causal, T < 256 * B, _bucket(B, max_seq_len, T, H))  # host ints: no sync
+    bucket = _lc.bucket(B, max_seq_len, T, H) if _lc.active() else ()  # host ints: no sync
+    kw = _fwd_kw(D, q.dtype, causal, T < 256 * B, bucket)
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     with device_guard(q):
         _flash_fwd_kernel[(num_slots(T, B, kw["BLOCK_M"]) * H,)](
@@ -482,7 +478,7 @@ def flash_attention_bwd(
     if B == 0 or T == 0:
         return dq, dk, dv
     delta = attention_bwd_delta(out, dout, dlse)
-    kw = _bwd_kw(D, q.dtype, causal, _bucket(B, max_seq_len, T, H))
+    kw = _bwd_kw(D, q.dtype, causal, _lc.bucket(B, max_seq_len, T, H) if _lc.active() else ())
     n_kv = num_slots(T, B, kw["BLOCK_N1"]) * H
     n_q = num_slots(T, B, kw["BLOCK_M2"]) * H
     qs, ks, vs, dos, dqs = q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride()

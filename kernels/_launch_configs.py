@@ -50,6 +50,12 @@ def p2(x: int) -> int:
     return 1 << max(0, ((x * 181) >> 7).bit_length() - 1)  # 181/128 ~ sqrt(2)
 
 
+def bucket(B: int, N: int, T: int, *rest) -> tuple:
+    """The shape features every family starts with, bucketed: (B sequences, N max_seq_len, L mean
+    length T/B) as powers of two (:func:`p2`), then `rest` (the family's other features) as given."""
+    return (p2(B), p2(N), p2(T // max(B, 1)), *rest)
+
+
 def register_cache(cache: dict) -> dict:
     """A launcher's launch-dict cache, cleared whenever the table or a forced config changes."""
     _caches.append(cache)

@@ -1,9 +1,9 @@
 """Triton kernels of S2 attention (kernels/s2.py) on jagged sequences: forward, dQ, dK/dV.
 
 Work follows the visible key blocks, never n^2: a forward (or dQ) program takes BLOCK_M queries
-of one (sequence, head) and walks the sequence's S2 blocks, skipping every block its head does
-not see without loading it; the list of blocks is arithmetic on (n, block, local_blocks,
-stride, the head's offset), no layout tensor. A dK/dV program takes BLOCK_N keys (inside one S2
+of one (sequence, head) and walks only the S2 blocks its head sees, never loading another; the
+list of blocks is arithmetic on (n, block, local_blocks, stride, the head's offset), no layout
+tensor. A dK/dV program takes BLOCK_N keys (inside one S2
 block in causal mode: BLOCK_N divides the block) and returns zeros at once when its head sees
 none of them; otherwise it walks only the queries that see them. (Non-causal blocks count from
 the sequence's end, so a dK/dV chunk may straddle a seen and an unseen block: it loads the
@@ -13,12 +13,12 @@ One program per (query tile, sequence, head) over max_seq_len (idle programs exi
 A forward or dQ program walks its visible blocks as one flat loop over their key chunks (the
 strided run, then the local run: two arithmetic progressions of blocks, `_visible_blocks`), so
 there is no branch per block and no nested loop for the compiler's software pipelining to stop
-at; tiles as the dense kernels' (64-row query tiles, 32-key chunks at D <= 64) where the S2 block
-allows, 16 rows in fp32. The
-first version walked every block with an `if seen` and 16-row key chunks: on the H100 it reached
-only 0.29-0.41 of the ideal speed-up (kernels.bench.s2 at 863ba9b). The work list of the dense
-kernels (kernels/_flash_attention_triton.py) is not used here yet. Softmax in base 2 (scores scaled by scale * log2(e)); lse stored in
-base 2 for the backward; delta = rowsum(dO * O) computed by torch before the backward launch.
+at. Tiles follow the dense kernels' (`_tiles`). The first version walked every block with an
+`if seen` and 16-row key chunks: on the H100 it reached only 0.29-0.41 of the ideal speed-up
+(kernels.bench.s2 at 863ba9b). The work list of the dense kernels
+(kernels/_flash_attention_triton.py) is not used here yet. Softmax in base 2 (scores scaled by
+scale * log2(e)); lse stored in base 2 for the backward; delta = rowsum(dO * O) computed by
+torch before the backward launch.
 """
 
 from __future__ import annotations
@@ -217,7 +217,7 @@ def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, s
         q_hi = tl.where(_strided(j, o_h, STRIDE), n, tl.minimum(n, (j + LOCAL) * S2_BLOCK))
     else:  # blocks counted from the end: the chunk may straddle two
         jn = (n - 1 - offs_n) // S2_BLOCK
-        key_seen = n_ok & ((jn < LOCAL) | (((jn + o_h) % STRIDE) == 0))
+        key_seen = n_ok & ((jn < LOCAL) | _strided(jn, o_h, STRIDE))
         q_lo = 0
         q_hi = tl.where(tl.max(key_seen.to(tl.int32), 0) > 0, n, 0)
     if q_lo < q_hi:

@@ -164,13 +164,12 @@ def _jagged_softmax_bwd_kernel(
     _zero_rows(gx_ptr, stride_xt, stride_xh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
 
-def _launch(H: int, B: int, family: str = "softmax_fwd", N: int = 0, T: int = 0,
-            dtype: torch.dtype | None = None) -> tuple[tuple[int], dict]:
+def _launch(H: int, B: int, family: str, N: int, T: int, dtype: torch.dtype) -> tuple[tuple[int], dict]:
     """(grid, launch keywords) from SOFTMAX_CONFIG (or the launch table's pick for this shape,
     kernels/_launch_configs.py): B x column blocks programs, flattened."""
     cfg = SOFTMAX_CONFIG
     if _lc.active():
-        cfg = _lc.tuned(family, (_lc.p2(B), _lc.p2(N), _lc.p2(T // max(B, 1)), H, dtype), cfg)
+        cfg = _lc.tuned(family, _lc.bucket(B, N, T, H, dtype), cfg)
     block_h = col_block(H, lo=min(16, cfg["BLOCK_H"]), hi=cfg["BLOCK_H"])
     kw = dict(BLOCK_N=cfg["BLOCK_N"], SMALL_N=min(cfg["SMALL_N"], cfg["BLOCK_N"]), BLOCK_H=block_h,
               num_warps=cfg["num_warps"])
