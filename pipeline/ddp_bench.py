@@ -29,7 +29,6 @@ import argparse
 import json
 import re
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -119,9 +118,9 @@ def measure(point: dict, mode: str, rank: int, steps: int, warmup: int) -> dict:
             "touched": float(r[:, 4].mean() / point["vocab"]), "peak_mb": (_proc_kib("VmHWM") - base) / 1024}
 
 
-def _worker(rank: int, world: int, port: int, todo: list[dict], steps: int, warmup: int, out: str) -> None:
+def _worker(rank: int, world: int, store: str, todo: list[dict], steps: int, warmup: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for point in todo:
             for mode in EMBEDDING_GRADS:
@@ -143,19 +142,16 @@ def combine(ranks: list[dict]) -> dict:
             "touched": float(np.mean([r["touched"] for r in ranks])), "peak_mb": max(r["peak_mb"] for r in ranks)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(worlds: list[int], steps: int, warmup: int, todo: list[dict]) -> list[dict]:
     """Measure every point for each world size (one set of processes per world size)."""
     with tempfile.TemporaryDirectory() as tmp:
         rows = Path(tmp) / "rows.jsonl"
         for world in worlds:
             t0 = time.perf_counter()
-            mp.start_processes(_worker, args=(world, _free_port(), todo, steps, warmup, str(rows)), nprocs=world,
+            # a rendezvous file of this set of processes only (a free TCP port can be taken by
+            # another job's processes between being found and being bound)
+            store = str(Path(tmp) / f"rendezvous-{world}")
+            mp.start_processes(_worker, args=(world, store, todo, steps, warmup, str(rows)), nprocs=world,
                                start_method="spawn")
             print(f"world size {world}: {time.perf_counter() - t0:.0f} s", flush=True)
         return [json.loads(line) for line in rows.read_text().splitlines()]

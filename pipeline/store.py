@@ -7,7 +7,8 @@
   against a stalled server. Values already in the environment win; child processes inherit.
 - A sqlite database is created (tables migrated, default experiment) by one process at a time,
   under an exclusive lock on ``<db>.lock`` beside it: MLflow creates it on first use without
-  any lock, and several processes starting on a fresh file race in its migrations.
+  any lock, and several processes starting on a fresh file race in its migrations. A process
+  outside that lock (``mlflow ui``) that is migrating or writing it is waited for, up to 10 s.
 - Any other database URI is opened once, so that a missing driver or an unreachable database
   is one line, not a traceback.
 """
@@ -19,6 +20,7 @@ import fcntl
 import json
 import os
 import re
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -31,6 +33,7 @@ HTTP_BOUNDS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # 1 s, then 2 s between the tries
 }
 API_PROBE = "/api/2.0/mlflow/experiments/search"
+_RACE_RETRIES = 10  # one second apart
 _FIX = "unset MLFLOW_TRACKING_URI to use the local sqlite database, or start the server (`make ui`)"
 
 
@@ -72,13 +75,27 @@ def open_store(uri: str) -> None:
     from mlflow.tracking import MlflowClient
 
     try:
-        MlflowClient(uri).search_experiments(max_results=1)
+        for attempt in range(_RACE_RETRIES + 1):
+            try:
+                MlflowClient(uri).search_experiments(max_results=1)
+                break
+            except (MlflowException, sqlalchemy.exc.SQLAlchemyError) as err:
+                if attempt == _RACE_RETRIES or not _lost_race(uri, err):
+                    raise
+                time.sleep(1.0)
     except ImportError as err:
         raise ConfigError(f"MLFLOW_TRACKING_URI={shown(uri)}: its database driver is not installed ({err}); "
                           f"install it (e.g. `pip install psycopg2-binary` or `pymysql`) or use sqlite:///...") from None
     except (MlflowException, sqlalchemy.exc.SQLAlchemyError, OSError) as err:
         raise ConfigError(f"MLFLOW_TRACKING_URI={shown(uri)}: cannot open the tracking store: "
                           f"{first_line(err)}") from None
+
+
+def _lost_race(uri: str, err: BaseException) -> bool:
+    """A sqlite store another process (not under our lock: ``mlflow ui``, a notebook) is
+    creating or writing at this moment: worth a retry, not an error."""
+    text = str(err).lower()
+    return uri.startswith("sqlite:") and ("already exists" in text or "database is locked" in text)
 
 
 def first_line(err: BaseException) -> str:

@@ -23,6 +23,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
+from pipeline.errors import ConfigError
 from pipeline.store import HTTP_BOUNDS
 from test_pipeline_cli import all_runs, fit_args, fresh_tracking_uri
 from test_pipeline_data import tiny_data_dir
@@ -174,6 +175,37 @@ def test_concurrent_fits_on_a_fresh_database_all_succeed(tiny, tmp_path):
     runs = all_runs(uri)
     assert sorted(runs) == ["fit0", "fit1", "fit2"]
     assert {r.info.status for r in runs.values()} == {"FINISHED"}
+
+
+@pytest.mark.parametrize("error, calls", [("database is locked", 3), ("table experiments already exists", 3),
+                                          ("unable to open database file", 1)])
+def test_a_store_another_program_is_creating_is_waited_for(tmp_path, monkeypatch, error, calls):
+    """`mlflow ui` on the same fresh file migrates it outside our lock: a race is retried, nothing else."""
+    import sqlalchemy.exc
+
+    from pipeline import store
+
+    tries = []
+
+    class Client:
+        def __init__(self, uri):
+            pass
+
+        def search_experiments(self, max_results):
+            tries.append(1)
+            if len(tries) < 3:
+                raise sqlalchemy.exc.OperationalError("SELECT 1", {}, Exception(error))
+            return []
+
+    monkeypatch.setattr("mlflow.tracking.MlflowClient", Client)
+    monkeypatch.setattr(store.time, "sleep", lambda s: None)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    if calls == 1:
+        with pytest.raises(ConfigError, match="cannot open the tracking store: .*unable to open database file"):
+            store.check_tracking(uri)
+    else:
+        store.check_tracking(uri)
+    assert len(tries) == calls
 
 
 # --- data, disks, drivers ------------------------------------------------------------------

@@ -5,7 +5,6 @@ processes, each against one process on the same global batch / the same predicti
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -56,9 +55,9 @@ def _batches(data_dir: str, rank: int, world: int) -> list[dict]:
     return [split.gather(idx, MAX_SEQ_LEN) for idx in sampler.batches(0)[:2]]
 
 
-def _worker(rank: int, port: int, data_dir: str, out: str) -> None:
+def _worker(rank: int, store: str, data_dir: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         batch = _batches(data_dir, rank, WORLD)[0]
         result = {"grads": {}, "sent": {}}
@@ -83,12 +82,6 @@ def _worker(rank: int, port: int, data_dir: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return tiny_data_dir(tmp_path_factory)
@@ -97,7 +90,8 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def two_ranks(tiny, tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("ranks")
-    mp.start_processes(_worker, args=(_free_port(), str(tiny), str(out)), nprocs=WORLD, start_method="spawn")
+    store = str(out / "rendezvous")  # not a TCP port: another test's processes could take it first
+    mp.start_processes(_worker, args=(store, str(tiny), str(out)), nprocs=WORLD, start_method="spawn")
     return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
 
 

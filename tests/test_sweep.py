@@ -23,6 +23,7 @@ from mlflow.tracking import MlflowClient
 from pipeline import sweep
 from pipeline._sweep_spec import load
 from pipeline.errors import ConfigError
+from pipeline.store import check_tracking
 
 REPO = Path(__file__).resolve().parents[1]
 ABLATIONS = REPO / "experiments" / "ablations"
@@ -261,6 +262,7 @@ def test_sigterm_stops_the_run_in_flight_and_records_it(smoke, tmp_path):
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
     argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16",
             "--set", "trainer.limit_train_batches=100000", "--set", "trainer.max_epochs=100"]  # long enough
+    check_tracking(uri)  # the store's tables exist before this test and the sweep both open it
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *argv], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client, running = MlflowClient(uri), _running_child(proc, uri, 120)
@@ -326,13 +328,18 @@ def _running_child(proc, uri: str, timeout_s: float) -> list:
         if exp is not None:
             running = [r for r in client.search_runs([exp.experiment_id], "attributes.status = 'RUNNING'")
                        if r.data.tags.get("sweep.role") != "parent"]
-    assert running, "the training run never started"
+    if not running:
+        if proc.poll() is None:
+            proc.kill()
+        pytest.fail(f"the training run never started (sweep exit status {proc.wait()}):\n"
+                    f"{proc.stdout.read()[-3000:]}")
     return running
 
 
 def _sweep_process(smoke, uri: str, *extra: str):
     import subprocess
 
+    check_tracking(uri)  # created once here, not by whichever of the test and the sweeps is first
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
     argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16", *extra]
     return subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *argv], env=env, cwd=REPO,
