@@ -1,4 +1,11 @@
-"""Helpers shared by the jagged feature-interaction ops (conversions, softmax, bmm, elementwise).
+"""Helpers shared by every public op, and the one route each op's work takes.
+
+Every op is an ``autograd.Function`` whose forward and backward call :func:`run`: eager, the
+backend's implementation (a Triton launcher, or the torch reference / fused CPU path) is called
+directly; while torch.compile or functorch traces, the op's forward and backward custom ops
+(``jagged::<op>_fwd``, ``..._bwd``: opaque, with fakes and autocast rules) stand in for them.
+The public function checks its inputs, casts them as autocast would, and calls
+:func:`apply` (the Function where autograd records, else its forward alone).
 
 Nothing here imports Triton, so the CPU path works on machines without it.
 """
@@ -6,7 +13,9 @@ Nothing here imports Triton, so the CPU path works on machines without it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -57,29 +66,76 @@ def pick_backend(backend: str, t: torch.Tensor) -> str:
     return resolved
 
 
-def eager_triton(resolved: str) -> bool:
-    """True where a public op may call its Triton launchers through a plain autograd.Function
-    (tens of microseconds less host time per call than the custom op's dispatch): the Triton
-    backend, in eager mode. torch.compile and functorch transforms go through the custom ops."""
-    return (resolved == "triton" and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active())
+def traced() -> bool:
+    """torch.compile or a functorch transform is tracing: ops go through their custom ops (one
+    opaque node each, with a fake implementation), not straight to their implementations."""
+    return torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
 
 
-def needs_grad(*ts: torch.Tensor | None) -> bool:
-    """Whether autograd would record an op on these inputs (None entries are skipped)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+def lazy(module: str, name: str) -> Callable:
+    """`module.name`, imported at its first call (the Triton modules import triton, which a
+    CPU machine may lack); looked up at every call, so a patched launcher is the one called."""
+
+    def call(*args):
+        found = sys.modules.get(module) or importlib.import_module(module)
+        return getattr(found, name)(*args)
+
+    return call
+
+
+def run(op, impls: dict[str, Callable], *args):
+    """The one place an op's forward or backward is computed: `args` end with the backend.
+    Traced, the custom op `op` (its autocast rule casts); eager, ``impls[backend]`` itself,
+    without the dispatcher's tens of microseconds; the torch backend's under autocast with
+    autocast off inside (the public function has cast the inputs, as the op's rule would)."""
+    if traced():
+        return op(*args)
+    backend, inputs = args[-1], args[:-1]
+    if backend == "torch":  # torch ops inside (a Triton kernel is not autocast's business)
+        dev = inputs[0].device.type
+        if dev in _AUTOCAST_KEYS and torch.is_autocast_enabled(dev):
+            with torch.autocast(dev, enabled=False):
+                return impls[backend](*inputs)
+    return impls[backend](*inputs)
+
+
+def apply(fn: type[torch.autograd.Function], *args):
+    """``fn.apply(*args)`` where autograd would record it, else its forward alone (no graph
+    node to build: the inference and no-grad calls)."""
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if not traced():
+            # autograd's own entry point: Function.apply binds the arguments to forward's
+            # signature first (inspect.signature, some 20 us a call) for defaults these
+            # forwards do not have
+            return super(torch.autograd.Function, fn).apply(*args)
+        # Dynamo refuses one tensor given twice (k is v): the second becomes a view of it
+        args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and any(a is b for b in args[:i]) else a
+                     for i, a in enumerate(args))
+        return fn.apply(*args)
+    return fn.forward(*args)
 
 
 def autocast_lowp(*ts: torch.Tensor | None) -> tuple:
-    """Under autocast on the first tensor's device (CPU or CUDA), every float input but float64
-    in the autocast dtype: what the "lowp" autocast rule does to a custom op's inputs, for the
-    paths that call the launchers directly. None entries pass through."""
+    """Under autocast on the first tensor's device (CPU or CUDA), the inputs as the op's "lowp"
+    autocast rule casts them; unchanged outside autocast. None entries pass through."""
+    return autocast_cast("lowp", *ts)
+
+
+def autocast_cast(policy: str, *ts: object) -> tuple:
+    """The inputs as autocast `policy` ("lowp" or "promote") casts them under autocast on the
+    first tensor's device; outside autocast, unchanged. Non-tensors pass through."""
     dev = ts[0].device.type
     if dev not in _AUTOCAST_KEYS or not torch.is_autocast_enabled(dev):
         return ts
-    dt = torch.get_autocast_dtype(dev)
-    return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-                 for t in ts)
+    floats = [t for t in ts if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == dev]
+    if policy == "lowp":  # every float input but float64 in the autocast dtype, like torch.bmm
+        target = torch.get_autocast_dtype(dev)
+        floats = [t for t in floats if t.dtype != torch.float64]
+    else:  # "promote": the widest floating dtype among them, like mixed-dtype add/mul
+        target = floats[0].dtype if floats else None
+        for t in floats[1:]:
+            target = torch.promote_types(target, t.dtype)
+    return tuple(t.to(target) if any(t is f for f in floats) else t for t in ts)
 
 
 def register_no_double_backward(bwd_op, public_name: str) -> None:
@@ -110,19 +166,8 @@ _AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
 
 def _autocast_kernel(op: Callable, device_type: str, policy: str) -> Callable:
-    def eligible(a: object) -> bool:
-        return isinstance(a, torch.Tensor) and a.is_floating_point() and a.device.type == device_type
-
     def kernel(*args, **kwargs):
-        floats = [a for a in args if eligible(a)]
-        if policy == "lowp":
-            target = torch.get_autocast_dtype(device_type)
-            floats = [a for a in floats if a.dtype != torch.float64]
-        else:  # "promote": every floating input to the widest floating dtype among them
-            target = floats[0].dtype if floats else None
-            for a in floats[1:]:
-                target = torch.promote_types(target, a.dtype)
-        cast = [a.to(target) if any(a is f for f in floats) else a for a in args]
+        cast = autocast_cast(policy, *args)
         with torch.autocast(device_type, enabled=False):
             return op(*cast, **kwargs)
 

@@ -1,22 +1,16 @@
 """jagged_dense_bmm and jagged_jagged_bmm: per-sequence matrix products.
 
-Layers (DESIGN.md): torch references, Triton kernels in ``kernels._bmm_triton``, custom ops
-``jagged::jagged_dense_bmm`` / ``jagged::jagged_jagged_bmm`` (fake, autograd and autocast
-registered; each backward is made of the two forward ops), public functions.
+Layers (DESIGN.md): torch references, Triton kernels in ``kernels._bmm_triton``, the ops
+(custom ops ``jagged::jagged_dense_bmm`` / ``jagged::jagged_jagged_bmm`` for tracing, with
+fakes and autocast rules; an autograd.Function each, whose backward is made of the two
+products), public functions.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import (
-    autocast_lowp,
-    compute_dtype,
-    eager_triton,
-    needs_grad,
-    pick_backend,
-    register_autocast,
-)
+from kernels._jagged_common import apply, autocast_lowp, compute_dtype, lazy, pick_backend, register_autocast, run
 from kernels._segments import by_seq, gather_groups, keep_in_graph, length_groups, scatter_groups
 from kernels._validation import (
     check_float,
@@ -59,144 +53,83 @@ def jagged_jagged_bmm_reference(
     return out.to(a.dtype)
 
 
-# ---- 2./3. custom ops (the Triton launchers live in kernels._bmm_triton) ---------------------
+# ---- 2. the ops: custom ops for tracing, one autograd.Function each (_jagged_common.run) ---
+# Each backward is made of the two products (so a recorded backward is differentiable).
+
+_JD = {"torch": jagged_dense_bmm_reference, "triton": lazy("kernels._bmm_triton", "jagged_dense_bmm_triton")}
+_JJ = {"torch": jagged_jagged_bmm_reference, "triton": lazy("kernels._bmm_triton", "jagged_jagged_bmm_triton")}
 
 
 @torch.library.custom_op("jagged::jagged_dense_bmm", mutates_args=())
-def _jagged_dense_bmm_op(
-    values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, max_seq_len: int, backend: str
-) -> torch.Tensor:
-    if backend == "triton":
-        from kernels._bmm_triton import jagged_dense_bmm_triton
-
-        return jagged_dense_bmm_triton(values, offsets, dense, max_seq_len)
-    return jagged_dense_bmm_reference(values, offsets, dense, max_seq_len)
+def _jd_op(values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, max_seq_len: int, backend: str
+           ) -> torch.Tensor:
+    return _JD[backend](values, offsets, dense, max_seq_len)
 
 
-@_jagged_dense_bmm_op.register_fake
+@_jd_op.register_fake
 def _(values, offsets, dense, max_seq_len, backend):
     return values.new_empty((values.shape[0], dense.shape[2]))
 
 
 @torch.library.custom_op("jagged::jagged_jagged_bmm", mutates_args=())
-def _jagged_jagged_bmm_op(
-    a: torch.Tensor, c: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backend: str
-) -> torch.Tensor:
-    if backend == "triton":
-        from kernels._bmm_triton import jagged_jagged_bmm_triton
-
-        return jagged_jagged_bmm_triton(a, c, offsets, max_seq_len)
-    return jagged_jagged_bmm_reference(a, c, offsets, max_seq_len)
+def _jj_op(a: torch.Tensor, c: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backend: str) -> torch.Tensor:
+    return _JJ[backend](a, c, offsets, max_seq_len)
 
 
-@_jagged_jagged_bmm_op.register_fake
+@_jj_op.register_fake
 def _(a, c, offsets, max_seq_len, backend):
     return a.new_empty((offsets.shape[0] - 1, a.shape[1], c.shape[1]))
 
 
-# ---- 4. autograd ----------------------------------------------------------------------------
-
-
-def _jd_setup(ctx, inputs, output):
-    values, offsets, dense, max_seq_len, backend = inputs
-    ctx.save_for_backward(values, offsets, dense)
-    ctx.max_seq_len, ctx.backend = max_seq_len, backend
-
-
-def _jj_setup(ctx, inputs, output):
-    a, c, offsets, max_seq_len, backend = inputs
-    ctx.save_for_backward(a, c, offsets)
-    ctx.max_seq_len, ctx.backend = max_seq_len, backend
-
-
-def _products(backend: str, launchers: bool):
-    """(jagged_dense_bmm, jagged_jagged_bmm) for a backward, each (x, y, offsets-or-dense...)
-    as the custom ops take them minus the backend: the differentiable custom ops, or the bare
-    Triton launchers where the backward is not itself recorded (the eager path)."""
-    if launchers:
-        from kernels._bmm_triton import jagged_dense_bmm_triton, jagged_jagged_bmm_triton
-
-        return jagged_dense_bmm_triton, jagged_jagged_bmm_triton
-    return (lambda *a: torch.ops.jagged.jagged_dense_bmm(*a, backend),
-            lambda *a: torch.ops.jagged.jagged_jagged_bmm(*a, backend))
-
-
-def _jd_grads(ctx, grad, products):  # grad [T, M] -> (grad_values, grad_dense)
-    values, offsets, dense = ctx.saved_tensors
-    dense_bmm, jagged_bmm = products
-    grad_values = grad_dense = None
-    if ctx.needs_input_grad[0]:  # dx_b = dy_b @ W_b^T
-        grad_values = dense_bmm(grad, offsets, dense.transpose(1, 2), ctx.max_seq_len)
-    if ctx.needs_input_grad[2]:  # dW_b = x_b^T @ dy_b
-        grad_dense = jagged_bmm(values, grad, offsets, ctx.max_seq_len)
-    return grad_values, grad_dense
-
-
-def _jj_grads(ctx, grad, products):  # grad [B, K, M] -> (grad_a, grad_c)
-    a, c, offsets = ctx.saved_tensors
-    dense_bmm, _ = products
-    grad_a = grad_c = None
-    if ctx.needs_input_grad[0]:  # da_b = c_b @ dC_b^T
-        grad_a = dense_bmm(c, offsets, grad.transpose(1, 2), ctx.max_seq_len)
-    if ctx.needs_input_grad[1]:  # dc_b = a_b @ dC_b
-        grad_c = dense_bmm(a, offsets, grad, ctx.max_seq_len)
-    return grad_a, grad_c
-
-
-def _jd_backward(ctx, grad):
-    grad_values, grad_dense = _jd_grads(ctx, grad, _products(ctx.backend, launchers=False))
-    return grad_values, None, grad_dense, None, None
-
-
-def _jj_backward(ctx, grad):
-    grad_a, grad_c = _jj_grads(ctx, grad, _products(ctx.backend, launchers=False))
-    return grad_a, grad_c, None, None, None
-
-
-_jagged_dense_bmm_op.register_autograd(_jd_backward, setup_context=_jd_setup)
-_jagged_jagged_bmm_op.register_autograd(_jj_backward, setup_context=_jj_setup)
 register_autocast("jagged_dense_bmm", "lowp")
 register_autocast("jagged_jagged_bmm", "lowp")
 
 
-# ---- eager Triton path ----------------------------------------------------------------------
-# The same forward and backward as the custom ops, through a plain autograd.Function that calls
-# the launchers: no custom-op dispatch per call (forward, and the two products of each backward).
-# A backward that must itself be differentiable (create_graph=True) goes through the custom ops.
-
-
-class _JaggedDenseBmmFn(torch.autograd.Function):
+class _JaggedDense(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, values, offsets, dense, max_seq_len):
-        from kernels._bmm_triton import jagged_dense_bmm_triton
+    def forward(values, offsets, dense, max_seq_len, backend):
+        return run(_jd_op, _JD, values, offsets, dense, max_seq_len, backend)
 
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        values, offsets, dense, max_seq_len, backend = inputs
         ctx.save_for_backward(values, offsets, dense)
-        ctx.max_seq_len = max_seq_len
-        return jagged_dense_bmm_triton(values, offsets, dense, max_seq_len)
+        ctx.max_seq_len, ctx.backend = max_seq_len, backend
 
     @staticmethod
-    def backward(ctx, grad):
-        products = _products("triton", launchers=not torch.is_grad_enabled())
-        grad_values, grad_dense = _jd_grads(ctx, grad, products)
-        return grad_values, None, grad_dense, None
+    def backward(ctx, grad):  # grad [T, M]
+        values, offsets, dense = ctx.saved_tensors
+        grad_values = grad_dense = None
+        if ctx.needs_input_grad[0]:  # dx_b = dy_b @ W_b^T
+            grad_values = apply(_JaggedDense, grad, offsets, dense.transpose(1, 2), ctx.max_seq_len, ctx.backend)
+        if ctx.needs_input_grad[2]:  # dW_b = x_b^T @ dy_b
+            grad_dense = apply(_JaggedJagged, values, grad, offsets, ctx.max_seq_len, ctx.backend)
+        return grad_values, None, grad_dense, None, None
 
 
-class _JaggedJaggedBmmFn(torch.autograd.Function):
+class _JaggedJagged(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, c, offsets, max_seq_len):
-        from kernels._bmm_triton import jagged_jagged_bmm_triton
+    def forward(a, c, offsets, max_seq_len, backend):
+        return run(_jj_op, _JJ, a, c, offsets, max_seq_len, backend)
 
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        a, c, offsets, max_seq_len, backend = inputs
         ctx.save_for_backward(a, c, offsets)
-        ctx.max_seq_len = max_seq_len
-        return jagged_jagged_bmm_triton(a, c, offsets, max_seq_len)
+        ctx.max_seq_len, ctx.backend = max_seq_len, backend
 
     @staticmethod
-    def backward(ctx, grad):
-        grad_a, grad_c = _jj_grads(ctx, grad, _products("triton", launchers=not torch.is_grad_enabled()))
-        return grad_a, grad_c, None, None
+    def backward(ctx, grad):  # grad [B, K, M]
+        a, c, offsets = ctx.saved_tensors
+        grad_a = grad_c = None
+        if ctx.needs_input_grad[0]:  # da_b = c_b @ dC_b^T
+            grad_a = apply(_JaggedDense, c, offsets, grad.transpose(1, 2), ctx.max_seq_len, ctx.backend)
+        if ctx.needs_input_grad[1]:  # dc_b = a_b @ dC_b
+            grad_c = apply(_JaggedDense, a, offsets, grad, ctx.max_seq_len, ctx.backend)
+        return grad_a, grad_c, None, None, None
 
 
-# ---- 5. public functions --------------------------------------------------------------------
+# ---- 3. public functions --------------------------------------------------------------------
 
 
 def jagged_dense_bmm(
@@ -233,15 +166,8 @@ def jagged_dense_bmm(
     check_size(dense, "dense", 0, offsets.shape[0] - 1, "B = len(offsets) - 1")
     check_size(dense, "dense", 1, values.shape[1], "K = values.shape[1]")
     max_seq_len = check_max_seq_len(max_seq_len)
-    be = pick_backend(backend, values)
-    if eager_triton(be):
-        values, dense = autocast_lowp(values, dense)
-        if needs_grad(values, dense):
-            return _JaggedDenseBmmFn.apply(values, offsets, dense, max_seq_len)
-        from kernels._bmm_triton import jagged_dense_bmm_triton
-
-        return jagged_dense_bmm_triton(values, offsets, dense, max_seq_len)
-    return torch.ops.jagged.jagged_dense_bmm(values, offsets, dense, max_seq_len, be)
+    values, dense = autocast_lowp(values, dense)
+    return apply(_JaggedDense, values, offsets, dense, max_seq_len, pick_backend(backend, values))
 
 
 def jagged_jagged_bmm(
@@ -275,15 +201,8 @@ def jagged_jagged_bmm(
     check_offsets(offsets, total=a.shape[0])
     check_offsets_device(offsets, a)
     max_seq_len = check_max_seq_len(max_seq_len)
-    be = pick_backend(backend, a)
-    if eager_triton(be):
-        a, b = autocast_lowp(a, b)
-        if needs_grad(a, b):
-            return _JaggedJaggedBmmFn.apply(a, b, offsets, max_seq_len)
-        from kernels._bmm_triton import jagged_jagged_bmm_triton
-
-        return jagged_jagged_bmm_triton(a, b, offsets, max_seq_len)
-    return torch.ops.jagged.jagged_jagged_bmm(a, b, offsets, max_seq_len, be)
+    a, b = autocast_lowp(a, b)
+    return apply(_JaggedJagged, a, b, offsets, max_seq_len, pick_backend(backend, a))
 
 
 def _autocast_on(t: torch.Tensor) -> bool:

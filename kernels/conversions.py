@@ -1,15 +1,15 @@
 """jagged_to_padded and padded_to_jagged: the two conversions between the layouts.
 
-Layers (DESIGN.md): torch references, Triton kernels in ``kernels._conversions_triton``,
-custom ops ``jagged::jagged_to_padded`` / ``jagged::padded_to_jagged`` (autograd and fake
-registered; each one's backward is the other op), public functions.
+Layers (DESIGN.md): torch references, Triton kernels in ``kernels._conversions_triton``, the
+ops (custom ops ``jagged::jagged_to_padded`` / ``jagged::padded_to_jagged`` for tracing, an
+autograd.Function each, whose backward is the other conversion), public functions.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import eager_triton, needs_grad, pick_backend
+from kernels._jagged_common import apply, lazy, pick_backend, run, traced
 from kernels._segments import row_index, scatter_rows
 from kernels._validation import (
     check_float,
@@ -38,119 +38,74 @@ def padded_to_jagged_reference(
     return scatter_rows(padded[idx.seq, idx.pos], idx.rows, total)  # [T, D]
 
 
-# ---- 2./3. custom ops (the Triton launchers live in kernels._conversions_triton) ------------
+# ---- 2. the ops: custom ops for tracing, one autograd.Function each (_jagged_common.run) ---
+# Each conversion's backward is the other conversion (so a recorded backward is differentiable).
+
+_TO_PADDED = {"torch": jagged_to_padded_reference,
+              "triton": lazy("kernels._conversions_triton", "jagged_to_padded_triton")}
+_TO_JAGGED = {"torch": padded_to_jagged_reference,
+              "triton": lazy("kernels._conversions_triton", "padded_to_jagged_triton")}
 
 
 @torch.library.custom_op("jagged::jagged_to_padded", mutates_args=())
-def _jagged_to_padded_op(
+def _to_padded_op(
     values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, padding_value: float, backend: str
 ) -> torch.Tensor:
-    if backend == "triton":
-        from kernels._conversions_triton import jagged_to_padded_triton
-
-        return jagged_to_padded_triton(values, offsets, max_seq_len, padding_value)
-    return jagged_to_padded_reference(values, offsets, max_seq_len, padding_value)
+    return _TO_PADDED[backend](values, offsets, max_seq_len, padding_value)
 
 
-@_jagged_to_padded_op.register_fake
+@_to_padded_op.register_fake
 def _(values, offsets, max_seq_len, padding_value, backend):
     return values.new_empty((offsets.shape[0] - 1, max_seq_len, values.shape[1]))
 
 
 @torch.library.custom_op("jagged::padded_to_jagged", mutates_args=())
-def _padded_to_jagged_op(
-    padded: torch.Tensor, offsets: torch.Tensor, total: int | None, backend: str
-) -> torch.Tensor:
-    if total is None:
-        total = int(offsets[-1])
-    if backend == "triton":
-        from kernels._conversions_triton import padded_to_jagged_triton
-
-        return padded_to_jagged_triton(padded, offsets, total)
-    return padded_to_jagged_reference(padded, offsets, total)
+def _to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total: int | None, backend: str) -> torch.Tensor:
+    return _TO_JAGGED[backend](padded, offsets, int(offsets[-1]) if total is None else total)
 
 
-@_padded_to_jagged_op.register_fake
+@_to_jagged_op.register_fake
 def _(padded, offsets, total, backend):
     if total is None:  # T lives in offsets[-1]: data-dependent under torch.compile
         total = torch.library.get_ctx().new_dynamic_size()
     return padded.new_empty((total, padded.shape[2]))
 
 
-# ---- 4. autograd: each conversion's backward is the other conversion ------------------------
-
-
-def _to_padded_setup(ctx, inputs, output):
-    values, offsets, _, _, backend = inputs
-    ctx.save_for_backward(offsets)
-    ctx.total, ctx.backend = values.shape[0], backend
-
-
-def _to_padded_backward(ctx, grad):
-    (offsets,) = ctx.saved_tensors
-    grad_values = torch.ops.jagged.padded_to_jagged(grad, offsets, ctx.total, ctx.backend)
-    return grad_values, None, None, None, None
-
-
-def _to_jagged_setup(ctx, inputs, output):
-    padded, offsets, _, backend = inputs
-    ctx.save_for_backward(offsets)
-    ctx.max_seq_len, ctx.backend = padded.shape[1], backend
-
-
-def _to_jagged_backward(ctx, grad):
-    (offsets,) = ctx.saved_tensors
-    grad_padded = torch.ops.jagged.jagged_to_padded(grad, offsets, ctx.max_seq_len, 0.0, ctx.backend)
-    return grad_padded, None, None, None
-
-
-_jagged_to_padded_op.register_autograd(_to_padded_backward, setup_context=_to_padded_setup)
-_padded_to_jagged_op.register_autograd(_to_jagged_backward, setup_context=_to_jagged_setup)
-
-
-# ---- eager Triton path: the same conversions through an autograd.Function over the launchers
-# (no custom-op dispatch per call); a recorded backward (create_graph) uses the custom ops.
-
-
-class _JaggedToPaddedFn(torch.autograd.Function):
+class _ToPadded(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, values, offsets, max_seq_len, padding_value):
-        from kernels._conversions_triton import jagged_to_padded_triton
+    def forward(values, offsets, max_seq_len, padding_value, backend):
+        return run(_to_padded_op, _TO_PADDED, values, offsets, max_seq_len, padding_value, backend)
 
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        values, offsets, _, _, backend = inputs
         ctx.save_for_backward(offsets)
-        ctx.total = values.shape[0]
-        return jagged_to_padded_triton(values, offsets, max_seq_len, padding_value)
+        ctx.total, ctx.backend = values.shape[0], backend
 
     @staticmethod
     def backward(ctx, grad):
-        from kernels._conversions_triton import padded_to_jagged_triton
-
         (offsets,) = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return torch.ops.jagged.padded_to_jagged(grad, offsets, ctx.total, "triton"), None, None, None
-        return padded_to_jagged_triton(grad, offsets, ctx.total), None, None, None
+        return apply(_ToJagged, grad, offsets, ctx.total, ctx.backend), None, None, None, None
 
 
-class _PaddedToJaggedFn(torch.autograd.Function):
+class _ToJagged(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, padded, offsets, total):
-        from kernels._conversions_triton import padded_to_jagged_triton
+    def forward(padded, offsets, total, backend):
+        return run(_to_jagged_op, _TO_JAGGED, padded, offsets, total, backend)
 
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        padded, offsets, _, backend = inputs
         ctx.save_for_backward(offsets)
-        ctx.max_seq_len = padded.shape[1]
-        return padded_to_jagged_triton(padded, offsets, total)
+        ctx.max_seq_len, ctx.backend = padded.shape[1], backend
 
     @staticmethod
     def backward(ctx, grad):
-        from kernels._conversions_triton import jagged_to_padded_triton
-
         (offsets,) = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            return torch.ops.jagged.jagged_to_padded(grad, offsets, ctx.max_seq_len, 0.0, "triton"), None, None
-        return jagged_to_padded_triton(grad, offsets, ctx.max_seq_len, 0.0), None, None
+        return apply(_ToPadded, grad, offsets, ctx.max_seq_len, 0.0, ctx.backend), None, None, None
 
 
-# ---- 5. public functions --------------------------------------------------------------------
+# ---- 3. public functions --------------------------------------------------------------------
 
 
 def jagged_to_padded(
@@ -181,14 +136,7 @@ def jagged_to_padded(
     check_offsets(offsets, total=values.shape[0])
     check_offsets_device(offsets, values)
     max_seq_len = check_max_seq_len(max_seq_len)
-    be = pick_backend(backend, values)
-    if eager_triton(be):
-        if needs_grad(values):
-            return _JaggedToPaddedFn.apply(values, offsets, max_seq_len, float(padding_value))
-        from kernels._conversions_triton import jagged_to_padded_triton
-
-        return jagged_to_padded_triton(values, offsets, max_seq_len, float(padding_value))
-    return torch.ops.jagged.jagged_to_padded(values, offsets, max_seq_len, float(padding_value), be)
+    return apply(_ToPadded, values, offsets, max_seq_len, float(padding_value), pick_backend(backend, values))
 
 
 def padded_to_jagged(
@@ -218,15 +166,9 @@ def padded_to_jagged(
     check_size(padded, "padded", 0, offsets.shape[0] - 1, "B = len(offsets) - 1")
     if total is not None:
         total = check_max_seq_len(total, "total")
-    be = pick_backend(backend, padded)
-    if eager_triton(be):
-        total = int(offsets[-1]) if total is None else total
-        if needs_grad(padded):
-            return _PaddedToJaggedFn.apply(padded, offsets, total)
-        from kernels._conversions_triton import padded_to_jagged_triton
-
-        return padded_to_jagged_triton(padded, offsets, total)
-    return torch.ops.jagged.padded_to_jagged(padded, offsets, total, be)
+    if total is None and not traced():  # traced, T stays a data-dependent size (the op's fake)
+        total = int(offsets[-1])
+    return apply(_ToJagged, padded, offsets, total, pick_backend(backend, padded))
 
 
 def offsets_from_lengths(lengths, device=None, dtype: torch.dtype = torch.int64) -> torch.Tensor:

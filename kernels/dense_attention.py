@@ -2,11 +2,10 @@
 
 Layers: the torch reference (``kernels._attention_reference``) and the torch backend's fused
 CPU path over it (``kernels._attention_cpu``), the Triton kernels and their launchers
-(``kernels._dense_attention_triton``), the custom ops ``jagged::dense_attention_fwd`` and
-``jagged::dense_attention_bwd`` (what ``torch.compile`` sees, for both backends), the autograd
-registration, and the public function. Eager calls on the Triton backend take a plain
-``torch.autograd.Function`` over the same launchers instead; double backward works on the torch
-backend and raises on Triton (see ``kernels.flash_attention``).
+(``kernels._dense_attention_triton``), the op (custom ops ``jagged::dense_attention_fwd`` and
+``jagged::dense_attention_bwd``, what ``torch.compile`` sees; one autograd.Function over the
+implementations: ``kernels._jagged_common.run``), and the public function. Double backward
+works on the torch backend and raises on Triton (see ``kernels.flash_attention``).
 """
 
 from __future__ import annotations
@@ -18,12 +17,13 @@ import torch
 from kernels._attention_cpu import dense_attention_torch_bwd, dense_attention_torch_fwd
 from kernels._attention_reference import dense_attention_reference_bwd
 from kernels._jagged_common import (
+    apply,
     autocast_lowp,
-    eager_triton,
-    needs_grad,
+    lazy,
     pick_backend,
     register_autocast,
     register_no_double_backward,
+    run,
 )
 from kernels._validation import (
     check_float,
@@ -38,112 +38,76 @@ from kernels._validation import (
 Tensor = torch.Tensor
 
 
-# ---- custom ops ---------------------------------------------------------------------------
+# ---- the op: custom ops for tracing, one autograd.Function (kernels._jagged_common.run) ------
+
+_FWD = {"torch": dense_attention_torch_fwd, "triton": lazy("kernels._dense_attention_triton", "dense_attention_fwd")}
+_BWD = {"torch": lambda *args: dense_attention_torch_bwd(*args[:-1]),  # it gives dbias whenever there is a bias
+        "triton": lazy("kernels._dense_attention_triton", "dense_attention_bwd")}
 
 
 @torch.library.custom_op("jagged::dense_attention_fwd", mutates_args=())
-def _dense_fwd_op(
+def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, bias: Tensor | None,
     scale: float, backend: str,
 ) -> tuple[Tensor, Tensor]:
-    if backend == "triton":
-        from kernels._dense_attention_triton import dense_attention_fwd
-
-        return dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale)
-    return dense_attention_torch_fwd(q, k, v, offsets, max_seq_len, bias, scale)
+    return _FWD[backend](q, k, v, offsets, max_seq_len, bias, scale)
 
 
-@_dense_fwd_op.register_fake
+@_fwd_op.register_fake
 def _(q, k, v, offsets, max_seq_len, bias, scale, backend):
     B, Tq, H, D = q.shape
     return q.new_empty((B, Tq, H, D)), q.new_empty((H, B, Tq), dtype=torch.float32)
 
 
 @torch.library.custom_op("jagged::dense_attention_bwd", mutates_args=())
-def _dense_bwd_op(
+def _bwd_op(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, offsets: Tensor,
     max_seq_len: int, bias: Tensor | None, scale: float, need_dbias: bool, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv and dbias (an empty [0] tensor when there is no bias gradient to give)."""
-    want_dbias = bias is not None and need_dbias
-    if backend == "triton":
-        from kernels._dense_attention_triton import dense_attention_bwd
-
-        dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
-                                                bias, scale, want_dbias)
-    else:
-        dq, dk, dv, dbias = dense_attention_torch_bwd(dout, q, k, v, out, lse, offsets,
-                                                      max_seq_len, bias, scale)
-    return dq, dk, dv, (dbias if want_dbias else q.new_empty(0))
+    dq, dk, dv, dbias = _BWD[backend](dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias)
+    return dq, dk, dv, (dbias if need_dbias else q.new_empty(0))
 
 
-@_dense_bwd_op.register_fake
+@_bwd_op.register_fake
 def _(dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend):
     dbias = bias.new_empty(bias.shape) if bias is not None and need_dbias else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, offsets, max_seq_len, bias, scale, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, offsets, bias)
-    ctx.args = (max_seq_len, scale, backend)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, offsets, bias = ctx.saved_tensors
-    if dout is None:  # lse is internal to this op: only the output carries a gradient
-        return (None,) * 8
-    max_seq_len, scale, backend = ctx.args
-    need_dbias = bias is not None and ctx.needs_input_grad[5]
-    if torch.is_grad_enabled() and backend == "torch":
-        # a recorded backward (create_graph=True): the reference's, in differentiable torch ops
-        dq, dk, dv, dbias = dense_attention_reference_bwd(dout, q, k, v, offsets, max_seq_len,
-                                                          bias, scale)
-    else:  # on the Triton backend a recorded one raises at the second backward (below)
-        dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
-            dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend)
-    return dq, dk, dv, None, None, (dbias if need_dbias else None), None, None
-
-
-_dense_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-register_no_double_backward(_dense_bwd_op, "jagged_dense_attention")
+register_no_double_backward(_bwd_op, "jagged_dense_attention")
 register_autocast("dense_attention_fwd", "lowp")
 
 
-# ---- eager Triton path ----------------------------------------------------------------------
-
-
-class _DenseAttnFn(torch.autograd.Function):
-    """The eager Triton path: saves tensors and calls the launchers, nothing else."""
+class _DenseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, offsets, max_seq_len, bias, scale, backend):
+        return run(_fwd_op, _FWD, q, k, v, offsets, max_seq_len, bias, scale, backend)
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, max_seq_len, bias, scale):
-        from kernels._dense_attention_triton import dense_attention_fwd
-
-        out, lse = dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale)
+    def setup_context(ctx, inputs, output):
+        q, k, v, offsets, max_seq_len, bias, scale, backend = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)  # internal: the public function returns out only
         ctx.save_for_backward(q, k, v, out, lse, offsets, bias)
-        ctx.args = (max_seq_len, scale)
+        ctx.args = (max_seq_len, scale, backend)
         ctx.set_materialize_grads(False)
-        return out
 
     @staticmethod
-    def backward(ctx, dout):
-        from kernels._dense_attention_triton import dense_attention_bwd
-
+    def backward(ctx, dout, dlse):
         if dout is None:
-            return (None,) * 7
+            return (None,) * 8
         q, k, v, out, lse, offsets, bias = ctx.saved_tensors
-        max_seq_len, scale = ctx.args
+        max_seq_len, scale, backend = ctx.args
         need_dbias = bias is not None and ctx.needs_input_grad[5]
-        if torch.is_grad_enabled():  # create_graph=True: recorded, see _FlashAttnFn.backward
-            dq, dk, dv, dbias = torch.ops.jagged.dense_attention_bwd(
-                dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, "triton")
-        else:
-            dq, dk, dv, dbias = dense_attention_bwd(dout, q, k, v, out, lse, offsets, max_seq_len,
-                                                    bias, scale, need_dbias)
-        return dq, dk, dv, None, None, (dbias if need_dbias else None), None
+        args = (dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias, backend)
+        if not torch.is_grad_enabled():
+            dq, dk, dv, dbias = run(_bwd_op, _BWD, *args)
+        elif backend == "torch":  # create_graph=True: the reference's backward, differentiable
+            dq, dk, dv, dbias = dense_attention_reference_bwd(dout, q, k, v, offsets, max_seq_len, bias, scale)
+        else:  # recorded through the custom op: differentiating its result raises a clear error
+            dq, dk, dv, dbias = _bwd_op(*args)
+        return dq, dk, dv, None, None, (dbias if need_dbias else None), None, None
 
 
 # ---- public function ----------------------------------------------------------------------
@@ -237,14 +201,6 @@ def jagged_dense_attention(
         _check_inputs(q, k, v, offsets, max_seq_len, bias)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
-    if eager_triton(resolved):
-        if bias is not None:  # as the op's autocast rule casts it
-            (bias,) = autocast_lowp(bias)
-        if needs_grad(q, k, v, bias):
-            return _DenseAttnFn.apply(q, k, v, offsets, max_seq_len, bias, scale)
-        from kernels._dense_attention_triton import dense_attention_fwd
-
-        return dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale)[0]
-    out, _ = torch.ops.jagged.dense_attention_fwd(q, k, v, offsets, max_seq_len, bias, scale,
-                                                  resolved)
-    return out
+    if bias is not None:  # as the op's autocast rule casts it
+        (bias,) = autocast_lowp(bias)
+    return apply(_DenseAttention, q, k, v, offsets, max_seq_len, bias, scale, resolved)[0]

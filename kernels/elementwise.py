@@ -1,10 +1,10 @@
 """jagged_dense_elementwise_add / _mul: combine a jagged tensor with a padded dense one.
 
 Layers (DESIGN.md): torch references (forward and backward), Triton kernels in
-``kernels._elementwise_triton``, custom ops ``jagged::jagged_dense_elementwise_add``,
-``jagged::jagged_dense_elementwise_mul`` and ``jagged::jagged_dense_elementwise_backward``
-(fake, autograd and a "promote" autocast rule registered; the backward op's own derivative is
-made of the forward ops, for double backward), public functions.
+``kernels._elementwise_triton``, the ops (custom ops ``jagged::jagged_dense_elementwise_add``,
+``..._mul`` and ``..._backward`` for tracing, with fakes and a "promote" autocast rule; an
+autograd.Function each), public functions. A recorded backward (``create_graph=True``, double
+backward) is the reference's, in differentiable torch ops, on either backend.
 """
 
 from __future__ import annotations
@@ -13,7 +13,15 @@ from typing import Optional
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend, register_autocast
+from kernels._jagged_common import (
+    apply,
+    autocast_cast,
+    compute_dtype,
+    lazy,
+    pick_backend,
+    register_autocast,
+    run,
+)
 from kernels._segments import row_index, scatter_rows
 from kernels._validation import (
     check_float,
@@ -58,29 +66,29 @@ def jagged_dense_elementwise_backward_reference(
     return grad_values.to(grad.dtype), grad_dense.to(grad.dtype)
 
 
-# ---- 2./3. custom ops (the Triton launchers live in kernels._elementwise_triton) -------------
+# ---- 2. the ops: custom ops for tracing, one autograd.Function each (_jagged_common.run) ---
 
-
-def _forward(values, offsets, dense, backend, is_mul):
-    if backend == "triton":
-        from kernels._elementwise_triton import jagged_dense_elementwise_fwd_triton
-
-        return jagged_dense_elementwise_fwd_triton(values, offsets, dense, is_mul)
-    return jagged_dense_elementwise_reference(values, offsets, dense, is_mul)
+_fwd_triton = lazy("kernels._elementwise_triton", "jagged_dense_elementwise_fwd_triton")
+_ADD = {"torch": lambda v, o, d: jagged_dense_elementwise_reference(v, o, d, False),
+        "triton": lambda v, o, d: _fwd_triton(v, o, d, False)}
+_MUL = {"torch": lambda v, o, d: jagged_dense_elementwise_reference(v, o, d, True),
+        "triton": lambda v, o, d: _fwd_triton(v, o, d, True)}
+_BWD = {"torch": jagged_dense_elementwise_backward_reference,
+        "triton": lazy("kernels._elementwise_triton", "jagged_dense_elementwise_bwd_triton")}
 
 
 @torch.library.custom_op("jagged::jagged_dense_elementwise_add", mutates_args=())
 def _add_op(values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, backend: str) -> torch.Tensor:
-    return _forward(values, offsets, dense, backend, is_mul=False)
+    return _ADD[backend](values, offsets, dense)
 
 
 @torch.library.custom_op("jagged::jagged_dense_elementwise_mul", mutates_args=())
 def _mul_op(values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, backend: str) -> torch.Tensor:
-    return _forward(values, offsets, dense, backend, is_mul=True)
+    return _MUL[backend](values, offsets, dense)
 
 
 @torch.library.custom_op("jagged::jagged_dense_elementwise_backward", mutates_args=())
-def _backward_op(
+def _bwd_op(
     grad: torch.Tensor,
     offsets: torch.Tensor,
     values: Optional[torch.Tensor],
@@ -88,11 +96,7 @@ def _backward_op(
     max_seq_len: int,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if backend == "triton":
-        from kernels._elementwise_triton import jagged_dense_elementwise_bwd_triton
-
-        return jagged_dense_elementwise_bwd_triton(grad, offsets, values, dense, max_seq_len)
-    return jagged_dense_elementwise_backward_reference(grad, offsets, values, dense, max_seq_len)
+    return _BWD[backend](grad, offsets, values, dense, max_seq_len)
 
 
 def _fake_forward(values, offsets, dense, backend):
@@ -101,77 +105,56 @@ def _fake_forward(values, offsets, dense, backend):
 
 _add_op.register_fake(_fake_forward)
 _mul_op.register_fake(_fake_forward)
+register_autocast("jagged_dense_elementwise_add", "promote")
+register_autocast("jagged_dense_elementwise_mul", "promote")
 
 
-@_backward_op.register_fake
+@_bwd_op.register_fake
 def _(grad, offsets, values, dense, max_seq_len, backend):
     B, D = offsets.shape[0] - 1, grad.shape[1]
     return torch.empty_like(grad, memory_format=torch.contiguous_format), grad.new_empty((B, max_seq_len, D))
 
 
-# ---- 4. autograd ----------------------------------------------------------------------------
-
-
-def _add_setup(ctx, inputs, output):
-    _, offsets, dense, backend = inputs
-    ctx.save_for_backward(offsets)
-    ctx.max_seq_len, ctx.backend = dense.shape[1], backend
-
-
-def _mul_setup(ctx, inputs, output):
-    values, offsets, dense, backend = inputs
-    ctx.save_for_backward(offsets, values, dense)
-    ctx.max_seq_len, ctx.backend = dense.shape[1], backend
-
-
 def _backward(ctx, grad):
     offsets, *operands = ctx.saved_tensors
     values, dense = operands if operands else (None, None)
-    grad_values, grad_dense = torch.ops.jagged.jagged_dense_elementwise_backward(
-        grad, offsets, values, dense, ctx.max_seq_len, ctx.backend
-    )
+    if torch.is_grad_enabled():  # create_graph=True: the reference's backward, differentiable
+        grad_values, grad_dense = jagged_dense_elementwise_backward_reference(grad, offsets, values, dense,
+                                                                              ctx.max_seq_len)
+    else:
+        grad_values, grad_dense = run(_bwd_op, _BWD, grad, offsets, values, dense, ctx.max_seq_len, ctx.backend)
     return grad_values, None, grad_dense, None
 
 
-_add_op.register_autograd(_backward, setup_context=_add_setup)
-_mul_op.register_autograd(_backward, setup_context=_mul_setup)
+class _Add(torch.autograd.Function):
+    @staticmethod
+    def forward(values, offsets, dense, backend):
+        return run(_add_op, _ADD, values, offsets, dense, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, offsets, dense, backend = inputs
+        ctx.save_for_backward(offsets)
+        ctx.max_seq_len, ctx.backend = dense.shape[1], backend
+
+    backward = staticmethod(_backward)
 
 
-# The backward op is differentiable too (double backward), in the forward ops of the same
-# backend: add's backward is (g on the kept rows, g placed in [B, N, D]), so an upstream
-# (uv, ud) gives d/dg = add(uv, ud); mul's is (g * dense[b, n], g * values placed), so
-# d/dg = mul(uv, dense) + mul(values, ud), d/dvalues = mul(g, ud) and
-# d/ddense = jagged_to_padded(uv * g).
+class _Mul(torch.autograd.Function):
+    @staticmethod
+    def forward(values, offsets, dense, backend):
+        return run(_mul_op, _MUL, values, offsets, dense, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        values, offsets, dense, backend = inputs
+        ctx.save_for_backward(offsets, values, dense)
+        ctx.max_seq_len, ctx.backend = dense.shape[1], backend
+
+    backward = staticmethod(_backward)
 
 
-def _backward_op_setup(ctx, inputs, output):
-    grad, offsets, values, dense, max_seq_len, backend = inputs
-    ctx.save_for_backward(grad, offsets, values, dense)
-    ctx.max_seq_len, ctx.backend = max_seq_len, backend
-
-
-def _double_backward(ctx, uv, ud):
-    g, offsets, values, dense = ctx.saved_tensors
-    ops, be = torch.ops.jagged, ctx.backend
-    if values is None:
-        return ops.jagged_dense_elementwise_add(uv, offsets, ud, be), None, None, None, None, None
-    grad_g = grad_values = grad_dense = None
-    if ctx.needs_input_grad[0]:
-        grad_g = (ops.jagged_dense_elementwise_mul(uv, offsets, dense, be)
-                  + ops.jagged_dense_elementwise_mul(values, offsets, ud, be))
-    if ctx.needs_input_grad[2]:
-        grad_values = ops.jagged_dense_elementwise_mul(g, offsets, ud, be)
-    if ctx.needs_input_grad[3]:
-        grad_dense = ops.jagged_to_padded(uv * g, offsets, ctx.max_seq_len, 0.0, be)
-    return grad_g, None, grad_values, grad_dense, None, None
-
-
-_backward_op.register_autograd(_double_backward, setup_context=_backward_op_setup)
-register_autocast("jagged_dense_elementwise_add", "promote")
-register_autocast("jagged_dense_elementwise_mul", "promote")
-
-
-# ---- 5. public functions --------------------------------------------------------------------
+# ---- 3. public functions --------------------------------------------------------------------
 
 _SPEC = """
 
@@ -190,12 +173,6 @@ _SPEC = """
         Under autocast both inputs are promoted to the wider of their dtypes (as torch does
         for mixed-dtype ``add``/``mul``); outside autocast the dtypes must match.
 """
-
-
-def _direct(backend: str, values: torch.Tensor, dense: torch.Tensor) -> bool:
-    """Eager Triton call with nothing for autograd to record and no autocast promotion to do:
-    the launcher itself, without the custom op's dispatch (tens of microseconds of host time)."""
-    return eager_triton(backend) and values.dtype == dense.dtype and not needs_grad(values, dense)
 
 
 def _checked(values, offsets, dense, max_seq_len, backend):
@@ -221,9 +198,7 @@ def jagged_dense_elementwise_add(
     backend: str = "auto",
 ) -> torch.Tensor:
     be = _checked(values, offsets, dense, max_seq_len, backend)
-    if _direct(be, values, dense):
-        return _forward(values, offsets, dense, be, is_mul=False)
-    return torch.ops.jagged.jagged_dense_elementwise_add(values, offsets, dense, be)
+    return apply(_Add, *autocast_cast("promote", values, offsets, dense), be)
 
 
 def jagged_dense_elementwise_mul(
@@ -235,9 +210,7 @@ def jagged_dense_elementwise_mul(
     backend: str = "auto",
 ) -> torch.Tensor:
     be = _checked(values, offsets, dense, max_seq_len, backend)
-    if _direct(be, values, dense):
-        return _forward(values, offsets, dense, be, is_mul=True)
-    return torch.ops.jagged.jagged_dense_elementwise_mul(values, offsets, dense, be)
+    return apply(_Mul, *autocast_cast("promote", values, offsets, dense), be)
 
 
 jagged_dense_elementwise_add.__doc__ = (

@@ -2,18 +2,14 @@
 
 Layers: the torch reference (``kernels._attention_reference``) and the torch backend's fused
 CPU path over it (``kernels._attention_cpu``), the Triton kernels and their launchers
-(``kernels._flash_attention_triton``), two custom ops ``jagged::flash_attention_fwd`` and
-``jagged::flash_attention_bwd`` (what ``torch.compile`` sees: one opaque op with a fake
-implementation, for both backends), their autograd registration, and the public function.
+(``kernels._flash_attention_triton``), the op (custom ops ``jagged::flash_attention_fwd`` and
+``jagged::flash_attention_bwd``, what ``torch.compile`` sees; one autograd.Function that calls
+the implementations directly in eager mode: ``kernels._jagged_common.run``), and the public
+function.
 
 Double backward: a backward recorded with ``create_graph=True`` on the torch backend is the
 reference's, in differentiable torch ops; the Triton backward has no derivative, and
 differentiating its result raises a RuntimeError that says so (never a detached gradient).
-
-Eager calls on the Triton backend skip the custom-op machinery (tens of microseconds of Python
-dispatch per call, more than the kernels take on short sequences): a plain
-``torch.autograd.Function`` calls the same launchers, and without autograd the launcher is
-called directly. Under ``torch.compile`` (or functorch transforms) the custom ops are used.
 """
 
 from __future__ import annotations
@@ -25,12 +21,13 @@ import torch
 from kernels._attention_cpu import flash_attention_torch_bwd, flash_attention_torch_fwd
 from kernels._attention_reference import flash_attention_reference_bwd
 from kernels._jagged_common import (
+    apply,
     autocast_lowp,
-    eager_triton,
-    needs_grad,
+    lazy,
     pick_backend,
     register_autocast,
     register_no_double_backward,
+    run,
 )
 from kernels._validation import (
     check_float,
@@ -46,110 +43,72 @@ from kernels.s2 import S2Shards, s2_attention_reference
 Tensor = torch.Tensor
 
 
-# ---- custom ops ---------------------------------------------------------------------------
+# ---- the op: custom ops for tracing, one autograd.Function (kernels._jagged_common.run) ------
+
+_FWD = {"torch": flash_attention_torch_fwd, "triton": lazy("kernels._flash_attention_triton", "flash_attention_fwd")}
+_BWD = {"torch": flash_attention_torch_bwd, "triton": lazy("kernels._flash_attention_triton", "flash_attention_bwd")}
 
 
 @torch.library.custom_op("jagged::flash_attention_fwd", mutates_args=())
-def _flash_fwd_op(
+def _fwd_op(
     q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, causal: bool,
     scale: float, backend: str,
 ) -> tuple[Tensor, Tensor]:
-    if backend == "triton":
-        from kernels._flash_attention_triton import flash_attention_fwd
-
-        return flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale)
-    return flash_attention_torch_fwd(q, k, v, offsets, max_seq_len, causal, scale)
+    return _FWD[backend](q, k, v, offsets, max_seq_len, causal, scale)
 
 
-@_flash_fwd_op.register_fake
+@_fwd_op.register_fake
 def _(q, k, v, offsets, max_seq_len, causal, scale, backend):
     T, H, D = q.shape
     return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("jagged::flash_attention_bwd", mutates_args=())
-def _flash_bwd_op(
+def _bwd_op(
     dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     offsets: Tensor, max_seq_len: int, causal: bool, scale: float, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if backend == "triton":
-        from kernels._flash_attention_triton import flash_attention_bwd
-
-        return flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal,
-                                   scale)
-    return flash_attention_torch_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal,
-                                     scale)
+    return _BWD[backend](dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale)
 
 
-@_flash_bwd_op.register_fake
+@_bwd_op.register_fake
 def _(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, offsets, max_seq_len, causal, scale, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, offsets)
-    ctx.args = (max_seq_len, causal, scale, backend)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, offsets = ctx.saved_tensors
-    if dout is None and dlse is None:
-        return (None,) * 8
-    if dout is None:
-        dout = torch.zeros_like(out)
-    max_seq_len, causal, scale, backend = ctx.args
-    if torch.is_grad_enabled() and backend == "torch":
-        # a recorded backward (create_graph=True): the reference's, in differentiable torch ops
-        dq, dk, dv = flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len,
-                                                   causal, scale)
-    else:  # on the Triton backend a recorded one raises at the second backward (below)
-        dq, dk, dv = torch.ops.jagged.flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets,
-                                                          *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
-
-
-_flash_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-register_no_double_backward(_flash_bwd_op, "jagged_flash_attention")
+register_no_double_backward(_bwd_op, "jagged_flash_attention")
 # Under autocast the op runs in the autocast dtype, like torch's own attention.
 register_autocast("flash_attention_fwd", "lowp")
 
 
-# ---- eager Triton path ----------------------------------------------------------------------
-
-
-class _FlashAttnFn(torch.autograd.Function):
-    """The eager Triton path: saves tensors and calls the launchers, nothing else."""
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, offsets, max_seq_len, causal, scale, backend):
+        return run(_fwd_op, _FWD, q, k, v, offsets, max_seq_len, causal, scale, backend)
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, max_seq_len, causal, scale):
-        from kernels._flash_attention_triton import flash_attention_fwd
-
-        out, lse = flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale)
+    def setup_context(ctx, inputs, output):
+        q, k, v, offsets, max_seq_len, causal, scale, backend = inputs
+        out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, offsets)
-        ctx.args = (max_seq_len, causal, scale)
+        ctx.args = (max_seq_len, causal, scale, backend)
         ctx.set_materialize_grads(False)
-        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from kernels._flash_attention_triton import flash_attention_bwd
-
         if dout is None and dlse is None:
-            return (None,) * 7
+            return (None,) * 8
         q, k, v, out, lse, offsets = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        if torch.is_grad_enabled():
-            # create_graph=True: the launcher's result would leave the graph unnoticed; the
-            # custom op records it, and differentiating it raises a clear error
-            dq, dk, dv = torch.ops.jagged.flash_attention_bwd(dout, dlse, q, k, v, out, lse,
-                                                              offsets, *ctx.args, "triton")
-        else:
-            dq, dk, dv = flash_attention_bwd(dout, dlse, q, k, v, out, lse, offsets, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        max_seq_len, causal, scale, backend = ctx.args
+        if not torch.is_grad_enabled():
+            dq, dk, dv = run(_bwd_op, _BWD, dout, dlse, q, k, v, out, lse, offsets, *ctx.args)
+        elif backend == "torch":  # create_graph=True: the reference's backward, differentiable
+            dq, dk, dv = flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len, causal, scale)
+        else:  # recorded through the custom op: differentiating its result raises a clear error
+            dq, dk, dv = _bwd_op(dout, dlse, q, k, v, out, lse, offsets, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None
 
 
 # ---- public function ----------------------------------------------------------------------
@@ -242,16 +201,7 @@ def jagged_flash_attention(
     resolved = pick_backend(backend, q)
     if shards is not None:
         return _s2(q, k, v, offsets, max_seq_len, causal, scale, return_lse, resolved, shards)
-    if eager_triton(resolved):
-        if needs_grad(q, k, v):
-            out, lse = _FlashAttnFn.apply(q, k, v, offsets, max_seq_len, causal, scale)
-        else:
-            from kernels._flash_attention_triton import flash_attention_fwd
-
-            out, lse = flash_attention_fwd(q, k, v, offsets, max_seq_len, causal, scale)
-    else:
-        out, lse = torch.ops.jagged.flash_attention_fwd(q, k, v, offsets, max_seq_len, causal,
-                                                        scale, resolved)
+    out, lse = apply(_FlashAttention, q, k, v, offsets, max_seq_len, causal, scale, resolved)
     return (out, lse) if return_lse else out
 
 

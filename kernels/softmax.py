@@ -1,16 +1,17 @@
 """jagged_softmax: softmax over the rows of each sequence, independently per column.
 
 Layers (DESIGN.md): torch reference (forward and backward), Triton kernels in
-``kernels._softmax_triton``, custom ops ``jagged::jagged_softmax`` and
-``jagged::jagged_softmax_backward`` (fake and autograd registered: the backward is itself
-differentiable, for double backward on either backend), public function.
+``kernels._softmax_triton``, the op (custom ops ``jagged::jagged_softmax`` and
+``jagged::jagged_softmax_backward`` for tracing, one autograd.Function), public function.
+A recorded backward (``create_graph=True``, double backward) is the reference's, in
+differentiable torch ops, on either backend.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import compute_dtype, eager_triton, needs_grad, pick_backend
+from kernels._jagged_common import apply, compute_dtype, lazy, pick_backend, run
 from kernels._segments import row_index, scatter_rows, segment_amax, segment_sum
 from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device
 
@@ -41,87 +42,53 @@ def jagged_softmax_backward_reference(
     return scatter_rows(grad_values, idx.rows, T).to(out.dtype)  # [T, H]
 
 
-# ---- 2./3. custom ops (the Triton launchers live in kernels._softmax_triton) -----------------
+# ---- 2. the op: custom ops for tracing, one autograd.Function (kernels._jagged_common.run) ---
+
+_FWD = {"torch": jagged_softmax_reference, "triton": lazy("kernels._softmax_triton", "jagged_softmax_fwd_triton")}
+_BWD = {"torch": jagged_softmax_backward_reference,
+        "triton": lazy("kernels._softmax_triton", "jagged_softmax_bwd_triton")}
 
 
 @torch.library.custom_op("jagged::jagged_softmax", mutates_args=())
-def _jagged_softmax_op(values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backend: str) -> torch.Tensor:
-    if backend == "triton":
-        from kernels._softmax_triton import jagged_softmax_fwd_triton
-
-        return jagged_softmax_fwd_triton(values, offsets, max_seq_len)
-    return jagged_softmax_reference(values, offsets, max_seq_len)
+def _fwd_op(values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backend: str) -> torch.Tensor:
+    return _FWD[backend](values, offsets, max_seq_len)
 
 
-@_jagged_softmax_op.register_fake
+@_fwd_op.register_fake
 def _(values, offsets, max_seq_len, backend):
     return torch.empty_like(values, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("jagged::jagged_softmax_backward", mutates_args=())
-def _jagged_softmax_backward_op(
-    grad: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backend: str
-) -> torch.Tensor:
-    if backend == "triton":
-        from kernels._softmax_triton import jagged_softmax_bwd_triton
-
-        return jagged_softmax_bwd_triton(grad, out, offsets, max_seq_len)
-    return jagged_softmax_backward_reference(grad, out, offsets, max_seq_len)
+def _bwd_op(grad: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backend: str) -> torch.Tensor:
+    return _BWD[backend](grad, out, offsets, max_seq_len)
 
 
-@_jagged_softmax_backward_op.register_fake
+@_bwd_op.register_fake
 def _(grad, out, offsets, max_seq_len, backend):
     return torch.empty_like(out, memory_format=torch.contiguous_format)
 
 
-# ---- 4. autograd ----------------------------------------------------------------------------
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(values, offsets, max_seq_len, backend):
+        return run(_fwd_op, _FWD, values, offsets, max_seq_len, backend)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, offsets, max_seq_len, backend = inputs
+        ctx.save_for_backward(output, offsets)
+        ctx.max_seq_len, ctx.backend = max_seq_len, backend
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, offsets = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the reference's backward, differentiable
+            return jagged_softmax_backward_reference(grad, out, offsets, ctx.max_seq_len), None, None, None
+        return run(_bwd_op, _BWD, grad, out, offsets, ctx.max_seq_len, ctx.backend), None, None, None
 
 
-def _setup(ctx, inputs, output):
-    _, offsets, max_seq_len, backend = inputs
-    ctx.save_for_backward(output, offsets)
-    ctx.max_seq_len, ctx.backend = max_seq_len, backend
-
-
-def _backward(ctx, grad):
-    out, offsets = ctx.saved_tensors
-    grad_values = torch.ops.jagged.jagged_softmax_backward(grad, out, offsets, ctx.max_seq_len, ctx.backend)
-    return grad_values, None, None, None
-
-
-_jagged_softmax_op.register_autograd(_backward, setup_context=_setup)
-
-
-# The backward is differentiable too (double backward, on either backend): for
-# grad_x = y * (g - s), s = sum_rows(g * y) per sequence and column, an upstream u gives
-# d/dg = y * (u - sum_rows(u * y)) (the same backward op) and
-# d/dy = u * (g - s) - g * sum_rows(u * y), here in plain torch over the rows that take part.
-
-
-def _backward_setup(ctx, inputs, output):
-    grad, out, offsets, max_seq_len, backend = inputs
-    ctx.save_for_backward(grad, out, offsets)
-    ctx.max_seq_len, ctx.backend = max_seq_len, backend
-
-
-def _double_backward(ctx, u):
-    g, y, offsets = ctx.saved_tensors
-    grad_g = grad_y = None
-    if ctx.needs_input_grad[0]:
-        grad_g = torch.ops.jagged.jagged_softmax_backward(u, y, offsets, ctx.max_seq_len, ctx.backend)
-    if ctx.needs_input_grad[1]:
-        cdt, T, B = compute_dtype(y.dtype), y.shape[0], offsets.numel() - 1
-        idx = row_index(offsets, ctx.max_seq_len, T)
-        uu, gg, yy = (t.to(cdt)[idx.rows] for t in (u, g, y))  # [R, H]
-        s, t = (segment_sum(a * yy, idx, B)[idx.seq] for a in (gg, uu))
-        grad_y = scatter_rows(uu * (gg - s) - gg * t, idx.rows, T).to(y.dtype)
-    return grad_g, grad_y, None, None, None
-
-
-_jagged_softmax_backward_op.register_autograd(_double_backward, setup_context=_backward_setup)
-
-
-# ---- 5. public function ---------------------------------------------------------------------
+# ---- 3. public function ---------------------------------------------------------------------
 
 
 def jagged_softmax(
@@ -148,9 +115,4 @@ def jagged_softmax(
     check_offsets(offsets, total=values.shape[0])
     check_offsets_device(offsets, values)
     max_seq_len = check_max_seq_len(max_seq_len)
-    be = pick_backend(backend, values)
-    if eager_triton(be) and not needs_grad(values):
-        from kernels._softmax_triton import jagged_softmax_fwd_triton  # nothing to record: no dispatch
-
-        return jagged_softmax_fwd_triton(values, offsets, max_seq_len)
-    return torch.ops.jagged.jagged_softmax(values, offsets, max_seq_len, be)
+    return apply(_Softmax, values, offsets, max_seq_len, pick_backend(backend, values))

@@ -187,3 +187,14 @@ def test_tune_ops_machinery_on_cpu(capsys):
     assert f"{len(tune_ops.CANDIDATES['padded_to_jagged'][2])} rows, 0 not ok" in out
     assert "best config per op" in out and "-> {'BLOCK_N'" in out
     assert _conversions_triton.P2J_CONFIG == before  # the module's launch dict is restored
+
+
+def test_host_glue_bench_reaches_every_mocked_launcher(capsys):
+    """The glue bench times the Triton path: every launcher stand-in is called, every op has a row."""
+    from kernels.bench import host_glue
+
+    host_glue.main(["--calls", "4", "--repeats", "1"])
+    out = capsys.readouterr().out
+    for op in ("jagged_flash_attention", "jagged_dense_attention", "jagged_softmax", "jagged_dense_bmm",
+               "jagged_jagged_bmm", "jagged_dense_elementwise_mul", "jagged_to_padded", "padded_to_jagged"):
+        assert f"| {op} |" in out

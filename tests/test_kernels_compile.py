@@ -76,12 +76,16 @@ def test_compile_fullgraph_inductor_matches_eager():
 @pytest.mark.parametrize("total_known", [True, False])
 def test_compile_sees_one_opaque_op_per_call(backend, total_known):
     # Each public call is a single jagged:: node (the torch reference's loops stay inside it),
-    # including padded_to_jagged with a data-dependent T; fwd+bwd run through AOTAutograd.
+    # including padded_to_jagged with a data-dependent T; fwd+bwd run through AOTAutograd. A call
+    # that autograd records is the op's autograd.Function: its forward and backward bodies are
+    # subgraphs, and the backward's work is jagged:: nodes too.
     torch._dynamo.reset()
-    seen = []
+    seen, backward = [], []
 
     def record(gm, example_inputs):
-        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        for name, graph in [("", gm.graph), *((n, m.graph) for n, m in gm.named_children())]:
+            calls = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+            (backward if name.startswith("bwd_body") else seen).extend(calls)
         return gm.forward
 
     model, values = Tiny(backend, total_known), torch.randn(sum(LENGTHS), D)
@@ -93,6 +97,8 @@ def test_compile_sees_one_opaque_op_per_call(backend, total_known):
                      "jagged_dense_elementwise_add", "jagged_jagged_bmm", "jagged_to_padded",
                      "padded_to_jagged")
     )
+    glue = {"_set_grad_enabled", "getitem"}
+    assert backward and all(t.startswith("jagged.") or t.split()[-1].strip(">") in glue for t in backward), backward
     _compare(model, torch.compile(model, backend="aot_eager", fullgraph=True), values, _offsets())
 
 

@@ -1,17 +1,16 @@
 """Second derivatives through every public op, on every path: right, or a clear error.
 
 A gradient penalty differentiates an op's gradient (torch.autograd.grad(..., create_graph=True),
-then a backward through a function of that gradient). Each op, on the torch backend (its custom
-op), the eager Triton path (an autograd.Function over the launchers) and the Triton custom op
-(what torch.compile and functorch transforms see), must either give the second-order gradients
-of the float64 references or raise a RuntimeError that names the op and what to use instead,
+then a backward through a function of that gradient). Each op, on the torch backend, the eager
+Triton path (its autograd.Function over the launchers) and through the Triton custom ops (what
+torch.compile and functorch transforms see), must either give the second-order gradients of
+the float64 references or raise a RuntimeError that names the op and what to use instead,
 at the second backward. A first gradient that silently leaves the graph (the penalty then
 backpropagates zeros) fails here. On the CPU the Triton kernels run in the interpreter.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +28,7 @@ from kernels import (
     jagged_to_padded,
     padded_to_jagged,
 )
+from kernels import _jagged_common
 from kernels._attention_reference import dense_attention_reference, flash_attention_reference
 from kernels.bmm import jagged_dense_bmm_reference, jagged_jagged_bmm_reference
 from kernels.conversions import jagged_to_padded_reference, padded_to_jagged_reference
@@ -93,10 +93,9 @@ OPS = {
                            lambda x, off, be: padded_to_jagged(x[0], off, total=T, backend=be),
                            lambda x, off: padded_to_jagged_reference(x[0], off, T)),
 }
-# torch: the custom op on the torch backend; triton: the eager autograd.Function over the
-# launchers; triton_custom_op: the Triton custom op, as under torch.compile
+# torch: the op on the torch backend; triton: its autograd.Function over the launchers;
+# triton_custom_op: the same Function through the Triton custom ops, as under torch.compile
 PATHS = ["torch", "triton", "triton_custom_op"]
-_OP_MODULES = ("flash_attention", "dense_attention", "bmm", "conversions", "softmax", "elementwise")
 
 
 def _offsets(device) -> torch.Tensor:
@@ -123,10 +122,8 @@ def _close(got, want, what):
 def check_double_backward(name: str, path: str, device: str, monkeypatch) -> None:
     op = OPS[name]
     backend = "torch" if path == "torch" else "triton"
-    if path == "triton_custom_op":
-        for mod in _OP_MODULES:
-            monkeypatch.setattr(importlib.import_module(f"kernels.{mod}"), "eager_triton",
-                                lambda resolved: False)
+    if path == "triton_custom_op":  # what torch.compile and functorch see: the custom ops
+        monkeypatch.setattr(_jagged_common, "traced", lambda: True)
     dtype = torch.float64 if backend == "torch" else torch.float32
     off = _offsets(device)
     xs = [torch.randn(s, dtype=torch.float64, device=device) for s in op.shapes]
