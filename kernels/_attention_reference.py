@@ -35,7 +35,7 @@ def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     return torch.float32 if upcast else dtype
 
 
-def _padded_attention(
+def padded_attention(
     qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, mask: torch.Tensor,
     bias: torch.Tensor | None, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def _padded_attention(
     return torch.einsum("bhmn,bnhd->bmhd", p, vp), p, lse.squeeze(-1)
 
 
-def _padded_attention_bwd(
+def padded_attention_bwd(
     qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, p: torch.Tensor, dop: torch.Tensor,
     dlse: torch.Tensor | None, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,7 +125,7 @@ def flash_attention_reference(
         groups, blocks = _flash_groups(q, offsets, int(max_seq_len), cdt, q, k, v)
         outs, lses = [], []
         for g, (qp, kp, vp) in zip(groups, blocks):  # [G, L, H, D]
-            o, _, lse = _padded_attention(qp, kp, vp, _causal_mask(g.valid, causal), None, scale)
+            o, _, lse = padded_attention(qp, kp, vp, _causal_mask(g.valid, causal), None, scale)
             outs.append(o)
             lses.append(lse.transpose(1, 2))  # [G, L, H]
         out = scatter_groups(outs, groups, T, _like(q, cdt))  # [T, H, D]
@@ -148,9 +148,9 @@ def flash_attention_reference_bwd(
         groups, blocks = _flash_groups(q, offsets, int(max_seq_len), cdt, q, k, v, dout, dlse_t)
         parts: tuple[list, list, list] = ([], [], [])
         for g, (qp, kp, vp, dop, dlse_p) in zip(groups, blocks):
-            _, p, _ = _padded_attention(qp, kp, vp, _causal_mask(g.valid, causal), None, scale)
+            _, p, _ = padded_attention(qp, kp, vp, _causal_mask(g.valid, causal), None, scale)
             dlse_p = None if dlse_p is None else dlse_p.transpose(1, 2)  # [G, H, L]
-            for acc, grad in zip(parts, _padded_attention_bwd(qp, kp, vp, p, dop, dlse_p, scale)):
+            for acc, grad in zip(parts, padded_attention_bwd(qp, kp, vp, p, dop, dlse_p, scale)):
                 acc.append(grad)
         grads = [scatter_groups(acc, groups, T, _like(q, cdt)) for acc in parts]
         if not groups:
@@ -192,7 +192,7 @@ def dense_attention_reference(
         groups, blocks = _dense_groups(q, k, v, offsets, int(max_seq_len), bias, cdt)
         outs, lses = [], []
         for g, (qp, kp, vp, bp) in zip(groups, blocks):
-            o, _, lse = _padded_attention(qp, kp, vp, g.valid[:, None, None, :], bp, scale)
+            o, _, lse = padded_attention(qp, kp, vp, g.valid[:, None, None, :], bp, scale)
             outs.append(o)
             lses.append(lse)  # [G, H, Tq]
         out = by_seq(outs, groups, (B, Tq, H, D), _like(q, cdt))  # zeros for an empty sequence
@@ -216,9 +216,9 @@ def dense_attention_reference_bwd(
         dbias = None if bias is None else bias.new_zeros(bias.shape, dtype=cdt)
         dqs, dks, dvs = [], [], []
         for g, (qp, kp, vp, bp) in zip(groups, blocks):
-            _, p, _ = _padded_attention(qp, kp, vp, g.valid[:, None, None, :], bp, scale)
+            _, p, _ = padded_attention(qp, kp, vp, g.valid[:, None, None, :], bp, scale)
             dop = doc.index_select(0, g.seqs)
-            dq, dk, dv, ds = _padded_attention_bwd(qp, kp, vp, p, dop, None, scale)
+            dq, dk, dv, ds = padded_attention_bwd(qp, kp, vp, p, dop, None, scale)
             dqs.append(dq)
             dks.append(dk)
             dvs.append(dv)

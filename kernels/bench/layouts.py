@@ -2,9 +2,9 @@
 
 The harness does its own padding (a gather/scatter through a precomputed row index) so that it
 never depends on the kernels it measures. References are fp32 on upcast inputs: the project's
-torch reference (``backend="torch"``) on small cases, a padded fp32 computation in chunks of
-sequences on large ones (its result is the same function; chunks keep the [b, H, L, L] scores
-under a fixed budget).
+torch reference (``backend="torch"``) on small cases; on large ones the oracle inside it,
+``kernels._attention_reference.padded_attention``, in chunks of sequences that keep the
+[b, H, L, L] fp32 scores and probabilities under a fixed budget.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import offsets_from_lengths
+from kernels import jagged_dense_attention, jagged_flash_attention, offsets_from_lengths
+from kernels._attention_reference import padded_attention
 from kernels.bench.suites import Shape, make_lengths, seed_for
 
 REF_CHUNK_BYTES = 1 << 30
@@ -91,13 +92,6 @@ def key_mask(lengths: torch.Tensor, N: int, device: torch.device) -> torch.Tenso
     return (torch.arange(N)[None, :] < lengths[:, None]).to(device)[:, None, None, :]
 
 
-def _padded_attention_fp32(q, k, v, kmask, scale):  # q [b,H,Lq,D], k/v [b,H,L,D], kmask [b,1,1,L]
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    s = s.masked_fill(~kmask, float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a length-0 sequence attends to nothing
-    return torch.matmul(p, v)
-
-
 def _chunks(lengths: torch.Tensor, per_seq_bytes):
     """Consecutive runs of sequences whose padded fp32 work stays under REF_CHUNK_BYTES."""
     lens, start = lengths.tolist(), 0
@@ -117,24 +111,17 @@ def reference_self_attention(j: Jagged) -> torch.Tensor:
     """fp32 softmax(q k^T / sqrt(D)) v within each sequence: [T, H, D]."""
     H, D = j.shape.H, j.shape.D
     if j.T <= SMALL_REF_TOKENS:
-        try:
-            from kernels import jagged_flash_attention
-
-            return jagged_flash_attention(
-                j.q.float(), j.k.float(), j.v.float(), j.offsets, j.shape.N, backend="torch"
-            ).float()
-        except Exception:  # the kernels package may be mid-rewrite: fall back to our own
-            pass
+        return jagged_flash_attention(j.q.float(), j.k.float(), j.v.float(), j.offsets, j.shape.N, backend="torch")
     out = torch.empty(j.T, H, D, device=j.q.device, dtype=torch.float32)
     scale = 1.0 / math.sqrt(D)
     off = j.offsets.cpu()
-    for b0, b1, L in _chunks(j.lengths, lambda L: H * L * L * 12 + 3 * H * L * D * 4):
+    for b0, b1, L in _chunks(j.lengths, lambda L: H * L * L * 20 + 3 * H * L * D * 4):
         lens = j.lengths[b0:b1]
         pos = padded_positions(lens, L, j.q.device)
         rows = slice(int(off[b0]), int(off[b1]))
-        pad = [to_padded(t[rows].float(), pos, b1 - b0, L).transpose(1, 2) for t in (j.q, j.k, j.v)]
-        o = _padded_attention_fp32(*pad, key_mask(lens, L, j.q.device), scale)
-        out[rows] = from_padded(o.transpose(1, 2), pos)
+        pad = [to_padded(t[rows].float(), pos, b1 - b0, L) for t in (j.q, j.k, j.v)]  # [b, L, H, D]
+        o, _, _ = padded_attention(*pad, key_mask(lens, L, j.q.device), None, scale)
+        out[rows] = from_padded(o, pos)
     return out
 
 
@@ -142,22 +129,14 @@ def reference_dense_attention(j: Jagged) -> torch.Tensor:
     """fp32 attention of qd [B, Tq, H, D] over each sequence's keys: [B, Tq, H, D]."""
     B, H, D, Tq = j.shape.B, j.shape.H, j.shape.D, j.shape.Tq
     if j.T <= SMALL_REF_TOKENS:
-        try:
-            from kernels import jagged_dense_attention
-
-            return jagged_dense_attention(
-                j.qd.float(), j.k.float(), j.v.float(), j.offsets, j.shape.N, backend="torch"
-            ).float()
-        except Exception:
-            pass
+        return jagged_dense_attention(j.qd.float(), j.k.float(), j.v.float(), j.offsets, j.shape.N, backend="torch")
     out = torch.empty(B, Tq, H, D, device=j.q.device, dtype=torch.float32)
     scale = 1.0 / math.sqrt(D)
     off = j.offsets.cpu()
-    for b0, b1, L in _chunks(j.lengths, lambda L: H * Tq * L * 12 + 2 * H * L * D * 4):
+    for b0, b1, L in _chunks(j.lengths, lambda L: H * Tq * L * 20 + 2 * H * L * D * 4):
         lens = j.lengths[b0:b1]
         pos = padded_positions(lens, L, j.q.device)
         rows = slice(int(off[b0]), int(off[b1]))
-        kp, vp = (to_padded(t[rows].float(), pos, b1 - b0, L).transpose(1, 2) for t in (j.k, j.v))
-        qp = j.qd[b0:b1].float().transpose(1, 2)
-        out[b0:b1] = _padded_attention_fp32(qp, kp, vp, key_mask(lens, L, j.q.device), scale).transpose(1, 2)
+        kp, vp = (to_padded(t[rows].float(), pos, b1 - b0, L) for t in (j.k, j.v))  # [b, L, H, D]
+        out[b0:b1], _, _ = padded_attention(j.qd[b0:b1].float(), kp, vp, key_mask(lens, L, j.q.device), None, scale)
     return out
