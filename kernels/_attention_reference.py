@@ -29,7 +29,7 @@ from kernels._segments import by_seq, gather_groups, keep_in_graph, length_group
 _LN_INF = float("-inf")
 
 
-def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+def reference_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     if dtype == torch.float64:
         return torch.float64
     return torch.float32 if upcast else dtype
@@ -119,7 +119,7 @@ def flash_attention_reference(
     """Jagged self-attention. q, k, v [T, H, D] -> (out [T, H, D] in q's dtype, lse [H, T])."""
     T, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    cdt = _compute_dtype(q.dtype, upcast)
+    cdt = reference_dtype(q.dtype, upcast)
     lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(q.device.type, enabled=False):
         groups, blocks = _flash_groups(q, offsets, int(max_seq_len), cdt, q, k, v)
@@ -141,7 +141,7 @@ def flash_attention_reference_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash_attention_reference: dout [T, H, D], dlse [H, T] or None."""
     T = q.shape[0]
-    cdt = _compute_dtype(q.dtype, True)
+    cdt = reference_dtype(q.dtype, True)
     with torch.autocast(q.device.type, enabled=False):
         dlse_t = None if dlse is None else dlse.t()  # [T, H]
         # padding rows of dout (and dlse) are zeros: they carry no gradient
@@ -186,7 +186,7 @@ def dense_attention_reference(
     """
     B, Tq, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    cdt = _compute_dtype(q.dtype, upcast)
+    cdt = reference_dtype(q.dtype, upcast)
     lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(q.device.type, enabled=False):
         groups, blocks = _dense_groups(q, k, v, offsets, int(max_seq_len), bias, cdt)
@@ -208,7 +208,7 @@ def dense_attention_reference_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of dense_attention_reference: dq, dk, dv and dbias (None without bias)."""
     T = k.shape[0]
-    cdt = _compute_dtype(q.dtype, True)
+    cdt = reference_dtype(q.dtype, True)
     with torch.autocast(q.device.type, enabled=False):
         groups, blocks = _dense_groups(q, k, v, offsets, int(max_seq_len), bias, cdt)
         doc = dout.to(cdt)

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _slot_tile, col_block, dot_precision, dot_upcast, num_slots
+from kernels._triton_common import slot_tile, col_block, dot_precision, dot_upcast, num_slots
 
 # Launch parameters by element size (2: bf16/fp16, 4: fp32), module level so a tuning script can
 # override them; `bmm_config` clamps the blocks to the operands. jagged_dense_bmm: BLOCK_T rows
@@ -71,7 +71,7 @@ def _jagged_dense_bmm_kernel(
 ):
     n_mb = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
-    b, begin, n_rows, row0, rows, cols = _slot_tile(offsets_ptr, pid // n_mb, pid % n_mb, num_seqs,
+    b, begin, n_rows, row0, rows, cols = slot_tile(offsets_ptr, pid // n_mb, pid % n_mb, num_seqs,
                                                     BLOCK_T, BLOCK_M)
     if row0 >= n_rows:  # the spare slot of b
         return

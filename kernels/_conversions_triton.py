@@ -14,7 +14,7 @@ import triton.language as tl
 
 from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _slot_tile, col_block, num_slots
+from kernels._triton_common import slot_tile, col_block, num_slots
 
 _BLOCK_N = 32  # jagged_to_padded: padded rows per tile
 # padded_to_jagged launch parameters (module level, so a tuning script can override them):
@@ -52,7 +52,7 @@ def _padded_to_jagged_kernel(
     stride_pb, stride_pn, stride_pd, stride_ot, stride_od,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b, begin, n_rows, row0, rows, cols = _slot_tile(offsets_ptr, tl.program_id(0), tl.program_id(1),
+    b, begin, n_rows, row0, rows, cols = slot_tile(offsets_ptr, tl.program_id(0), tl.program_id(1),
                                                     num_seqs, BLOCK_N, BLOCK_D)
     if row0 >= n_rows:  # the spare slot of b
         return

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, _INTERPRET, _last_dim_contiguous, _locate, _zero_rows,
-                                    dot_precision, num_slots)
+from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, INTERPRET, last_dim_contiguous, load_rows, online_softmax,
+                                    row_block, zero_past_max, zero_rows, dot_precision, num_slots)
 
 
 # Sizes that change from batch to batch are not specialised on (no recompile per batch shape).
@@ -36,10 +36,24 @@ _NO_SPEC = ["max_seq_len", "num_queries", "num_heads", "num_seqs"]
 
 
 @triton.jit
-def _seq_bounds(Offsets, b, max_seq_len):
+def _query_block(pid, Q, Offsets, stride_qb, stride_qt, stride_qh, max_seq_len, num_queries, num_heads, num_seqs,
+                 HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The prologue of a program over (query block, sequence, head), pid = (m_blk * num_seqs + b)
+    * num_heads + h: (h, b, seq_start, n_rows, seq_len, offs_m, m_ok, offs_d, d_ok, q_mask, q),
+    q the block's [BLOCK_M, BLOCK_D] queries (zero past num_queries and HEAD_D)."""
+    h = pid % num_heads
+    b = ((pid // num_heads) % num_seqs).to(tl.int64)
+    m_blk = pid // (num_heads * num_seqs)
     seq_start = tl.load(Offsets + b.to(tl.int32)).to(tl.int64)
     n_rows = (tl.load(Offsets + b.to(tl.int32) + 1).to(tl.int64) - seq_start).to(tl.int32)
-    return seq_start, n_rows, tl.minimum(n_rows, max_seq_len)
+    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < num_queries
+    d_ok = offs_d < HEAD_D
+    q_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=q_mask, other=0.0)
+    return h, b, seq_start, n_rows, tl.minimum(n_rows, max_seq_len), offs_m, m_ok, offs_d, d_ok, q_mask, q
 
 
 @triton.jit
@@ -62,17 +76,9 @@ def _dense_fwd_kernel(
 ):
     """One program: BLOCK_M dense queries of one (sequence, head) over the sequence's keys."""
     pid = tl.program_id(0)
-    h = pid % num_heads
-    b = ((pid // num_heads) % num_seqs).to(tl.int64)
-    m_blk = pid // (num_heads * num_seqs)
-    seq_start, n_rows, seq_len = _seq_bounds(Offsets, b, max_seq_len)
-    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < num_queries
-    d_ok = offs_d < HEAD_D
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=q_mask, other=0.0)
+    h, b, seq_start, n_rows, seq_len, offs_m, m_ok, offs_d, d_ok, q_mask, q = _query_block(
+        pid, Q, Offsets, stride_qb, stride_qt, stride_qh, max_seq_len, num_queries, num_heads, num_seqs,
+        HEAD_D, BLOCK_M, BLOCK_D)
     k_base = K + seq_start * stride_kt + h * stride_kh
     v_base = V + seq_start * stride_vt + h * stride_vh
     bias_base = Bias + b * stride_bb + h * stride_bh + offs_m[:, None] * stride_bq
@@ -87,11 +93,7 @@ def _dense_fwd_kernel(
         s = _scores(q, k, bias_base + offs_n[None, :] * stride_bn, m_ok[:, None] & n_ok[None, :],
                     qk_scale, HAS_BIAS, DOT_PREC)
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no finite score yet
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, p, alpha, l_i = online_softmax(s, m_i, l_i, True)  # a row may have no finite score yet
         v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
@@ -126,17 +128,9 @@ def _dense_bwd_dq(
     HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Program `pid`: dQ (and dBias rows) of BLOCK_M queries of one (sequence, head)."""
-    h = pid % num_heads
-    b = ((pid // num_heads) % num_seqs).to(tl.int64)
-    m_blk = pid // (num_heads * num_seqs)
-    seq_start, n_rows, seq_len = _seq_bounds(Offsets, b, max_seq_len)
-    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_ok = offs_m < num_queries
-    d_ok = offs_d < HEAD_D
-    q_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=q_mask, other=0.0)
+    h, b, seq_start, n_rows, seq_len, offs_m, m_ok, offs_d, d_ok, q_mask, q = _query_block(
+        pid, Q, Offsets, stride_qb, stride_qt, stride_qh, max_seq_len, num_queries, num_heads, num_seqs,
+        HEAD_D, BLOCK_M, BLOCK_D)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot
                  + offs_d[None, :], mask=q_mask, other=0.0)
     lse2, delta = _load_lse2_delta(LSE, (h * num_seqs + b) * num_queries, offs_m, m_ok,
@@ -166,7 +160,7 @@ def _dense_bwd_dq(
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
     if STORE_DBIAS:  # bias columns past the sequence: zero gradient (key positions as "rows")
-        _zero_rows(dbias_base, stride_dbn, stride_dbq, seq_len, max_seq_len, offs_m, m_ok, 0, 1,
+        zero_rows(dbias_base, stride_dbn, stride_dbq, seq_len, max_seq_len, offs_m, m_ok, 0, 1,
                    BLOCK_N, BLOCK_M)
 
 
@@ -182,29 +176,20 @@ def _dense_bwd_dkdv(
 ):
     """Program `pid` (a slot): dK, dV of BLOCK_N key rows of one (sequence, head), over all Tq
     queries."""
-    h = pid % num_heads
-    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK_N)
-    b = b.to(tl.int64)
-    seq_len = tl.minimum(n_rows, max_seq_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
+    h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok = row_block(
+        pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D, BLOCK_N, BLOCK_D)
     dk_base = DK + seq_start * stride_dkt + h * stride_dkh
     dv_base = DV + seq_start * stride_dvt + h * stride_dvh
-    if n_rows > max_seq_len:
-        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
-                   BLOCK_N, BLOCK_D)
-        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
-                   BLOCK_N, BLOCK_D)
+    zero_past_max(dk_base, stride_dkt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_N, BLOCK_D)
+    zero_past_max(dv_base, stride_dvt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_N, BLOCK_D)
     start_n = j * BLOCK_N
     if start_n >= seq_len:
         return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < seq_len
     kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + seq_start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt
-                + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + seq_start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt
-                + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = load_rows(K, seq_start, h, stride_kt, stride_kh, offs_n, offs_d, kv_mask)
+    v = load_rows(V, seq_start, h, stride_vt, stride_vh, offs_n, offs_d, kv_mask)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     q_base = Q + b * stride_qb + h * stride_qh
@@ -272,7 +257,7 @@ def _dense_bwd_kernel(
 
 def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
     """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim."""
-    if _INTERPRET:
+    if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     bm = max(16, min(64 if bd <= 128 else 32, triton.next_power_of_2(num_queries)))
@@ -325,7 +310,7 @@ def dense_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Tq, H, D] (q's dtype), lse [H, B, Tq] fp32. Inputs already validated."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     B, Tq, H, D = q.shape
     out = new_output((B, Tq, H, D), q)
     lse = new_output((H, B, Tq), q, torch.float32)
@@ -353,7 +338,7 @@ def dense_attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq [B, Tq, H, D], dk, dv [T, H, D], dbias [B, H, Tq, N] in bias's dtype (or None)."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     if not dout.is_contiguous():
         dout = dout.contiguous()
     B, Tq, H, D = q.shape

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _slot_tile, _zero_rows, col_block, num_slots
+from kernels._triton_common import slot_tile, zero_rows, col_block, num_slots
 
 # Launch parameters (module level, so a tuning script can override them). Forward: jagged rows
 # per work slot, the widest column block, warps. Backward: padded rows per tile, the same.
@@ -32,7 +32,7 @@ def _jagged_dense_elementwise_fwd_kernel(
     stride_xt, stride_xd, stride_db, stride_dn, stride_dd, stride_ot, stride_od,
     IS_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b, begin, n_rows, row0, rows, cols = _slot_tile(offsets_ptr, tl.program_id(0), tl.program_id(1),
+    b, begin, n_rows, row0, rows, cols = slot_tile(offsets_ptr, tl.program_id(0), tl.program_id(1),
                                                     num_seqs, BLOCK_N, BLOCK_D)
     if row0 >= n_rows:  # the spare slot of b
         return
@@ -83,7 +83,7 @@ def _jagged_dense_elementwise_bwd_kernel(
     tl.store(gx_ptr + jag * stride_gxt + cols[None, :] * stride_gxd, gx, mask=mask)
     gd_ptrs = gd_ptr + b * stride_gdb + rows[:, None] * stride_gdn + cols[None, :] * stride_gdd
     tl.store(gd_ptrs, gd, mask=(rows[:, None] < N) & col_ok[None, :])
-    _zero_rows(gx_ptr, stride_gxt, stride_gxd, begin + N, end, cols, col_ok,
+    zero_rows(gx_ptr, stride_gxt, stride_gxd, begin + N, end, cols, col_ok,
                pid_n, tl.num_programs(1), BLOCK_N, BLOCK_D)
 
 

@@ -35,8 +35,8 @@ import triton.language as tl
 
 from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, _INTERPRET, _last_dim_contiguous, _locate, _zero_rows,
-                                    dot_precision, num_slots)
+from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, INTERPRET, last_dim_contiguous, load_rows, online_softmax,
+                                    row_block, zero_past_max, zero_rows, dot_precision, num_slots)
 
 
 # ---- kernels ------------------------------------------------------------------------------
@@ -65,10 +65,7 @@ def _fwd_inner(
             s = tl.where(ok, s, float("-inf"))
         # every row has seen a finite score by now (column 0 is never masked for a real row),
         # so m_new is finite and exp2 never sees (-inf) - (-inf)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, p, alpha, l_i = online_softmax(s, m_i, l_i, False)
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
@@ -85,15 +82,12 @@ def _flash_fwd_kernel(
 ):
     """One program: BLOCK_M query rows of one (sequence, head) against all its keys."""
     pid = tl.program_id(0)
-    h = pid % num_heads
-    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK_M)
-    seq_len = tl.minimum(n_rows, max_seq_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
+    h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok = row_block(
+        pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D, BLOCK_M, BLOCK_D)
     o_base = O + seq_start * stride_ot + h * stride_oh
     lse_base = LSE + h * stride_lh + seq_start
     if n_rows > max_seq_len:  # truncated tail: zeros, lse -inf (grid-strided over the slots)
-        _zero_rows(o_base, stride_ot, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
+        zero_rows(o_base, stride_ot, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
                    BLOCK_M, BLOCK_D)
         offs_r = tl.arange(0, BLOCK_M)
         for r0 in range(max_seq_len + j * BLOCK_M, n_rows, n_slots * BLOCK_M):
@@ -106,8 +100,7 @@ def _flash_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     m_ok = offs_m < seq_len
-    q = tl.load(Q + seq_start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
-                + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = load_rows(Q, seq_start, h, stride_qt, stride_qh, offs_m, offs_d, m_ok[:, None] & d_ok[None, :])
     k_base = K + seq_start * stride_kt + h * stride_kh
     v_base = V + seq_start * stride_vt + h * stride_vh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -224,27 +217,19 @@ def _bwd_dkdv_program(
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Program `pid`: dK, dV of BLOCK_N key rows of one (sequence, head), over its queries."""
-    h = pid % num_heads
-    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK_N)
-    seq_len = tl.minimum(n_rows, max_seq_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
+    h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok = row_block(
+        pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D, BLOCK_N, BLOCK_D)
     dk_base = DK + seq_start * stride_dkt + h * stride_dkh
     dv_base = DV + seq_start * stride_dvt + h * stride_dvh
-    if n_rows > max_seq_len:
-        _zero_rows(dk_base, stride_dkt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
-                   BLOCK_N, BLOCK_D)
-        _zero_rows(dv_base, stride_dvt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
-                   BLOCK_N, BLOCK_D)
+    zero_past_max(dk_base, stride_dkt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_N, BLOCK_D)
+    zero_past_max(dv_base, stride_dvt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_N, BLOCK_D)
     n_blk = tl.cdiv(seq_len, BLOCK_N)
     if j < n_blk:
         start = (n_blk - 1 - j if CAUSAL else j) * BLOCK_N  # causal: the heaviest blocks first
         offs_n = start + tl.arange(0, BLOCK_N)
         kv_mask = (offs_n[:, None] < seq_len) & d_ok[None, :]
-        k = tl.load(K + seq_start * stride_kt + h * stride_kh + offs_n[:, None] * stride_kt
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + seq_start * stride_vt + h * stride_vh + offs_n[:, None] * stride_vt
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = load_rows(K, seq_start, h, stride_kt, stride_kh, offs_n, offs_d, kv_mask)
+        v = load_rows(V, seq_start, h, stride_vt, stride_vh, offs_n, offs_d, kv_mask)
         q_base = Q + seq_start * stride_qt + h * stride_qh
         do_base = DO + seq_start * stride_dot + h * stride_doh
         lse_base = LSE + h * stride_lh + seq_start
@@ -273,25 +258,18 @@ def _bwd_dq_program(
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Program `pid`: dQ of BLOCK_M query rows of one (sequence, head), over its keys."""
-    h = pid % num_heads
-    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK_M)
-    seq_len = tl.minimum(n_rows, max_seq_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_D
+    h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok = row_block(
+        pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D, BLOCK_M, BLOCK_D)
     dq_base = DQ + seq_start * stride_dqt + h * stride_dqh
-    if n_rows > max_seq_len:
-        _zero_rows(dq_base, stride_dqt, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots,
-                   BLOCK_M, BLOCK_D)
+    zero_past_max(dq_base, stride_dqt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_M, BLOCK_D)
     n_blk = tl.cdiv(seq_len, BLOCK_M)
     if j < n_blk:
         start = (n_blk - 1 - j if CAUSAL else j) * BLOCK_M
         offs_m = start + tl.arange(0, BLOCK_M)
         m_ok = offs_m < seq_len
         q_mask = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + seq_start * stride_qt + h * stride_qh + offs_m[:, None] * stride_qt
-                    + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(DO + seq_start * stride_dot + h * stride_doh + offs_m[:, None] * stride_dot
-                     + offs_d[None, :], mask=q_mask, other=0.0)
+        q = load_rows(Q, seq_start, h, stride_qt, stride_qh, offs_m, offs_d, q_mask)
+        do = load_rows(DO, seq_start, h, stride_dot, stride_doh, offs_m, offs_d, q_mask)
         # rows past the sequence get lse = +inf, hence P = 0
         lse2 = tl.load(LSE + h * stride_lh + seq_start + offs_m, mask=m_ok,
                        other=float("inf")) * LOG2E_C
@@ -345,7 +323,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, short: bool = False) -> dict:
     `short`: the mean sequence length (T / B, known on the host) is under 256. fp32 inputs use
     IEEE FMA dots, whose tiles must stay small.
     """
-    if _INTERPRET:
+    if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
@@ -363,7 +341,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     """dK/dV programs: BLOCK_N1 keys, query steps of BLOCK_M1; dQ programs: BLOCK_M2 queries,
     key steps of BLOCK_N2 (BLOCK_M1 divides BLOCK_N1, BLOCK_N2 divides BLOCK_M2); warps, stages
     shared by both (one launch)."""
-    if _INTERPRET:
+    if INTERPRET:
         return dict(BLOCK_N1=32, BLOCK_M1=16, BLOCK_M2=32, BLOCK_N2=16, num_warps=4,
                     num_stages=1)
     bd = triton.next_power_of_2(head_dim)
@@ -425,7 +403,7 @@ def flash_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, D] (q's dtype), lse [H, T] fp32. Inputs already validated by the caller."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     T, H, D = q.shape
     B = offsets.shape[0] - 1
     out = new_output((T, H, D), q)
@@ -451,7 +429,7 @@ def attention_bwd_delta(
     delta = torch.empty((H, R), dtype=torch.float32, device=out.device)
     if R == 0:
         return delta
-    block_r = 16 if _INTERPRET else 64
+    block_r = 16 if INTERPRET else 64
     has_dlse = dlse is not None
     if has_dlse:
         dlse = dlse.to(torch.float32).contiguous()
@@ -471,7 +449,7 @@ def flash_attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv [T, H, D] in the inputs' dtype."""
     if dout.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        q, k, v, dout = (_last_dim_contiguous(t) for t in (q, k, v, dout))
+        q, k, v, dout = (last_dim_contiguous(t) for t in (q, k, v, dout))
     T, H, D = q.shape
     B = offsets.shape[0] - 1
     dq, dk, dv = new_output((T, H, D), q), new_output((T, H, D), k), new_output((T, H, D), v)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import LOG2E, col_block, dot_precision, dot_upcast
+from kernels._triton_common import LOG2E, online_softmax, col_block, dot_precision, dot_upcast
 
 
 @triton.jit
@@ -149,11 +149,7 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
                                 CAUSAL, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_new, p, alpha, l_i = online_softmax(s, m_i, l_i, True)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     has = l_i > 0

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import _zero_rows, col_block
+from kernels._triton_common import zero_rows, col_block
 
 # Launch parameters (module level, so a tuning script can override them), forward and backward:
 # BLOCK_N rows of the large single tile and of the streamed tiles, SMALL_N (<= BLOCK_N) rows of
@@ -102,7 +102,7 @@ def _jagged_softmax_fwd_kernel(
         _softmax_fwd_tile(*args, BLOCK_N)
     else:
         _softmax_fwd_stream(*args, BLOCK_N, BLOCK_H)
-    _zero_rows(y_ptr, stride_yt, stride_yh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
+    zero_rows(y_ptr, stride_yt, stride_yh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
 
 # Backward, one tile: grad_x = y * (g - sum_rows(g * y)) per column, the sum in fp32, g and y
@@ -161,7 +161,7 @@ def _jagged_softmax_bwd_kernel(
         _softmax_bwd_tile(*args, BLOCK_N)
     else:
         _softmax_bwd_stream(*args, BLOCK_N, BLOCK_H)
-    _zero_rows(gx_ptr, stride_xt, stride_xh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
+    zero_rows(gx_ptr, stride_xt, stride_xh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
 
 def _launch(H: int, B: int, family: str, N: int, T: int, dtype: torch.dtype) -> tuple[tuple[int], dict]:

@@ -44,17 +44,17 @@ def _patch_interpreter_bf16_dot() -> None:
 
 
 # @triton.jit picks the interpreter when the kernel modules are imported; so do the block sizes.
-_INTERPRET = interpreter_on()
-if _INTERPRET:
+INTERPRET = interpreter_on()
+if INTERPRET:
     _patch_interpreter_bf16_dot()
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
 @triton.jit
-def _zero_rows(
+def zero_rows(
     ptr, stride_row, stride_col, row_begin, row_end, cols, col_ok, pid, nprog,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -85,6 +85,50 @@ _COARSE = tl.constexpr(256)
 
 
 @triton.jit
+def row_block(pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D: tl.constexpr, BLOCK: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """The prologue of a program over the flat work list of (head, BLOCK rows of a sequence):
+    (h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok); b int64, seq_len the rows
+    that take part (at most max_seq_len), d_ok the head-dim lanes in use."""
+    h = pid % num_heads
+    b, j, seq_start, n_rows, n_slots = _locate(Offsets, pid // num_heads, num_seqs, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    return (h, b.to(tl.int64), j, seq_start, n_rows, n_slots, tl.minimum(n_rows, max_seq_len), offs_d,
+            offs_d < HEAD_D)
+
+
+@triton.jit
+def load_rows(P, seq_start, h, stride_t, stride_h, offs_r, offs_d, mask):
+    """Rows seq_start + offs_r, lanes offs_d, of head h of a [T, H, D] tensor (0 where masked)."""
+    return tl.load(P + seq_start * stride_t + h * stride_h + offs_r[:, None] * stride_t + offs_d[None, :], mask=mask,
+                   other=0.0)
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i, GUARD_EMPTY: tl.constexpr):
+    """One key block of the online softmax, in log2 units: scores s [BM, BN] and the running
+    row max m_i and sum l_i -> (m_new, p, alpha, l_new); the caller rescales its accumulator
+    by alpha and adds p @ v. GUARD_EMPTY: a row may have no finite score yet (m_new -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if GUARD_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    return m_new, p, alpha, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def zero_past_max(base, stride_row, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Zero the rows of one (sequence, head) past max_seq_len, shared by the sequence's
+    n_slots programs (`j` is this one): their outputs and gradients are zero."""
+    if n_rows > max_seq_len:
+        zero_rows(base, stride_row, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK, BLOCK_D)
+
+
+@triton.jit
 def _locate(Offsets, slot, num_seqs, BLOCK: tl.constexpr):
     """(b, j, seq_start, n_rows, n_slots): work slot `slot` is the j-th of sequence b's n_slots.
 
@@ -111,7 +155,7 @@ def _locate(Offsets, slot, num_seqs, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _slot_tile(Offsets, slot, col_blk, num_seqs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def slot_tile(Offsets, slot, col_blk, num_seqs, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """The tile of work slot `slot` x column block `col_blk` (the row-wise ops' programs):
     (b, seq_start, n_rows, row0, rows, cols). rows = row0 + [0, BLOCK_R) are positions within
     sequence b; row0 >= n_rows only on b's spare slot, which has nothing to do."""

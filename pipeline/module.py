@@ -241,7 +241,7 @@ class RankerModule(pl.LightningModule):
         counts = self._token_counts()
         if counts is None:
             return
-        dm, amp = self.trainer.datamodule, _autocast_dtype(self.trainer.precision)
+        dm, amp = self.trainer.datamodule, autocast_dtype(self.trainer.precision)
         params = [p for p in self.parameters() if p.requires_grad]
         if self.cuda_graphs:
             if amp == torch.float16:
@@ -404,7 +404,7 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, tab
                           "a graph replays fixed shapes, a sparse gradient's size changes every step")
 
 
-def _autocast_dtype(precision) -> torch.dtype | None:
+def autocast_dtype(precision) -> torch.dtype | None:
     """The autocast dtype of a Lightning precision setting (None: no autocast)."""
     p = str(precision)
     if "mixed" not in p:

@@ -44,7 +44,7 @@ from models.config import BACKENDS
 from pipeline.cli import RankerCLI
 from pipeline.errors import ConfigError
 from pipeline.graphs import GraphedTrainStep, token_capacities
-from pipeline.module import _autocast_dtype
+from pipeline.module import autocast_dtype
 
 ATTENTION_RANGES = ("attention/self", "attention/target")
 _STEP_RANGE = "profile/step"
@@ -116,7 +116,7 @@ def graphed_step_ms(module, opt, batch: dict, cfg, device, steps: int) -> float:
     params = [p for p in module.parameters() if p.requires_grad]
     graphs = GraphedTrainStep(module._graph_loss, params, token_capacities([batch["n_tokens"]], 1),
                               int(batch["label"].shape[0]), module.data_spec_n_dense, int(batch["max_seq_len"]),
-                              device, _autocast_dtype(cfg.trainer.precision))
+                              device, autocast_dtype(cfg.trainer.precision))
     graphs.capture()
     for _ in range(3):
         graphs(batch)

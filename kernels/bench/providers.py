@@ -24,14 +24,14 @@ from kernels.bench.base import OURS, Prepared, Provider, RunConfig, op_kwargs, c
 from kernels.bench.layouts import Jagged, from_padded, key_mask, to_padded
 
 
-def _leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
+def leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.detach().requires_grad_() for t in ts]
 
 
 def _ours(j: Jagged, cfg: RunConfig) -> Prepared:
     from kernels import jagged_flash_attention
 
-    q, k, v = _leaves(j.q, j.k, j.v)
+    q, k, v = leaves(j.q, j.k, j.v)
     # int32 offsets, as varlen_attn's cu_seqlens: the kernels read them natively (no copy)
     offsets, N = j.offsets.to(torch.int32), j.shape.N
 
@@ -48,11 +48,11 @@ def padded_bhnd(j: Jagged, x: torch.Tensor) -> torch.Tensor:
     return to_padded(x, j.pos, j.shape.B, j.shape.N).transpose(1, 2).contiguous()
 
 
-def _padded(j: Jagged):
+def padded_inputs(j: Jagged):
     with torch.no_grad():
         q, k, v = (padded_bhnd(j, t) for t in (j.q, j.k, j.v))
     mask = key_mask(j.lengths, j.shape.N, j.q.device)  # [B, 1, 1, N]
-    return _leaves(q, k, v), mask
+    return leaves(q, k, v), mask
 
 
 def dense_torch_attention(q, k, v, mask):  # q [B,H,Nq,D], k/v [B,H,N,D], mask [B,1,1,N]
@@ -62,13 +62,13 @@ def dense_torch_attention(q, k, v, mask):  # q [B,H,Nq,D], k/v [B,H,N,D], mask [
 
 
 def _dense_torch(j: Jagged, cfg: RunConfig) -> Prepared:
-    (q, k, v), mask = _padded(j)
+    (q, k, v), mask = padded_inputs(j)
     to_ref = lambda o: from_padded(o.transpose(1, 2), j.pos)  # noqa: E731
     return Prepared(lambda: dense_torch_attention(q, k, v, mask), [q, k, v], [q, k, v, mask], to_ref)
 
 
 def _sdpa_padded(j: Jagged, cfg: RunConfig) -> Prepared:
-    (q, k, v), mask = _padded(j)
+    (q, k, v), mask = padded_inputs(j)
     to_ref = lambda o: from_padded(o.transpose(1, 2), j.pos)  # noqa: E731
     fwd = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
     return Prepared(fwd, [q, k, v], [q, k, v, mask], to_ref)
@@ -76,14 +76,14 @@ def _sdpa_padded(j: Jagged, cfg: RunConfig) -> Prepared:
 
 def _varlen(j: Jagged, cfg: RunConfig) -> Prepared:
     varlen_attn = varlen_fn()
-    q, k, v = _leaves(j.q, j.k, j.v)
+    q, k, v = leaves(j.q, j.k, j.v)
     cu = j.offsets.to(torch.int32)
     L = j.max_len
     return Prepared(lambda: varlen_attn(q, k, v, cu, cu, L, L), [q, k, v], [q, k, v, cu], lambda o: o)
 
 
 def _njt(j: Jagged, cfg: RunConfig) -> Prepared:
-    q, k, v = _leaves(j.q, j.k, j.v)
+    q, k, v = leaves(j.q, j.k, j.v)
     offsets, L = j.offsets, j.max_len
 
     def fwd():  # nested_tensor_from_jagged is a view: building it inside keeps autograd to q, k, v
@@ -137,7 +137,7 @@ def _flex(j: Jagged, cfg: RunConfig) -> Prepared:
     block_mask = create_block_mask(same_doc, None, None, j.T, j.T, **kw)
     with torch.no_grad():
         q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (j.q, j.k, j.v))  # [1, H, T, D]
-    q, k, v = _leaves(q, k, v)
+    q, k, v = leaves(q, k, v)
     flex = _flex_fn()
     held = [q, k, v, doc] + [t for t in block_mask.as_tuple() if isinstance(t, torch.Tensor)]
     return Prepared(lambda: flex(q, k, v, block_mask=block_mask), [q, k, v], held, lambda o: o[0].transpose(0, 1))

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 
 from kernels.bench.base import OURS, Prepared, Provider, RunConfig, op_kwargs, varlen_fn, varlen_skip
 from kernels.bench.layouts import Jagged
-from kernels.bench.providers import _leaves, _padded, dense_torch_attention
+from kernels.bench.providers import leaves, padded_inputs, dense_torch_attention
 
 
 def _ours(j: Jagged, cfg: RunConfig) -> Prepared:
     from kernels import jagged_dense_attention
 
-    q, k, v = _leaves(j.qd, j.k, j.v)
+    q, k, v = leaves(j.qd, j.k, j.v)
     offsets, N = j.offsets.to(torch.int32), j.shape.N  # as varlen's cu_seqlens; read natively
 
     kw = op_kwargs(jagged_dense_attention, 5, backend=cfg.ours_backend)
@@ -33,8 +33,8 @@ def _ours(j: Jagged, cfg: RunConfig) -> Prepared:
 
 
 def _padded_q(j: Jagged):
-    (_, k, v), mask = _padded(j)
-    (q,) = _leaves(j.qd.transpose(1, 2).contiguous())  # [B, H, Tq, D]
+    (_, k, v), mask = padded_inputs(j)
+    (q,) = leaves(j.qd.transpose(1, 2).contiguous())  # [B, H, Tq, D]
     return q, k, v, mask
 
 
@@ -53,7 +53,7 @@ def _dense_torch(j: Jagged, cfg: RunConfig) -> Prepared:
 def _varlen(j: Jagged, cfg: RunConfig) -> Prepared:
     varlen_attn = varlen_fn()
     B, Tq = j.shape.B, j.shape.Tq
-    q, k, v = _leaves(j.qd.reshape(B * Tq, j.shape.H, j.shape.D), j.k, j.v)
+    q, k, v = leaves(j.qd.reshape(B * Tq, j.shape.H, j.shape.D), j.k, j.v)
     cu_q = (torch.arange(B + 1, dtype=torch.int32) * Tq).to(j.q.device)
     cu_k = j.offsets.to(torch.int32)
     L = j.max_len
