@@ -35,8 +35,8 @@ import triton.language as tl
 
 from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, INTERPRET, last_dim_contiguous, load_rows, online_softmax,
-                                    row_block, zero_past_max, zero_rows, dot_precision, num_slots)
+from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, INTERPRET, dot_precision, key_block_grads, last_dim_contiguous,
+                                    load_rows, num_slots, online_softmax, row_block, zero_past_max, zero_rows)
 
 
 # ---- kernels ------------------------------------------------------------------------------
@@ -217,12 +217,9 @@ def _bwd_dkdv_program(
     CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Program `pid`: dK, dV of BLOCK_N key rows of one (sequence, head), over its queries."""
-    h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok = row_block(
-        pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D, BLOCK_N, BLOCK_D)
-    dk_base = DK + seq_start * stride_dkt + h * stride_dkh
-    dv_base = DV + seq_start * stride_dvt + h * stride_dvh
-    zero_past_max(dk_base, stride_dkt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_N, BLOCK_D)
-    zero_past_max(dv_base, stride_dvt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_N, BLOCK_D)
+    h, b, j, seq_start, seq_len, offs_d, d_ok, dk_base, dv_base = key_block_grads(
+        pid, DK, DV, Offsets, stride_dkt, stride_dkh, stride_dvt, stride_dvh, max_seq_len, num_heads, num_seqs,
+        HEAD_D, BLOCK_N, BLOCK_D)
     n_blk = tl.cdiv(seq_len, BLOCK_N)
     if j < n_blk:
         start = (n_blk - 1 - j if CAUSAL else j) * BLOCK_N  # causal: the heaviest blocks first

@@ -86,7 +86,7 @@ _COARSE = tl.constexpr(256)
 
 @triton.jit
 def row_block(pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D: tl.constexpr, BLOCK: tl.constexpr,
-               BLOCK_D: tl.constexpr):
+              BLOCK_D: tl.constexpr):
     """The prologue of a program over the flat work list of (head, BLOCK rows of a sequence):
     (h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok); b int64, seq_len the rows
     that take part (at most max_seq_len), d_ok the head-dim lanes in use."""
@@ -121,11 +121,26 @@ def online_softmax(s, m_i, l_i, GUARD_EMPTY: tl.constexpr):
 
 @triton.jit
 def zero_past_max(base, stride_row, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+                  BLOCK_D: tl.constexpr):
     """Zero the rows of one (sequence, head) past max_seq_len, shared by the sequence's
     n_slots programs (`j` is this one): their outputs and gradients are zero."""
     if n_rows > max_seq_len:
         zero_rows(base, stride_row, 1, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK, BLOCK_D)
+
+
+@triton.jit
+def key_block_grads(pid, DK, DV, Offsets, stride_dkt, stride_dkh, stride_dvt, stride_dvh, max_seq_len, num_heads,
+                    num_seqs, HEAD_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The prologue of a dK/dV program over BLOCK_N key rows (row_block), with the rows of its
+    (sequence, head) past max_seq_len zeroed in dK and dV: (h, b, j, seq_start, seq_len, offs_d,
+    d_ok, dk_base, dv_base), the bases pointing at the head's first row."""
+    h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok = row_block(
+        pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D, BLOCK_N, BLOCK_D)
+    dk_base = DK + seq_start * stride_dkt + h * stride_dkh
+    dv_base = DV + seq_start * stride_dvt + h * stride_dvh
+    zero_past_max(dk_base, stride_dkt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_N, BLOCK_D)
+    zero_past_max(dv_base, stride_dvt, max_seq_len, n_rows, offs_d, d_ok, j, n_slots, BLOCK_N, BLOCK_D)
+    return h, b, j, seq_start, seq_len, offs_d, d_ok, dk_base, dv_base
 
 
 @triton.jit

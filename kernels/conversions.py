@@ -11,13 +11,7 @@ import torch
 
 from kernels._jagged_common import apply, lazy, pick_backend, run, traced
 from kernels._segments import row_index, scatter_rows
-from kernels._validation import (
-    check_float,
-    check_max_seq_len,
-    check_offsets,
-    check_offsets_device,
-    check_size,
-)
+from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device, check_size
 
 # ---- 1. references ------------------------------------------------------------------------
 

@@ -13,15 +13,7 @@ from typing import Optional
 
 import torch
 
-from kernels._jagged_common import (
-    apply,
-    autocast_cast,
-    compute_dtype,
-    lazy,
-    pick_backend,
-    register_autocast,
-    run,
-)
+from kernels._jagged_common import apply, autocast_cast, compute_dtype, lazy, pick_backend, register_autocast, run
 from kernels._segments import row_index, scatter_rows
 from kernels._validation import (
     check_float,

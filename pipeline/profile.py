@@ -277,7 +277,7 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
     cuda = r0["device"].startswith("cuda")
     unit = "GPU kernel time" if cuda else "CPU wall time"
     lines = [
-        f"# One-step profile per backend: the share of attention in step time",
+        "# One-step profile per backend: the share of attention in step time",
         "",
         f"- device: {device_name()}; torch {torch.__version__}; triton {triton_v}; "
         f"python {platform.python_version()}",
