@@ -12,14 +12,8 @@ import torch
 
 from kernels._jagged_common import apply, autocast_lowp, compute_dtype, lazy, pick_backend, register_autocast, run
 from kernels._segments import by_seq, gather_groups, keep_in_graph, length_groups, scatter_groups
-from kernels._validation import (
-    check_float,
-    check_max_seq_len,
-    check_offsets,
-    check_offsets_device,
-    check_same,
-    check_size,
-)
+from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device, check_same
+from kernels._validation import check_size
 
 # ---- 1. references ------------------------------------------------------------------------
 

@@ -20,24 +20,10 @@ import torch
 
 from kernels._attention_cpu import flash_attention_torch_bwd, flash_attention_torch_fwd
 from kernels._attention_reference import flash_attention_reference_bwd
-from kernels._jagged_common import (
-    apply,
-    autocast_lowp,
-    lazy,
-    pick_backend,
-    register_autocast,
-    register_no_double_backward,
-    run,
-)
-from kernels._validation import (
-    check_float,
-    debug_checks_enabled,
-    check_head_dim,
-    check_max_seq_len,
-    check_offsets,
-    check_offsets_device,
-    check_same,
-)
+from kernels._jagged_common import apply, autocast_lowp, lazy, pick_backend, register_autocast
+from kernels._jagged_common import register_no_double_backward, run
+from kernels._validation import check_float, check_head_dim, check_max_seq_len, check_offsets, check_offsets_device
+from kernels._validation import check_same, debug_checks_enabled
 from kernels.s2 import S2Shards, s2_attention_reference
 
 Tensor = torch.Tensor
