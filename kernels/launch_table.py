@@ -27,22 +27,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from pathlib import Path
+
+from kernels.runenv import device_slug
 
 SCHEMA = "jfa-launch-table/1"
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 ENV = "JFA_LAUNCH_TABLE"
 OFF = ("off", "0", "none", "false")
 LOG_FEATURES = ("B", "N", "L", "H", "Tq")  # compared in log2 space; all others must be equal
-
-
-def slug(name: str) -> str:
-    """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'; any CPU -> 'cpu'."""
-    if name.lower().startswith("cpu"):
-        return "cpu"
-    s = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I).lower()
-    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
 
 
 def shape_key(family: str, shape: dict) -> str:
@@ -103,16 +96,16 @@ class LaunchTable:
 
 
 def table_path(gpu_name: str | None) -> Path | None:
-    """The table to read: $JFA_LAUNCH_TABLE (a path, or 'off'), else configs/<slug(gpu)>.json
+    """The table to read: $JFA_LAUNCH_TABLE (a path, or 'off'), else configs/<device_slug(gpu)>.json
     when `gpu_name` names a GPU; None when disabled, on a CPU, or when the file is absent."""
     env = os.environ.get(ENV, "").strip()
     if env.lower() in OFF:
         return None
     if env:
         return Path(env)
-    if not gpu_name or slug(gpu_name) == "cpu":
+    if not gpu_name or device_slug(gpu_name) == "cpu":
         return None
-    path = CONFIG_DIR / f"{slug(gpu_name)}.json"
+    path = CONFIG_DIR / f"{device_slug(gpu_name)}.json"
     return path if path.is_file() else None
 
 

@@ -45,10 +45,13 @@ def git_commit(explicit: str | None = None, short: bool = False) -> str:
     return head
 
 
-def device_name() -> str:
-    """The first CUDA device's name, else the CPU's model and core count."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
+def device_name(device: torch.device | None = None) -> str:
+    """The CUDA device's name (`device`, default the first one when there is a GPU), else the
+    CPU's model and core count."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -56,3 +59,14 @@ def device_name() -> str:
     except OSError:
         pass
     return (platform.processor() or platform.machine()) + f" ({os.cpu_count()} cores)"
+
+
+def device_slug(name: str | None = None) -> str:
+    """A GPU's name as a file-name part: 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'; a name
+    starting with 'CPU', or no name and no CUDA device -> 'cpu'."""
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if name.lower().startswith("cpu"):
+        return "cpu"
+    s = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I).lower()
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"

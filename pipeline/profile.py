@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kernels.runenv import device_name, git_commit
+from kernels.runenv import device_name, device_slug, git_commit
 from models.config import BACKENDS
 from pipeline.cli import RankerCLI
 from pipeline.errors import ConfigError
@@ -255,12 +255,6 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "top": [(name, us / steps / 1e3) for name, us in top_ops(prof, cuda, n_top)],
     }
-
-
-def device_slug() -> str:
-    if torch.cuda.is_available():
-        return device_name().replace("NVIDIA", "").strip().split()[0].lower()
-    return "cpu"
 
 
 def _f(x, spec: str = ".2f") -> str:

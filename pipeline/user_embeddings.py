@@ -208,7 +208,7 @@ def fit(args) -> dict:
                     "vocab_size": int(meta["config"]["vocab_size"]), "n_actions": int(meta["config"]["n_actions"])},
                    out)
         mlflow.set_tag("encoder_path", str(out.resolve()))
-        record = {"run_id": run.info.run_id, "device": device_name() if device.type == "cuda" else "CPU: " + device_name(), "commit": git_commit(),
+        record = {"run_id": run.info.run_id, "device": device_name(device) if device.type == "cuda" else "CPU: " + device_name(device), "commit": git_commit(),
                   "data_digest": meta["digest"], "cutoff_day": cutoff, "days_trained": days_trained,
                   "impressions": int(len(rows)), "steps": len(plan), "config": asdict(cfg),
                   "batch_size": args.batch_size, "results": results}
@@ -299,7 +299,7 @@ def export(args) -> dict:
                "export/seconds_per_as_of_day": encode_s / max(n_days, 1), "export/histories_per_s": picked.height / encode_s}
     info = {"data_digest": meta["digest"], "as_of": args.as_of, "encoder_sha256": sha256_file(args.encoder),
             "encoder_run_id": ckpt["run_id"], "encoder_cutoff_day": ckpt["cutoff_day"],
-            "encoder_max_seq_len": length, "device": device_name() if device.type == "cuda" else "CPU: " + device_name(), "commit": git_commit(), "cost": results}
+            "encoder_max_seq_len": length, "device": device_name(device) if device.type == "cuda" else "CPU: " + device_name(device), "commit": git_commit(), "cost": results}
     manifest = write_embeddings(args.out, picked["user_id"].to_numpy(), picked["as_of_day"].to_numpy(),
                                 picked["time"].to_numpy(), table, info)
     mlflow.set_tracking_uri(tracking_uri())

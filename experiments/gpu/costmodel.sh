@@ -20,7 +20,7 @@ set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 log=$OUT/run.log
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv,noheader | tee "$log"
-slug=$(python3 -c "import torch; from kernels.launch_table import slug; print(slug(torch.cuda.get_device_name()))")
+slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
 data=$OUT/sweep-$slug.parquet
 if [ -n "${RESUME:-}" ]; then cp "$RESUME" "$data" && echo "resuming from $RESUME" | tee -a "$log"; fi
 deadline=${SWEEP_DEADLINE:-400}

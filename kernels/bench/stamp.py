@@ -7,14 +7,7 @@ import platform
 
 import torch
 
-from kernels.launch_table import slug  # noqa: F401  (one slug function: re-exported)
-from kernels.runenv import git_commit
-
-
-def gpu_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()})"
+from kernels.runenv import device_name, device_slug, git_commit
 
 
 def make_stamp(device: torch.device, commit: str | None = None) -> dict:
@@ -24,10 +17,11 @@ def make_stamp(device: torch.device, commit: str | None = None) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "absent"
-    name = gpu_name(device)
+    cuda = device.type == "cuda"
+    name = device_name(device) if cuda else "CPU: " + device_name(device)
     return {
         "gpu": name,
-        "gpu_slug": slug(name),
+        "gpu_slug": device_slug(name),
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": torch.version.cuda or "none",

@@ -22,7 +22,7 @@ $GIT_COMMIT, else HEAD). Families, grids and config spaces: ``kernels.bench.swee
 GPU command sequence (one GPU call: ``experiments/gpu/costmodel.sh`` runs exactly this, with OUT
 and GIT_COMMIT set, after the wheel install line of ../shared/device/README.md)::
 
-    slug=$(python3 -c "import torch; from kernels.launch_table import slug; print(slug(torch.cuda.get_device_name()))")
+    slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
     python3 -m kernels.bench.sweep --grid small --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
     python3 -m kernels.bench.costmodel eval   --data $OUT/sweep-$slug.parquet --out $OUT/eval-$slug.json
     python3 -m kernels.bench.costmodel report --data $OUT/sweep-$slug.parquet --out $OUT/report
