@@ -156,6 +156,12 @@ class Ablation:
     points: list[Point]
     raw: dict[str, Any]
 
+    def run_name(self, point: Point) -> str:
+        """A child run's MLflow name, its place in the grid first so that children sort in grid
+        order: "2 jagged" (one axis: the label), "03 max_seq_len=1024/backend=sdpa" (several)."""
+        label = next(iter(point.labels.values())) if len(self.axes) == 1 else point.name
+        return f"{self.points.index(point) + 1:0{len(str(len(self.points)))}d} {label}"
+
     def config_hash(self, point: Point, digest: str | None) -> str:
         """Same configs, overrides, data digest and code -> same hash (comments and order do not
         count): a point is done only if it ran with this code (:func:`code_version`)."""
@@ -227,14 +233,24 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def load(path: str | Path, data_root: Path, data_dir: str | None = None,
-         extra_set: dict[str, Any] | None = None) -> Ablation:
-    """Parse and expand an ablation file; raises ConfigError saying what is wrong."""
+def read(path: str | Path) -> dict[str, Any]:
+    """An ablation file's mapping, not yet checked; ConfigError when there is no such file."""
     path = Path(path)
     if not path.is_file():
         known = sorted(p.stem for p in (REPO_ROOT / "experiments" / "ablations").glob("*.yaml"))
         raise ConfigError(f"no ablation file {path}; the shipped ones: {', '.join(known)}")
-    raw = yaml.safe_load(path.read_text()) or {}
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def load(path: str | Path, data_root: Path, data_dir: str | None = None,
+         extra_set: dict[str, Any] | None = None) -> Ablation:
+    """Parse and expand an ablation file; raises ConfigError saying what is wrong."""
+    return expand(read(path), Path(path), data_root, data_dir, extra_set)
+
+
+def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | None = None,
+           extra_set: dict[str, Any] | None = None) -> Ablation:
+    """An ablation's mapping (as read from `path`, perhaps edited) checked and expanded."""
     unknown = set(raw) - _TOP_KEYS
     if unknown:
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")

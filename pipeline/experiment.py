@@ -3,13 +3,15 @@
     python -m pipeline.experiment --preset small --data data/small --backends dense sdpa jagged
     make experiment [PRESET=paper]                       # the same, after `make data`
 
-Each backend trains in a fresh process (``python -m pipeline fit --config base.yaml --config
-<preset>.yaml --config <backend>.yaml``, so GPU memory statistics and caches never leak from
-one to the next) as a child of one MLflow parent run. At the end: one comparison table on
-stdout, the same table as markdown in ``runs/main_<preset>_<cpu|cuda>.md`` (``--results-dir
-experiments/results`` updates the committed tables) and on the parent run with the
-comparison (:mod:`pipeline.comparison`), and where to find the runs in MLflow. Extra arguments after
-``--`` go to every ``pipeline fit`` (e.g. ``-- --trainer.max_epochs 1``).
+The runs are experiments/ablations/main.yaml (the grid over the backends) with the preset's
+config and the given data, run by the sweep driver (:mod:`pipeline.sweep`): each backend trains
+in a fresh process (``python -m pipeline fit --config base.yaml --config <preset>.yaml
+--model.ranker.backend <backend>``, so GPU memory statistics and caches never leak from one to
+the next) as a child of a new MLflow parent run. At the end: one comparison table on stdout, the
+same table as markdown in ``runs/main_<preset>_<cpu|cuda>.md`` (``--results-dir
+experiments/results`` updates the committed tables) and on the parent run with the comparison
+(:mod:`pipeline.comparison`), and where to find the runs in MLflow. Extra arguments after ``--``
+go to every ``pipeline fit`` as ``--key value`` pairs (e.g. ``-- --trainer.max_epochs 1``).
 
 The results file is named after the preset only for the preset's own data (``make data``:
 its config, seed 0); other data adds its directory name and digest
@@ -28,34 +30,47 @@ import sys
 import time
 from pathlib import Path
 
-import mlflow
-from mlflow.tracking import MlflowClient
+import yaml
 
 from models import BACKENDS
+from pipeline import _sweep_runs as runs_
+from pipeline import sweep
+from pipeline._proc import sigterm_as_interrupt
+from pipeline._sweep_spec import expand, read
+from pipeline.comparison import parent_url
 from pipeline.errors import ConfigError
-from pipeline._proc import child_env, sigterm_as_interrupt, stream
-from pipeline.comparison import comparison_on_parent, parent_url
-from pipeline.sweep import child_fit_command
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"
+MAIN = REPO_ROOT / "experiments" / "ablations" / "main.yaml"
 EXPERIMENT = "main-job"
 
 
-def fit_command(preset: str, backend: str, data: str, experiment: str, parent_id: str, extra: list[str],
-                run_name: str | None = None) -> list[str]:
-    configs = [CONFIGS / name for name in ("base.yaml", f"{preset}.yaml", f"{backend}.yaml")]
-    return child_fit_command(configs, {}, data, experiment, parent_id, run_name or f"{preset}-{backend}", extra)
+def main_ablation(args):
+    """main.yaml with this job's preset config, backends, MLflow experiment and data; the
+    arguments after ``--`` as overrides of every run."""
+    raw = read(MAIN)
+    raw.update(name=f"main-{args.preset}", experiment=args.experiment_name, configs=["base", args.preset],
+               grid={"model.ranker.backend": list(args.backends)})
+    if "jagged" not in args.backends:
+        raw["report"] = {k: v for k, v in raw.get("report", {}).items() if k != "baseline"}
+    return expand(raw, MAIN, REPO_ROOT / "data", args.data_dir, fit_overrides(args.extra))
 
 
-def child_run(client: MlflowClient, experiment_id: str, parent_id: str, backend: str):
-    runs = client.search_runs(
-        [experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{parent_id}' and tags.backend = '{backend}'",
-        order_by=["attributes.start_time DESC"],
-        max_results=1,
-    )
-    return runs[0] if runs else None
+def fit_overrides(extra: list[str]) -> dict:
+    """``--key value`` / ``--key=value`` pairs (what follows ``--``) -> {key: value}."""
+    out, rest = {}, list(extra)
+    while rest:
+        arg = rest.pop(0)
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"after --: expected --key value pairs for `pipeline fit`, got {arg!r}")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if not rest:
+                raise ConfigError(f"after --: {arg} has no value")
+            value = rest.pop(0)
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 def _fmt(value, spec: str) -> str:
@@ -171,11 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     args.data = args.data or f"data/{args.preset}"
     args.data_dir = str(Path(args.data).resolve())
     try:
-        meta = _preflight(args)
+        return run(args, _preflight(args))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return run(args, meta)
 
 
 def _preflight(args) -> dict:
@@ -190,62 +204,45 @@ def _preflight(args) -> dict:
 
 
 def run(args, meta: dict) -> int:
-    mlflow.set_tracking_uri(tracking_uri())
-    experiment_id = mlflow.set_experiment(args.experiment_name).experiment_id
-    client = MlflowClient()
+    abl = main_ablation(args)
+    job = sweep.Sweep(abl, sweep.parse_args([str(MAIN), "--data", args.data_dir, "--new"]))
+    job.quiet, job.command = True, "python -m pipeline.experiment " + " ".join(sys.argv[1:])
     env = environment_tags()
     t_start = time.perf_counter()
-    name = f"main-{args.preset}"
-    # tagged as a sweep over the backend axis: `make report PARENT=<it>` and the comparison on it
-    grid = {"sweep.role": "parent", "sweep.name": name, "sweep.axes": json.dumps({"backend": args.backends}),
-            "sweep.report": json.dumps({"x": "backend", "series": "backend",
-                                        **({"baseline": "jagged"} if "jagged" in args.backends else {})}),
-            "sweep.description": f"dense vs sdpa vs jagged rankers, preset {args.preset}",
-            "sweep.set": json.dumps({"preset": args.preset, "extra": args.extra}),
-            "sweep.command": "python -m pipeline.experiment " + " ".join(sys.argv[1:])}
-    parent = mlflow.start_run(run_name=name, tags={**env, "preset": args.preset, "kind": "main-job", **grid})
-    results, status = [], "FINISHED"
-    try:
-        for i, backend in enumerate(args.backends):
-            print(f"\n=== [{i + 1}/{len(args.backends)}] {backend} ranker, preset {args.preset} ===", flush=True)
-            cmd = fit_command(args.preset, backend, args.data_dir, args.experiment_name, parent.info.run_id, args.extra,
-                              run_name=f"{i + 1} {backend}")
-            t0 = time.perf_counter()
-            # its own process group, stopped with SIGINT (a graceful, recorded end) on Ctrl-C/SIGTERM
-            tags = {"sweep.name": name, "sweep.point": f"backend={backend}", "sweep.axis.backend": backend}
-            rc, _, _ = stream(cmd, child_env(tags), None)
-            wall = time.perf_counter() - t0
-            run_ = child_run(client, experiment_id, parent.info.run_id, backend)
-            results.append({
-                "backend": backend, "wall_s": wall,
-                "status": run_.info.status if run_ else "NOT STARTED" if rc else "?",
-                "run_id": run_.info.run_id if run_ else None,
-                "metrics": dict(run_.data.metrics) if run_ else {},
-            })
-            if rc != 0:
-                status = "FAILED"
-                print(f"--- {backend} failed (exit status {rc}); going on with the others", file=sys.stderr)
-    except BaseException:
-        mlflow.end_run("KILLED")
-        raise
+    rc = sweep.execute(job)
+    if job.parent is None or rc == 130:  # refused before it began, or interrupted (said so already)
+        return rc
     total = time.perf_counter() - t_start
+    parent = job.client.get_run(job.parent.info.run_id)
+    results = [child_result(parent, backend) for backend in args.backends]
     md, text = report(args, results, parent, meta, env, total)
-    mlflow.log_text(md, "main_job.md")
-    mlflow.end_run(status)
-    compare = comparison_on_parent(client, parent.info.run_id, [r["run_id"] for r in results if r["run_id"]])
+    job.client.log_text(parent.info.run_id, md, "main_job.md")
     if args.results_dir:
         table = results_file(args.results_dir, args.preset, args.data_dir, meta, env["accelerator"])
         out, why_kept = write_results(table, md, results)
     print(f"\n{text}\n")
     print(f"MLflow tracking URI: {tracking_uri()}")
-    print(f"experiment '{args.experiment_name}' (id {experiment_id}), parent run {parent.info.run_id}")
+    print(f"experiment '{args.experiment_name}' (id {job.experiment_id}), parent run {parent.info.run_id}")
     print("runs: " + ", ".join(f"{r['backend']}={r['run_id']}" for r in results))
     print(f"dashboard: `make ui` (PORT=5000 unless given), then\n"
-          f"  the comparison: http://127.0.0.1:5000/{parent_url(experiment_id, parent.info.run_id)}\n"
-          f"  side by side:   http://127.0.0.1:5000/{compare}")
+          f"  the comparison: http://127.0.0.1:5000/{parent_url(job.experiment_id, parent.info.run_id)}\n"
+          f"  side by side:   http://127.0.0.1:5000/{job.compare_url}")
     if args.results_dir:
         print(f"table written to {out}" + (f"; {table} kept: {why_kept}" if why_kept else ""))
-    return 0 if status == "FINISHED" else 1
+    return 0 if all(r["status"] == "FINISHED" for r in results) else 1
+
+
+def child_result(parent, backend: str) -> dict:
+    """One backend's row: its run (the newest, if several), status, metrics and process wall time.
+    A run the sweep recorded for a fit that never started one has no parameters: NOT STARTED."""
+    runs = [r for r in runs_.child_runs(parent) if r.data.tags.get("sweep.axis.backend") == backend]
+    run_ = max(runs, key=lambda r: r.info.start_time, default=None)
+    if run_ is None:
+        return {"backend": backend, "wall_s": 0.0, "status": "NOT RUN", "run_id": None, "metrics": {}}
+    metrics = dict(run_.data.metrics)
+    return {"backend": backend, "wall_s": metrics.get("sweep/process_wall_s", 0.0),
+            "status": run_.info.status if run_.data.params else "NOT STARTED",
+            "run_id": run_.info.run_id, "metrics": metrics}
 
 
 if __name__ == "__main__":

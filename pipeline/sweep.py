@@ -41,7 +41,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import mlflow
 from mlflow.entities import Run
@@ -58,25 +57,19 @@ FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapp
 _OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED")
 
 
-def child_fit_command(configs, overrides: dict[str, Any], data_dir, experiment: str, parent_id: str,
-                      run_name: str, extra: list[str] = ()) -> list[str]:
-    """`python -m pipeline fit` for one child run of a parent (the sweep's and the main job's)."""
+def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
+    """`python -m pipeline fit` for one point, a child run of the parent `parent_id`."""
     cmd = list(FIT_COMMAND)
-    for cfg in configs:
+    for cfg in abl.configs:
         cmd += ["--config", str(cfg)]
-    for key, value in overrides.items():
+    for key, value in point.overrides.items():
         cmd += [f"--{key}", cli_value(value)]
     return cmd + [
-        "--data.data_dir", str(data_dir),
-        "--mlflow.experiment_name", experiment,
+        "--data.data_dir", str(point.dataset.dir),
+        "--mlflow.experiment_name", abl.experiment,
         "--mlflow.parent_run_id", parent_id,
-        "--mlflow.run_name", run_name,
-        *extra,
+        "--mlflow.run_name", abl.run_name(point),
     ]
-
-
-def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
-    return child_fit_command(abl.configs, point.overrides, point.dataset.dir, abl.experiment, parent_id, point.name)
 
 
 class Slot:
@@ -109,6 +102,9 @@ def device_slots(gpus: str | None) -> list[Slot]:
 
 class Sweep:
     lock_fds: tuple[int, ...] = ()  # the sweep's lock, inherited by every run it starts
+    command: str | None = None  # what the user ran, when not `python -m pipeline.sweep` (the main job)
+    quiet: bool = False  # no summary table and links at the end (the main job prints its own)
+    compare_url: str | None = None  # MLflow's compare-runs view of the children, once finished
 
     def __init__(self, abl: Ablation, args: argparse.Namespace):
         self.abl, self.args = abl, args
@@ -143,7 +139,7 @@ class Sweep:
                               else self.abl.path),
             "sweep.description": self.abl.description, "sweep.axes": json.dumps(axes),
             "sweep.report": json.dumps(self.abl.report), "sweep.set": json.dumps({**(self.abl.raw.get("set") or {}), **parse_set(self.args.set)}),
-            "sweep.command": " ".join(["python -m pipeline.sweep", *self.args.argv]),
+            "sweep.command": self.command or " ".join(["python -m pipeline.sweep", *self.args.argv]),
         }
         if parent is None:
             run = self.client.create_run(self.experiment_id, run_name=self.abl.name, tags=tags)
@@ -205,7 +201,7 @@ class Sweep:
         """Tag the child with its outcome; a run that never started gets a record of its own."""
         if child is None:
             child = self.client.create_run(
-                self.experiment_id, run_name=point.name,
+                self.experiment_id, run_name=self.abl.run_name(point),
                 tags={"mlflow.parentRunId": self.parent.info.run_id, **(tags or self.child_tags(point, config_hash))})
         run_id = child.info.run_id
         self.client.set_tag(run_id, "status", status)
@@ -381,7 +377,10 @@ class Sweep:
         counts = {s: list(results.values()).count(s) for s in dict.fromkeys(results.values())}
         bad = any(s not in ("OK", "OOM") for s in results.values())
         self.client.set_terminated(parent_id, "KILLED" if "NOT RUN" in counts else "FAILED" if bad else "FINISHED")
-        compare = comparison_on_parent(self.client, parent_id, [r[-1] for r in rows if len(r[-1]) == 32])
+        compare = self.compare_url = comparison_on_parent(self.client, parent_id,
+                                                          [r[-1] for r in rows if len(r[-1]) == 32])
+        if self.quiet:
+            return 1 if bad else 0
         print(f"\n{runs_.text_table(header, rows)}\n")
         print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
         print(f"MLflow: {tracking_uri()}, experiment '{self.abl.experiment}', parent run {parent_id}")
@@ -438,6 +437,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def execute(sweep: Sweep) -> int:
+    """Run `sweep` holding its ablation's lock: one sweep of an ablation at a time; its runs hold
+    the lock too, so a sweep killed outright keeps it until they have ended."""
+    abl = sweep.abl
+    with hold_lock(lock_path(f"sweep-{abl.name}", tracking_uri(), abl.experiment, abl.name),
+                   f"a sweep of {abl.name}") as held:
+        sweep.lock_fds = (held.fileno(),)
+        return sweep.run()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -446,12 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = Sweep(abl, args)
         if args.dry_run:
             return sweep.plan()
-        # one sweep of an ablation at a time; its runs hold the lock too, so a sweep killed
-        # outright keeps it until they have ended
-        lock = lock_path(f"sweep-{abl.name}", tracking_uri(), abl.experiment, abl.name)
-        with hold_lock(lock, f"a sweep of {abl.name}") as held:
-            sweep.lock_fds = (held.fileno(),)
-            return sweep.run()
+        return execute(sweep)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
