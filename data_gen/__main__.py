@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from .config import PRESETS, ConfigError, DataConfig, resolve_config
+from .config import PRESETS, ConfigError, DataConfig, option_pairs, resolve_config
 from .schema import DataValidationError
 
 
@@ -45,29 +45,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _overrides(tokens: list[str]) -> dict[str, str]:
-    """['--alpha', '0.8', '--rows=5'] -> {'alpha': '0.8', 'rows': '5'} (values may be '-5')."""
-    out, i = {}, 0
-    while i < len(tokens):
-        tok = tokens[i]
-        if not tok.startswith("--") or len(tok) == 2:
-            raise ConfigError(f"unexpected argument {tok!r} (options are --key value)")
-        if "=" in tok:
-            key, value = tok[2:].split("=", 1)
-            i += 1
-        else:
-            if i + 1 >= len(tokens):
-                raise ConfigError(f"{tok} needs a value")
-            key, value = tok[2:], tokens[i + 1]
-            i += 2
-        out[key] = value
-    return out
-
-
 def _generate(args: argparse.Namespace, extra: list[str]) -> None:
     from .generate import generate_dataset  # after the argument checks: imports polars
 
-    cfg = resolve_config(args.preset, _overrides(extra))
+    cfg = resolve_config(args.preset, option_pairs(extra))
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if args.workers is not None and args.workers < 1:

@@ -159,6 +159,23 @@ def _coerce(key: str, raw: Any, kind: Any) -> Any:
         raise ConfigError(f"--{key.replace('_', '-')}: cannot read {raw!r} as {kind}") from None
 
 
+def option_pairs(tokens: list[str]) -> dict[str, str]:
+    """['--alpha', '0.8', '--rows=5'] -> {'alpha': '0.8', 'rows': '5'} (values may be '-5'):
+    the `--key value` options of data_gen's overrides and of the main job's arguments for fit."""
+    out, rest = {}, list(tokens)
+    while rest:
+        tok = rest.pop(0)
+        if not tok.startswith("--") or len(tok) == 2:
+            raise ConfigError(f"unexpected argument {tok!r} (options are --key value)")
+        key, eq, value = tok[2:].partition("=")
+        if not eq:
+            if not rest:
+                raise ConfigError(f"{tok} needs a value")
+            value = rest.pop(0)
+        out[key] = value
+    return out
+
+
 def resolve_config(preset: str = "tiny", overrides: dict[str, Any] | None = None) -> DataConfig:
     """Preset values, then overrides (keys with '-' or '_'), then validation.
 

@@ -58,19 +58,13 @@ def main_ablation(args):
 
 
 def fit_overrides(extra: list[str]) -> dict:
-    """``--key value`` / ``--key=value`` pairs (what follows ``--``) -> {key: value}."""
-    out, rest = {}, list(extra)
-    while rest:
-        arg = rest.pop(0)
-        if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"after --: expected --key value pairs for `pipeline fit`, got {arg!r}")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if not rest:
-                raise ConfigError(f"after --: {arg} has no value")
-            value = rest.pop(0)
-        out[key] = yaml.safe_load(value)
-    return out
+    """``--key value`` / ``--key=value`` pairs (what follows ``--``) -> {key: value read as YAML}."""
+    from data_gen.config import ConfigError as OptionError, option_pairs
+
+    try:
+        return {key: yaml.safe_load(value) for key, value in option_pairs(extra).items()}
+    except OptionError as err:
+        raise ConfigError(f"after --: {err}") from None
 
 
 def _fmt(value, spec: str) -> str:

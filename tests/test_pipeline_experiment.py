@@ -74,3 +74,12 @@ def test_other_data_is_not_filed_under_the_presets_name(job, tmp_path, tmp_path_
     (other / "meta.json").write_text(json.dumps(meta))
     run(status=1, data=other)
     assert [p.name for p in results.iterdir()] == [f"main_tiny_tiny_seed1-{meta['digest'][:8]}_cpu.md"]
+
+
+def test_arguments_for_every_fit_are_key_value_pairs(job, tmp_path_factory, capsys):
+    assert experiment.fit_overrides(["--trainer.max_epochs", "1", "--mlflow.system_metrics=false", "--x", "-5"]) == {
+        "trainer.max_epochs": 1, "mlflow.system_metrics": False, "x": -5}
+    data = tiny_data_dir(tmp_path_factory)  # the job fixture's tracking store, not the repository's
+    assert experiment.main(["--preset", "tiny", "--data", str(data), "--", "trainer.max_epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "error: after --: unexpected argument 'trainer.max_epochs' (options are --key value)"
