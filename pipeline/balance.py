@@ -82,7 +82,7 @@ def report(data_dir: str, batch_size: int, max_seq_len: int, worlds: list[int], 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m pipeline.balance", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.balance", description=__doc__.split("\n")[0])
     p.add_argument("--data", required=True, help="data directory (meta.json + splits)")
     p.add_argument("--batch-size", type=int, default=512, help="rows per rank and step")
     p.add_argument("--max-seq-len", type=int, default=1024)

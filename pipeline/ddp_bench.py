@@ -160,7 +160,7 @@ def run(worlds: list[int], steps: int, warmup: int, todo: list[dict]) -> list[di
 def main(argv: list[str] | None = None) -> None:
     from pipeline._ddp_report import write_report  # matplotlib only where the report is written
 
-    p = argparse.ArgumentParser(prog="python -m pipeline.ddp_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.ddp_bench", description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="numbers of processes")
     p.add_argument("--steps", type=int, default=3, help="timed steps per point and mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")

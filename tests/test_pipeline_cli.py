@@ -171,6 +171,21 @@ def test_no_command_takes_an_abbreviated_option(module, args):
     assert proc.returncode == 2 and ("unrecognized arguments" in proc.stderr or "unknown option" in proc.stderr), proc.stderr
 
 
+def test_every_parser_refuses_abbreviated_options():
+    """Each argparse parser of the project is built with allow_abbrev=False (`--out` is not `--output`)."""
+    import ast
+
+    lax = []
+    for path in sorted(p for pkg in ("data_gen", "kernels", "models", "pipeline") for p in (REPO / pkg).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "ArgumentParser":
+                strict = any(k.arg == "allow_abbrev" and isinstance(k.value, ast.Constant) and k.value.value is False
+                             for k in node.keywords)
+                if not strict:
+                    lax.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not lax, lax
+
+
 def test_nan_loss_fails_the_run_and_names_the_step(tiny, tracking, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(fit_args(tiny, tmp_path, "--model.lr", "1e30", "--mlflow.run_name", "nan",

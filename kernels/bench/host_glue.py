@@ -85,7 +85,7 @@ def _time(fn, calls: int, repeats: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench.host_glue", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m kernels.bench.host_glue", description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=500, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per op and mode")
     args = p.parse_args(argv)
