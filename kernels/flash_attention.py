@@ -167,8 +167,8 @@ def jagged_flash_attention(
         shards: an ``S2Shards`` layout (kernels/s2.py): each head sees only its strided key
             blocks plus the local window. None (default): every key. Without ``return_lse``;
             the torch backend runs the masked reference (differentiable twice), Triton its own
-            kernels (kernels/_s2_attention_triton.py: first version, not yet tuned; no double
-            backward; a graph break under torch.compile).
+            kernels (kernels/_s2_attention_triton.py; no double backward; under torch.compile
+            the custom ops ``jagged::s2_attention_fwd`` / ``_bwd``, no graph break).
 
     Returns:
         ``out [T, H, D]`` in the inputs' dtype, with
@@ -194,33 +194,90 @@ def jagged_flash_attention(
 def _s2(q, k, v, offsets, max_seq_len, causal, scale, return_lse, resolved, shards) -> Tensor:
     if not isinstance(shards, S2Shards):
         raise TypeError(f"shards must be a kernels.S2Shards, got {type(shards).__name__}")
-    shards.offsets_for(q.shape[1])  # head_offsets of the wrong length raise here
+    heads = shards.offsets_for(q.shape[1])  # head_offsets of the wrong length raise here
     if return_lse:
         raise NotImplementedError("jagged_flash_attention: return_lse is not available with shards")
     if resolved == "torch":
         return s2_attention_reference(q, k, v, offsets, max_seq_len, shards, causal, scale)
-    return _S2AttnFn.apply(q, k, v, offsets, max_seq_len, shards, causal, scale)
+    return apply(_S2Attention, q, k, v, offsets, max_seq_len, shards.block, shards.local_blocks, shards.stride,
+                 list(heads), causal, scale, resolved)[0]
 
 
-class _S2AttnFn(torch.autograd.Function):
-    """S2 attention through its Triton launchers (kernels/_s2_attention_triton.py): one route,
-    eager; under torch.compile the launchers are a graph break. No double backward."""
+# ---- S2 on Triton: the same route, the layout passed as ints (a custom op takes no S2Shards) ----
+
+
+def _s2_fwd_triton(q, k, v, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale):
+    from kernels._s2_attention_triton import s2_attention_fwd
+
+    return s2_attention_fwd(q, k, v, offsets, max_seq_len, S2Shards(block, local_blocks, stride, tuple(heads)),
+                            causal, scale)
+
+
+def _s2_bwd_triton(dout, q, k, v, out, lse2, offsets, max_seq_len, block, local_blocks, stride, heads, causal,
+                   scale):
+    from kernels._s2_attention_triton import s2_attention_bwd
+
+    return s2_attention_bwd(dout, q, k, v, out, lse2, offsets, max_seq_len,
+                            S2Shards(block, local_blocks, stride, tuple(heads)), causal, scale)
+
+
+_S2_FWD, _S2_BWD = {"triton": _s2_fwd_triton}, {"triton": _s2_bwd_triton}
+
+
+@torch.library.custom_op("jagged::s2_attention_fwd", mutates_args=())
+def _s2_fwd_op(
+    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, block: int, local_blocks: int,
+    stride: int, heads: list[int], causal: bool, scale: float, backend: str,
+) -> tuple[Tensor, Tensor]:
+    return _S2_FWD[backend](q, k, v, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale)
+
+
+@_s2_fwd_op.register_fake
+def _(q, k, v, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale, backend):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("jagged::s2_attention_bwd", mutates_args=())
+def _s2_bwd_op(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse2: Tensor, offsets: Tensor, max_seq_len: int,
+    block: int, local_blocks: int, stride: int, heads: list[int], causal: bool, scale: float, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return _S2_BWD[backend](dout, q, k, v, out, lse2, offsets, max_seq_len, block, local_blocks, stride, heads,
+                           causal, scale)
+
+
+@_s2_bwd_op.register_fake
+def _(dout, q, k, v, out, lse2, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+register_no_double_backward(_s2_bwd_op, "jagged_flash_attention (shards)")
+register_autocast("s2_attention_fwd", "lowp")
+
+
+class _S2Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale, backend):
+        return run(_s2_fwd_op, _S2_FWD, q, k, v, offsets, max_seq_len, block, local_blocks, stride, heads, causal,
+                   scale, backend)
 
     @staticmethod
-    def forward(ctx, q, k, v, offsets, max_seq_len, shards, causal, scale):
-        from kernels._s2_attention_triton import s2_attention_fwd
-
-        out, lse2 = s2_attention_fwd(q, k, v, offsets, max_seq_len, shards, causal, scale)
+    def setup_context(ctx, inputs, output):
+        q, k, v, offsets, *args = inputs
+        out, lse2 = output
+        ctx.mark_non_differentiable(lse2)  # internal: the public function returns out only
         ctx.save_for_backward(q, k, v, out, lse2, offsets)
-        ctx.args = (max_seq_len, shards, causal, scale)
-        return out
+        ctx.args = args  # max_seq_len, block, local_blocks, stride, heads, causal, scale, backend
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        from kernels._s2_attention_triton import s2_attention_bwd
-
+    def backward(ctx, dout, dlse2):
+        if dout is None:
+            return (None,) * 12
         q, k, v, out, lse2, offsets = ctx.saved_tensors
-        max_seq_len, shards, causal, scale = ctx.args
-        dq, dk, dv = s2_attention_bwd(dout, q, k, v, out, lse2, offsets, max_seq_len, shards, causal, scale)
-        return dq, dk, dv, None, None, None, None, None
+        args = (dout, q, k, v, out, lse2, offsets, *ctx.args)
+        if torch.is_grad_enabled():  # recorded through the custom op: differentiating it raises a clear error
+            dq, dk, dv = _s2_bwd_op(*args)
+        else:
+            dq, dk, dv = run(_s2_bwd_op, _S2_BWD, *args)
+        return (dq, dk, dv) + (None,) * 9

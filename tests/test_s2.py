@@ -271,3 +271,45 @@ def test_bench_ideal_speedup_and_report(tmp_path):
     text = md.read_text()
     assert "| 4096 | 64 | 8 | 2.000 | - | 0.250 | 8.00x | - | 9.60x | 0.83 | 1.0e-03 |" in text
     assert (tmp_path / "s2-test-gpu.png").is_file() and "commit abc" in text
+
+
+def test_triton_s2_compiles_as_one_opaque_op_per_call():
+    """Under torch.compile(fullgraph=True) the Triton route is the op's custom ops (no graph break),
+    and the compiled forward and gradients equal the eager ones."""
+    torch._dynamo.reset()
+    lengths, N, shards, H, D = [0, 40, 17, 64], 64, S2Shards(16, 1, 2), 2, 16
+    off = offsets_from_lengths(lengths)
+    xs = [torch.randn(sum(lengths), H, D) for _ in range(3)]
+    seen = []
+
+    def record(gm, example_inputs):
+        for _, graph in [("", gm.graph), *((n, m.graph) for n, m in gm.named_children())]:
+            seen.extend(str(n.target) for n in graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    def attend(q, k, v):
+        return jagged_flash_attention(q, k, v, off, N, causal=True, backend="triton", shards=shards)
+
+    def loss_and_grads(fn):
+        ys = [x.clone().requires_grad_() for x in xs]
+        out = fn(*ys)
+        return out.detach(), torch.autograd.grad(out.square().sum(), ys)
+
+    torch.compile(attend, backend=record, fullgraph=True)(*[x.clone().requires_grad_() for x in xs])
+    assert [t for t in seen if t.startswith("jagged.")] == ["jagged.s2_attention_fwd.default",
+                                                            "jagged.s2_attention_bwd.default"], seen
+    (out_e, g_e), (out_c, g_c) = loss_and_grads(attend), loss_and_grads(torch.compile(attend, backend="aot_eager",
+                                                                                         fullgraph=True))
+    torch.testing.assert_close(out_c, out_e)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b)
+
+
+def test_triton_s2_double_backward_raises_a_clear_error():
+    lengths, N = [5, 12], 16
+    off = offsets_from_lengths(lengths)
+    xs = [torch.randn(sum(lengths), 1, 16, requires_grad=True) for _ in range(3)]
+    out = jagged_flash_attention(*xs, off, N, backend="triton", shards=S2Shards(16, 1, 2))
+    (gq,) = torch.autograd.grad(out.square().sum(), xs[:1], create_graph=True)
+    with pytest.raises(RuntimeError, match=r"jagged_flash_attention \(shards\): double backward .* use backend='torch'"):
+        gq.sum().backward()
