@@ -18,7 +18,7 @@ import triton.language as tl
 
 from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import slot_tile, col_block, dot_precision, dot_upcast, num_slots
+from kernels._triton_common import slot_tile, col_block, dot_precision, num_slots
 
 # Launch parameters by element size (2: bf16/fp16, 4: fp32), module level so a tuning script can
 # override them; `bmm_config` clamps the blocks to the operands. jagged_dense_bmm: BLOCK_T rows
@@ -51,7 +51,7 @@ def bmm_config(op: str, K: int, M: int, dtype: torch.dtype, B: int, N: int, T: i
     cfg = dict(cfg)
     cfg["BLOCK_K"] = col_block(K, hi=cfg["BLOCK_K"])
     cfg["BLOCK_M"] = col_block(M, hi=cfg["BLOCK_M"])
-    cfg.update(PRECISION=dot_precision(dtype), UPCAST=dot_upcast(dtype))
+    cfg.update(PRECISION=dot_precision(dtype))
     return cfg
 
 
@@ -67,7 +67,7 @@ def _jagged_dense_bmm_kernel(
     a_ptr, w_ptr, c_ptr, offsets_ptr, N, K, M, num_seqs,
     stride_at, stride_ak, stride_wb, stride_wk, stride_wm, stride_ct, stride_cm,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     n_mb = tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
@@ -88,8 +88,6 @@ def _jagged_dense_bmm_kernel(
             k_ok = (k + ks) < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_K]
             w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
-            if UPCAST:
-                a, w = a.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
@@ -108,7 +106,7 @@ def _jagged_jagged_bmm_kernel(
     a_ptr, c_ptr, out_ptr, offsets_ptr, N, K, M,
     stride_at, stride_ak, stride_ct, stride_cm, stride_ob, stride_ok, stride_om,
     BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     n_kb, n_mb = tl.cdiv(K, BLOCK_K), tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
@@ -129,8 +127,6 @@ def _jagged_jagged_bmm_kernel(
                       mask=k_ok[:, None] & t_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_T]
         c = tl.load(c_ptr + rows[:, None] * stride_ct + cols[None, :] * stride_cm,
                     mask=t_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_M]
-        if UPCAST:
-            a_t, c = a_t.to(tl.float32), c.to(tl.float32)
         acc = tl.dot(a_t, c, acc, input_precision=PRECISION)
     out_ptrs = out_ptr + b * stride_ob + ks[:, None] * stride_ok + cols[None, :] * stride_om
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._triton_common import LOG2E, online_softmax, col_block, dot_precision, dot_upcast
+from kernels._triton_common import INTERPRET, LOG2E, online_softmax, col_block, dot_precision
 
 
 @triton.jit
@@ -97,16 +97,13 @@ def _nth_key_chunk(it, n, n_str, j_str, j_loc, STRIDE, S2_BLOCK: tl.constexpr, B
 
 @triton.jit
 def _key_chunk(K, V, start, h, offs_n, lo, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
-               CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+               CAUSAL: tl.constexpr):
     """The k, v rows offs_n (those in [lo, hi), a seen block's) and which (query, key) pairs count."""
     n_ok = (offs_n >= lo) & (offs_n < hi)
     kv_mask = n_ok[:, None] & d_ok[None, :]
     rows = (start + offs_n)[:, None] * stride_t + h * stride_h + offs_d[None, :]  # as _tile's
     k = tl.load(K + rows, mask=kv_mask, other=0.0)
     v = tl.load(V + rows, mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
     keep = n_ok[None, :] & m_ok[:, None]
     if CAUSAL:
         keep = keep & (offs_n[None, :] <= offs_m[:, None])
@@ -115,27 +112,25 @@ def _key_chunk(K, V, start, h, offs_n, lo, hi, offs_m, m_ok, offs_d, d_ok, strid
 
 @triton.jit
 def _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
+                HEAD_DIM: tl.constexpr):
     """A forward or dQ program's query rows m0..m0+BLOCK_M: _tile's positions, masks and offsets,
-    the q tile (fp32 when UPCAST) and the head's stride offset."""
+    the q tile and the head's stride offset."""
     offs_m, m_ok, offs_d, d_ok, qrows = _tile(start, h, m0, n, stride_t, stride_h, BLOCK_M, BLOCK_D, HEAD_DIM)
     q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
     return offs_m, m_ok, offs_d, d_ok, qrows, q, tl.load(HeadOff + h)
 
 
 @triton.jit
 def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len, qk_scale,
             S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+            BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, n = _sequence(Offsets, b, max_seq_len)
     m0 = pid_m * BLOCK_M
     if m0 >= n:
         return
     offs_m, m_ok, offs_d, d_ok, qrows, q, o_h = _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h,
-                                                            BLOCK_M, BLOCK_D, HEAD_DIM, UPCAST)
+                                                            BLOCK_M, BLOCK_D, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -146,7 +141,7 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
     for it in range(0, (n_str + n_loc) * (S2_BLOCK // BLOCK_N)):
         offs_n, lo, hi = _nth_key_chunk(it, n, n_str, j_str, j_loc, STRIDE, S2_BLOCK, BLOCK_N, CAUSAL)
         k, v, keep = _key_chunk(K, V, start, h, offs_n, lo, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
-                                CAUSAL, UPCAST)
+                                CAUSAL)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(keep, s, float("-inf"))
         m_new, p, alpha, l_i = online_softmax(s, m_i, l_i, True)
@@ -162,18 +157,15 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
 @triton.jit
 def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len,
                qk_scale, sm_scale, S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
-               UPCAST: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr):
     pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, n = _sequence(Offsets, b, max_seq_len)
     m0 = pid_m * BLOCK_M
     if m0 >= n:
         return
     offs_m, m_ok, offs_d, d_ok, qrows, q, o_h = _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h,
-                                                            BLOCK_M, BLOCK_D, HEAD_DIM, UPCAST)
+                                                            BLOCK_M, BLOCK_D, HEAD_DIM)
     do = tl.load(DO + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        do = do.to(tl.float32)
     lse2 = tl.load(LSE2 + (start + offs_m) * num_heads + h, mask=m_ok, other=float("inf"))
     delta = tl.load(Delta + (start + offs_m) * num_heads + h, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -182,7 +174,7 @@ def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_
     for it in range(0, (n_str + n_loc) * (S2_BLOCK // BLOCK_N)):  # as the forward's walk
         offs_n, lo, hi = _nth_key_chunk(it, n, n_str, j_str, j_loc, STRIDE, S2_BLOCK, BLOCK_N, CAUSAL)
         k, v, keep = _key_chunk(K, V, start, h, offs_n, lo, hi, offs_m, m_ok, offs_d, d_ok, stride_t, stride_h,
-                                CAUSAL, UPCAST)
+                                CAUSAL)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
@@ -195,7 +187,7 @@ def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_
 def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, stride_h, num_heads,
                  max_seq_len, qk_scale, sm_scale, S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                 DOT_PREC: tl.constexpr):
     pid_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start, n = _sequence(Offsets, b, max_seq_len)
     n0 = pid_n * BLOCK_N
@@ -219,18 +211,12 @@ def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, s
     if q_lo < q_hi:
         k = tl.load(K + krows, mask=kv_mask, other=0.0)
         v = tl.load(V + krows, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
         for m0 in range(q_lo, q_hi, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < q_hi
             qrows = (start + offs_m)[:, None] * stride_t + h * stride_h + offs_d[None, :]
             q = tl.load(Q + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
             do = tl.load(DO + qrows, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
             lse2 = tl.load(LSE2 + (start + offs_m) * num_heads + h, mask=m_ok, other=float("inf"))
             delta = tl.load(Delta + (start + offs_m) * num_heads + h, mask=m_ok, other=0.0)
             st = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BLOCK_N, BLOCK_M]
@@ -251,7 +237,7 @@ def _tiles(dtype: torch.dtype, head_dim: int, block: int) -> tuple[dict, dict]:
     BLOCK_N) and of the dK/dV programs (BLOCK_N keys, query steps of BLOCK_M): the dense
     kernels' choices (kernels/TUNING.md) where the S2 block allows them (every tile divides
     the block: causal tiles lie in one block); 16-row tiles in fp32, above D = 128 and in the interpreter."""
-    if dot_upcast(dtype) or dtype == torch.float32 or head_dim > 128:  # larger tiles spill above D = 128
+    if INTERPRET or dtype == torch.float32 or head_dim > 128:  # larger tiles spill above D = 128
         t = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
         return t, t
     bm = 64 if block % 64 == 0 else 32 if block % 32 == 0 else 16
@@ -266,7 +252,7 @@ def _launch_args(q: torch.Tensor, shards, causal: bool) -> tuple[dict, dict]:
     rows_q, rows_kv = _tiles(q.dtype, q.shape[2], shards.block)
     common = dict(S2_BLOCK=shards.block, LOCAL=shards.local_blocks, STRIDE=shards.stride, CAUSAL=causal,
                   BLOCK_D=col_block(q.shape[2], 16, 256), HEAD_DIM=q.shape[2],
-                  DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype))
+                  DOT_PREC=dot_precision(q.dtype))
     return dict(common, **rows_q), dict(common, **rows_kv)
 
 

@@ -197,9 +197,3 @@ def dot_precision(dtype: torch.dtype) -> str:
         return "ieee"
     return "tf32"
 
-
-def dot_upcast(dtype: torch.dtype) -> bool:
-    """True only under TRITON_INTERPRET=1 with bf16 operands: the interpreter's tl.dot multiplies
-    bf16 bit patterns (triton-lang/triton#11584), so the kernels cast those tiles to fp32 first
-    (exact: a bf16 product fits in fp32). Compiled kernels never take this branch."""
-    return interpreter_on() and dtype == torch.bfloat16
