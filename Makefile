@@ -15,7 +15,8 @@ DATA ?= data/$(PRESET)
 ABLATION ?= seq_len
 RESULTS ?=
 SUITE ?= paper
-BACKENDS ?= dense sdpa jagged
+# the attention layouts to train or profile, one ranker each (BACKENDS: the old name)
+ATTENTION ?= $(or $(BACKENDS),dense sdpa jagged)
 GRID ?= small
 SWEEP_OUT ?= runs/costmodel/sweep.parquet
 PORT ?= 5000
@@ -75,7 +76,7 @@ data-report: data ## write length/popularity plots and a summary of the PRESET d
 	$(PY) -m data_gen report $(DATA)
 
 experiment: data ## the main job: dense, sdpa and jagged rankers compared in MLflow; table in runs/ (RESULTS=dir to choose)
-	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --backends $(BACKENDS) \
+	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --attention $(ATTENTION) \
 	  $(if $(RESULTS),--results-dir $(RESULTS)) $(EXPERIMENT_ARGS)
 
 ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default; the same database as the runs)
@@ -111,9 +112,9 @@ reproduce: setup ## rerun one MLflow run from its logged config and data digest,
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<MLflow run id> [REPRODUCE_ARGS='--rtol 5e-3']"; exit 2; }
 	$(PY) -m pipeline.reproduce --run $(RUN) $(REPRODUCE_ARGS)
 
-profile: data ## one-step profile per backend: the share of attention in step time
+profile: data ## one-step profile per attention layout: the share of attention in step time
 	$(PY) -m pipeline.profile --config experiments/configs/base.yaml --config experiments/configs/$(PRESET).yaml \
-	  --data.data_dir $(DATA) --backends $(BACKENDS) $(PROFILE_ARGS)
+	  --data.data_dir $(DATA) --attention $(ATTENTION) $(PROFILE_ARGS)
 
 clean: ## remove caches and checkpoints (keeps data/ and mlflow.db)
 	rm -rf .pytest_cache checkpoints lightning_logs

@@ -1,13 +1,13 @@
 """The three layouts of a batch of histories and the attention each one runs.
 
-Every backend receives the same jagged batch. ``jagged`` keeps ``[T, D]`` values + offsets
+Every layout receives the same jagged batch. ``jagged`` keeps ``[T, D]`` values + offsets
 end to end and calls the ``kernels`` ops. ``dense`` and ``sdpa`` pad once, on the device,
 right after the embeddings (``jagged_to_padded``: that copy, and every op over the padding
 afterwards, is their cost) and run the encoder on ``[B, N, D]`` with N = max_seq_len.
 
 Padded rows never reach the output: keys are masked, pooled values are masked, and the target
 attention of an empty history is zeroed. An empty history attends to all of its (zero) padding
-instead of to nothing, so that no softmax row is all ``-inf`` (no NaN in any backend); the
+instead of to nothing, so that no softmax row is all ``-inf`` (no NaN in any layout); the
 result is then multiplied by 0, as the jagged kernels return 0 for it.
 """
 
@@ -44,19 +44,20 @@ def _padded_attention(q, k, v, key_mask, impl: str):
 
 
 class Histories:
-    """A batch of histories in one backend's layout, and the sequence ops of that layout.
+    """A batch of histories in one attention layout (dense, sdpa or jagged), and the sequence ops
+    of that layout.
 
     offsets: [B+1] int64 of the jagged batch (lengths already <= max_seq_len upstream).
     max_seq_len: host int, N of the padded layout and the kernels' max_seq_len.
     """
 
-    def __init__(self, offsets: torch.Tensor, max_seq_len: int, backend: str, kernel_backend: str = "auto"):
+    def __init__(self, offsets: torch.Tensor, max_seq_len: int, attention: str, kernel_backend: str = "auto"):
         self.offsets = offsets
         self.max_seq_len = int(max_seq_len)
-        self.backend = backend
+        self.attention = attention
         self.kernel_backend = kernel_backend
         self.lengths = offsets[1:] - offsets[:-1]  # [B]
-        self.padded = backend != "jagged"
+        self.padded = attention != "jagged"
         if self.padded:
             pos = torch.arange(self.max_seq_len, device=offsets.device)
             self.mask = pos[None, :] < self.lengths[:, None]  # [B, N] real items
@@ -76,7 +77,7 @@ class Histories:
                 return jagged_flash_attention(
                     q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend, shards=shards
                 )
-            return _padded_attention(q, k, v, self.key_mask, self.backend)
+            return _padded_attention(q, k, v, self.key_mask, self.attention)
 
     def target_attention(self, q, k, v) -> torch.Tensor:
         """q [B, 1, H, Dh] over k, v in this layout -> [B, 1, H, Dh]; zeros for empty histories."""
@@ -85,7 +86,7 @@ class Histories:
                 return jagged_dense_attention(
                     q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend
                 )
-            out = _padded_attention(q, k, v, self.key_mask, self.backend)
+            out = _padded_attention(q, k, v, self.key_mask, self.attention)
             return out * (self.lengths > 0).to(out.dtype)[:, None, None, None]
 
     def scores(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-BACKENDS = ("dense", "sdpa", "jagged")
+ATTENTIONS = ("dense", "sdpa", "jagged")
+# keys of earlier versions (dotted, from the config's root) and their names now
+RENAMED_KEYS = {"model.ranker.backend": "model.ranker.attention"}
+
+
+def rename_old_keys(config: dict) -> list[str]:
+    """Renames RENAMED_KEYS in a nested config in place (a run recorded before the rename);
+    returns 'old -> new' per key renamed."""
+    done = []
+    for old, new in RENAMED_KEYS.items():
+        *path, leaf = old.split(".")
+        node = config
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[new.rsplit(".", 1)[1]] = node.pop(leaf)
+            done.append(f"{old} -> {new}")
+    return done
 
 
 class InvalidConfig(ValueError):
@@ -84,7 +101,7 @@ class RankerConfig:
     """The ranker's architecture (model.ranker.*); sizes that come from the data are not here.
 
     Args:
-        backend: how the history is laid out and attended: dense (padded, matmul-mask-softmax),
+        attention: how the history is laid out and attended: dense (padded, matmul-mask-softmax),
             sdpa (padded, scaled_dot_product_attention with a key-padding mask) or jagged
             (values + offsets through the kernels package). Same parameters, same function.
         embed_dim: width of every embedding and of the encoder.
@@ -100,12 +117,11 @@ class RankerConfig:
             CPU), torch (the reference everywhere, for debugging) or triton.
         user_embedding: a user embedding learned offline, joined to each example as of its
             day (timeline data only): {dim, path, lag_days}; none by default.
-        s2: S2 attention in the encoder's self-attention (jagged backend only; on the torch
-            kernel backend until its Triton kernels land): {block, local_blocks, stride,
+        s2: S2 attention in the encoder's self-attention (jagged attention only): {block, local_blocks, stride,
             dense_every, allow_partial_context}; none by default.
     """
 
-    backend: Literal["dense", "sdpa", "jagged"] = "jagged"
+    attention: Literal["dense", "sdpa", "jagged"] = "jagged"
     embed_dim: int = 64
     num_heads: int = 2
     num_layers: int = 2
@@ -125,9 +141,9 @@ class RankerConfig:
         if isinstance(self.s2, dict):
             self.s2 = S2Config(**self.s2)
         if self.s2 is not None:
-            if self.backend != "jagged":
-                raise InvalidConfig(f"model.ranker.s2 needs backend jagged (the S2 mask lives in the jagged "
-                                    f"kernels), got backend {self.backend!r}")
+            if self.attention != "jagged":
+                raise InvalidConfig(f"model.ranker.s2 needs attention jagged (the S2 mask lives in the jagged "
+                                    f"kernels), got attention {self.attention!r}")
             from kernels.s2 import s2_coverage
 
             coverage = s2_coverage(self.s2.shards(), self.num_heads)
@@ -135,8 +151,8 @@ class RankerConfig:
                 raise InvalidConfig(f"model.ranker.s2: {self.num_heads} heads see {coverage:.0%} of the block residues "
                                     f"of stride {self.s2.stride}: older context is lost; use num_heads >= stride or "
                                     "set s2.allow_partial_context true")
-        if self.backend not in BACKENDS:
-            raise InvalidConfig(f"ranker backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.attention not in ATTENTIONS:
+            raise InvalidConfig(f"model.ranker.attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise InvalidConfig(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         for name in ("embed_dim", "num_heads", "ffn_mult", "num_age_buckets", "pool_heads"):

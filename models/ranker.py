@@ -15,7 +15,7 @@ class Ranker(nn.Module):
 
     item embeddings (shared by history and candidate) + action + age-bucket embeddings
     -> ``num_layers`` pre-norm self-attention blocks over the history (layout by
-    ``cfg.backend``) -> target attention of the candidate over the encoded history
+    ``cfg.attention``) -> target attention of the candidate over the encoded history
     -> candidate-conditioned pooling of the history (interaction block)
     -> MLP over [candidate, mean of the encoded history, target attention, pooling,
     dense features, user embedding, log1p(length)] -> logit.
@@ -25,7 +25,7 @@ class Ranker(nn.Module):
     (a user not seen before its as-of day) use a learned "unknown" vector instead. The vector
     goes through LayerNorm and a projection to embed_dim.
 
-    The parameters do not depend on the backend: a state_dict of one loads into the others.
+    The parameters do not depend on the attention layout: a state_dict of one loads into the others.
     ``sparse_item_grad`` makes the item table's gradient sparse (how it is computed, not what:
     the training loop chooses it, :mod:`pipeline.gradsync`).
     """
@@ -70,7 +70,7 @@ class Ranker(nn.Module):
         items kept); cand_item [B] integer; dense [B, feature_width] float (models.feature_width:
         the data set's dense features, then the user embedding's columns if configured).
         """
-        hist = Histories(offsets, max_seq_len, self.cfg.backend, self.cfg.kernel_backend)
+        hist = Histories(offsets, max_seq_len, self.cfg.attention, self.cfg.kernel_backend)
         x = hist.layout(self.embed(hist_item, hist_action, hist_age))  # [T, D] or [B, N, D]
         for block in self.blocks:
             x = block(x, hist)

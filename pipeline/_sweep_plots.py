@@ -49,7 +49,7 @@ def _xs(labels: list[str], order: list[str]) -> list:
 
 
 def series_groups(df: pl.DataFrame, x: str, series: list[str]) -> dict[str, pl.DataFrame]:
-    """Rows per series label ('backend=jagged', or 'all' without series axes), x in grid order."""
+    """Rows per series label ('attention=jagged', or 'all' without series axes), x in grid order."""
     if not series:
         return {"all": df}
     keys = df.select(series).unique(maintain_order=True).rows()

@@ -35,7 +35,7 @@ METRICS = {  # metric key -> (column title, format)
     "sweep/process_wall_s": ("wall (s)", ".0f"),
 }
 ENV_TAGS = ("device", "accelerator", "torch_version", "triton_version", "cuda_version", "python_version",
-            "lightning_version", "git_commit", "data_digest", "data_dir", "backend")
+            "lightning_version", "git_commit", "data_digest", "data_dir", "attention")
 _STATUS_ORDER = {"OK": 0, "OOM": 1}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 

@@ -11,10 +11,10 @@ users). Every key but ``name`` and ``grid`` is optional::
     set: {trainer.max_steps: 60} # config overrides of every run (dotted keys of `pipeline fit`)
     timeout_s: 900               # wall-clock limit of one run (killed and recorded past it)
     grid:                        # one run per point of the product of the axes
-      model.ranker.backend: [dense, sdpa, jagged]   # a key axis: named after the key's last part
+      model.ranker.attention: [dense, sdpa, jagged]   # a key axis: named after the key's last part
       fill:                                         # a named axis: label -> overrides of the point
         "0.25": {dataset: {name: fill025, preset: paper, mean_len: 256}}
-    report: {x: max_seq_len, series: backend, baseline: jagged, oracle: false,
+    report: {x: max_seq_len, series: attention, baseline: jagged, oracle: false,
              targets: [{at: {max_seq_len: "1024"}, vs: sdpa, min_speedup: 2, max_memory_ratio: 0.5,
                         max_auc_diff: 0.002}],         # PASS/MISS table: baseline vs `vs` at `at`
              profile: "profile_paper_*.md",            # pipeline.profile output to quote (results root)
@@ -158,7 +158,7 @@ class Ablation:
 
     def run_name(self, point: Point) -> str:
         """A child run's MLflow name, its place in the grid first so that children sort in grid
-        order: "2 jagged" (one axis: the label), "03 max_seq_len=1024/backend=sdpa" (several)."""
+        order: "2 jagged" (one axis: the label), "03 max_seq_len=1024/attention=sdpa" (several)."""
         label = next(iter(point.labels.values())) if len(self.axes) == 1 else point.name
         return f"{self.points.index(point) + 1:0{len(str(len(self.points)))}d} {label}"
 

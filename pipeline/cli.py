@@ -13,7 +13,7 @@ data, and only global rank 0 checks the tracking store, creates or resumes the M
 (tagged ``world_size``) and writes to it. The data module shards the batches itself, so
 ``trainer.use_distributed_sampler`` is off.
 
-Before anything trains: unknown keys and bad types fail in the parser; a bad backend,
+Before anything trains: unknown keys and bad types fail in the parser; a bad attention layout,
 max_seq_len, data set (every split it reads, fully validated), tracking store, output
 directory or checkpoint raises :class:`pipeline.errors.ConfigError`, whose message is printed
 alone, and the exit status is 2. ``--ckpt_path`` continues the MLflow run stored in the
@@ -49,7 +49,7 @@ from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from models.config import InvalidConfig
+from models.config import RENAMED_KEYS, InvalidConfig
 from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar
 from pipeline.data import RankerData
 from pipeline.dist import launch_rank_zero
@@ -203,10 +203,10 @@ class RankerCLI(LightningCLI):
         if not launch_rank_zero():
             return super().instantiate_trainer(logger=False, **kwargs)
         if run.run_name is None:
-            run.run_name = f"{cfg.model.ranker.backend}-L{cfg.data.max_seq_len}"
+            run.run_name = f"{cfg.model.ranker.attention}-L{cfg.data.max_seq_len}"
         tags = {
             **environment_tags(),
-            "backend": cfg.model.ranker.backend,
+            "attention": cfg.model.ranker.attention,
             "seed": str(cfg.seed_everything),
             "data_digest": self.datamodule.spec["digest"],
             "data_dir": str(Path(cfg.data.data_dir).resolve()),
@@ -302,11 +302,14 @@ def parse_error(err: ArgumentError, argv: list[str]) -> str:
                 continue
             if key in flat or any(k.startswith(key + ".") for k in flat):
                 text = f"{path}: unknown key '{key}' ({text})"
+    for old, new in RENAMED_KEYS.items():
+        if re.search(rf"{re.escape(old)}\b", text):
+            text += f"; {old} is now {new}"
     return f"{text}; `python -m pipeline fit --help` lists the options"
 
 
 # shown as params of every run, default or not: what a reader of the runs table compares first
-ALWAYS_PARAMS = {"model.ranker.backend", "data.batch_size", "data.max_seq_len", "data.data_dir", "seed_everything",
+ALWAYS_PARAMS = {"model.ranker.attention", "data.batch_size", "data.max_seq_len", "data.data_dir", "seed_everything",
                  "trainer.precision", "trainer.max_epochs", "trainer.max_steps", "model.cuda_graphs"}
 
 

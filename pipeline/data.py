@@ -2,7 +2,7 @@
 
     python -m pipeline.data bench --data data/small [--batch-size 512] [--workers 2] [--max-seq-len 256]
 
-Every backend reads the same jagged batches (see :mod:`pipeline.batches`): histories cut to
+Every attention layout reads the same jagged batches (see :mod:`pipeline.batches`): histories cut to
 their most recent ``max_seq_len`` items, as values + offsets. The data directory is checked
 when the module is built (before any training): meta.json, the three splits, their schema.
 

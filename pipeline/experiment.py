@@ -1,12 +1,12 @@
-"""The main job: train one ranker per attention backend on the same data and compare them.
+"""The main job: train one ranker per attention layout on the same data and compare them.
 
-    python -m pipeline.experiment --preset small --data data/small --backends dense sdpa jagged
+    python -m pipeline.experiment --preset small --data data/small --attention dense sdpa jagged
     make experiment [PRESET=paper]                       # the same, after `make data`
 
-The runs are experiments/ablations/main.yaml (the grid over the backends) with the preset's
-config and the given data, run by the sweep driver (:mod:`pipeline.sweep`): each backend trains
+The runs are experiments/ablations/main.yaml (the grid over the attention layouts) with the preset's
+config and the given data, run by the sweep driver (:mod:`pipeline.sweep`): each layout trains
 in a fresh process (``python -m pipeline fit --config base.yaml --config <preset>.yaml
---model.ranker.backend <backend>``, so GPU memory statistics and caches never leak from one to
+--model.ranker.attention <layout>``, so GPU memory statistics and caches never leak from one to
 the next) as a child of a new MLflow parent run. At the end: one comparison table on stdout, the
 same table as markdown in ``runs/main_<preset>_<cpu|cuda>.md`` (``--results-dir
 experiments/results`` updates the committed tables) and on the parent run with the comparison
@@ -15,7 +15,7 @@ go to every ``pipeline fit`` as ``--key value`` pairs (e.g. ``-- --trainer.max_e
 
 The results file is named after the preset only for the preset's own data (``make data``:
 its config, seed 0); other data adds its directory name and digest
-(``main_<preset>_<dir>-<digest[:8]>_<device>.md``). A table whose backends FINISHED is never
+(``main_<preset>_<dir>-<digest[:8]>_<device>.md``). A table whose layouts FINISHED is never
 replaced by one where some of them failed or did not run: that table goes beside it
 (``<name>.failed.md`` or ``<name>.partial.md``) and the kept one is named.
 """
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from models import BACKENDS
+from models import ATTENTIONS
 from pipeline import _sweep_runs as runs_
 from pipeline import sweep
 from pipeline._proc import sigterm_as_interrupt
@@ -47,12 +47,12 @@ EXPERIMENT = "main-job"
 
 
 def main_ablation(args):
-    """main.yaml with this job's preset config, backends, MLflow experiment and data; the
+    """main.yaml with this job's preset config, layouts, MLflow experiment and data; the
     arguments after ``--`` as overrides of every run."""
     raw = read(MAIN)
     raw.update(name=f"main-{args.preset}", experiment=args.experiment_name, configs=["base", args.preset],
-               grid={"model.ranker.backend": list(args.backends)})
-    if "jagged" not in args.backends:
+               grid={"model.ranker.attention": list(args.attention)})
+    if "jagged" not in args.attention:
         raw["report"] = {k: v for k, v in raw.get("report", {}).items() if k != "baseline"}
     return expand(raw, MAIN, REPO_ROOT / "data", args.data_dir, fit_overrides(args.extra))
 
@@ -73,13 +73,13 @@ def _fmt(value, spec: str) -> str:
 
 def table_rows(results: list[dict], cuda: bool) -> tuple[list[str], list[list[str]]]:
     mem_key, mem_name = ("mem/train_peak_allocated_mb", "peak GPU mem (MB)") if cuda else ("mem/peak_rss_mb", "peak RSS (MB)")
-    header = ["backend", "status", "test AUC", "test NE", "test log loss", "train ex/s", "tokens/s",
+    header = ["attention", "status", "test AUC", "test NE", "test log loss", "train ex/s", "tokens/s",
               "step (ms)", mem_name, "wall (s)", "MLflow run"]
     rows = []
     for r in results:
         m = r["metrics"]
         rows.append([
-            r["backend"], r["status"], _fmt(m.get("test/auc"), ".4f"), _fmt(m.get("test/ne"), ".4f"),
+            r["attention"], r["status"], _fmt(m.get("test/auc"), ".4f"), _fmt(m.get("test/ne"), ".4f"),
             _fmt(m.get("test/logloss"), ".4f"), _fmt(m.get("perf/train_examples_per_s"), ",.0f"),
             _fmt(m.get("perf/train_tokens_per_s"), ",.0f"), _fmt(m.get("perf/step_time_ms"), ".1f"),
             _fmt(m.get(mem_key), ",.0f"), f"{r['wall_s']:.0f}", r["run_id"] or "-",
@@ -103,9 +103,9 @@ _ROW = re.compile(r"^\| (\w+) \| ([A-Z][A-Z ?]*) \|", re.MULTILINE)
 
 
 def write_results(out: Path, md: str, results: list[dict]) -> tuple[Path, str | None]:
-    """Write `md` to `out` unless that loses a FINISHED backend of the table there; then write it
+    """Write `md` to `out` unless that loses a FINISHED layout of the table there; then write it
     beside `out`. Returns (the path written, why `out` was kept or None)."""
-    done = {r["backend"] for r in results if r["status"] == "FINISHED"}
+    done = {r["attention"] for r in results if r["status"] == "FINISHED"}
     kept = {b for b, status in _ROW.findall(out.read_text()) if status == "FINISHED"} if out.is_file() else set()
     lost = sorted(kept - done)
     reason = None
@@ -134,7 +134,7 @@ def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tupl
     header, rows = table_rows(results, env["accelerator"] == "cuda")
     oracle = meta["splits"]["test"].get("oracle", {})
     recent = ", ".join(f"last {k.rsplit('_', 1)[1]}: {v:.3f}" for k, v in oracle.items() if k.startswith("auc_recent_"))
-    note = ("\nOn the CPU the jagged backend runs the kernels' torch path (sequences grouped by length, "
+    note = ("\nOn the CPU the jagged ranker runs the kernels' torch path (sequences grouped by length, "
             "each group padded to its own longest history, torch's fused CPU attention); the Triton kernels, "
             "and the speed and memory the project is about, are a GPU result.\n"
             if env["accelerator"] == "cpu" else "")
@@ -142,7 +142,7 @@ def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tupl
         f"# Main job: dense vs sdpa vs jagged rankers, preset `{args.preset}`",
         "",
         f"- command: `python -m pipeline.experiment --preset {args.preset} --data {args.data} "
-        f"--backends {' '.join(args.backends)}`" + (f" `-- {' '.join(args.extra)}`" if args.extra else ""),
+        f"--attention {' '.join(args.attention)}`" + (f" `-- {' '.join(args.extra)}`" if args.extra else ""),
         f"- device: {env['device']}; torch {env['torch_version']}, triton {env['triton_version']}, "
         f"CUDA {env['cuda_version']}, Python {env['python_version']}",
         f"- git commit: `{env['git_commit']}`; data digest: `{meta['digest']}` ({args.data})",
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.experiment", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", help="experiments/configs/<preset>.yaml (tiny, small, paper)")
     p.add_argument("--data", default=None, help="data directory (default: data/<preset>)")
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--attention", "--backends", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS,
+                   help="the attention layouts to train, one ranker each (--backends: the old name)")
     p.add_argument("--experiment-name", default=EXPERIMENT, help="MLflow experiment")
     p.add_argument("--results-dir", default=str(REPO_ROOT / "runs"),
                    help="where the markdown table goes (default: runs/, outside the tracked files; "
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _preflight(args) -> dict:
     if not (CONFIGS / f"{args.preset}.yaml").is_file():
-        presets = sorted(f.stem for f in CONFIGS.glob("*.yaml") if f.stem not in ("base", *BACKENDS))
+        presets = sorted(f.stem for f in CONFIGS.glob("*.yaml") if f.stem not in ("base", *ATTENTIONS))
         raise ConfigError(f"no config for preset {args.preset!r} in {CONFIGS}; one of {presets}")
     meta_path = Path(args.data_dir) / "meta.json"
     if not meta_path.is_file():
@@ -208,7 +209,7 @@ def run(args, meta: dict) -> int:
         return rc
     total = time.perf_counter() - t_start
     parent = job.client.get_run(job.parent.info.run_id)
-    results = [child_result(parent, backend) for backend in args.backends]
+    results = [child_result(parent, layout) for layout in args.attention]
     md, text = report(args, results, parent, meta, env, total)
     job.client.log_text(parent.info.run_id, md, "main_job.md")
     if args.results_dir:
@@ -217,7 +218,7 @@ def run(args, meta: dict) -> int:
     print(f"\n{text}\n")
     print(f"MLflow tracking URI: {tracking_uri()}")
     print(f"experiment '{args.experiment_name}' (id {job.experiment_id}), parent run {parent.info.run_id}")
-    print("runs: " + ", ".join(f"{r['backend']}={r['run_id']}" for r in results))
+    print("runs: " + ", ".join(f"{r['attention']}={r['run_id']}" for r in results))
     print(f"dashboard: `make ui` (PORT=5000 unless given), then\n"
           f"  the comparison: http://127.0.0.1:5000/{parent_url(job.experiment_id, parent.info.run_id)}\n"
           f"  side by side:   http://127.0.0.1:5000/{job.compare_url}")
@@ -226,15 +227,15 @@ def run(args, meta: dict) -> int:
     return 0 if all(r["status"] == "FINISHED" for r in results) else 1
 
 
-def child_result(parent, backend: str) -> dict:
-    """One backend's row: its run (the newest, if several), status, metrics and process wall time.
+def child_result(parent, layout: str) -> dict:
+    """One layout's row: its run (the newest, if several), status, metrics and process wall time.
     A run the sweep recorded for a fit that never started one has no parameters: NOT STARTED."""
-    runs = [r for r in runs_.child_runs(parent) if r.data.tags.get("sweep.axis.backend") == backend]
+    runs = [r for r in runs_.child_runs(parent) if r.data.tags.get("sweep.axis.attention") == layout]
     run_ = max(runs, key=lambda r: r.info.start_time, default=None)
     if run_ is None:
-        return {"backend": backend, "wall_s": 0.0, "status": "NOT RUN", "run_id": None, "metrics": {}}
+        return {"attention": layout, "wall_s": 0.0, "status": "NOT RUN", "run_id": None, "metrics": {}}
     metrics = dict(run_.data.metrics)
-    return {"backend": backend, "wall_s": metrics.get("sweep/process_wall_s", 0.0),
+    return {"attention": layout, "wall_s": metrics.get("sweep/process_wall_s", 0.0),
             "status": run_.info.status if run_.data.params else "NOT STARTED",
             "run_id": run_.info.run_id, "metrics": metrics}
 

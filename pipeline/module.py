@@ -70,7 +70,7 @@ class RankerModule(pl.LightningModule):
     logged as perf/prepare_s.
 
     Args:
-        ranker: the architecture (models.RankerConfig; ranker.backend picks dense, sdpa or jagged).
+        ranker: the architecture (models.RankerConfig; ranker.attention picks dense, sdpa or jagged).
         lr: the optimizer's learning rate.
         weight_decay: the optimizer's weight decay.
         betas: AdamW's betas.
@@ -374,7 +374,7 @@ def keep_heap() -> bool:
     next step's blocks of those sizes (the item table's gradient and each optimizer temporary,
     activations) then cost a page fault per 4 KiB page touched. Which blocks that hits depends
     on the order of every allocation before, so it changes from run to run and from one
-    attention backend to the other. Fixed thresholds (blocks up to 32 MiB from the heap, its
+    attention layout to the other. Fixed thresholds (blocks up to 32 MiB from the heap, its
     free top returned only above 1 GiB) end that: a step reuses the pages of the one before,
     and the process stays at its high-water mark instead of shrinking between steps.
     """

@@ -1,6 +1,6 @@
-"""``python -m pipeline.profile --config base.yaml --config <preset>.yaml [--backends ...] [--key value]``.
+"""``python -m pipeline.profile --config base.yaml --config <preset>.yaml [--attention ...] [--key value]``.
 
-A profile of training steps per backend: how much of a step is attention. For each backend it
+A profile of training steps per attention layout: how much of a step is attention. For each layout it
 builds the ranker, its AdamW and one real training batch through the training CLI's own parser
 and classes (:class:`pipeline.cli.RankerCLI`, :class:`pipeline.module.RankerModule`,
 :class:`pipeline.data.RankerData`; no trainer, no MLflow run), runs ``--warmup`` steps
@@ -40,7 +40,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from kernels.runenv import device_name, device_slug, git_commit
-from models.config import BACKENDS
+from models.config import ATTENTIONS
 from pipeline.cli import RankerCLI
 from pipeline.errors import ConfigError
 from pipeline.graphs import GraphedTrainStep, token_capacities
@@ -184,19 +184,19 @@ def top_ops(prof, cuda: bool, n: int) -> list[tuple[str, float]]:
     return [(a.key, key(a)) for a in avgs[:n] if key(a) > 0]
 
 
-def profile_backend(backend: str, configs: list[str], extra: list[str], steps: int, warmup: int,
-                    batches: dict, n_top: int) -> dict:
-    args = [a for c in configs for a in ("--config", c)] + extra + ["--model.ranker.backend", backend]
+def profile_layout(attention: str, configs: list[str], extra: list[str], steps: int, warmup: int,
+                   batches: dict, n_top: int) -> dict:
+    args = [a for c in configs for a in ("--config", c)] + extra + ["--model.ranker.attention", attention]
     module, dm, cfg = build(args)
     accel = str(cfg.trainer.accelerator)
     device = torch.device("cuda" if torch.cuda.is_available() and accel in ("auto", "gpu", "cuda") else "cpu")
     key = (str(dm.data_dir), dm.batch_size, dm.max_seq_len, dm.seed)
-    if key not in batches:  # every backend reads the same batch
+    if key not in batches:  # every layout reads the same batch
         batches[key] = first_batch(dm)
     batch = to_device(batches[key], device)
     module = module.to(device).train()
     if module.compile_model:  # record_function ranges do not survive torch.compile
-        print(f"note: {backend}: model.compile_model is ignored; the eager step is profiled", file=sys.stderr)
+        print(f"note: {attention}: model.compile_model is ignored; the eager step is profiled", file=sys.stderr)
         module.compile_model = False
     opt = module.configure_optimizers()
     amp = autocast_for(cfg.trainer.precision, device)
@@ -231,7 +231,7 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
     if times["ranges"] == 0:
         raise RuntimeError("no attention/* ranges in the profile: models/attention.py lost its record_function")
     if times["fwd_self"] + times["fwd_target"] <= 0:
-        print(f"warning: {backend}: no {'GPU kernel' if cuda else 'CPU'} time inside the attention ranges",
+        print(f"warning: {attention}: no {'GPU kernel' if cuda else 'CPU'} time inside the attention ranges",
               file=sys.stderr)
     step_us = sum(times["step_wall"]) / max(len(times["step_wall"]), 1)
     attn_us = (times["fwd_self"] + times["fwd_target"] + times["bwd"]) / steps
@@ -242,7 +242,7 @@ def profile_backend(backend: str, configs: list[str], extra: list[str], steps: i
             if e.device_type.name != "CPU" and not getattr(e, "is_user_annotation", False)
         ) / steps
     return {
-        "backend": backend, "device": str(device), "precision": str(cfg.trainer.precision),
+        "attention": attention, "device": str(device), "precision": str(cfg.trainer.precision),
         "batch_size": dm.batch_size, "max_seq_len": dm.max_seq_len, "n_tokens": int(batch["n_tokens"]),
         "step_ms": 1e3 * sorted(plain)[len(plain) // 2], "prof_step_ms": step_us / 1e3,
         "chained_step_ms": 1e3 * chained_s, "host_ms": 1e3 * sorted(launch)[len(launch) // 2],
@@ -271,7 +271,7 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
     cuda = r0["device"].startswith("cuda")
     unit = "GPU kernel time" if cuda else "CPU wall time"
     lines = [
-        "# One-step profile per backend: the share of attention in step time",
+        "# One-step profile per attention layout: the share of attention in step time",
         "",
         f"- device: {device_name()}; torch {torch.__version__}; triton {triton_v}; "
         f"python {platform.python_version()}",
@@ -281,14 +281,14 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
         f"items (fill {r0['n_tokens'] / (r0['batch_size'] * r0['max_seq_len']):.2f}); precision {r0['precision'] if r0['precision'] != 'None' else '32 (default)'}; "
         f"{args.warmup} warm-up steps, {args.steps} timed and {args.steps} profiled steps on the same batch",
         "",
-        "| backend | step ms | back-to-back step ms | host ms | profiled step ms | "
+        "| attention | step ms | back-to-back step ms | host ms | profiled step ms | "
         + ("GPU busy ms | CUDA-graph step ms | " if cuda else "")
         + "attn fwd self ms | attn fwd target ms | attn bwd ms | attn ms | attn share | "
         + ("peak GB | " if cuda else ""),
         "|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
     ]
     for r in results:
-        row = [r["backend"], _f(r["step_ms"]), _f(r["chained_step_ms"]), _f(r["host_ms"]), _f(r["prof_step_ms"])]
+        row = [r["attention"], _f(r["step_ms"]), _f(r["chained_step_ms"]), _f(r["host_ms"]), _f(r["prof_step_ms"])]
         if cuda:
             row += [_f(r["gpu_ms"]), _f(r.get("graph_step_ms"))]
         row += [_f(r["attn_fwd_self_ms"]), _f(r["attn_fwd_target_ms"]), _f(r["attn_bwd_ms"]), _f(r["attn_ms"]),
@@ -316,7 +316,7 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
     ]
     for r in results:
         ops = "; ".join(f"`{name}` {ms:.2f}" for name, ms in r["top"])
-        lines.append(f"- {r['backend']}: {ops}")
+        lines.append(f"- {r['attention']}: {ops}")
         lines.append(f"  - attention backward nodes: {', '.join(r['bwd_ops']) or 'none'}")
     return "\n".join(lines) + "\n"
 
@@ -325,10 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.profile", description=__doc__.split("\n")[0],
                                 epilog="Any other --key value goes to the training CLI (e.g. --data.data_dir data/paper).")
     p.add_argument("--config", action="append", required=True, help="a training config (repeatable, in order)")
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--attention", "--backends", nargs="+", default=list(ATTENTIONS), choices=ATTENTIONS,
+                   help="the attention layouts to profile (--backends: the old name)")
     p.add_argument("--steps", type=int, default=3, help="timed and profiled steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (Triton autotuning, caches)")
-    p.add_argument("--top", type=int, default=6, help="ops listed per backend")
+    p.add_argument("--top", type=int, default=6, help="ops listed per layout")
     p.add_argument("--out", default=None,
                    help="markdown file (default: experiments/results/profile_<preset>_<device>.md)")
     args, extra = p.parse_known_args(sys.argv[1:] if argv is None else argv)
@@ -340,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     batches: dict = {}
     results = []
     try:
-        for backend in args.backends:
-            print(f"profiling {backend} ...", file=sys.stderr, flush=True)
-            results.append(profile_backend(backend, args.config, extra, args.steps, args.warmup, batches, args.top))
+        for attention in args.attention:
+            print(f"profiling {attention} ...", file=sys.stderr, flush=True)
+            results.append(profile_layout(attention, args.config, extra, args.steps, args.warmup, batches, args.top))
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -10,7 +10,7 @@ budget are left out), then writes into ``<out>/<ablation>/``:
 - ``report.md``: device, versions, commit and data digest (from the runs' tags), the budget,
   one row per point (status, test AUC/NE/log loss, examples/s, tokens/s, step time, peak
   memory, wall time), the ratios of the baseline series (jagged) over every other series
-  (padded backends) and, for history-length ablations, the oracle AUCs from meta.json;
+  (padded layouts) and, for history-length ablations, the oracle AUCs from meta.json;
 - ``runs.csv`` (every column of the frame) and the plots ``throughput.png``, ``memory.png``,
   ``speedup.png`` (baseline over each other series) and ``auc.png`` (with the oracle lines);
 
@@ -283,8 +283,8 @@ def _mean_row(runs: pl.DataFrame) -> dict | None:
 
 
 def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> list[str]:
-    """Test AUC over the seeds axis per point of the other axes: is a gap between backends more
-    than the run-to-run noise of one backend?"""
+    """Test AUC over the seeds axis per point of the other axes: is a gap between attention layouts more
+    than the run-to-run noise of one layout?"""
     if not seeds:
         return []
     ok = df.filter(pl.col("status") == "OK")
@@ -327,11 +327,11 @@ def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str],
 
 def profile_section(out_root: Path, pattern: str | None) -> list[str]:
     """The newest `pipeline.profile` result matching pattern (under the results root): where a
-    training step's time goes per backend, so the throughput ratios can be read against it."""
+    training step's time goes per attention layout, so the throughput ratios can be read against it."""
     if not pattern:
         return []
     found = sorted(out_root.glob(pattern), key=lambda p: p.stat().st_mtime)
-    head = ["", "## Where a training step's time goes (one-step profile per backend)", ""]
+    head = ["", "## Where a training step's time goes (one-step profile per attention layout)", ""]
     if not found:
         return [*head, f"No profile matching `{pattern}` under `{out_root.name}/` yet: run `make profile` "
                 "with the ablation's preset on the same GPU."]
@@ -340,13 +340,13 @@ def profile_section(out_root: Path, pattern: str | None) -> list[str]:
     if not js.is_file():
         return lines
     rows = json.loads(js.read_text())["results"]
-    lines += ["", "| backend | step ms | host ms (launch side) | GPU busy ms | attention ms (fwd + bwd) | "
+    lines += ["", "| attention | step ms | host ms (launch side) | GPU busy ms | attention ms (fwd + bwd) | "
                   "rest of the step ms | attention share |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['backend']} | {r['step_ms']:.2f} | {runs_.fmt(r.get('host_ms'), '.2f')} | "
+        lines.append(f"| {r['attention']} | {r['step_ms']:.2f} | {runs_.fmt(r.get('host_ms'), '.2f')} | "
                      f"{runs_.fmt(r.get('gpu_ms'), '.2f')} | {r['attn_ms']:.2f} | "
                      f"{r['prof_step_ms'] - r['attn_ms']:.2f} | {r['share']:.3f} |")
-    by = {r["backend"]: r for r in rows}
+    by = {r["attention"]: r for r in rows}
     if "jagged" in by:
         j = by["jagged"]
         for other in (b for b in by if b != "jagged"):

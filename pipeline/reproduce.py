@@ -32,6 +32,7 @@ import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
+from models.config import rename_old_keys
 from pipeline import _proc
 from pipeline import _sweep_runs as runs_
 from pipeline import sweep
@@ -103,6 +104,10 @@ def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
     except mlflow.exceptions.MlflowException:
         raise ConfigError(f"run {run_id} has no config.yaml artifact: it was not recorded by `pipeline fit`") from None
     config = yaml.safe_load(config_path.read_text())
+    renamed = rename_old_keys(config)
+    if renamed:  # recorded before a key was renamed: rerun it under today's names
+        print(f"note: the recorded config uses old keys, renamed: {', '.join(renamed)}", flush=True)
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     data_dir = str(Path(data or config["data"]["data_dir"]).resolve())
     check_data(client, run, data_dir)
     on_cpu = run.data.tags.get("accelerator") == "cpu" and not torch.cuda.is_available()

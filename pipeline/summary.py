@@ -107,7 +107,7 @@ def profile_rows(results: Path) -> list[dict]:
         data = json.loads(path.read_text())
         for r in data.get("results", []):
             rows.append({"file": path.name, "device": data.get("device", "?"), "commit": str(data.get("commit", "?"))[:7],
-                         **{k: r.get(k) for k in ("backend", "batch_size", "graph_step_ms", "attn_ms")},
+                         **{k: r.get(k) for k in ("attention", "batch_size", "graph_step_ms", "attn_ms")},
                          "busy_ms": r.get("gpu_ms") or r.get("prof_step_ms")})
     return rows
 
@@ -138,7 +138,7 @@ def model_level(results: Path) -> list[str]:
         lines += ["| batch | jagged ex/s | sdpa ex/s | speed ratio | jagged peak MB | sdpa peak MB | memory ratio |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for b in sorted({int(v) for v in df["batch_size"].to_list()}):
-            get = {r["backend"]: r for r in df.filter(pl.col("batch_size") == str(b)).iter_rows(named=True)}
+            get = {r["attention"]: r for r in df.filter(pl.col("batch_size") == str(b)).iter_rows(named=True)}
             if "jagged" not in get:
                 continue
             j, s = get["jagged"], get.get("sdpa")
@@ -151,8 +151,8 @@ def model_level(results: Path) -> list[str]:
     if auc.is_file():
         df = pl.read_csv(auc, infer_schema_length=0).filter(pl.col("status") == "OK") \
             .with_columns(pl.col("test/auc").cast(pl.Float64))
-        lines += ["", "| backend | seeds | mean test AUC | std | min | max |", "|---|---:|---:|---:|---:|---:|"]
-        for b, g in df.group_by("backend", maintain_order=True):
+        lines += ["", "| attention | seeds | mean test AUC | std | min | max |", "|---|---:|---:|---:|---:|---:|"]
+        for b, g in df.group_by("attention", maintain_order=True):
             a = g["test/auc"]
             lines.append(f"| {b[0]} | {a.len()} | {a.mean():.4f} | {_fmt(a.std(), '.4f')} | {a.min():.4f} | {a.max():.4f} |")
         said = re.search(r"^A run counts as converged.*$", (results / "auc_parity" / "report.md").read_text(), re.M)
@@ -162,13 +162,13 @@ def model_level(results: Path) -> list[str]:
 
 
 def amdahl_lines(prof: list[dict]) -> list[str]:
-    """Per profile: attention's share of the GPU time of a step per backend, and what that bounds.
+    """Per profile: attention's share of the GPU time of a step per attention layout, and what that bounds.
     GPU-busy time is the denominator: `fit` replays the step as CUDA graphs, so the GPU's work,
     not the host's, sets the step time (the profile's graph step agrees with it)."""
     lines = []
     by_file: dict[str, dict[str, dict]] = {}
     for r in prof:
-        by_file.setdefault(r["file"], {})[r["backend"]] = r
+        by_file.setdefault(r["file"], {})[r["attention"]] = r
     for file, rows in by_file.items():
         j, s = rows.get("jagged"), rows.get("sdpa")
         if not (j and s):
@@ -229,7 +229,7 @@ def build(results: Path) -> str:
     batches = sorted({int(r["batch_size"]) for r in prof if r.get("batch_size")})
     out.append(f"| profile | {', '.join(sorted({r['device'] for r in prof}))} | "
                f"{', '.join(sorted({r['commit'] for r in prof}))} | batch {', '.join(map(str, batches))} | "
-               "one step per backend (below) |" if prof else
+               "one step per attention layout (below) |" if prof else
                "| profile | NOT RUN | - | - | `make profile PRESET=paper` on the GPU |")
     for r in reproduce_rows(results) or [None]:
         out.append(f"| [reproduce]({r['file']}) | {r['device']} | - | one run | {r['result']} |" if r else
@@ -238,9 +238,9 @@ def build(results: Path) -> str:
     if prof:
         out += ["From `pipeline.profile` (`make profile`): the step replayed as a CUDA graph, the GPU-busy time "
                 "of one step, and the attention kernels' time in it (forward and backward).", "",
-                "| profile | device | batch | backend | graph step ms | GPU-busy ms | attention ms | attention share |",
+                "| profile | device | batch | attention | graph step ms | GPU-busy ms | attention ms | attention share |",
                 "|---|---|---:|---|---:|---:|---:|---:|"]
-        out += [f"| {r['file']} | {r['device']} | {r['batch_size']} | {r['backend']} | {_fmt(r['graph_step_ms'])} | "
+        out += [f"| {r['file']} | {r['device']} | {r['batch_size']} | {r['attention']} | {_fmt(r['graph_step_ms'])} | "
                 f"{_fmt(r['busy_ms'])} | {_fmt(r['attn_ms'])} | {_fmt(r['attn_ms'] / r['busy_ms'], '.0%')} |"
                 for r in prof]
         out += ["", *amdahl_lines(prof)]

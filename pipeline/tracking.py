@@ -75,7 +75,7 @@ class MLflowRun(pl.Callback):
 
     Args:
         experiment_name: MLflow experiment of a new run.
-        run_name: name of a new run (default: <backend>-L<max_seq_len>).
+        run_name: name of a new run (default: <attention>-L<max_seq_len>).
         run_id: continue this run instead of creating one (set from --ckpt_path on resume).
         parent_run_id: make the run a child of this one (sweeps, the main job).
         system_metrics: sample CPU/GPU utilisation and memory into the run.

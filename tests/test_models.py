@@ -1,4 +1,4 @@
-"""The rankers: same parameters and same function for the dense, sdpa and jagged backends."""
+"""The rankers: same parameters and same function for the dense, sdpa and jagged attention layouts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from models import BACKENDS, Ranker, RankerConfig
+from models import ATTENTIONS, Ranker, RankerConfig
+from models.config import rename_old_keys
 from tolerance import assert_close_to_oracle
 
 VOCAB, N_ACTIONS, N_DENSE = 97, 3, 5
@@ -29,13 +30,13 @@ def _batch(lengths: list[int], max_seq_len: int, dtype=torch.float32) -> dict:
     }
 
 
-def _ranker(backend: str, **kw) -> Ranker:
-    cfg = RankerConfig(backend=backend, embed_dim=48, num_heads=2, num_layers=2, pool_heads=3, mlp_dims=[32], **kw)
+def _ranker(attention: str, **kw) -> Ranker:
+    cfg = RankerConfig(attention=attention, embed_dim=48, num_heads=2, num_layers=2, pool_heads=3, mlp_dims=[32], **kw)
     return Ranker(cfg, vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE)
 
 
-def _with_backend(model: Ranker, backend: str, dtype: torch.dtype) -> Ranker:
-    other = _ranker(backend, target_attention=model.cfg.target_attention, interaction=model.cfg.interaction)
+def _with_attention(model: Ranker, attention: str, dtype: torch.dtype) -> Ranker:
+    other = _ranker(attention, target_attention=model.cfg.target_attention, interaction=model.cfg.interaction)
     other.load_state_dict(model.state_dict(), strict=True)
     return other.to(dtype)
 
@@ -51,33 +52,33 @@ def _logits_and_grads(model: Ranker, batch: dict, weights: torch.Tensor):
 
 @pytest.mark.parametrize("lengths,max_seq_len", [([0, 1, 7, 12, 3], 12), ([5], 5), ([0, 0], 4), ([33, 2, 0, 17], 40)])
 @pytest.mark.parametrize("blocks", [dict(), dict(target_attention=False, interaction=False)])
-def test_backends_agree_with_fp64_oracle(lengths, max_seq_len, blocks):
-    """Logits and every parameter gradient of each backend vs the fp64 dense oracle."""
+def test_layouts_agree_with_fp64_oracle(lengths, max_seq_len, blocks):
+    """Logits and every parameter gradient of each attention vs the fp64 dense oracle."""
     base = _ranker("dense", **blocks)
     batch = _batch(lengths, max_seq_len)
     weights = torch.randn(len(lengths))
-    oracle = _with_backend(base, "dense", torch.float64)
+    oracle = _with_attention(base, "dense", torch.float64)
     oracle_logits, oracle_grads = _logits_and_grads(oracle, batch, weights.double())
-    lowp_logits, lowp_grads = _logits_and_grads(_with_backend(base, "dense", torch.float32), batch, weights)
-    for backend in BACKENDS:
-        logits, grads = _logits_and_grads(_with_backend(base, backend, torch.float32), batch, weights)
-        assert_close_to_oracle(logits, oracle_logits.float(), lowp_logits, f"{backend} logits")
+    lowp_logits, lowp_grads = _logits_and_grads(_with_attention(base, "dense", torch.float32), batch, weights)
+    for attention in ATTENTIONS:
+        logits, grads = _logits_and_grads(_with_attention(base, attention, torch.float32), batch, weights)
+        assert_close_to_oracle(logits, oracle_logits.float(), lowp_logits, f"{attention} logits")
         assert grads.keys() == oracle_grads.keys()
         for name, g in grads.items():
-            assert_close_to_oracle(g, oracle_grads[name].float(), lowp_grads[name], f"{backend} grad {name}")
+            assert_close_to_oracle(g, oracle_grads[name].float(), lowp_grads[name], f"{attention} grad {name}")
 
 
-def test_state_dict_is_backend_independent():
-    models = {b: _ranker(b) for b in BACKENDS}
+def test_state_dict_is_layout_independent():
+    models = {b: _ranker(b) for b in ATTENTIONS}
     keys = {b: list(m.state_dict()) for b, m in models.items()}
     assert keys["dense"] == keys["sdpa"] == keys["jagged"]
     shapes = {b: [t.shape for t in m.state_dict().values()] for b, m in models.items()}
     assert shapes["dense"] == shapes["sdpa"] == shapes["jagged"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_empty_histories_are_finite(backend):
-    model = _ranker(backend)
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_empty_histories_are_finite(attention):
+    model = _ranker(attention)
     batch = _batch([0, 0, 0], 8)
     logits = model(**batch)
     logits.sum().backward()
@@ -96,10 +97,19 @@ def test_history_order_matters_through_age_only():
 
 
 def test_bad_config_says_what_to_fix():
-    with pytest.raises(ValueError, match="backend must be one of"):
-        RankerConfig(backend="flash")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        RankerConfig(attention="flash")
     with pytest.raises(ValueError, match="multiple of num_heads"):
         RankerConfig(embed_dim=10, num_heads=3)
+
+
+def test_a_recorded_config_with_an_old_key_is_renamed_in_place():
+    """A run recorded before model.ranker.backend became model.ranker.attention reruns
+    (pipeline.reproduce) under the new name; other keys and configs without it are untouched."""
+    config = {"model": {"ranker": {"backend": "sdpa", "embed_dim": 8}}, "data": {"max_seq_len": 16}}
+    assert rename_old_keys(config) == ["model.ranker.backend -> model.ranker.attention"]
+    assert config == {"model": {"ranker": {"attention": "sdpa", "embed_dim": 8}}, "data": {"max_seq_len": 16}}
+    assert rename_old_keys(config) == [] and rename_old_keys({"model": None}) == [] and rename_old_keys({}) == []
 
 
 def test_deepcopy_and_eval_mode_do_not_change_logits():
@@ -110,25 +120,25 @@ def test_deepcopy_and_eval_mode_do_not_change_logits():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths,max_seq_len", [([0, 1, 70, 128, 33, 5], 128), ([300, 0, 257, 1], 300)])
-def test_backends_agree_on_cuda_in_bf16_autocast(lengths, max_seq_len):
-    """On the GPU (Triton kernels in the jagged backend), in bf16 autocast as the paper preset
-    trains: each backend within 2x the dense backend's own bf16 error against the fp64 oracle."""
+def test_layouts_agree_on_cuda_in_bf16_autocast(lengths, max_seq_len):
+    """On the GPU (Triton kernels in the jagged attention), in bf16 autocast as the paper preset
+    trains: each attention within 2x the dense attention's own bf16 error against the fp64 oracle."""
     base = _ranker("dense")
     batch = _batch(lengths, max_seq_len)
     weights = torch.randn(len(lengths))
-    oracle_logits, oracle_grads = _logits_and_grads(_with_backend(base, "dense", torch.float64), batch, weights.double())
+    oracle_logits, oracle_grads = _logits_and_grads(_with_attention(base, "dense", torch.float64), batch, weights.double())
     cuda_batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
 
-    def run(backend):
-        model = _with_backend(base, backend, torch.float32).cuda()
+    def run(attention):
+        model = _with_attention(base, attention, torch.float32).cuda()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits, grads = _logits_and_grads(model, cuda_batch, weights.cuda())
         return logits.cpu(), {n: g.cpu() for n, g in grads.items()}
 
     lowp_logits, lowp_grads = run("dense")
-    for backend in BACKENDS:
-        logits, grads = run(backend)
-        assert_close_to_oracle(logits, oracle_logits.float(), lowp_logits, f"{backend} logits", floor=1e-3)
+    for attention in ATTENTIONS:
+        logits, grads = run(attention)
+        assert_close_to_oracle(logits, oracle_logits.float(), lowp_logits, f"{attention} logits", floor=1e-3)
         for name, g in grads.items():
             floor = 1e-3 * max(1.0, oracle_grads[name].abs().max().item())
-            assert_close_to_oracle(g, oracle_grads[name].float(), lowp_grads[name], f"{backend} grad {name}", floor=floor)
+            assert_close_to_oracle(g, oracle_grads[name].float(), lowp_grads[name], f"{attention} grad {name}", floor=floor)

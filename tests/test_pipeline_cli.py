@@ -85,10 +85,10 @@ def test_fit_records_the_run_and_is_seeded(tiny, tracking, tmp_path, monkeypatch
 
     meta = json.loads((tiny / "meta.json").read_text())
     tags, params, metrics = a.data.tags, a.data.params, a.data.metrics
-    assert tags["backend"] == "jagged" and tags["seed"] == "0" and tags["data_digest"] == meta["digest"]
+    assert tags["attention"] == "jagged" and tags["seed"] == "0" and tags["data_digest"] == meta["digest"]
     for key in ("git_commit", "device", "torch_version", "triton_version"):
         assert tags[key]
-    assert params["model.ranker.backend"] == "jagged" and params["data.max_seq_len"] == "32"
+    assert params["model.ranker.attention"] == "jagged" and params["data.max_seq_len"] == "32"
     assert params["trainer.max_epochs"] == "2" and "ckpt_path" not in params
     # params are what was set (and the few keys that say what ran); the whole config is the artifact
     assert "model.weight_decay" not in params and "trainer.accelerator" not in params
@@ -103,14 +103,14 @@ def test_fit_records_the_run_and_is_seeded(tiny, tracking, tmp_path, monkeypatch
     assert [f.path for f in client.list_artifacts(a.info.run_id, "data")] == ["data/meta.json"]
 
 
-def test_backends_train_the_same_function(tiny, tracking, tmp_path):
+def test_layouts_train_the_same_function(tiny, tracking, tmp_path):
     """Same seed, same data: dense and jagged start from the same weights and stay close."""
-    for backend in ("dense", "jagged"):
-        main(fit_args(tiny, tmp_path, "--config", str(CONFIGS / f"{backend}.yaml"), "--mlflow.run_name", backend,
+    for attention in ("dense", "jagged"):
+        main(fit_args(tiny, tmp_path, "--config", str(CONFIGS / f"{attention}.yaml"), "--mlflow.run_name", attention,
                       "--mlflow.system_metrics", "false", "--trainer.max_epochs", "1"))
     runs = all_runs(tracking)
     hd, hj = (history(tracking, runs[b].info.run_id, ("train/loss_step", "test/auc")) for b in ("dense", "jagged"))
-    assert runs["dense"].data.tags["backend"] == "dense"
+    assert runs["dense"].data.tags["attention"] == "dense"
     assert hd["train/loss_step"].keys() == hj["train/loss_step"].keys()
     for step, value in hd["train/loss_step"].items():
         assert hj["train/loss_step"][step] == pytest.approx(value, abs=1e-4)
@@ -126,7 +126,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     "extra,env_uri,message",
     [
-        (["--model.ranker.backend", "flash"], None, "Expected a typing.Literal.*Got value: flash"),
+        (["--model.ranker.attention", "flash"], None, "Expected a typing.Literal.*Got value: flash"),
         (["--data.max_seq_len", "0"], None, "data.max_seq_len must be > 0"),
         (["--data.data_dir", "/nonexistent/data"], None, "no data set at.*make data"),
         (["--trainer.no_such_key", "1"], None, "unrecognized arguments: --trainer.no_such_key"),
@@ -151,9 +151,15 @@ def test_config_errors_are_one_line_naming_the_file(tiny, tracking, tmp_path, ca
     bad.write_text("trainer:\n  max_epoch: 1\n")
     broken = tmp_path / "broken.yaml"  # a YAML syntax error: the file, line and column
     broken.write_text("model:\n  lr: [0.1\n")
+    old = tmp_path / "old.yaml"  # a key of an earlier version: its new name is given
+    old.write_text("model:\n  ranker:\n    backend: sdpa\n")
+    renamed = "model.ranker.backend is now model.ranker.attention"
     for extra, message in ((["--trainer.max_epoch", "1"], "unrecognized arguments: --trainer.max_epoch"),
                            (["--config", str(bad)], f"{bad}: unknown key 'trainer.max_epoch'"),
-                           (["--config", str(broken)], f"{broken}:3:1: expected ',' or ']'")):
+                           (["--config", str(broken)], f"{broken}:3:1: expected ',' or ']'"),
+                           (["--config", str(old)], f"{old}: unknown key 'model.ranker.backend'"),
+                           (["--config", str(old)], renamed),
+                           (["--model.ranker.backend", "sdpa"], renamed)):
         with pytest.raises(SystemExit) as exc:
             main(fit_args(tiny, tmp_path, *extra))
         err = capsys.readouterr().err.strip()

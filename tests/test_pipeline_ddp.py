@@ -142,20 +142,20 @@ def test_gradients_averaged_by_hand_train_like_ddps_reducer(tiny, two_processes,
 
 
 @pytest.mark.slow
-def test_the_padded_backends_train_the_same_function_under_ddp(tiny, two_processes, tmp_path, tmp_path_factory):
+def test_the_padded_layouts_train_the_same_function_under_ddp(tiny, two_processes, tmp_path, tmp_path_factory):
     uri0, runs = two_processes
     want = history(uri0, runs["two"].info.run_id, ("train/loss_step", "test/auc"))
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
-    for backend in ("dense", "sdpa"):
-        proc = _fit(fit_args(tiny, tmp_path / backend, *BUDGET, *DDP, "--trainer.devices", "2", "--data.batch_size",
-                             "32", "--trainer.max_epochs", "1", "--model.ranker.backend", backend,
-                             "--mlflow.run_name", backend), uri)
+    for attention in ("dense", "sdpa"):
+        proc = _fit(fit_args(tiny, tmp_path / attention, *BUDGET, *DDP, "--trainer.devices", "2", "--data.batch_size",
+                             "32", "--trainer.max_epochs", "1", "--model.ranker.attention", attention,
+                             "--mlflow.run_name", attention), uri)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        run = all_runs(uri)[backend]
+        run = all_runs(uri)[attention]
         got = history(uri, run.info.run_id, ("train/loss_step", "test/auc"))
-        assert run.data.tags["backend"] == backend and run.data.tags["world_size"] == "2"
+        assert run.data.tags["attention"] == attention and run.data.tags["world_size"] == "2"
         for step, value in got["train/loss_step"].items():  # the jagged run's first epoch
-            assert value == pytest.approx(want["train/loss_step"][step], abs=1e-4), (backend, step)
+            assert value == pytest.approx(want["train/loss_step"][step], abs=1e-4), (attention, step)
         assert list(got["test/auc"].values())[0] > 0
 
 

@@ -17,7 +17,7 @@ from test_pipeline_data import tiny_data_dir
 
 GOOD = """# Main job: dense vs sdpa vs jagged rankers, preset `tiny`
 
-| backend | status | test AUC | MLflow run |
+| attention | status | test AUC | MLflow run |
 |---|---|---|---|
 | dense | FINISHED | 0.5312 | a |
 | sdpa | FINISHED | 0.5301 | b |
@@ -35,10 +35,10 @@ def job(tmp_path, tmp_path_factory, monkeypatch):
     results = tmp_path / "results"
     results.mkdir()
 
-    def run(status: int, data: Path | None = None, backends=("jagged",)) -> int:
+    def run(status: int, data: Path | None = None, layouts=("jagged",)) -> int:
         monkeypatch.setattr(sweep, "FIT_COMMAND", (sys.executable, "-c", f"import sys; sys.exit({status})"))
         data = data or tiny_data_dir(tmp_path_factory)
-        return experiment.main(["--preset", "tiny", "--data", str(data), "--backends", *backends,
+        return experiment.main(["--preset", "tiny", "--data", str(data), "--attention", *layouts,
                                 "--results-dir", str(results)])
 
     return run, results

@@ -25,7 +25,7 @@ from pipeline.optim import build_optimizer
 from test_pipeline_data import tiny_data_dir
 
 WORLD, BATCH, MAX_SEQ_LEN = 2, 24, 16
-CFG = RankerConfig(backend="jagged", embed_dim=32, num_heads=2, num_layers=1, pool_heads=2, mlp_dims=[16])
+CFG = RankerConfig(attention="jagged", embed_dim=32, num_heads=2, num_layers=1, pool_heads=2, mlp_dims=[16])
 SPEC = {"vocab_size": 20_000, "n_actions": 4, "n_dense": 4, "train_ctr": 0.2}
 # (name, embedding_grad, table_sync): every mode, and the dense gradient exchanged as its rows
 CASES = [(mode, mode, "allreduce") for mode in EMBEDDING_GRADS] + [("dense-rows", "dense", "rows")]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import BACKENDS, Ranker, RankerConfig
+from models import ATTENTIONS, Ranker, RankerConfig
 from pipeline.graphs import GraphedTrainStep, StaticBatch, loss_and_grads, model_inputs, token_capacities
 
 VOCAB, N_ACTIONS, N_DENSE = 53, 3, 4
@@ -58,11 +58,11 @@ def _loss_fn(model):
     return loss
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_padding_rows_and_the_extra_example_change_no_result(backend):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_padding_rows_and_the_extra_example_change_no_result(attention):
     """The bucket's padded batch gives the unpadded batch's loss and every gradient (float64),
     whatever the padding rows hold, including rows far past max_seq_len."""
-    cfg = RankerConfig(backend=backend, embed_dim=32, num_heads=2, num_layers=2, pool_heads=2, mlp_dims=[16])
+    cfg = RankerConfig(attention=attention, embed_dim=32, num_heads=2, num_layers=2, pool_heads=2, mlp_dims=[16])
     model = Ranker(cfg, vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE).double()
     params = list(model.parameters())
     lengths, max_seq_len = [0, 5, 11, 1, 16, 3], 12  # one history longer than max_seq_len
@@ -108,8 +108,8 @@ def test_token_counts_are_those_of_the_training_batches(tmp_path_factory):
 # ---- on the GPU: graph replays against the eager step ------------------------------------------
 
 
-def _cuda_model(backend: str) -> Ranker:
-    cfg = RankerConfig(backend=backend, embed_dim=64, num_heads=2, num_layers=2, pool_heads=2, mlp_dims=[32])
+def _cuda_model(attention: str) -> Ranker:
+    cfg = RankerConfig(attention=attention, embed_dim=64, num_heads=2, num_layers=2, pool_heads=2, mlp_dims=[32])
     return Ranker(cfg, vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE).cuda()
 
 
@@ -118,10 +118,10 @@ def _on_cuda(batch: dict) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("amp", [None, torch.bfloat16])
-def test_graph_replays_give_the_eager_loss_and_gradients(backend, amp, caplog):
-    model = _cuda_model(backend)
+def test_graph_replays_give_the_eager_loss_and_gradients(attention, amp, caplog):
+    model = _cuda_model(attention)
     params = list(model.parameters())
     steps = GraphedTrainStep(_loss_fn(model), params, [300, 520], 6, N_DENSE, 64, torch.device("cuda"), amp)
     steps.capture()

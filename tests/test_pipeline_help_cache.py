@@ -38,7 +38,7 @@ def test_the_second_help_comes_from_the_cache_and_reads_the_same(tmp_path):
         return out.stdout
 
     first = run()
-    assert "--model.ranker.backend" in first and "--trainer.max_steps" in first
+    assert "--model.ranker.attention" in first and "--trainer.max_steps" in first
     (cached,) = (tmp_path / "jagged-attn").glob("help-fit-*.txt")
     assert cached.read_text() == first
     cached.write_text(first + "served from the cache\n")  # proves the second call read the file

@@ -104,13 +104,13 @@ def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_fac
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
     results = tmp_path / "results"
     cmd = [sys.executable, "-m", "pipeline.experiment", "--preset", "tiny", "--data", str(tiny),
-           "--backends", "dense", "jagged", "--results-dir", str(results), "--",
+           "--attention", "dense", "jagged", "--results-dir", str(results), "--",
            "--trainer.max_epochs", "1", "--mlflow.system_metrics", "false",
            "--trainer.default_root_dir", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(uri), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for text in ("backend", "test AUC", "train ex/s", "peak RSS (MB)", "wall (s)", "MLflow tracking URI", "make ui",
+    for text in ("attention", "test AUC", "train ex/s", "peak RSS (MB)", "wall (s)", "MLflow tracking URI", "make ui",
                  "#/compare-runs?runs="):
         assert text in out, text
     md = (results / "main_tiny_cpu.md").read_text()
@@ -124,10 +124,10 @@ def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_fac
     parent = runs["main-tiny"]
     assert runs["2 jagged"].data.tags["mlflow.parentRunId"] == parent.info.run_id
     m = parent.data.metrics
-    for backend in ("dense", "jagged"):
-        assert m[f"{backend}.examples_per_s"] == runs[f"{'1' if backend == 'dense' else '2'} {backend}"].data.metrics[
+    for attention in ("dense", "jagged"):
+        assert m[f"{attention}.examples_per_s"] == runs[f"{'1' if attention == 'dense' else '2'} {attention}"].data.metrics[
             "perf/train_examples_per_s"]
-        assert 0 < m[f"{backend}.test_auc"] < 1 and m[f"{backend}.peak_rss_mb"] > 0
+        assert 0 < m[f"{attention}.test_auc"] < 1 and m[f"{attention}.peak_rss_mb"] > 0
     assert m["jagged_over_dense.speedup"] == pytest.approx(m["jagged.examples_per_s"] / m["dense.examples_per_s"])
     assert m["jagged_over_dense.memory_saving"] == pytest.approx(m["dense.peak_rss_mb"] / m["jagged.peak_rss_mb"])
     note = parent.data.tags["mlflow.note.content"]

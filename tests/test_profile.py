@@ -1,4 +1,4 @@
-"""pipeline.profile on CPU, tiny data: one table row per backend, an attention share, the file."""
+"""pipeline.profile on CPU, tiny data: one table row per attention, an attention share, the file."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def tiny(tmp_path_factory) -> Path:
     return tiny_data_dir(tmp_path_factory)
 
 
-def test_profile_reports_the_attention_share_of_every_backend(tiny, tmp_path, capsys):
+def test_profile_reports_the_attention_share_of_every_layout(tiny, tmp_path, capsys):
     out = tmp_path / "profile_tiny_cpu.md"
     rc = main([
         "--config", str(CONFIGS / "base.yaml"), "--config", str(CONFIGS / "tiny.yaml"),
@@ -31,7 +31,7 @@ def test_profile_reports_the_attention_share_of_every_backend(tiny, tmp_path, ca
     assert out.is_file()
     text = out.read_text()
     assert "torch " in text and "commit: " in text
-    header = next(line for line in text.splitlines() if line.startswith("| backend"))
+    header = next(line for line in text.splitlines() if line.startswith("| attention"))
     cols = [c.strip() for c in header.strip("|").split("|")]
     share_col = cols.index("attn share")
     rows = {}
@@ -40,12 +40,12 @@ def test_profile_reports_the_attention_share_of_every_backend(tiny, tmp_path, ca
         if m:
             rows[m.group(1)] = [c.strip() for c in line.strip().strip("|").split("|")]
     assert set(rows) == {"dense", "sdpa", "jagged"}
-    for backend, cells in rows.items():
+    for attention, cells in rows.items():
         share = float(cells[share_col])
-        assert 0 < share <= 1, (backend, share)
-        assert float(cells[cols.index("attn bwd ms")]) > 0, backend  # backward nodes were linked
-    assert "| backend" in capsys.readouterr().out  # the table is printed too
+        assert 0 < share <= 1, (attention, share)
+        assert float(cells[cols.index("attn bwd ms")]) > 0, attention  # backward nodes were linked
+    assert "| attention" in capsys.readouterr().out  # the table is printed too
     data = json.loads(out.with_suffix(".json").read_text())  # the numbers, for pipeline.report
-    assert [r["backend"] for r in data["results"]] == ["dense", "sdpa", "jagged"]
+    assert [r["attention"] for r in data["results"]] == ["dense", "sdpa", "jagged"]
     assert all(0 < r["share"] <= 1 and r["step_ms"] > 0 for r in data["results"])
     assert all(0 < r["host_ms"] <= r["step_ms"] and r["chained_step_ms"] > 0 for r in data["results"])

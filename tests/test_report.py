@@ -58,17 +58,17 @@ def test_report_files_and_artifacts(smoke, tmp_path, capsys):
 def test_ratios_and_oracle_section():
     df = pl.DataFrame({
         "max_seq_len": ["256", "256", "256", "4096", "4096"],
-        "backend": ["jagged", "sdpa", "dense", "jagged", "dense"],
+        "attention": ["jagged", "sdpa", "dense", "jagged", "dense"],
         "status": ["OK", "OK", "OK", "OK", "OOM"],
         report.THROUGHPUT: [300.0, 100.0, 50.0, 80.0, None],
         "mem/train_peak_allocated_mb": [10.0, 30.0, 40.0, 20.0, None],
         "test/auc": [0.7, 0.7, 0.7, 0.75, None],
     })
-    rat = report.ratios(df, ["max_seq_len", "backend"], "backend", "jagged", "mem/train_peak_allocated_mb")
+    rat = report.ratios(df, ["max_seq_len", "attention"], "attention", "jagged", "mem/train_peak_allocated_mb")
     assert rat["jagged / sdpa"]["throughput"] == [3.0] and rat["jagged / sdpa"]["memory"] == [3.0]
     assert rat["jagged / dense"]["x"] == ["256", "4096"] and rat["jagged / dense"]["throughput"] == [6.0, None]
     assert rat["jagged / dense"]["note"] == ["", "dense OOM"]
-    lines = report.oracle_section(df.filter(pl.col("backend") == "jagged"), "max_seq_len",
+    lines = report.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
                                   {"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81})
     assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | - |" in lines
 
@@ -103,13 +103,13 @@ def test_reproduce_refuses_other_data(smoke, tmp_path, capsys):
 def test_targets_section_passes_misses_and_unmeasured():
     df = pl.DataFrame({
         "fill": ["0.25", "0.25", "0.25", "0.5"],
-        "backend": ["jagged", "sdpa", "dense", "jagged"],
+        "attention": ["jagged", "sdpa", "dense", "jagged"],
         "status": ["OK", "OK", "OOM", "OK"],
         report.THROUGHPUT: [300.0, 100.0, None, 90.0],
         "mem/train_peak_allocated_mb": [10.0, 30.0, None, 20.0],
         "test/auc": [0.7010, 0.7000, None, 0.7],
     })
-    spec = {"series": "backend", "baseline": "jagged", "targets": [
+    spec = {"series": "attention", "baseline": "jagged", "targets": [
         {"at": {"fill": "0.25"}, "vs": "sdpa", "min_speedup": 2.0, "max_memory_ratio": 0.3, "max_auc_diff": 0.002},
         {"at": {"fill": "0.25"}, "vs": "dense", "min_speedup": 2.0}]}
     lines = report.targets_section(df, spec, "mem/train_peak_allocated_mb")
@@ -123,7 +123,7 @@ def test_targets_section_passes_misses_and_unmeasured():
 def test_profile_section_reads_the_newest_profile(tmp_path):
     assert "No profile matching" in " ".join(report.profile_section(tmp_path, "profile_paper_*.md"))
     (tmp_path / "profile_paper_h100.md").write_text("# profile\n")
-    results = [dict(backend=b, step_ms=s, prof_step_ms=s, attn_ms=a, share=a / s)
+    results = [dict(attention=b, step_ms=s, prof_step_ms=s, attn_ms=a, share=a / s)
                for b, s, a in (("sdpa", 40.0, 10.0), ("jagged", 20.0, 2.0))]
     (tmp_path / "profile_paper_h100.json").write_text(json.dumps({"results": results}))
     text = "\n".join(report.profile_section(tmp_path, "profile_paper_*.md"))
@@ -134,17 +134,17 @@ def test_profile_section_reads_the_newest_profile(tmp_path):
 
 def test_seeds_table_and_targets_on_seed_means():
     df = pl.DataFrame({
-        "backend": ["jagged"] * 3 + ["sdpa"] * 3,
+        "attention": ["jagged"] * 3 + ["sdpa"] * 3,
         "seed_everything": ["0", "1", "2"] * 2,
         "status": ["OK"] * 6,
         report.THROUGHPUT: [3.0, 3.0, 3.0, 1.0, 1.0, 1.0],
         "mem/train_peak_allocated_mb": [1.0] * 6,
         "test/auc": [0.700, 0.702, 0.704, 0.701, 0.703, 0.708],
     })
-    lines = report.seeds_section(df, "seed_everything", ["backend", "seed_everything"])
+    lines = report.seeds_section(df, "seed_everything", ["attention", "seed_everything"])
     assert "| jagged | 3 | 0.7020 | 0.0020 | 0.7000 | 0.7040 |" in lines
     assert "| sdpa | 3 | 0.7040 | 0.0036 | 0.7010 | 0.7080 |" in lines
-    spec = {"series": "backend", "baseline": "jagged", "seeds": "seed_everything",
+    spec = {"series": "attention", "baseline": "jagged", "seeds": "seed_everything",
             "targets": [{"vs": "sdpa", "min_speedup": 2.0, "max_auc_diff": 0.0015}]}
     text = "\n".join(report.targets_section(df, spec, "mem/train_peak_allocated_mb"))
     assert "mean over the `seed_everything` axis" in text
@@ -152,7 +152,7 @@ def test_seeds_table_and_targets_on_seed_means():
     assert "test AUC absolute difference 0.0020 | <= 0.0015 | MISS |" in text
     failed = df.with_columns(status=pl.when(pl.col("test/auc") == 0.708).then(pl.lit("FAILED")).otherwise(pl.col("status")))
     assert "NOT MEASURED (jagged OK, sdpa FAILED)" in "\n".join(report.targets_section(failed, spec, "x"))
-    assert report.seeds_section(df, None, ["backend"]) == []
+    assert report.seeds_section(df, None, ["attention"]) == []
 
 
 def test_convergence_section_judges_the_last_validation_interval():
@@ -166,13 +166,13 @@ def test_convergence_section_judges_the_last_validation_interval():
     client = SimpleNamespace(get_metric_history=lambda run_id, key: [
         SimpleNamespace(step=100 * (i + 1), value=v) for i, v in enumerate(curves[run_id])])
     df = pl.DataFrame({"run_id": ["a", "b", "c", "d", "e"], "status": ["OK", "OK", "OK", "OK", "FAILED"],
-                       "backend": ["jagged", "sdpa", "dense", "jagged", "sdpa"], "seed": ["0", "0", "0", "1", "1"]})
-    lines = convergence_section(client, df, ["backend", "seed"], 0.006)
+                       "attention": ["jagged", "sdpa", "dense", "jagged", "sdpa"], "seed": ["0", "0", "0", "1", "1"]})
+    lines = convergence_section(client, df, ["attention", "seed"], 0.006)
     assert "1 of 3 runs did" in " ".join(lines)  # d validated once, e did not finish: neither is judged
     rows = [ln for ln in lines if ln.startswith("| jagged") or ln.startswith("| sdpa") or ln.startswith("| dense")]
     assert [r.split("|")[-2].strip() for r in rows] == ["flat", "rising", "falling"]
     assert "200-300" in rows[0] and "+0.0050" in rows[0]
-    assert convergence_section(client, df.filter(pl.col("run_id") == "d"), ["backend", "seed"], 0.002) == []
+    assert convergence_section(client, df.filter(pl.col("run_id") == "d"), ["attention", "seed"], 0.002) == []
 
 
 def test_recovery_section_shares_of_the_gain_and_costs(tmp_path):

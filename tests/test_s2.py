@@ -154,8 +154,8 @@ def test_ranker_s2_settings_that_cannot_work_are_refused():
     with pytest.raises(InvalidConfig, match="2 heads see 50% of the block residues of stride 4"):
         RankerConfig(s2=S2Config(block=16, local_blocks=1, stride=4))
     RankerConfig(s2=S2Config(block=16, local_blocks=1, stride=4, allow_partial_context=True))
-    with pytest.raises(InvalidConfig, match="needs backend jagged"):
-        RankerConfig(backend="sdpa", s2=S2Config(block=16, local_blocks=1, stride=2))
+    with pytest.raises(InvalidConfig, match="needs attention jagged"):
+        RankerConfig(attention="sdpa", s2=S2Config(block=16, local_blocks=1, stride=2))
     with pytest.raises(InvalidConfig, match="multiple of 16"):
         S2Config(block=8)
 

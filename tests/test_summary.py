@@ -35,11 +35,11 @@ def _results(tmp_path, budget: dict):
     (tmp_path / "batch_size").mkdir()
     (tmp_path / "batch_size" / "report.md").write_text(REPORT.format(budget=json.dumps(budget)))
     (tmp_path / "batch_size" / "runs.csv").write_text(
-        "status,batch_size,backend,perf/train_examples_per_s,mem/train_peak_allocated_mb\n"
+        "status,batch_size,attention,perf/train_examples_per_s,mem/train_peak_allocated_mb\n"
         "OK,512,jagged,3000,1000\nOK,512,sdpa,1000,2500\nOOM,512,dense,,\n")
     (tmp_path / "profile_x.json").write_text(json.dumps({"device": "GPU X", "commit": "abc1234", "results": [
-        {"backend": "jagged", "batch_size": 512, "graph_step_ms": 10.0, "gpu_ms": 10.0, "attn_ms": 1.0},
-        {"backend": "sdpa", "batch_size": 512, "graph_step_ms": 30.0, "gpu_ms": 30.0, "attn_ms": 8.0}]}))
+        {"attention": "jagged", "batch_size": 512, "graph_step_ms": 10.0, "gpu_ms": 10.0, "attn_ms": 1.0},
+        {"attention": "sdpa", "batch_size": 512, "graph_step_ms": 30.0, "gpu_ms": 30.0, "attn_ms": 8.0}]}))
     return tmp_path
 
 

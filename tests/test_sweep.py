@@ -58,7 +58,7 @@ def smoke_sweep(tmp_path_factory) -> SimpleNamespace:
         return _SESSION["smoke"]
     root = tmp_path_factory.mktemp("sweep")
     spec = yaml.safe_load((ABLATIONS / "smoke.yaml").read_text())
-    spec["grid"] = {"model.ranker.backend": ["jagged"], "data.max_seq_len": [16, 24, 0]}
+    spec["grid"] = {"model.ranker.attention": ["jagged"], "data.max_seq_len": [16, 24, 0]}
     spec["set"]["trainer.default_root_dir"] = str(root / "ckpt")
     abl = root / "smoke_test.yaml"
     abl.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -127,7 +127,7 @@ def test_shipped_ablations_expand():
 def test_config_hash_and_overrides(tmp_path):
     abl = load(ABLATIONS / "smoke.yaml", tmp_path, extra_set={"trainer.max_steps": 5})
     a, b = abl.points
-    assert a.overrides["trainer.max_steps"] == 5 and a.name == "backend=jagged/max_seq_len=16"
+    assert a.overrides["trainer.max_steps"] == 5 and a.name == "attention=jagged/max_seq_len=16"
     assert abl.config_hash(a, "d1") == abl.config_hash(a, "d1") != abl.config_hash(a, "d2")
     assert abl.config_hash(a, "d1") != abl.config_hash(b, "d1")
     plain = load(ABLATIONS / "smoke.yaml", tmp_path)
@@ -161,10 +161,10 @@ def test_smoke_sweep_records_every_outcome(smoke):
     assert smoke.rc == 1  # one point failed: reported, not raised
     parent = the_parent(smoke.uri)
     assert parent.info.run_name == "smoke" and parent.info.status == "FAILED"
-    assert json.loads(parent.data.tags["sweep.axes"]) == {"backend": ["jagged"], "max_seq_len": ["16", "24", "0"]}
+    assert json.loads(parent.data.tags["sweep.axes"]) == {"attention": ["jagged"], "max_seq_len": ["16", "24", "0"]}
     kids = children(smoke.uri, parent.info.run_id)
-    assert sorted(kids) == ["backend=jagged/max_seq_len=0", "backend=jagged/max_seq_len=16", "backend=jagged/max_seq_len=24"]
-    (ok,), (oom,), (bad,) = (kids[f"backend=jagged/max_seq_len={n}"] for n in (16, 24, 0))
+    assert sorted(kids) == ["attention=jagged/max_seq_len=0", "attention=jagged/max_seq_len=16", "attention=jagged/max_seq_len=24"]
+    (ok,), (oom,), (bad,) = (kids[f"attention=jagged/max_seq_len={n}"] for n in (16, 24, 0))
     assert ok.info.status == "FINISHED" and ok.data.tags["status"] == "OK"
     assert ok.data.metrics["test/auc"] > 0 and ok.data.params["data.max_seq_len"] == "16"
     assert ok.data.tags["sweep.config_hash"] and ok.data.tags["data_digest"]
@@ -202,7 +202,7 @@ def test_a_run_past_its_timeout_is_killed_and_recorded(smoke, tmp_path, monkeypa
     argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16", "--timeout", "2"]
     assert sweep.main(argv) == 1
     assert "KILLED" in capsys.readouterr().out
-    (run,) = children(uri, the_parent(uri).info.run_id)["backend=jagged/max_seq_len=16"]
+    (run,) = children(uri, the_parent(uri).info.run_id)["attention=jagged/max_seq_len=16"]
     assert run.info.status == "KILLED" and run.data.tags["status"] == "KILLED"
     assert run.data.tags["sweep.error"] == "timed out after 2 s"
 
@@ -218,12 +218,12 @@ def test_parallel_runs_are_tagged_prefixed_and_flagged_in_the_report(smoke, tmp_
             "--parallel", "2"]
     assert sweep.main(argv) == 1  # max_seq_len=0 fails its pre-flight check, 16 trains
     out = capsys.readouterr().out
-    assert "[backend=jagged/max_seq_len=16] " in out and "[backend=jagged/max_seq_len=0] " in out
+    assert "[attention=jagged/max_seq_len=16] " in out and "[attention=jagged/max_seq_len=0] " in out
     kids = children(uri, the_parent(uri).info.run_id)
-    (ok,), (bad,) = kids["backend=jagged/max_seq_len=16"], kids["backend=jagged/max_seq_len=0"]
+    (ok,), (bad,) = kids["attention=jagged/max_seq_len=16"], kids["attention=jagged/max_seq_len=0"]
     assert ok.data.tags["status"] == "OK" and bad.data.tags["status"] == "FAILED"
     assert ok.data.tags["sweep.parallel"] == "2"
-    df = runs_.runs_frame([ok, bad], ["backend", "max_seq_len"])
+    df = runs_.runs_frame([ok, bad], ["attention", "max_seq_len"])
     (note,) = [ln for ln in shared_device_note(df) if ln]
     assert "2 of these runs shared the GPU" in note and "--parallel 2" in note
     alone = df.with_columns(parallel=df["parallel"].str.replace("2", "1"), concurrent=df["concurrent"].str.replace("2", "1"))
@@ -243,7 +243,7 @@ def test_parallel_must_be_positive(capsys):
 ])
 def test_bad_report_targets(tmp_path, targets, message):
     spec = yaml.safe_load((ABLATIONS / "smoke.yaml").read_text())
-    spec["report"] = {"x": "max_seq_len", "series": "backend", "baseline": "jagged", "targets": targets}
+    spec["report"] = {"x": "max_seq_len", "series": "attention", "baseline": "jagged", "targets": targets}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(ConfigError, match=message):
@@ -299,7 +299,7 @@ def test_the_point_hash_follows_the_code(tmp_path, monkeypatch):
 
 def test_a_grid_value_the_fit_refuses_is_not_runnable(tmp_path, monkeypatch, capsys):
     spec = yaml.safe_load((ABLATIONS / "smoke.yaml").read_text())
-    spec["grid"] = {"model.ranker.backend": ["jagged"], "data.max_seq_len": [16, "sixteen"]}
+    spec["grid"] = {"model.ranker.attention": ["jagged"], "data.max_seq_len": [16, "sixteen"]}
     path = tmp_path / "typo.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -357,7 +357,7 @@ def test_two_identical_sweeps_started_together_run_each_point_once(smoke, tmp_pa
         (refused,) = [o for p, o in zip(procs, outs) if p.returncode == 2]
         assert "a sweep of smoke is running already (pid" in refused
     kids = children(uri, the_parent(uri).info.run_id)
-    assert {k: len(v) for k, v in kids.items()} == {"backend=jagged/max_seq_len=16": 1}
+    assert {k: len(v) for k, v in kids.items()} == {"attention=jagged/max_seq_len=16": 1}
 
 
 @pytest.mark.slow
@@ -424,6 +424,6 @@ def test_gpus_give_each_concurrent_run_its_device_and_cores(smoke, tmp_path, mon
     kids = [r for runs in children(uri, the_parent(uri).info.run_id).values() for r in runs]
     assert {r.data.tags["sweep.parallel"] for r in kids} == {"1"}
     assert {r.data.tags["sweep.concurrent_runs"] for r in kids} == {"2"}
-    df = runs_.runs_frame(kids, ["backend", "max_seq_len"])
+    df = runs_.runs_frame(kids, ["attention", "max_seq_len"])
     note = " ".join(shared_device_note(df))
     assert "on different GPUs" in note and "shared the GPU" not in note

@@ -13,7 +13,7 @@ from pipeline import _sweep_plots as plots  # noqa: E402
 
 
 def _frame(rows):
-    return pl.DataFrame(rows, schema={"x": pl.Utf8, "backend": pl.Utf8, "seed": pl.Utf8, "status": pl.Utf8,
+    return pl.DataFrame(rows, schema={"x": pl.Utf8, "attention": pl.Utf8, "seed": pl.Utf8, "status": pl.Utf8,
                                       "m": pl.Float64}, orient="row")
 
 
@@ -32,7 +32,7 @@ def test_missing_points_are_marked_and_seeds_averaged(tmp_path, monkeypatch):
         ("256", "sdpa", "0", "OK", 1.5), ("256", "sdpa", "1", "OK", 1.5),
         ("512", "sdpa", "0", "OOM", None), ("512", "sdpa", "1", "OOM", None),
     ])
-    path = plots.line_plot(df, "x", ["256", "512", "1024"], ["backend", "seed"], "m", "metric (units)", "T",
+    path = plots.line_plot(df, "x", ["256", "512", "1024"], ["attention", "seed"], "m", "metric (units)", "T",
                            tmp_path / "p.png", subtitle="H100 | data paper | 300 steps | commit abc", seeds="seed")
     assert path.is_file()
     fig = figs[-1]
@@ -68,7 +68,7 @@ def test_seeds_as_x_draw_one_column_per_series_not_a_line_across_seeds(tmp_path,
         ("a", "jagged", "0", "OK", 1.0), ("a", "jagged", "1", "OK", 3.0), ("a", "jagged", "2", "OK", 2.0),
         ("a", "sdpa", "0", "OK", 1.5), ("a", "sdpa", "1", "KILLED", None), ("a", "sdpa", "2", "OK", 2.5),
     ]).drop("x")
-    path = plots.line_plot(df, "seed", ["0", "1", "2"], ["backend", "seed"], "m", "metric (units)", "T",
+    path = plots.line_plot(df, "seed", ["0", "1", "2"], ["attention", "seed"], "m", "metric (units)", "T",
                            tmp_path / "p.png", seeds="seed")
     assert path.is_file()
     ax = figs[-1].axes[0]

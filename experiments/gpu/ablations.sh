@@ -16,7 +16,7 @@
 # (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), s2 (dense vs
 # S2 attention on the `long` data, each run alone on its GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
-# their throughput as shared), profile (one-step profile per backend at the PRESET, default paper,
+# their throughput as shared), profile (one-step profile per attention layout at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
 # seq_len jagged run at max_seq_len 1024: its metrics beside the original's, GPU tolerance).
 # GPUS=0,1 (a multi-GPU machine): the throughput sweeps run one point per GPU at once (`pipeline.sweep
@@ -98,13 +98,13 @@ for spec in $PARTS; do
       cp -f "$ue/encoder.pt.json" experiments/results/alure/encoder.json 2>/dev/null
       cp -f "$ue/emb.parquet.json" experiments/results/alure/embeddings.json 2>/dev/null
       if [ -f "$ue/emb.parquet.json" ]; then sweep alure "${where[@]}" "${through[@]}"; fi ;;
-    profile)  # PROFILE_BATCHES="default 2048:jagged+sdpa": the preset's batch, then 2048 for two backends
+    profile)  # PROFILE_BATCHES="default 2048:jagged+sdpa": the preset's batch, then 2048 for two layouts
       for pb in ${PROFILE_BATCHES:-default}; do
         args=()
         if [ "$pb" != default ]; then
           slug=$(python3 -c 'from pipeline.profile import device_slug; print(device_slug())')
           args=(--data.batch_size "${pb%%:*}" --out "experiments/results/profile_${preset}_${slug}_b${pb%%:*}.md")
-          if [[ $pb == *:* ]]; then IFS=+ read -ra bks <<< "${pb#*:}"; args+=(--backends "${bks[@]}"); fi
+          if [[ $pb == *:* ]]; then IFS=+ read -ra bks <<< "${pb#*:}"; args+=(--attention "${bks[@]}"); fi
         fi
         timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
           --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 "${args[@]}" >> "$log" 2>&1
@@ -115,7 +115,7 @@ for spec in $PARTS; do
       run_id=$(python3 -c "
 import mlflow
 runs = mlflow.search_runs(search_all_experiments=True, output_format='list', order_by=['attributes.start_time DESC'],
-    filter_string=\"tags.\`sweep.name\` = '${REPRO_SWEEP:-seq_len}' and tags.\`sweep.axis.backend\` = 'jagged' and tags.\`sweep.axis.${REPRO_AXIS:-max_seq_len}\` = '${REPRO_LABEL:-1024}' and attributes.status = 'FINISHED'\")
+    filter_string=\"tags.\`sweep.name\` = '${REPRO_SWEEP:-seq_len}' and tags.\`sweep.axis.attention\` = 'jagged' and tags.\`sweep.axis.${REPRO_AXIS:-max_seq_len}\` = '${REPRO_LABEL:-1024}' and attributes.status = 'FINISHED'\")
 print(runs[0].info.run_id if runs else '')")
       if [ -n "$run_id" ] && [ "$(left)" -gt 150 ]; then
         timeout $(( $(left) - 30 )) python3 -m pipeline.reproduce --run "$run_id" >> "$log" 2>&1

@@ -61,18 +61,18 @@ fi
 if has scaling; then  # same batch per GPU: weak scaling; the preset's CUDA-graph steps, AdamW
   for rep in $(seq "$REPEAT_FROM" "$REPEATS"); do  # repeats interleaved: a drift of the machine hits every configuration
     suffix=""; [ "$rep" -gt 1 ] && suffix="#$rep"
-    for spec in $SCALING; do  # backend:devices:strategy[:table_sync]
-      IFS=: read -r backend devices strategy sync <<< "$spec"
+    for spec in $SCALING; do  # attention:devices:strategy[:table_sync]
+      IFS=: read -r attention devices strategy sync <<< "$spec"
       sync_args=(); [ -n "$sync" ] && sync_args=(--model.table_sync "$sync")
-      fit "$backend-w$devices-$strategy${sync:+-$sync}$suffix" "$devices" "$strategy" \
-        --model.ranker.backend "$backend" --trainer.limit_test_batches 5 "${sync_args[@]}"
+      fit "$attention-w$devices-$strategy${sync:+-$sync}$suffix" "$devices" "$strategy" \
+        --model.ranker.attention "$attention" --trainer.limit_test_batches 5 "${sync_args[@]}"
     done
   done
 fi
 if has modes; then  # 2 GPUs, eager steps (graphs replay dense gradients only), the whole test split
   for mode in $MODES; do  # rows: the dense gradient exchanged as its touched rows (model.table_sync)
     grad_args=(--model.embedding_grad "$mode"); [ "$mode" = rows ] && grad_args=(--model.table_sync rows)
-    fit "jagged-w2-$mode" "${MODE_DEVICES:-2}" ddp --model.ranker.backend jagged --model.cuda_graphs false \
+    fit "jagged-w2-$mode" "${MODE_DEVICES:-2}" ddp --model.ranker.attention jagged --model.cuda_graphs false \
       "${grad_args[@]}" --model.optimizer adagrad --model.lr "${ADAGRAD_LR:-0.02}" \
       --trainer.limit_test_batches 1.0
   done

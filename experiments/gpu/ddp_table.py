@@ -3,10 +3,10 @@ embedding-gradient modes side by side (markdown on stdout).
 
     python experiments/gpu/ddp_table.py ddp
 
-Run names are ``<backend>-w<devices>-<single|ddp>`` (scaling) and ``jagged-w<devices>-<mode>``,
+Run names are ``<attention>-w<devices>-<single|ddp>`` (scaling) and ``jagged-w<devices>-<mode>``,
 with ``#<k>`` appended for the k-th repeat of a configuration. A cell is the mean over the
 repeats, with their range in brackets where there are several. Efficiency = global examples/s at
-W processes / (W x examples/s of the same backend at 1), against the 1-process DDP run and against
+W processes / (W x examples/s of the same layout at 1), against the 1-process DDP run and against
 the plain single-process run, from the means; the bracket gives its range over every pairing of
 repeats.
 """
@@ -61,15 +61,15 @@ def main(argv: list[str]) -> None:
     for name, runs in groups.items():
         print(f"| {name} | {len(runs)} | {runs[-1].data.tags.get('world_size', '-')} | "
               + " | ".join(_cell(runs, k) for k in KEYS) + " |")
-    print("\n| backend | W | table sync | efficiency vs 1-process DDP | vs single process |\n|---|---:|---|---:|---:|")
+    print("\n| attention | W | table sync | efficiency vs 1-process DDP | vs single process |\n|---|---:|---|---:|---:|")
     for name, runs in groups.items():
         m = re.fullmatch(r"(\w+)-w(\d+)-ddp(-rows)?", name)
         if not m or m.group(2) == "1":
             continue
-        backend, world = m.group(1), int(m.group(2))
+        attention, world = m.group(1), int(m.group(2))
         speeds = _values(runs, SPEED)
         cells = []
-        for base in (f"{backend}-w1-ddp", f"{backend}-w1-single"):
+        for base in (f"{attention}-w1-ddp", f"{attention}-w1-single"):
             refs = _values(groups.get(base, []), SPEED)
             if not speeds or not refs:
                 cells.append("-")
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> None:
             spread = f" [{min(pairs):.1%}, {max(pairs):.1%}]" if len(pairs) > 1 else ""
             cells.append(f"{ratio:.1%}{spread}")
         sync = "rows" if m.group(3) else "allreduce"
-        print(f"| {backend} | {world} | {sync} | " + " | ".join(cells) + " |")
+        print(f"| {attention} | {world} | {sync} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

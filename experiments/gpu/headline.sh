@@ -20,15 +20,15 @@ timeout $(( $(left) - 240 )) python3 -m pipeline.experiment --preset paper --dat
   --results-dir "$OUT" >> "$log" 2>&1; echo "experiment rc=$? at ${SECONDS}s" | tee -a "$log"
 save
 # the batch-2048 fits are loop.sh's (same runs and names; its own log, loop.log)
-runs=""; for backend in ${FIT_2048:-jagged sdpa}; do runs+=" $backend:2048:graphs"; done
+runs=""; for attention in ${FIT_2048:-jagged sdpa}; do runs+=" $attention:2048:graphs"; done
 CALL_BUDGET_S=$(( $(left) - 80 )) RUNS="$runs" TESTS="" PROFILE="" bash experiments/gpu/loop.sh > /dev/null
 grep -E "rc=|not started" "$OUT/loop.log" | tee -a "$log"
 for bs in 512 2048; do
-  backends="jagged sdpa dense"; [ "$bs" = 2048 ] && backends="jagged sdpa"  # dense: out of memory in fit
+  layouts="jagged sdpa dense"; [ "$bs" = 2048 ] && layouts="jagged sdpa"  # dense: out of memory in fit
   if [ "$(left)" -lt 60 ]; then echo "profile b$bs: not started, $(left)s left" | tee -a "$log"; continue; fi
   timeout $(( $(left) - 10 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
     --config experiments/configs/paper.yaml --data.data_dir data/paper --data.batch_size "$bs" \
-    --model.cuda_graphs true --backends $backends --steps 5 --warmup 3 --top 12 \
+    --model.cuda_graphs true --attention $layouts --steps 5 --warmup 3 --top 12 \
     --out "$OUT/profile_paper_b$bs.md" >> "$log" 2>&1
   echo "profile b$bs rc=$? at ${SECONDS}s" | tee -a "$log"
 done

@@ -29,14 +29,14 @@ if [ -n "$TESTS" ]; then
 fi
 RUNS=${RUNS:-"jagged:512:graphs:trace jagged:512:eager:trace sdpa:512:graphs:trace sdpa:512:eager jagged:2048:graphs sdpa:2048:graphs"}
 for spec in $RUNS; do
-  IFS=: read -r backend bs mode trace <<< "$spec"
-  name="$backend-b$bs-$mode"
+  IFS=: read -r attention bs mode trace <<< "$spec"
+  name="$attention-b$bs-$mode"
   if [ "$(left)" -lt 100 ]; then echo "$name: not started, $(left)s left" | tee -a "$log"; continue; fi
   extra=()
   [ "$mode" = graphs ] && extra+=(--model.cuda_graphs true)
   [ -n "$trace" ] && extra+=(--perf.trace_steps "[150,10]" --perf.trace_dir "traces/$name")
   timeout $(( $(left) - 20 )) python3 -m pipeline fit --config experiments/configs/base.yaml \
-    --config experiments/configs/paper.yaml --data.data_dir data/paper --model.ranker.backend "$backend" \
+    --config experiments/configs/paper.yaml --data.data_dir data/paper --model.ranker.attention "$attention" \
     --data.batch_size "$bs" --trainer.max_steps "${STEPS:-300}" --trainer.limit_val_batches 0 \
     --trainer.limit_test_batches 5 --checkpoint.save_top_k 0 --checkpoint.save_last false \
     --mlflow.experiment_name loop --mlflow.run_name "$name" "${extra[@]}" >> "$log" 2>&1
@@ -47,7 +47,7 @@ python3 experiments/gpu/runs_table.py loop | tee -a "$log"
 if [ "$(left)" -gt 120 ] && [ -n "${PROFILE-1}" ]; then
   timeout $(( $(left) - 10 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
     --config experiments/configs/paper.yaml --data.data_dir data/paper --model.cuda_graphs true \
-    --backends ${PROFILE_BACKENDS:-jagged sdpa dense} --steps 5 --warmup 3 --top 12 \
+    --attention ${PROFILE_ATTENTION:-jagged sdpa dense} --steps 5 --warmup 3 --top 12 \
     --out "$OUT/profile_paper.md" >> "$log" 2>&1
   echo "profile rc=$? at ${SECONDS}s" | tee -a "$log"
 fi
