@@ -31,6 +31,7 @@ from pathlib import Path
 import polars as pl
 import yaml
 
+from models.config import RENAMED_KEYS
 from pipeline.tracking import REPO_ROOT
 
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
@@ -76,7 +77,7 @@ def budget_state(name: str, md: str) -> str:
     raw = _header_value(md, "budget and overrides of every run")
     if raw is None:
         return "unknown (no budget line)"
-    ran = json.loads(raw.strip("`"))
+    ran = {RENAMED_KEYS.get(k, k): v for k, v in json.loads(raw.strip("`")).items()}  # reports of earlier versions
     differ = [f"{k}: ran {ran.get(k)!r}, file {v!r}" for k, v in (spec.get("set") or {}).items()
               if json.dumps(ran.get(k)) != json.dumps(v)]
     return "current" if not differ else "stale: " + "; ".join(differ)

@@ -73,3 +73,14 @@ def test_main_writes_the_file_and_rejects_a_missing_folder(tmp_path, capsys):
     assert "no results folder" in capsys.readouterr().err
     assert summary.main(["--results", str(tmp_path)]) == 0
     assert (tmp_path / "REPORT.md").read_text().startswith("# Jagged Flash Attention")
+
+
+def test_a_report_that_names_a_renamed_key_reads_under_the_new_name():
+    """history_value's report was written when model.ranker.attention was model.ranker.backend:
+    the same budget is current; a different value of the renamed key is still stale."""
+    current = __import__("yaml").safe_load((summary.ABLATIONS / "history_value.yaml").read_text())["set"]
+    assert current["model.ranker.attention"] == "jagged"
+    old = {("model.ranker.backend" if k == "model.ranker.attention" else k): v for k, v in current.items()}
+    assert summary.budget_state("history_value", REPORT.format(budget=json.dumps(old))) == "current"
+    other = REPORT.format(budget=json.dumps({**old, "model.ranker.backend": "sdpa"}))
+    assert summary.budget_state("history_value", other) == "stale: model.ranker.attention: ran 'sdpa', file 'jagged'"
