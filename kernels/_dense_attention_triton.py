@@ -10,13 +10,39 @@ head) looping over the sequence's key blocks; the dK/dV programs one per (key bl
 head) looping over the Tq queries, over the flat slot list of the self-attention kernels (grid
 sized from T and B on the host, no sync; see ``_locate``). The backward is one launch: its first
 programs do dQ, the rest dK/dV; each computes delta = rowsum(dO * O) of its few query rows
-itself (no pre-pass launch). Every output element has exactly one writer: no atomics. dBias
-is dS itself (the bias enters the scores unscaled), so the dQ programs store it on the way.
+itself (no pre-pass launch). Every output element has exactly one writer: no atomics (except
+dQ under SPLIT_DQ). dBias is dS itself (the bias enters the scores unscaled), so the dQ programs
+store it on the way.
+
+SPLIT_DQ (a launch key, off in the hand rules until timed on a GPU): the dQ programs read all of
+their sequence's K and V again after the dK/dV programs have, which for few queries is most of
+the backward's bytes. With SPLIT_DQ there are no dQ programs: each dK/dV program also computes,
+per query step, its key block's share dS @ K (the dS it has for dK) and adds it, times the scale,
+into a zero-initialised fp32 [B, Tq, H, D] buffer with fp32 atomics (relaxed: nothing reads the
+buffer before the launch ends); the launcher then casts it to q's dtype (FlashAttention-2's dQ
+scheme). Queries of empty sequences keep the zeros; key rows past max_seq_len take no part.
+Why atomics rather than a deterministic reduction (fp32 partials per key slot, summed in slot
+order, e.g. by the last-arriving program of each (sequence, head)): the partials take
+slots x H x Tq x D x 4 bytes, written and read back; at B1024 N1024 H2 D64 fill 0.25 (5.1k slots
+of 64 keys) that is 2.6 MB per query, 167 MB at Tq = 64, more than the 134 MB of K and V
+re-reads it saves. The atomics' buffer is B x Tq x H x D x 4 bytes whatever the lengths. The
+price: the fp32 sums are added in arrival order, so dQ is not bit-deterministic run to run on a
+GPU (dK, dV: the same computation as without SPLIT_DQ, bit-identical in the CPU tests).
+Per call, against the default launch:
+- launches 1 -> 2 in fp32 (zero fill, kernel), 1 -> 3 in fp16/bf16 (and the cast);
+- bytes: K and V read once, not twice (the dQ programs read cdiv(Tq, BLOCK_M) x T x H x D
+  elements of each), nor q, dO, O by the dQ programs (3 elements per dQ element); plus 8 bytes
+  per dQ element (zero fill 4, cast 4 + 2, less the 2 the dQ programs wrote); plus Tq x D fp32
+  atomic adds per (key block, head), resolved in L2.
+Not with a bias gradient (the launcher keeps the dQ programs, which write dBias = dS and its zero
+tail: B x H x Tq x N elements, then the larger stream), nor when no sequence has a key.
 
 Numerics as in the self-attention kernels (exp2 with prescaled scores, fp32 statistics and
 accumulators), plus: a query may see no finite score (empty sequence, or a bias of -inf), so the
 running max is made safe before exp2 and an empty row gives out = 0, lse = -inf; the backward
-maps lse = -inf to +inf so that such rows get P = 0.
+maps lse = -inf to +inf so that such rows get P = 0. Under SPLIT_DQ the dS rows of key slots
+past the sequence are zeroed before dS @ K: k is 0 there, but their P = exp2(0 - lse) overflows
+when lse < -88.
 """
 
 from __future__ import annotations
@@ -166,16 +192,17 @@ def _dense_bwd_dq(
 
 @triton.jit
 def _dense_bwd_dkdv(
-    pid, Q, K, V, Bias, DO, DK, DV, LSE, O, Offsets,
+    pid, Q, K, V, Bias, DO, DQ, DK, DV, LSE, O, Offsets,
     stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_dqb, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Program `pid` (a slot): dK, dV of BLOCK_N key rows of one (sequence, head), over all Tq
-    queries."""
+    queries; with SPLIT_DQ also this key block's share dS @ K of dQ, atomically added to DQ
+    (fp32, zero-initialised)."""
     h, b, j, seq_start, seq_len, offs_d, d_ok, dk_base, dv_base = key_block_grads(
         pid, DK, DV, Offsets, stride_dkt, stride_dkh, stride_dvt, stride_dvh, max_seq_len, num_heads, num_seqs,
         HEAD_D, BLOCK_N, BLOCK_D)
@@ -192,6 +219,7 @@ def _dense_bwd_dkdv(
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_dob + h * stride_doh
     o_base = O + b * stride_dob + h * stride_doh
+    dq_base = DQ + b * stride_dqb + h * stride_dqh
     bias_base = Bias + b * stride_bb + h * stride_bh + offs_n[:, None] * stride_bn
     for start_m in range(0, num_queries, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -210,6 +238,11 @@ def _dense_bwd_dkdv(
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+        if SPLIT_DQ:  # rows past the sequence zeroed: k is 0 there, but p_t may overflow
+            ds_t = tl.where(n_ok[:, None], ds_t, 0.0)
+            dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC)  # [BM, BD]
+            tl.atomic_add(dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :], dq * sm_scale,
+                          mask=q_mask, sem="relaxed")
     tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :],
@@ -226,13 +259,18 @@ def _dense_bwd_kernel(
     qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs, num_dq_programs,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     M_KV: tl.constexpr, N_KV: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_DBIAS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    SPLIT_DQ: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """The first num_dq_programs programs: dQ (+ dBias) per query block; the rest: dK, dV per
-    key slot. The dQ programs, which loop over whole sequences, are dispatched first. O (the
-    forward's output) has DO's strides (both contiguous)."""
+    key slot. The dQ programs, which loop over whole sequences, are dispatched first. With
+    SPLIT_DQ there are no dQ programs (num_dq_programs = 0, never STORE_DBIAS): the dK/dV
+    programs add dQ into DQ, fp32. O (the forward's output) has DO's strides (both contiguous)."""
     pid = tl.program_id(0)
-    if pid < num_dq_programs:
+    if SPLIT_DQ:
+        dq_program = False  # decided at compile time: the dQ branch is not built
+    else:
+        dq_program = pid < num_dq_programs
+    if dq_program:
         _dense_bwd_dq(pid, Q, K, V, Bias, DO, DQ, DBias, LSE, O, Offsets,
                       stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_bb, stride_bh, stride_bq, stride_bn, stride_dob, stride_dot,
@@ -241,28 +279,30 @@ def _dense_bwd_kernel(
                       num_heads, num_seqs, HEAD_D, BLOCK_D, BLOCK_M, BLOCK_N, HAS_BIAS,
                       STORE_DBIAS, DOT_PREC)
     else:
-        _dense_bwd_dkdv(pid - num_dq_programs, Q, K, V, Bias, DO, DK, DV, LSE, O, Offsets,
+        _dense_bwd_dkdv(pid - num_dq_programs, Q, K, V, Bias, DO, DQ, DK, DV, LSE, O, Offsets,
                         stride_qb, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
                         stride_vh, stride_bb, stride_bh, stride_bq, stride_bn, stride_dob,
-                        stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                        qk_scale, sm_scale, max_seq_len, num_queries, num_heads, num_seqs,
-                        HEAD_D, BLOCK_D, M_KV, N_KV, HAS_BIAS, DOT_PREC)
+                        stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh, stride_dkt,
+                        stride_dkh, stride_dvt, stride_dvh, qk_scale, sm_scale, max_seq_len,
+                        num_queries, num_heads, num_seqs, HEAD_D, BLOCK_D, M_KV, N_KV, HAS_BIAS,
+                        SPLIT_DQ, DOT_PREC)
 
 
 # ---- block sizes --------------------------------------------------------------------------
 
 
 def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
-    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim."""
+    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim. SPLIT_DQ (0/1,
+    backward only) is off until timed on a GPU; a launch table may turn it on per shape."""
     if INTERPRET:
-        return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, SPLIT_DQ=0, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     bm = max(16, min(64 if bd <= 128 else 32, triton.next_power_of_2(num_queries)))
     bn = 64 if bd <= 128 else 32
     warps = 8 if bd >= 128 else 4
     if dtype == torch.float32:
         bm, bn = max(bm // 2, 16), (32 if bd <= 64 else 16)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, num_warps=warps,
+    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, SPLIT_DQ=0, num_warps=warps,
                 num_stages=1 if dtype == torch.float32 else 2)
 
 
@@ -340,17 +380,25 @@ def dense_attention_bwd(
         dout = dout.contiguous()
     B, Tq, H, D = q.shape
     T = k.shape[0]
-    dq, dk, dv = new_output(q.shape, q), new_output(k.shape, k), new_output(v.shape, v)
+    dk, dv = new_output(k.shape, k), new_output(v.shape, v)
     store_dbias = bias is not None and need_dbias
     dbias = new_output(tuple(bias.shape), bias) if store_dbias else None
     if B == 0 or (Tq == 0 and T == 0):
-        return dq, dk, dv, dbias
+        return new_output(q.shape, q), dk, dv, dbias
     if Tq == 0:  # no query: every key gradient is zero
-        return dq, dk.zero_(), dv.zero_(), dbias
+        return new_output(q.shape, q), dk.zero_(), dv.zero_(), dbias
     if out.stride() != dout.stride():  # the kernel reads O with dO's strides
         out = out.contiguous()
     kw = _dense_kw(D, Tq, q.dtype, "dense_bwd", B, max_seq_len, T, H)
-    n_dq = triton.cdiv(Tq, kw["BLOCK_M"]) * B * H
+    # split-K dQ (module docstring): not with dBias (the dQ programs write it), nor without keys
+    split = 1 if kw["SPLIT_DQ"] and not store_dbias and T > 0 else 0
+    if split != kw["SPLIT_DQ"]:
+        kw = dict(kw, SPLIT_DQ=split)
+    if split:  # fp32 sums of the key blocks' atomic adds; queries without keys keep the zeros
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq = new_output(q.shape, q)
+    n_dq = 0 if split else triton.cdiv(Tq, kw["BLOCK_M"]) * B * H
     n_kv = num_slots(T, B, kw["N_KV"]) * H if T > 0 else 0
     qs, ks, vs, dos, dqs = q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride()
     bias_args = _bias_args(bias, q)
@@ -365,4 +413,4 @@ def dense_attention_bwd(
             scale * LOG2E, scale, max_seq_len, Tq, H, B, n_dq,
             HAS_BIAS=bias is not None, STORE_DBIAS=store_dbias, **kw,
         )
-    return dq, dk, dv, dbias
+    return dq.to(q.dtype), dk, dv, dbias

@@ -93,6 +93,13 @@ def _ptxas_report(ptx: str, arch: int) -> str:
             f"spill={spill.group(1) + '/' + spill.group(2) if spill else '?'}")
 
 
+def _split_dq(run):
+    from kernels import _launch_configs
+
+    with _launch_configs.forced("dense_bwd", {"SPLIT_DQ": 1}):
+        return run()
+
+
 def _workloads(dtype, D):
     """(label, thunk) pairs that call every launcher once on meta tensors."""
     from kernels._dense_attention_triton import dense_attention_bwd, dense_attention_fwd
@@ -116,6 +123,9 @@ def _workloads(dtype, D):
         yield f"dense bias={b is not None}", lambda b=b: (
             dense_attention_fwd(qd, k, v, off, N, b, 0.1),
             dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, b is not None))
+    for b in (None, bias):  # SPLIT_DQ: off in the hand rules, a launch table may turn it on
+        yield f"dense split_dq bias={b is not None}", lambda b=b: _split_dq(
+            lambda: dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, False))
     lse2 = torch.empty(T, H, device="meta", dtype=torch.float32)
     for block in (64, 48):
         for causal in (False, True):

@@ -121,10 +121,12 @@ def check_flash(lengths, H, D, max_seq_len, causal, dtype, device, backend="trit
 
 
 def check_dense(lengths, Tq, H, D, max_seq_len, with_bias, dtype, device, backend="triton",
-                scale=None, bias_mask=False):
-    """One case of jagged_dense_attention, forward + backward (dq, dk, dv, dbias)."""
+                scale=None, bias_mask=False, bias_grad=True, bias_shift=0.0):
+    """One case of jagged_dense_attention, forward + backward (dq, dk, dv, and dbias unless the
+    bias is a constant: bias_grad=False). bias_shift is added to the whole bias: the same
+    softmax, with the log-sum-exp moved as far from 0."""
     tag = (f"dense L={list(lengths)[:6]} N={max_seq_len} Tq={Tq} H={H} D={D} bias={with_bias} "
-           f"{dtype}")
+           f"{'' if bias_grad else 'constant '}{dtype}")
     B = len(lengths)
     off = make_offsets(lengths, device)
     T = int(sum(lengths))
@@ -132,12 +134,12 @@ def check_dense(lengths, Tq, H, D, max_seq_len, with_bias, dtype, device, backen
     k, v = (torch.randn(T, H, D, dtype=dtype, device=device).requires_grad_() for _ in range(2))
     bias = None
     if with_bias:
-        bias = torch.randn(B, H, Tq, max_seq_len, dtype=dtype, device=device)
+        bias = torch.randn(B, H, Tq, max_seq_len, dtype=dtype, device=device) + bias_shift
         if bias_mask:  # -inf masks keys, including whole rows
             bias = bias.masked_fill(torch.rand_like(bias, dtype=torch.float32) < 0.3, float("-inf"))
             bias[:, :, 0] = float("-inf")
-        bias.requires_grad_()
-    inputs = (q, k, v) + ((bias,) if with_bias else ())
+        bias.requires_grad_(bias_grad)
+    inputs = (q, k, v) + ((bias,) if with_bias and bias_grad else ())
     out = jagged_dense_attention(q, k, v, off, max_seq_len, bias=bias, scale=scale,
                                  backend=backend)
     dout = torch.randn_like(out)
@@ -145,8 +147,9 @@ def check_dense(lengths, Tq, H, D, max_seq_len, with_bias, dtype, device, backen
 
     def ref(dt, upcast):
         xs = [t.detach().to(dt).requires_grad_() for t in inputs]
-        o, _ = dense_attention_reference(xs[0], xs[1], xs[2], off, max_seq_len,
-                                         xs[3] if with_bias else None, scale, upcast=upcast)
+        b = xs[3] if len(xs) == 4 else (bias.to(dt) if with_bias else None)
+        o, _ = dense_attention_reference(xs[0], xs[1], xs[2], off, max_seq_len, b, scale,
+                                         upcast=upcast)
         return o, _grads([o], xs, [dout.to(o.dtype)])
 
     o_ref, g_ref = ref(_oracle_dtype(dtype), True)
@@ -161,7 +164,7 @@ def check_dense(lengths, Tq, H, D, max_seq_len, with_bias, dtype, device, backen
     if bool(gone.any()):
         assert bool((got[1][gone] == 0).all()) and bool((got[2][gone] == 0).all()), \
             f"{tag}: dk/dv rows past max_seq_len not zero"
-    if with_bias:  # bias columns past each sequence's length get zero gradient
+    if with_bias and bias_grad:  # bias columns past each sequence's length get zero gradient
         lens = torch.tensor(lengths, device=device).clamp(max=max_seq_len)
         past = torch.arange(max_seq_len, device=device)[None, :] >= lens[:, None]  # [B, N]
         assert bool((got[3].permute(0, 3, 1, 2)[past] == 0).all()), f"{tag}: dbias past length"

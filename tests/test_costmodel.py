@@ -106,7 +106,7 @@ OTHER = {  # every family: a config unlike the interpreter's hand rule
     "flash_fwd": {"BLOCK_M": 32, "BLOCK_N": 16},
     "flash_bwd": {"BLOCK_N1": 16, "BLOCK_M1": 16, "BLOCK_M2": 16, "BLOCK_N2": 16},
     "dense_fwd": {"BLOCK_M": 16, "BLOCK_N": 32},
-    "dense_bwd": {"BLOCK_M": 16, "BLOCK_N": 32, "M_KV": 16, "N_KV": 32},
+    "dense_bwd": {"BLOCK_M": 16, "BLOCK_N": 32, "M_KV": 16, "N_KV": 32, "SPLIT_DQ": 1},
     "softmax_fwd": {"BLOCK_N": 32, "SMALL_N": 16, "BLOCK_H": 16},
     "softmax_bwd": {"BLOCK_N": 16, "SMALL_N": 16, "BLOCK_H": 16},
     "jagged_dense_bmm": {"BLOCK_T": 16, "BLOCK_M": 16, "BLOCK_K": 16, "num_stages": 1},

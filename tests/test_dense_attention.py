@@ -89,6 +89,100 @@ def test_dense_reference_gradcheck():
         (q, k, v, bias))
 
 
+# ---- SPLIT_DQ: dQ summed from the dK/dV programs (kernels/_dense_attention_triton.py) -------
+
+
+@pytest.fixture
+def split_dq(monkeypatch):
+    """The hand rules with SPLIT_DQ on, for every shape (the launch-dict caches cleared)."""
+    from kernels import _dense_attention_triton as dat
+    from kernels import _launch_configs
+
+    hand = dat.dense_config
+    monkeypatch.setattr(dat, "dense_config", lambda *a: dict(hand(*a), SPLIT_DQ=1))
+    _launch_configs.clear_caches()
+    yield
+    _launch_configs.clear_caches()
+
+
+@pytest.fixture
+def bwd_launches(monkeypatch):
+    """(grid, num_dq_programs, SPLIT_DQ) of every backward launch, the kernel still run."""
+    from kernels import _dense_attention_triton as dat
+
+    calls, real = [], dat._dense_bwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                calls.append((grid, args[-1], kw["SPLIT_DQ"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(dat, "_dense_bwd_kernel", Spy())
+    return calls
+
+
+SPLIT_CASES = [
+    # lengths, Tq, H, D, max_seq_len, bias, bias_grad, dtype
+    ([0, 1, 17, 40], 1, 2, 64, 40, False, False, F32),
+    ([33, 0, 5], 5, 1, 48, 33, False, False, BF16),
+    ([33, 0, 5], 2, 3, 48, 33, False, False, F16),
+    ([40, 3, 20, 0], 16, 2, 64, 17, False, False, BF16),  # keys past max_seq_len
+    ([19, 0, 50], 33, 1, 48, 24, True, False, F32),  # a constant bias: split
+    ([19, 0, 50], 33, 2, 64, 24, True, False, BF16),
+    ([9, 0, 30], 16, 2, 48, 25, True, True, BF16),  # a bias gradient: the dQ programs
+    ([0, 0], 5, 1, 64, 6, False, False, F32),  # no key at all: the dQ programs write the zeros
+]
+
+
+@pytest.mark.parametrize("lengths,Tq,H,D,N,bias,bias_grad,dtype", SPLIT_CASES)
+def test_dense_split_dq_cpu(split_dq, bwd_launches, lengths, Tq, H, D, N, bias, bias_grad, dtype):
+    check_dense(lengths, Tq, H, D, N, bias, dtype, "cpu", bias_grad=bias_grad)
+    (grid, n_dq, split), = bwd_launches
+    if (bias and bias_grad) or sum(lengths) == 0:  # not supported: the default launch
+        assert split == 0 and n_dq == (Tq + 15) // 16 * len(lengths) * H
+    else:  # only the dK/dV programs: T // N_KV + B slots per head
+        assert split == 1 and n_dq == 0 and grid == ((sum(lengths) // 16 + len(lengths)) * H,)
+
+
+def test_dense_split_dq_cpu_masked_bias(split_dq):
+    # a constant -inf bias masks keys and whole query rows: zeros, never NaN
+    check_dense([20, 0, 9], 3, 2, 16, 20, True, F32, "cpu", scale=0.4, bias_mask=True, bias_grad=False)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")  # the interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")  # unstored dK rows
+@pytest.mark.parametrize("bias_grad", [False, True])
+def test_dense_split_dq_cpu_far_negative_bias(split_dq, bias_grad):
+    # lse < -88: exp2 of the zero scores of the key rows past a sequence's end overflows, and must
+    # not reach dQ (nor dBias, on the dQ programs' path). A shift of -150 keeps the scores in one
+    # binade in both bases (150 and 150 log2 e), so the kernel's rounding matches torch's.
+    check_dense([9, 0, 21], 4, 2, 16, 21, True, F32, "cpu", bias_grad=bias_grad, bias_shift=-150.0)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_dense_split_dq_same_dk_dv_bits(monkeypatch, dtype):
+    # the dK/dV programs do the same work with and without SPLIT_DQ: dK, dV bit for bit
+    from kernels import _dense_attention_triton as dat
+    from kernels import _launch_configs
+
+    lengths, Tq, H, D, N = [40, 0, 7, 33], 33, 2, 48, 35
+    off = make_offsets(lengths, "cpu")
+    q = torch.randn(4, Tq, H, D, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(sum(lengths), H, D, dtype=dtype, requires_grad=True) for _ in range(2))
+    bias = torch.randn(4, H, Tq, N, dtype=dtype)
+    hand, grads = dat.dense_config, []
+    for split in (0, 1):
+        monkeypatch.setattr(dat, "dense_config", lambda *a, s=split: dict(hand(*a), SPLIT_DQ=s))
+        _launch_configs.clear_caches()
+        out = jagged_dense_attention(q, k, v, off, N, bias=bias, backend="triton")
+        grads.append(torch.autograd.grad(out, (k, v), torch.ones_like(out)))
+    _launch_configs.clear_caches()
+    (dk0, dv0), (dk1, dv1) = grads
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+
+
 # ---- GPU ----------------------------------------------------------------------------------
 
 GPU_CONFIGS = [(dt, d, b) for dt, dims in ((BF16, (16, 48, 64, 96, 128, 256)),
@@ -112,6 +206,15 @@ def _gpu_shapes():
 def test_dense_triton_gpu(dtype, D, with_bias, shape):
     lengths, Tq, H, N = _gpu_shapes()[shape]
     check_dense(lengths, Tq, H, D, N, with_bias, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["awkward", "many", "long_tq"])
+@pytest.mark.parametrize("dtype,D", [(BF16, 64), (BF16, 128), (F16, 96), (F32, 48)])
+def test_dense_triton_gpu_split_dq(split_dq, dtype, D, shape):
+    # the fp32 atomics of SPLIT_DQ on the hardware (a constant bias: the split path)
+    lengths, Tq, H, N = _gpu_shapes()[shape]
+    check_dense(lengths, Tq, H, D, N, True, dtype, "cuda", bias_grad=False)
 
 
 @pytest.mark.gpu

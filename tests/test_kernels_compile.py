@@ -163,3 +163,4 @@ def test_every_attention_kernel_compiles_for_sm90_without_a_gpu():
     for kernel in ("_flash_fwd_kernel", "_flash_bwd_kernel", "_dense_fwd_kernel", "_dense_bwd_kernel",
                    "_s2_fwd", "_s2_bwd_dq", "_s2_bwd_dkdv"):
         assert f" {kernel} " in proc.stdout, kernel
+    assert " dense split_dq bias=False _dense_bwd_kernel " in proc.stdout  # the SPLIT_DQ variant too

@@ -7,7 +7,8 @@
 
 Data: the Parquet of ``kernels.bench.sweep`` (rows with status ok). One model per kernel family.
 Features: log2 of the shape (B sequences, N max_seq_len, L mean length, H, D, Tq, T tokens),
-fill = L / N, the dtype's bytes, log2 of every tunable launch key (tiles, warps, stages) and, per
+fill = L / N, the dtype's bytes, log2 of every tunable launch key (tiles, warps, stages; the 0/1
+switches of ``sweep_families.FLAGS``, e.g. dense_bwd's SPLIT_DQ, as they are) and, per
 tile key, log2(L / tile) (tiles per sequence: where shape and config interact). Targets: log
 runtime (ms per call) and log energy (J per call, where NVML gave power).
 
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.bench.sweep_families import AUTOTUNE, DTYPES, TUNABLE, SweepShape, hand_config, valid
+from kernels.bench.sweep_families import AUTOTUNE, DTYPES, FLAGS, TUNABLE, SweepShape, hand_config, valid
 
 SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
 ENERGY_SLACK = 1.05  # the energy-aware pick: least energy within 5% of the fastest
@@ -72,7 +73,7 @@ def shape_of(r: dict) -> SweepShape:
 def feature_names(family: str) -> list[str]:
     tiles = [k for k in TUNABLE[family] if k.startswith(("BLOCK", "SMALL", "M_KV", "N_KV"))]
     return ([f"log2 {k}" for k in SHAPE_COLS] + ["fill", "dtype bytes"]
-            + [f"log2 {k}" for k in TUNABLE[family]] + [f"log2 L/{k}" for k in tiles])
+            + [k if k in FLAGS else f"log2 {k}" for k in TUNABLE[family]] + [f"log2 L/{k}" for k in tiles])
 
 
 def features(family: str, shape: dict, cfg: dict) -> list[float]:
@@ -80,7 +81,8 @@ def features(family: str, shape: dict, cfg: dict) -> list[float]:
     lg = lambda x: math.log2(max(float(x), 1.0))  # noqa: E731
     tiles = [k for k in TUNABLE[family] if k.startswith(("BLOCK", "SMALL", "M_KV", "N_KV"))]
     return ([lg(shape[k]) for k in SHAPE_COLS] + [shape["L"] / max(shape["N"], 1), DTYPES[shape["dtype"]].itemsize]
-            + [lg(cfg[k]) for k in TUNABLE[family]] + [lg(shape["L"]) - lg(cfg[k]) for k in tiles])
+            + [float(cfg[k]) if k in FLAGS else lg(cfg[k]) for k in TUNABLE[family]]
+            + [lg(shape["L"]) - lg(cfg[k]) for k in tiles])
 
 
 N_SHAPE_FEATURES = len(SHAPE_COLS) + 2  # the leading columns of features(): shape only

@@ -6,7 +6,8 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
 - ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small`` (one GPU call
   of ~400 s) or ``full`` (several resumed calls). Lengths are drawn as in the benchmark harness
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
-- ``space(family, shape, level)``: every launch config tried (tiles, warps, stages), with the
+- ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
+  ``FLAGS``: dense_bwd's SPLIT_DQ, both settings), with the
   combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
   and the hand rule's config always included.
 - ``hand_config(family, shape)``: the hand rule's config, computed by the very function the
@@ -36,7 +37,7 @@ TUNABLE = {
     "flash_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
     "flash_bwd": ("BLOCK_N1", "BLOCK_M1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"),
     "dense_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-    "dense_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages"),
+    "dense_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages", "SPLIT_DQ"),
     "softmax_fwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps"),
     "softmax_bwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps"),
     "jagged_dense_bmm": ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages"),
@@ -44,6 +45,7 @@ TUNABLE = {
     "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
 }
 assert TUNABLE.keys() == FAMILIES.keys()
+FLAGS = ("SPLIT_DQ",)  # tunable keys that are 0/1 switches (the others are powers of two)
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,8 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
             "flash_fwd": _product(k, [16, 32], [16], [4], [1]),
             "flash_bwd": [dict(zip(k, v)) for v in [(32, 16, 32, 16, 4, 1), (16, 16, 16, 16, 4, 1)]],
             "dense_fwd": _product(k, [16], [16, 32], [4], [1]),
-            "dense_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1), (16, 32, 16, 32, 4, 1)]],
+            "dense_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1, 0), (16, 32, 16, 32, 4, 1, 0),
+                                                    (16, 16, 16, 16, 4, 1, 1)]],
             "softmax_fwd": _product(k, [32], [16, 32], [16], [4]),
             "softmax_bwd": _product(k, [32], [16, 32], [16], [4]),
             "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
@@ -136,7 +139,8 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
         return [dict(zip(k, (n1, m1, n1, m1, w, st))) for (n1, m1), w, st in itertools.product(pairs, warps, stages)]
     if family == "dense_bwd":
         tiles = [(16, 64), (32, 64), (64, 64), (16, 32), (64, 32)] + ([(32, 128), (64, 128)] if full else [])
-        return [dict(zip(k, (m, n, m, n, w, st))) for (m, n), w, st in itertools.product(tiles, warps, stages)]
+        return [dict(zip(k, (m, n, m, n, w, st, sp)))
+                for (m, n), w, st, sp in itertools.product(tiles, warps, stages, [0, 1])]
     if family.startswith("softmax"):
         return _product(k, [256, 512, 1024], [64, 128, 256] if full else [64, 128], [8, 16, 32] if full else [16], warps)
     if family == "jagged_dense_bmm":
@@ -203,8 +207,9 @@ AUTOTUNE = {  # a plausible @triton.autotune list per family (subsets of the sma
     "flash_bwd": [dict(zip(TUNABLE["flash_bwd"], v)) for v in
                   [(64, 32, 64, 32, 4, 3), (64, 16, 64, 16, 4, 3), (128, 32, 128, 32, 8, 2), (32, 32, 32, 32, 4, 3)]],
     "dense_fwd": _product(TUNABLE["dense_fwd"], [16, 64], [32, 64], [4, 8], [2]),
-    "dense_bwd": [dict(zip(TUNABLE["dense_bwd"], v)) for v in
-                  [(16, 64, 16, 64, 4, 2), (64, 64, 64, 64, 8, 2), (32, 32, 32, 32, 4, 3), (64, 32, 64, 32, 4, 2)]],
+    "dense_bwd": [dict(zip(TUNABLE["dense_bwd"], (*v, sp))) for v, sp in itertools.product(  # both dQ schemes
+                  [(16, 64, 16, 64, 4, 2), (64, 64, 64, 64, 8, 2), (32, 32, 32, 32, 4, 3), (64, 32, 64, 32, 4, 2)],
+                  [0, 1])],
     "softmax_fwd": _product(TUNABLE["softmax_fwd"], [512, 1024], [128], [16], [4, 8]),
     "softmax_bwd": _product(TUNABLE["softmax_bwd"], [512, 1024], [128], [16], [4, 8]),
     "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
