@@ -142,24 +142,6 @@ class _Mul(torch.autograd.Function):
 
 # ---- 3. public functions --------------------------------------------------------------------
 
-_SPEC = """
-
-    Args:
-        values: ``[T, D]`` float32/bfloat16/float16 (float64 on the torch backend), any strides.
-        offsets: ``[B+1]`` int64 or int32, ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``.
-        dense: ``[B, N, D]``, same dtype and device as ``values``, any strides. N is the
-            max_seq_len of the op: position n of sequence b pairs with ``dense[b, n]``.
-        max_seq_len: optional; when given it must equal ``dense.shape[1]``.
-        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA, torch on CPU).
-
-    Returns:
-        ``[T, D]`` in ``values.dtype``, computed in fp32 and rounded once. Jagged rows with
-        ``n >= N`` (sequences longer than N) are zero in the output and get zero gradient
-        (FBGEMM's truncation); ``dense`` rows ``n >= len_b`` are unused and get zero gradient.
-        Under autocast both inputs are promoted to the wider of their dtypes (as torch does
-        for mixed-dtype ``add``/``mul``); outside autocast the dtypes must match.
-"""
-
 
 def _checked(values, offsets, dense, max_seq_len, backend):
     check_float(values, "values", ndim=2)
@@ -183,6 +165,25 @@ def jagged_dense_elementwise_add(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
+    """Add a padded dense tensor to a jagged one: ``out[offsets[b] + n] = values[offsets[b] + n]
+    + dense[b, n]`` for ``n < min(len_b, N)``.
+
+    Args:
+        values: ``[T, D]`` float32/bfloat16/float16 (float64 on the torch backend), any strides.
+        offsets: ``[B+1]`` int64 or int32, ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == T``.
+        dense: ``[B, N, D]``, same dtype and device as ``values``, any strides. N is the
+            max_seq_len of the op: position n of sequence b pairs with ``dense[b, n]``.
+        max_seq_len: optional; when given it must equal ``dense.shape[1]``.
+        backend: ``"torch"``, ``"triton"`` or ``"auto"`` (Triton on CUDA, torch on CPU).
+
+    Returns:
+        ``[T, D]`` in ``values.dtype``, computed in fp32 and rounded once. Jagged rows with
+        ``n >= N`` (sequences longer than N) are zero in the output and get zero gradient
+        (FBGEMM's truncation); ``dense`` rows ``n >= len_b`` are unused and get zero gradient.
+        Under autocast both inputs are promoted to the wider of their dtypes (as torch does
+        for mixed-dtype ``add``/``mul``); outside autocast the dtypes must match.
+        Backward: ``grad_values = grad`` (kept rows), ``grad_dense = jagged_to_padded(grad, N)``.
+    """
     be = _checked(values, offsets, dense, max_seq_len, backend)
     return apply(_Add, *autocast_cast("promote", values, offsets, dense), be)
 
@@ -195,17 +196,9 @@ def jagged_dense_elementwise_mul(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
+    """Multiply a jagged tensor by a padded dense one: ``out[offsets[b] + n] = values[offsets[b] + n]
+    * dense[b, n]`` for ``n < min(len_b, N)``; arguments, truncation, dtypes and autocast as
+    :func:`jagged_dense_elementwise_add`. Backward: ``grad_values = grad * dense[b, n]``,
+    ``grad_dense[b, n] = grad * values``."""
     be = _checked(values, offsets, dense, max_seq_len, backend)
     return apply(_Mul, *autocast_cast("promote", values, offsets, dense), be)
-
-
-jagged_dense_elementwise_add.__doc__ = (
-    "Add a padded dense tensor to a jagged one: ``out[offsets[b] + n] = values[offsets[b] + n]"
-    " + dense[b, n]`` for ``n < min(len_b, N)``." + _SPEC
-    + "        Backward: ``grad_values = grad`` (kept rows), ``grad_dense = jagged_to_padded(grad, N)``.\n"
-)
-jagged_dense_elementwise_mul.__doc__ = (
-    "Multiply a jagged tensor by a padded dense one: ``out[offsets[b] + n] = values[offsets[b] + n]"
-    " * dense[b, n]`` for ``n < min(len_b, N)``." + _SPEC
-    + "        Backward: ``grad_values = grad * dense[b, n]``, ``grad_dense[b, n] = grad * values``.\n"
-)
