@@ -1,4 +1,4 @@
-"""Issue 13's CPU machinery: launch tables and `tuned()`, the launchers under a table, the
+"""The launch-config cost model's CPU machinery: launch tables and `tuned()`, the launchers under a table, the
 config sweep in the interpreter (Parquet, resume), and the cost model on a synthetic dataset
 whose best config per shape is known. Nothing here times anything that is asserted."""
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for issue 13: the launch-config sweep, then the cost model's held-out-shape
+# One GPU-machine call for the launch-config cost model: the sweep, then the cost model's held-out-shape
 # evaluation, report and exported table, all from the sweep's Parquet.
 # Run from the repo root on the GPU machine after the wheel install line
 # (../shared/device/README.md; polars and mlflow come from the wheels, scikit-learn and
