@@ -1,6 +1,6 @@
 """jagged_dense_bmm and jagged_jagged_bmm: per-sequence matrix products.
 
-Layers (DESIGN.md): torch references, Triton kernels in ``kernels._bmm_triton``, the ops
+Layers: torch references, Triton kernels in ``kernels._bmm_triton``, the ops
 (custom ops ``jagged::jagged_dense_bmm`` / ``jagged::jagged_jagged_bmm`` for tracing, with
 fakes and autocast rules; an autograd.Function each, whose backward is made of the two
 products), public functions.

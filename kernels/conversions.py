@@ -1,6 +1,6 @@
 """jagged_to_padded and padded_to_jagged: the two conversions between the layouts.
 
-Layers (DESIGN.md): torch references, Triton kernels in ``kernels._conversions_triton``, the
+Layers: torch references, Triton kernels in ``kernels._conversions_triton``, the
 ops (custom ops ``jagged::jagged_to_padded`` / ``jagged::padded_to_jagged`` for tracing, an
 autograd.Function each, whose backward is the other conversion), public functions.
 """

@@ -1,6 +1,6 @@
 """jagged_dense_elementwise_add / _mul: combine a jagged tensor with a padded dense one.
 
-Layers (DESIGN.md): torch references (forward and backward), Triton kernels in
+Layers: torch references (forward and backward), Triton kernels in
 ``kernels._elementwise_triton``, the ops (custom ops ``jagged::jagged_dense_elementwise_add``,
 ``..._mul`` and ``..._backward`` for tracing, with fakes and a "promote" autocast rule; an
 autograd.Function each), public functions. A recorded backward (``create_graph=True``, double

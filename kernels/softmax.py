@@ -1,6 +1,6 @@
 """jagged_softmax: softmax over the rows of each sequence, independently per column.
 
-Layers (DESIGN.md): torch reference (forward and backward), Triton kernels in
+Layers: torch reference (forward and backward), Triton kernels in
 ``kernels._softmax_triton``, the op (custom ops ``jagged::jagged_softmax`` and
 ``jagged::jagged_softmax_backward`` for tracing, one autograd.Function), public function.
 A recorded backward (``create_graph=True``, double backward) is the reference's, in

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the ablations: `paper` data if absent, then the PARTS asked
 # for, each a resumable sweep bounded by what is left of the call's budget, then its report.
-# Run from the repo root after the wheel install line (../shared/device/README.md), with OUT and
+# Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set (no .git there). A call cut short loses nothing: rerun the same line (on the
 # same warm machine, or on a fresh one with the returned mlflow.db carried back as ./mlflow.db)
 # and finished runs are skipped.

@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the launch-config cost model: the sweep, then the cost model's held-out-shape
 # evaluation, report and exported table, all from the sweep's Parquet.
-# Run from the repo root on the GPU machine after the wheel install line
-# (../shared/device/README.md; polars and mlflow come from the wheels, scikit-learn and
-# nvidia-ml-py are in the image), with OUT set to a folder that comes back and GIT_COMMIT set
+# Run from the repo root on the GPU machine with the project installed (offline: polars and
+# mlflow from wheels; scikit-learn and nvidia-ml-py), with OUT set to a folder that comes back and GIT_COMMIT set
 # (the GPU machine has no .git). Writes under $OUT:
 #   sweep-<gpu>.parquet        every (family, shape, config) row: ms, power, energy, status
 #   sweep.log, run.log         the sweep's progress; this script's summary

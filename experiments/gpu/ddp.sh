@@ -5,7 +5,7 @@
 # (eager steps, Adagrad: the optimizer that treats them alike), and the token balance of the
 # sampler on the paper data. Each part runs only if the call's budget still holds it; a later
 # call with the returned mlflow.db carried back adds to the same runs table.
-# Run from the repo root after the wheel install line (../shared/device/README.md), with OUT and
+# Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set (no .git there). Returns $OUT/ddp.log, $OUT/ddp-summary.md, $OUT/mlflow.db,
 # $OUT/ddp-token-balance.md.
 #   PARTS="data balance scaling modes" bash experiments/gpu/ddp.sh             # everything once

@@ -3,7 +3,7 @@
 # paper`: dense, sdpa and jagged at batch 512, CUDA-graph steps), `fit` of jagged and sdpa at
 # batch 2048 (300 steps), and `pipeline.profile` at batch 512 and 2048 (5 back-to-back steps after
 # 3 warm-ups, the same CUDA-graph step), so fit's steady step can be set beside the isolated one.
-# Run from the repo root after the wheel install line (../shared/device/README.md), with OUT and
+# Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set, paper data present. Returns $OUT/headline.log, $OUT/loop.log, $OUT/main_paper_cuda.md,
 # $OUT/profile_paper_b{512,2048}.md/.json, $OUT/mlflow.db, $OUT/mlruns.tgz.
 set -uo pipefail

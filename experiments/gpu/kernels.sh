@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the kernels: the gpu-marked test suite, then every benchmark suite.
-# Run from the repo root on the GPU machine after the wheel install line
-# (../shared/device/README.md), with OUT set to a folder that comes back and GIT_COMMIT set
+# Run from the repo root on the GPU machine with the project installed (offline: from
+# wheels), with OUT set to a folder that comes back and GIT_COMMIT set
 # (the GPU machine has no .git). Everything lands in $OUT/bench (JSON, markdown, PNG: at most
 # 7 files) and $OUT/run.log, so a call cut short still returns what was measured.
 # PARTS picks what runs: tests, tune_ops (kernels.bench.tune_ops, TUNE_BUDGET s, log in

@@ -3,7 +3,7 @@
 # runs of the paper preset (eager vs CUDA graphs, jagged vs sdpa, batch 512 and 2048; 300
 # steps, 50 warm-up, the real loop profiled over steps 150-169 where asked), then `make profile`
 # at batch 512. Each part runs only if the call's budget still holds it.
-# Run from the repo root after the wheel install line (../shared/device/README.md), with OUT and
+# Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set (no .git there). Returns $OUT/loop.log, $OUT/mlflow.db, $OUT/traces.tgz,
 # $OUT/profile.tgz.
 #   RUNS="jagged:512:graphs:trace sdpa:512:eager" bash experiments/gpu/loop.sh

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the training side: `paper` data, the loader benchmark, the main job
 # (`make experiment PRESET=paper`: dense, sdpa, jagged) and as much of the seq_len ablation as
-# the 10-minute call leaves time for, then its report. Run from the repo root after the wheel
-# install line (../shared/device/README.md), with OUT and GIT_COMMIT set (no .git there).
+# the 10-minute call leaves time for, then its report. Run from the repo root with the
+# project installed (offline: from wheels), with OUT and GIT_COMMIT set (no .git there).
 # Returns $OUT/run.log, $OUT/main_paper_cuda.md, $OUT/loader.log, $OUT/results.tgz and
 # $OUT/mlflow.db (every run, for `make ui` / `make report` here).
 set -uo pipefail

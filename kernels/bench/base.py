@@ -25,7 +25,7 @@ class RunConfig:
     providers: frozenset[str] | None = None  # None: every provider
     max_shapes: int | None = None
     seed: int = 0
-    flex_max_tokens: int = 300_000  # FlexAttention over packed tokens costs ~T^2 (PEERS.md)
+    flex_max_tokens: int = 300_000  # FlexAttention over packed tokens costs ~T^2 (memory and time)
     flex_budget_s: float = 120.0  # wall time FlexAttention (compiles included) may use per run
     deadline: float | None = None  # time.monotonic() after which remaining shapes are skipped
     flex_spent_s: float = field(default=0.0)

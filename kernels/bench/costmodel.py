@@ -21,7 +21,7 @@ wins at D=64 loses at D=128), and the picks must be safe on shapes never timed. 
 prediction is an average of measured leaves, so it never extrapolates to a runtime below
 anything measured (boosting's additive corrections can, and such an optimistic error is exactly
 what makes a bad config look best); it needs no tuning of learning rate or depth to be decent
-on small data, and its impurity importances come for free. GPPerf (the issue's seed) used one too.
+on small data, and its impurity importances come for free. GPPerf (the seed paper on GEMM tile choice) used one too.
 
 Evaluation splits by SHAPE: GroupKFold over whole shapes, so every held-out shape's configs are
 all unseen. Reported per family: R^2 and the median / worst absolute error of log runtime

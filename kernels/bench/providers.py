@@ -1,4 +1,4 @@
-"""Self-attention providers: ours and every peer of PEERS.md, each in its own input layout.
+"""Self-attention providers: ours and every peer, each in its own input layout.
 
 | name | layout | what runs |
 | --- | --- | --- |

@@ -1,16 +1,16 @@
 """Benchmark shapes (suites), the seeded length generator and the useful-work formulas.
 
-Lengths are drawn as in ../shared/bench/PEERS.md: uniform integers in [1, 2*density*N], clipped
+Lengths are drawn as in the first side-by-side measurement of the peers: uniform integers in [1, 2*density*N], clipped
 to N, so the mean length is about density*N (a little less above density 0.5, where the clip
 bites). Every shape seeds its own generator from its id, so a shape gets the same lengths in
 every suite, run and provider.
 
 Suites (``SUITES[kind][suite]``):
-- attention/paper: every self-attention shape of PEERS.md, then N in {256..4096} x density
+- attention/paper: every self-attention shape of that measurement (PEERS_ATTENTION), then N in {256..4096} x density
   {0.1, 0.25, 0.5, 0.75} at H=2, D=64 with B = 2**20 // N (B*N = 1M padded tokens: B=1024 at
   N=1024). attention/recsys: many short sequences; attention/long: N 8192-16384, small B.
 - dense_attention/paper: B=1024, N=1024, H=2, D=64, density 0.25, Tq in {1, 16, 64}, then the
-  target-attention rows of PEERS.md.
+  target-attention rows of that measurement (PEERS_DENSE).
 - ops/paper: B=1024, N=1024, D=128 at four densities, plus B=4096, N=512, D=256, density 0.5.
 - smoke: tiny shapes for every kind, cheap enough for the CPU (CI).
 """
@@ -24,7 +24,7 @@ import torch
 
 KINDS = ("attention", "dense_attention", "ops")
 SUITE_NAMES = ("paper", "recsys", "long", "smoke")
-BWD_FLOP_FACTOR = 2.5  # DESIGN.md: backward = 2.5x the forward FLOPs
+BWD_FLOP_FACTOR = 2.5  # backward = 2.5x the forward FLOPs (FlashAttention's benchmark convention)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ def _grid(ns, densities, H=2, D=64, padded_tokens=2**20) -> list[Shape]:
     return [Shape(max(1, padded_tokens // n), n, H, D, d, tags=("grid",)) for n in ns for d in densities]
 
 
-# Self-attention shapes of PEERS.md; the headline shape of the issue first.
+# Self-attention shapes of the peer table; the paper's headline shape first.
 PEERS_ATTENTION = [
     Shape(1024, 1024, 2, 64, 0.25, tags=("peers", "headline")),
     Shape(1024, 256, 2, 64, 0.25, tags=("peers",)),

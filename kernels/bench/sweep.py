@@ -20,7 +20,7 @@ also carry the GPU, torch/triton/CUDA versions and the git commit (``--commit``,
 $GIT_COMMIT, else HEAD). Families, grids and config spaces: ``kernels.bench.sweep_families``.
 
 GPU command sequence (one GPU call: ``experiments/gpu/costmodel.sh`` runs exactly this, with OUT
-and GIT_COMMIT set, after the wheel install line of ../shared/device/README.md)::
+and GIT_COMMIT set, on a machine with the project installed)::
 
     slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
     python3 -m kernels.bench.sweep --grid small --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
