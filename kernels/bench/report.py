@@ -13,6 +13,7 @@ import os
 from collections import defaultdict
 
 from kernels.bench.base import OURS
+from kernels.bench.floors import floor_table
 from kernels.bench.stamp import stamp_line
 from kernels.bench.targets import evaluate, geomean_table
 
@@ -175,6 +176,7 @@ def render_markdown(docs: list[dict], rows: list[dict]) -> str:
             f"| {g['kind']} | {g['op']} | {g['suite']} | {g['mode']} | {g['peer']} | {g['geomean']:.2f}x | {g['n']} |"
         )
     out.append("")
+    out += floor_table(rows, ceilings or {}, docs[-1].get("config", {}).get("dtype", ""))
     suites = sorted({r["suite"] for r in rows}, key=lambda s: ("paper", "recsys", "long", "smoke").index(s))
     for kind in KIND_TITLES:
         for suite in suites:
