@@ -1,5 +1,6 @@
-"""The paper's figures redrawn from our rows: speedup and memory saving of ours against each peer
-vs N and vs density (self-attention), vs Tq (target attention), and ops bandwidth. Every figure
+"""The paper's figures redrawn from our rows: time per call of ours and every peer, and the speedup
+and memory saving of ours against each peer, vs N and vs density (self-attention), vs Tq (target
+attention); and ops bandwidth. Every figure
 carries the stamp (GPU, torch, triton, CUDA, commit, date) under its title.
 """
 
@@ -24,12 +25,13 @@ def _pick(values: list, preferred):
     return preferred if preferred in values else Counter(values).most_common(1)[0][0]
 
 
-def _series(rows: list[dict], xkey: str, metric: str, mode: str) -> dict[str, list[tuple[float, float]]]:
+def _series(rows: list[dict], xkey: str, metric: str, mode: str, ours: bool = False) -> dict[str, list[tuple[float, float]]]:
+    """Provider -> sorted (x, metric) points: the peers, and ours first when `ours`."""
     out = defaultdict(list)
     for r in rows:
-        if r["provider"] != OURS and r["mode"] == mode and r.get(metric):
+        if (ours or r["provider"] != OURS) and r["provider"] != "*" and r["mode"] == mode and r.get(metric):
             out[r["provider"]].append((r["shape"][xkey], r[metric]))
-    return {p: sorted(v) for p, v in sorted(out.items())}
+    return {p: sorted(out[p]) for p in sorted(out, key=lambda p: (p != OURS, p))}
 
 
 def _mark_unmeasured(ax, rows: list[dict], xkey: str, mode: str, peer: str, color) -> None:
@@ -46,25 +48,30 @@ def _mark_unmeasured(ax, rows: list[dict], xkey: str, mode: str, peer: str, colo
 
 
 def _figure(rows: list[dict], xkey: str, xlabel: str, title: str, stamp: dict, path: str, logx: bool) -> str:
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), squeeze=False)
+    panels = (("ms", "time per call (ms, median; lower is better)", "time"),
+              ("ours_speedup", "speedup of ours (peer time / ours)", "speed"),
+              ("ours_mem_ratio", "memory saving (peer peak / ours)", "peak memory"))
+    fig, axes = plt.subplots(3, 2, figsize=(12, 12.5), squeeze=False)
     for col, (mode, mode_title) in enumerate(MODES):
-        for row, (metric, ylabel) in enumerate(
-            (("ours_speedup", "speedup of ours (peer time / ours)"), ("ours_mem_ratio", "memory saving (peer peak / ours)"))
-        ):
+        for row, (metric, ylabel, what) in enumerate(panels):
             ax = axes[row][col]
-            series = _series(rows, xkey, metric, mode)
+            absolute = metric == "ms"
+            series = _series(rows, xkey, metric, mode, ours=absolute)
             for peer, pts in series.items():
-                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=peer)
+                style = dict(color="black", lw=2.2) if peer == OURS else {}
+                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                                  label=f"{peer} (ours)" if peer == OURS else peer, **style)
                 _mark_unmeasured(ax, rows, xkey, mode, peer, line.get_color())
             if series:
-                ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+                if not absolute:
+                    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
                 ax.set_yscale("log")
                 ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
             else:
                 ax.text(0.5, 0.5, "no data (not measured here)", ha="center", va="center", transform=ax.transAxes)
             if logx and series:
                 ax.set_xscale("log", base=2)
-            ax.set_title(f"{mode_title}: {'speed' if row == 0 else 'peak memory'}", fontsize=10)
+            ax.set_title(f"{mode_title}: {what}", fontsize=10)
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
