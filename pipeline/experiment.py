@@ -38,7 +38,7 @@ from pipeline import sweep
 from pipeline._proc import sigterm_as_interrupt
 from pipeline._sweep_spec import expand, read
 from pipeline.comparison import parent_url
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, command
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"
@@ -163,6 +163,7 @@ def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tupl
     return "\n".join(lines) + "\n" + note, text_table(header[:-1], [r[:-1] for r in rows])
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -180,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     args.data = args.data or f"data/{args.preset}"
     args.data_dir = str(Path(args.data).resolve())
-    try:
-        return run(args, _preflight(args))
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run(args, _preflight(args))
 
 
 def _preflight(args) -> dict:

@@ -42,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from kernels.runenv import device_name, device_slug, git_commit
 from models.config import ATTENTIONS
 from pipeline.cli import RankerCLI
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, command
 from pipeline.graphs import GraphedTrainStep, token_capacities
 from pipeline.module import autocast_dtype
 
@@ -321,6 +321,7 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.profile", description=__doc__.split("\n")[0],
                                 epilog="Any other --key value goes to the training CLI (e.g. --data.data_dir data/paper).")
@@ -340,13 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")  # our own argv
     batches: dict = {}
     results = []
-    try:
-        for attention in args.attention:
-            print(f"profiling {attention} ...", file=sys.stderr, flush=True)
-            results.append(profile_layout(attention, args.config, extra, args.steps, args.warmup, batches, args.top))
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    for attention in args.attention:
+        print(f"profiling {attention} ...", file=sys.stderr, flush=True)
+        results.append(profile_layout(attention, args.config, extra, args.steps, args.warmup, batches, args.top))
     text = markdown(results, args, extra)
     print(text)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ from mlflow.tracking import MlflowClient
 from pipeline import _sweep_plots as plots
 from pipeline import _sweep_runs as runs_
 from pipeline.comparison import log_comparison
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, command
 from pipeline.tracking import REPO_ROOT, check_tracking, tracking_uri
 
 THROUGHPUT = "perf/train_examples_per_s"
@@ -419,6 +419,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     return out
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.report", description=__doc__.split("\n")[0])
@@ -428,13 +429,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-log", action="store_true", help="do not log the files to the parent run")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     mlflow.set_tracking_uri(tracking_uri())
-    try:
-        check_tracking(tracking_uri())
-        parent = runs_.find_parent(MlflowClient(tracking_uri()), args.parent)
-        out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    check_tracking(tracking_uri())
+    parent = runs_.find_parent(MlflowClient(tracking_uri()), args.parent)
+    out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
     print((out / "report.md").read_text())
     print(f"written to {out}/ and logged to parent run {parent.info.run_id} (artifacts: report/)"
           if not args.no_log else f"written to {out}/")

@@ -36,7 +36,7 @@ from models.config import rename_old_keys
 from pipeline import _proc
 from pipeline import _sweep_runs as runs_
 from pipeline import sweep
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, command
 from pipeline.tracking import check_tracking, tracking_uri
 
 QUALITY_PREFIXES = ("train/", "val/", "test/")
@@ -134,6 +134,7 @@ def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
     return 0 if ok else 1
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.reproduce", description=__doc__.split("\n")[0])
@@ -142,11 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtol", type=float, default=None,
                    help=f"relative tolerance of the quality metrics (default: 0 on CPU, {GPU_RTOL:g} on CUDA)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return reproduce(args.run, args.data, args.rtol)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return reproduce(args.run, args.data, args.rtol)
 
 
 if __name__ == "__main__":

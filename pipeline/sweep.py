@@ -50,7 +50,7 @@ from pipeline import _sweep_runs as runs_
 from pipeline._proc import TAIL_BYTES, child_env, error_line, hold_lock, lock_path, sigterm_as_interrupt, stream
 from pipeline._sweep_spec import Ablation, Point, cli_value, code_version, load, parse_set
 from pipeline.comparison import comparison_on_parent, parent_url
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, command
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
 FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapper that injects failures
@@ -447,18 +447,15 @@ def execute(sweep: Sweep) -> int:
         return sweep.run()
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
-        check_tracking(tracking_uri())
-        sweep = Sweep(abl, args)
-        if args.dry_run:
-            return sweep.plan()
-        return execute(sweep)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
+    check_tracking(tracking_uri())
+    sweep = Sweep(abl, args)
+    if args.dry_run:
+        return sweep.plan()
+    return execute(sweep)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from kernels.runenv import device_name, git_commit
 from models.attention import Histories
 from models.layers import EncoderBlock, HistoryEmbedding, mlp
 from pipeline.split_cache import SPLITS, load_split
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, command
 from pipeline.tracking import environment_tags, tracking_uri
 from pipeline.user_features import write_embeddings
 
@@ -362,16 +362,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        if args.cmd == "fit":
-            fit(args)
-        else:
-            export(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    if args.cmd == "fit":
+        fit(args)
+    else:
+        export(args)
     return 0
 
 

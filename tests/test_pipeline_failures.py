@@ -294,3 +294,23 @@ def test_sigterm_ends_fit_with_143_and_a_killed_run(tiny, tmp_path, tmp_path_fac
     assert proc.returncode == 143, err[-3000:]
     assert "stopped by SIGTERM" in err and "Traceback" not in err
     assert all_runs(uri)["long"].info.status == "KILLED"
+
+
+def test_a_command_turns_a_config_error_into_one_line_and_status_2(capsys):
+    """pipeline.errors.command: every pipeline command's main has this convention, wherever the
+    ConfigError comes from; its own status passes through, other errors are not swallowed."""
+    from pipeline.errors import ConfigError, command
+
+    @command
+    def main(argv=None):
+        if argv == ["bad"]:
+            raise ConfigError("no data set at x: run `make data` first")
+        if argv == ["bug"]:
+            raise KeyError("a bug")
+        return 0 if argv is None else 1
+
+    assert main() == 0 and main(["other"]) == 1
+    assert main(["bad"]) == 2
+    assert capsys.readouterr().err == "error: no data set at x: run `make data` first\n"
+    with pytest.raises(KeyError):
+        main(["bug"])
