@@ -75,7 +75,7 @@ data-validate: setup ## validate the PRESET data set (schema, alignment, checksu
 data-report: data ## write length/popularity plots and a summary of the PRESET data
 	$(PY) -m data_gen report $(DATA)
 
-experiment: data ## the main job: dense, sdpa and jagged rankers compared in MLflow; table in runs/ (RESULTS=dir to choose)
+experiment: data ## the main job: dense, sdpa and jagged rankers (ATTENTION=a subset) compared in MLflow; table in runs/ (RESULTS=dir to choose)
 	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --attention $(ATTENTION) \
 	  $(if $(RESULTS),--results-dir $(RESULTS)) $(EXPERIMENT_ARGS)
 
@@ -112,7 +112,7 @@ reproduce: setup ## rerun one MLflow run from its logged config and data digest,
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<MLflow run id> [REPRODUCE_ARGS='--rtol 5e-3']"; exit 2; }
 	$(PY) -m pipeline.reproduce --run $(RUN) $(REPRODUCE_ARGS)
 
-profile: data ## one-step profile per attention layout: the share of attention in step time
+profile: data ## one-step profile per attention layout (ATTENTION=a subset): the share of attention in step time
 	$(PY) -m pipeline.profile --config experiments/configs/base.yaml --config experiments/configs/$(PRESET).yaml \
 	  --data.data_dir $(DATA) --attention $(ATTENTION) $(PROFILE_ARGS)
 
