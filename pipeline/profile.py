@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps({  # for pipeline.report's profile section
-        "device": device_name(), "commit": git_commit(), "configs": args.config, "overrides": extra,
+        "device": device_name(), "commit": git_commit(), "torch": torch.__version__, "configs": args.config,
+        "overrides": extra,
         "results": results}, indent=1, default=str) + "\n")
     print(f"written {out} and {out.with_suffix('.json').name}", file=sys.stderr)
     return 0
