@@ -13,11 +13,19 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import LogFormatter  # noqa: E402
 
 from kernels.bench.base import OURS  # noqa: E402
 from kernels.bench.stamp import stamp_line  # noqa: E402
 
 MODES = (("fwd", "forward"), ("fwd_bwd", "forward + backward"))
+
+
+class _Plain(LogFormatter):
+    """Log-axis labels as plain numbers (0.06, 0.4, 3, 20), on the ticks matplotlib would label."""
+
+    def _num_to_string(self, x, vmin, vmax):
+        return f"{x:g}"
 
 
 def _pick(values: list, preferred):
@@ -66,6 +74,8 @@ def _figure(rows: list[dict], xkey: str, xlabel: str, title: str, stamp: dict, p
                 if not absolute:
                     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
                 ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(_Plain())
+                ax.yaxis.set_minor_formatter(_Plain(minor_thresholds=(2, 0.5)))
                 ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
             else:
                 ax.text(0.5, 0.5, "no data (not measured here)", ha="center", va="center", transform=ax.transAxes)
