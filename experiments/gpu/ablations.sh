@@ -17,8 +17,9 @@
 # S2 attention on the `long` data, each run alone on its GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per attention layout at the PRESET, default paper,
-# into experiments/results/profile_<preset>_<gpu>.md), reproduce (`pipeline.reproduce` of the
-# seq_len jagged run at max_seq_len 1024: its metrics beside the original's, GPU tolerance).
+# into experiments/results/profile_<preset>_<gpu>.md), reproduce (a jagged fit at max_seq_len 1024 with
+# trainer.deterministic=warn, then `pipeline.reproduce` of it: metrics beside the original's, GPU tolerance,
+# and the ops without a deterministic kernel; REPRO_SOURCE=sweep reruns the seq_len run instead).
 # GPUS=0,1 (a multi-GPU machine): the throughput sweeps run one point per GPU at once (`pipeline.sweep
 # --gpus`: each run has its GPU alone and its share of the cores), the accuracy sweeps ACC_GPUS
 # (default: PARALLEL runs dealt over GPUS, e.g. 0,1,0,1). Datasets the parts declare are generated
@@ -110,16 +111,31 @@ for spec in $PARTS; do
           --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 "${args[@]}" >> "$log" 2>&1
         echo "profile $pb rc=$? at ${SECONDS}s" | tee -a "$log"
       done; save ;;
-    reproduce)  # rerun a jagged run from its logged config (GPU tolerance): REPRO_SWEEP's point REPRO_AXIS=REPRO_LABEL
-      # (default seq_len at max_seq_len=1024)
+    reproduce)  # rerun a jagged run from its logged config (GPU tolerance). REPRO_SOURCE=fit (default): first a
+      # fit of the seq_len point (jagged, max_seq_len 1024, 300 steps) with trainer.deterministic=warn, so that
+      # torch uses its deterministic kernels and names every op that has none (a warning, collected below);
+      # REPRO_SOURCE=sweep: the newest finished REPRO_SWEEP run at REPRO_AXIS=REPRO_LABEL (default seq_len, 1024)
+      if [ "${REPRO_SOURCE:-fit}" = fit ] && [ "$(left)" -gt 300 ]; then
+        timeout $(( ($(left) - 60) / 2 )) python3 -m pipeline fit --config experiments/configs/base.yaml \
+          --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --data.max_seq_len 1024 \
+          --model.ranker.attention jagged --trainer.limit_train_batches 300 --trainer.limit_val_batches 0 \
+          --trainer.limit_test_batches 25 --data.eval_batch_size 512 --checkpoint.save_top_k 0 \
+          --checkpoint.save_last false --trainer.deterministic warn --mlflow.run_name reproduce-source >> "$log" 2>&1
+        echo "reproduce source fit rc=$? at ${SECONDS}s" | tee -a "$log"
+        filter="attributes.run_name = 'reproduce-source' and attributes.status = 'FINISHED'"
+      else
+        filter="tags.\`sweep.name\` = '${REPRO_SWEEP:-seq_len}' and tags.\`sweep.axis.attention\` = 'jagged' and tags.\`sweep.axis.${REPRO_AXIS:-max_seq_len}\` = '${REPRO_LABEL:-1024}' and attributes.status = 'FINISHED'"
+      fi
       run_id=$(python3 -c "
-import mlflow
+import mlflow, sys
 runs = mlflow.search_runs(search_all_experiments=True, output_format='list', order_by=['attributes.start_time DESC'],
-    filter_string=\"tags.\`sweep.name\` = '${REPRO_SWEEP:-seq_len}' and tags.\`sweep.axis.attention\` = 'jagged' and tags.\`sweep.axis.${REPRO_AXIS:-max_seq_len}\` = '${REPRO_LABEL:-1024}' and attributes.status = 'FINISHED'\")
-print(runs[0].info.run_id if runs else '')")
+    filter_string=sys.argv[1])
+print(runs[0].info.run_id if runs else '')" "$filter")
       if [ -n "$run_id" ] && [ "$(left)" -gt 150 ]; then
         timeout $(( $(left) - 30 )) python3 -m pipeline.reproduce --run "$run_id" >> "$log" 2>&1
         echo "reproduce $run_id rc=$? at ${SECONDS}s" | tee -a "$log"
+        grep -o "[A-Za-z_.:]* does not have a deterministic implementation" "$log" | sort | uniq -c \
+          | sed 's/^/nondeterministic op: /' | tee -a "$log"
       else
         echo "reproduce: no finished ${REPRO_SWEEP:-seq_len} jagged run at ${REPRO_AXIS:-max_seq_len}=${REPRO_LABEL:-1024}, or under 150 s left" | tee -a "$log"
       fi ;;
