@@ -183,6 +183,10 @@ def test_memory_is_judged_against_the_fastest_peer_of_each_row():
     mem = {t["target"]: t for t in targets.evaluate(rows)}["peak memory: ours <= the fastest peer's on every row "
                                                              "(every kind, fwd and fwd_bwd)"]
     assert mem["status"] == "MISS" and "vs varlen_attn" in mem["detail"]
+    rows[0] = dict(rows[0], status="OOM", ms=None, peak_bytes=None)  # ours without a time: over, as before
+    mem = {t["target"]: t for t in targets.evaluate(rows)}["peak memory: ours <= the fastest peer's on every row "
+                                                             "(every kind, fwd and fwd_bwd)"]
+    assert mem["status"] == "MISS" and "(ours: no time)" in mem["detail"]
 
 
 def test_target_attention_is_judged_against_sdpa_and_varlen_at_every_tq():
