@@ -116,11 +116,16 @@ for spec in $PARTS; do
       # torch uses its deterministic kernels and names every op that has none (a warning, collected below);
       # REPRO_SOURCE=sweep: the newest finished REPRO_SWEEP run at REPRO_AXIS=REPRO_LABEL (default seq_len, 1024)
       if [ "${REPRO_SOURCE:-fit}" = fit ] && [ "$(left)" -gt 300 ]; then
+        # seq_len.yaml's budget (its `set`) as --key value pairs: the source is that sweep's point
+        mapfile -t point_set < <(python3 -c "
+import json
+from pipeline._sweep_spec import read
+for k, v in read('experiments/ablations/seq_len.yaml')['set'].items():
+    print(f'--{k}'); print(v if isinstance(v, str) else json.dumps(v))")
         timeout $(( ($(left) - 60) / 2 )) python3 -m pipeline fit --config experiments/configs/base.yaml \
-          --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --data.max_seq_len 1024 \
-          --model.ranker.attention jagged --trainer.limit_train_batches 300 --trainer.limit_val_batches 0 \
-          --trainer.limit_test_batches 25 --data.eval_batch_size 512 --checkpoint.save_top_k 0 \
-          --checkpoint.save_last false --trainer.deterministic warn --mlflow.run_name reproduce-source >> "$log" 2>&1
+          --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" "${point_set[@]}" \
+          --data.max_seq_len 1024 --model.ranker.attention jagged --trainer.deterministic warn \
+          --mlflow.run_name reproduce-source >> "$log" 2>&1
         echo "reproduce source fit rc=$? at ${SECONDS}s" | tee -a "$log"
         filter="attributes.run_name = 'reproduce-source' and attributes.status = 'FINISHED'"
       else
