@@ -3,8 +3,9 @@
 A LightningCLI over :class:`pipeline.module.RankerModule` and :class:`pipeline.data.RankerData`
 with three always-present callbacks configured by their own keys: ``mlflow.*``
 (:class:`pipeline.tracking.MLflowRun`), ``perf.*`` (:class:`pipeline.callbacks.PerfMonitor`)
-and ``checkpoint.*`` (Lightning's ``ModelCheckpoint``). ``fit`` also tests the final weights on
-the test split, in the same MLflow run.
+and ``checkpoint.*`` (Lightning's ``ModelCheckpoint``). ``fit`` also tests on the test split, in
+the same MLflow run: the final weights, or, where ``checkpoint.monitor`` names a metric, the best
+checkpoint's (``test/weights_step`` says which step's weights were tested).
 
 Several processes: ``--trainer.strategy ddp --trainer.devices N [--trainer.num_nodes M]``
 (Lightning's DDP strategy; ``--trainer.accelerator cpu`` for Gloo on CPUs). Lightning's
@@ -266,8 +267,22 @@ class RankerCLI(LightningCLI):
             self._log_inputs()
 
     def after_fit(self) -> None:
-        self.trainer.test(self.model, datamodule=self.datamodule)
+        weights, step = self._test_weights()
+        if self.trainer.is_global_zero:  # which weights the test/* metrics are of
+            mlflow.log_metric("test/weights_step", step)
+        self.trainer.test(self.model, datamodule=self.datamodule, ckpt_path=weights)
         end_run("FINISHED")
+
+    def _test_weights(self) -> tuple[str | None, int]:
+        """('best', its step) when the checkpoint callback watches a metric (checkpoint.monitor) and
+        kept a checkpoint: with early stopping on val/auc, the weights at the validation peak rather
+        than the final ones; else (None, the last step): the final weights."""
+        ckpt = self.trainer.checkpoint_callback
+        if ckpt is not None and ckpt.monitor and ckpt.best_model_path:
+            found = re.search(r"step=(\d+)", Path(ckpt.best_model_path).name)
+            if found:
+                return "best", int(found.group(1))
+        return None, self.trainer.global_step
 
     before_validate = before_test = before_fit
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import sys
 import tempfile
@@ -302,8 +303,10 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
 
 
 def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[str]:
-    """Validation AUC at each check of every finished run that validated more than once: the
-    change over the last interval says whether the run had converged (|change| <= tol: flat)."""
+    """Validation AUC at each check of every finished run that validated more than once. A run has
+    converged when its last check did not raise the best validation AUC so far by more than tol:
+    flat, or past its peak (early stopping on val/auc ends a run there, and where the checkpoint
+    callback watches val/auc the best checkpoint is the one tested: `test/weights_step`)."""
     ok = df.filter(pl.col("status") == "OK")
     rows = []
     for r in ok.iter_rows(named=True):
@@ -311,18 +314,23 @@ def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str],
         if len(hist) < 2:
             continue
         last, prev = hist[-1].value, hist[-2].value
-        verdict = "flat" if abs(last - prev) <= tol else "rising" if last > prev else "falling"
+        gain = last - max(m.value for m in hist[:-1])
+        verdict = "rising" if gain > tol else "flat" if abs(last - prev) <= tol else "past its peak"
+        tested = r.get("test/weights_step")
         curve = " → ".join(f"{m.value:.4f}" for m in hist[-4:])
         rows.append([*(str(r[a]) for a in axes), f"{hist[-2].step}-{hist[-1].step}", curve,
-                     f"{last - prev:+.4f}", verdict])
+                     f"{last - prev:+.4f}", "-" if tested is None or math.isnan(tested) else f"{tested:.0f}", verdict])
     if not rows:
         return []
-    flat = sum(row[-1] == "flat" for row in rows)
+    done = sum(row[-1] != "rising" for row in rows)
     return ["", "## Convergence (validation AUC at each check)", "",
-            f"A run counts as converged when its validation AUC moved by at most {tol} over the last interval "
-            f"between checks: {flat} of {len(rows)} runs did.", "",
-            "| " + " | ".join([*axes, "last interval (steps)", "val AUC (last checks)", "change", "verdict"]) + " |",
-            "|" + "---|" * (len(axes) + 4), *("| " + " | ".join(row) + " |" for row in rows)]
+            f"A run counts as converged when its last validation check did not raise the best validation AUC so "
+            f"far by more than {tol} (flat, or past its peak: early stopping on val/auc ends a run there); "
+            f"`tested at step` is the step whose weights the test metrics are of (the best checkpoint's where the "
+            f"run kept one; `-`: the final weights of a run that did not log it): {done} of {len(rows)} runs did.", "",
+            "| " + " | ".join([*axes, "last interval (steps)", "val AUC (last checks)", "change", "tested at step",
+                               "verdict"]) + " |",
+            "|" + "---|" * (len(axes) + 5), *("| " + " | ".join(row) + " |" for row in rows)]
 
 
 def profile_section(out_root: Path, pattern: str | None) -> list[str]:

@@ -222,3 +222,24 @@ def test_compiled_model_trains_like_the_eager_one(tiny, tracking, tmp_path):
     # the ranker was compiled (train and eval graphs), without graph breaks
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_fit_tests_the_monitored_best_checkpoint_and_stops_early(tiny, tracking, tmp_path):
+    """checkpoint.monitor set: the test metrics are of the best checkpoint's weights (test/weights_step
+    names its step); EarlyStopping given as a trainer callback ends the run; unset: the final weights."""
+    stop = ('[{"class_path": "pytorch_lightning.callbacks.EarlyStopping", '
+            '"init_args": {"monitor": "val/auc", "mode": "max", "min_delta": 1.0, "patience": 2}}]')
+    # "best" = the LOWEST val AUC, so that the tested weights are not simply the last ones
+    main(fit_args(tiny, tmp_path, "--mlflow.run_name", "best", "--mlflow.system_metrics", "false",
+                  "--trainer.max_epochs", "5", "--trainer.callbacks", stop, "--checkpoint.monitor", "val/auc",
+                  "--checkpoint.mode", "min", "--checkpoint.save_top_k", "1", "--checkpoint.save_last", "false"))
+    main(fit_args(tiny, tmp_path, "--mlflow.run_name", "final", "--mlflow.system_metrics", "false"))
+    runs = all_runs(tracking)
+    best = history(tracking, runs["best"].info.run_id, ("val/auc", "train/loss_step", "test/weights_step"))
+    val = [v for _, v in sorted(best["val/auc"].items())]
+    assert len(val) == 3  # a gain of 1.0 in AUC never comes: stopped after patience + 1 = 3 of 5 epochs
+    assert max(best["train/loss_step"]) < 3 * 8
+    # tiny: 8 steps an epoch, validation at each epoch's end; the tested weights are the worst epoch's
+    assert list(best["test/weights_step"].values()) == [8 * (1 + val.index(min(val)))]
+    final = history(tracking, runs["final"].info.run_id, ("test/weights_step",))
+    assert list(final["test/weights_step"].values()) == [2 * 8]  # tiny.yaml: 2 epochs, the final weights

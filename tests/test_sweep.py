@@ -118,6 +118,13 @@ def test_shipped_ablations_expand():
     assert {p.dataset.dir for p in parity.points} == {Path("/d/fill025_1m")}
     assert {p.dataset.overrides["mean_len"] for p in parity.points} == {256}
     assert sorted({p.overrides["seed_everything"] for p in parity.points}) == [0, 1, 2]
+    # the accuracy ablations train until converged: early stopping on val/auc, the peak's weights tested
+    for name in ("auc_parity", "history_value", "model"):
+        assert load(ABLATIONS / f"{name}.yaml", Path("/d")).configs[-1].name == "converge.yaml", name
+    converge = yaml.safe_load((REPO / "experiments" / "configs" / "converge.yaml").read_text())
+    stop = converge["trainer"]["callbacks"][0]
+    assert stop["class_path"].endswith("EarlyStopping") and stop["init_args"]["monitor"] == "val/auc"
+    assert converge["checkpoint"]["monitor"] == "val/auc" and converge["checkpoint"]["save_top_k"] == 1
     model = load(ABLATIONS / "model.yaml", REPO / "data")
     by = {p.labels["variant"]: p.overrides for p in model.points}
     assert by["no_target_attention"]["model.ranker.target_attention"] is False
