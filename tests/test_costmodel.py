@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -192,7 +193,7 @@ def test_no_table_is_bit_identical_to_the_hand_config():
 # ---- the sweep ----------------------------------------------------------------------------
 
 
-def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys):
+def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
     out = tmp_path / "s.parquet"
     argv = ["--grid", "tiny", "--device", "cpu", "--families", "flash_fwd,softmax_fwd", "--out", str(out),
             "--warmup-ms", "0", "--rep-ms", "1", "--commit", "abc123"]
@@ -211,6 +212,74 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys):
     assert sweep.main(argv) == 0
     assert "0 new rows" in capsys.readouterr().out
     assert pl.read_parquet(out).height == expected
+    # resumed where the energy counter exists: the shapes timed without it get their energy readings
+    class Meter:
+        def __init__(self, index):
+            self.available, self.j = True, 0.0
+
+        def read_j(self):
+            self.j += 0.5  # 0.5 J between two readings
+            return self.j
+
+    monkeypatch.setattr(sweep, "EnergyMeter", Meter)
+    assert sweep.main([*argv, "--energy-s", "0.001"]) == 0
+    df = pl.read_parquet(out)
+    assert df.height == expected and "0 new rows" in capsys.readouterr().out
+    counted = df.filter(pl.col("energy_src") == "counter")
+    assert counted.height >= len(grid("flash_fwd", "tiny")) + len(grid("softmax_fwd", "tiny"))  # >= 1 a shape
+    assert (counted["energy_j"] == 0.5 / counted["energy_calls"]).all()
+    # another GPU's rows are never resumed into this one's sweep
+    pl.read_parquet(out).with_columns(gpu_slug=pl.lit("h200")).write_parquet(out)
+    assert sweep.main(argv) == 2
+    assert "holds rows timed on h200, not on this" in capsys.readouterr().err
+    assert pl.read_parquet(out).height == expected  # the file untouched
+
+
+def test_energy_pass_reads_the_counter_for_the_configs_near_the_fastest(tmp_path):
+    """Energy per call = counter difference / calls over a window of back-to-back calls, for the ok
+    configs within 5% of the fastest and the hand rule's; the others keep no energy, and the cost
+    model reads energy only from counter rows (not from sampled power x time)."""
+    from types import SimpleNamespace
+
+    class Meter:  # a board whose every call of fn costs 2 J
+        available = True
+        j = 100.0
+
+        def read_j(self):
+            return self.j
+
+    meter = Meter()
+
+    def fn():
+        meter.j += 2.0
+
+    cfg = lambda bm: json.dumps({"BLOCK_M": bm, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})  # noqa: E731
+    rows = [dict(status="ok", ms=1.00, is_hand=False, config=cfg(16)), dict(status="ok", ms=1.04, is_hand=False, config=cfg(32)),
+            dict(status="ok", ms=1.50, is_hand=False, config=cfg(64)), dict(status="ok", ms=2.00, is_hand=True, config=cfg(128)),
+            dict(status="error", ms=math.nan, is_hand=False, config=cfg(256))]
+    sweep.measure_energy("flash_fwd", fn, rows, torch.device("cpu"), meter, SimpleNamespace(energy_s=0.01))
+    assert [r.get("energy_src") for r in rows] == ["counter", "counter", None, "counter", None]
+    assert [r.get("energy_calls") for r in rows] == [10, 10, None, 5, None]  # 10 ms of calls each
+    assert all(r["energy_j"] == pytest.approx(2.0) for r in rows if "energy_j" in r)
+    meter.available = False  # no NVML: nothing measured
+    fresh = [dict(status="ok", ms=1.0, is_hand=True, config=cfg(16))]
+    sweep.measure_energy("flash_fwd", fn, fresh, torch.device("cpu"), meter, SimpleNamespace(energy_s=0.01))
+    assert "energy_j" not in fresh[0]
+    data = tmp_path / "s.parquet"
+    pl.DataFrame({"config": [cfg(16), cfg(32)], "energy_j": [2.0, 3.0], "energy_src": ["counter", "none"]}).write_parquet(data)
+    assert [r["energy_j"] for r in costmodel.load(data)][0] == 2.0 and math.isnan(costmodel.load(data)[1]["energy_j"])
+
+
+def test_medium_grid_extends_small_with_its_config_space():
+    """medium = small's shapes plus more, with small's configs: a resumed small sweep keeps its rows."""
+    from kernels.bench.sweep_families import FAMILIES, grid, space
+
+    for f in FAMILIES:
+        small, medium = grid(f, "small"), grid(f, "medium")
+        assert medium[:len(small)] == small and len(medium) > len(small)
+        assert len({s.id for s in medium}) == len(medium)  # no shape twice
+        for s in small:
+            assert space(f, s, "medium") == space(f, s, "small")
 
 
 def test_sweep_bad_cli_exits_2():
@@ -302,3 +371,21 @@ def test_costmodel_bad_cli_exits_2(tmp_path):
     with pytest.raises(SystemExit) as e:
         costmodel.parse_args(["predict", "--data", "x"])
     assert e.value.code == 2
+
+
+def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_path):
+    """The report on the synthetic sweep: the markdown names every family and plot; the energy plot
+    and columns come only from rows read off the energy counter."""
+    from kernels.bench.costmodel_report import write_report
+
+    rows = synthetic_rows()
+    counted = write_report([dict(r, energy_src="counter") for r in rows], str(tmp_path / "a"), folds=7)
+    assert [Path(p).name for p in counted] == ["costmodel-synthetic.md", "costmodel-pred-synthetic.png",
+                                               "costmodel-slowdown-synthetic.png", "costmodel-importance-synthetic.png",
+                                               "costmodel-energy-synthetic.png"]
+    md = Path(counted[0]).read_text()
+    assert "| flash_fwd | 14 |" in md and f"Energy: {len(rows)} rows" in md
+    assert all(f"]({Path(p).name})" in md for p in counted[1:])
+    sampled = write_report([dict(r, energy_j=math.nan) for r in rows], str(tmp_path / "b"), folds=7)
+    assert len(sampled) == 4 and "costmodel-energy" not in " ".join(sampled)
+    assert "no row has a reading of the board's energy counter" in Path(sampled[0]).read_text()

@@ -7,10 +7,13 @@
 #   sweep-<gpu>.parquet        every (family, shape, config) row: ms, power, energy, status
 #   sweep.log, run.log         the sweep's progress; this script's summary
 #   eval-<gpu>.json            per-family R^2, errors, per-shape slowdowns (model, hand, autotune)
-#   report/costmodel-<gpu>.md  + 4 PNG plots (copy to experiments/results/)
+#   report/costmodel-<gpu>.md  + 3 or 4 PNG plots (copy to experiments/results/, the Parquet to
+#                              experiments/results/costmodel-sweep-<gpu>.parquet)
 #   configs/<gpu>.json         the launch table (copy to kernels/configs/ to put it in use)
-# The sweep starts no new config after SWEEP_DEADLINE s (default 400) and is resumable: to go on
-# in a later call, carry the returned Parquet back and pass it as RESUME=<path>. GRID=small|full.
+# The sweep starts no new config after SWEEP_DEADLINE s (default 400) and is resumable: it goes on
+# from RESUME=<path>, by default the committed experiments/results/costmodel-sweep-<gpu>.parquet
+# where one exists for this GPU (commit the returned Parquet there). GRID=small|medium (default)|full.
+# Shapes timed before the energy pass get their energy-counter readings when resumed.
 # MLFLOW=1 also logs the sweep as an MLflow run (Parquet as artifact) into ./mlflow.db.
 # Where the machine returns few files per command, end with `bash experiments/gpu/pack.sh`. E.g.
 #   GIT_COMMIT=$(git rev-parse HEAD) bash experiments/gpu/costmodel.sh; bash experiments/gpu/pack.sh
@@ -21,9 +24,10 @@ log=$OUT/run.log
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv,noheader | tee "$log"
 slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
 data=$OUT/sweep-$slug.parquet
-if [ -n "${RESUME:-}" ]; then cp "$RESUME" "$data" && echo "resuming from $RESUME" | tee -a "$log"; fi
+RESUME=${RESUME:-$( [ -f "experiments/results/costmodel-sweep-$slug.parquet" ] && echo "experiments/results/costmodel-sweep-$slug.parquet")}
+if [ -n "$RESUME" ]; then cp "$RESUME" "$data" && chmod u+w "$data" && echo "resuming from $RESUME" | tee -a "$log"; fi
 deadline=${SWEEP_DEADLINE:-400}
-timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-small}" \
+timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-medium}" \
   --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} > "$OUT/sweep.log" 2>&1
 echo "sweep rc=$?" | tee -a "$log"
 tail -4 "$OUT/sweep.log" | tee -a "$log"

@@ -10,7 +10,8 @@ Features: log2 of the shape (B sequences, N max_seq_len, L mean length, H, D, Tq
 fill = L / N, the dtype's bytes, log2 of every tunable launch key (tiles, warps, stages; the 0/1
 switches of ``sweep_families.FLAGS``, e.g. dense_bwd's SPLIT_DQ, as they are) and, per
 tile key, log2(L / tile) (tiles per sequence: where shape and config interact). Targets: log
-runtime (ms per call) and log energy (J per call, where NVML gave power).
+runtime (ms per call) and log energy (J per call, from the board's energy counter: rows with
+``energy_src`` = counter; the sweep measures it for the configs near each shape's fastest).
 
 Model (``LogModel``): a least-squares power law in the shape for the scale of the runtime (it
 extrapolates to shapes outside the sweep, which a forest cannot), plus scikit-learn's
@@ -44,10 +45,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.bench.sweep_families import AUTOTUNE, DTYPES, FLAGS, TUNABLE, SweepShape, hand_config, valid
+from kernels.bench.sweep_families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, SweepShape, hand_config,
+                                         valid)
 
 SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
-ENERGY_SLACK = 1.05  # the energy-aware pick: least energy within 5% of the fastest
 
 
 def config_id(cfg: dict) -> str:
@@ -63,6 +64,8 @@ def load(path: str | Path) -> list[dict]:
     rows = pl.read_parquet(path).to_dicts()
     for r in rows:
         r["cfg"] = json.loads(r["config"])
+        if r.get("energy_src") != "counter":  # sampled power x time (sweeps before the energy counter): not used
+            r["energy_j"] = math.nan
     return rows
 
 

@@ -93,7 +93,7 @@ def plot_energy(rows: list[dict], path: Path, stamp: str) -> str:
         ax.set_xlabel("time per call (ms)", fontsize=7)
         ax.set_ylabel("energy per call (mJ)", fontsize=7)
         if not pts:
-            ax.text(0.5, 0.5, "no power readings\n(NVML absent)", ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, "no energy-counter readings", ha="center", va="center", transform=ax.transAxes)
             continue
         ax.scatter([r["ms"] for r in pts], [1e3 * r["energy_j"] for r in pts], s=10, alpha=0.6)
         best = min(pts, key=lambda r: r["ms"])
@@ -110,6 +110,20 @@ def _fmt(x: float, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _pct(x: float) -> str:
+    return _fmt(x, ".1f") + ("%" if _fmt(x) != "-" else "")
+
+
+def _energy_note(rows: list[dict]) -> str:
+    counted = sum(r.get("energy_src") == "counter" for r in rows)
+    if not counted:
+        return ("Energy: no row has a reading of the board's energy counter (a sweep from before the energy pass, or "
+                "no NVML), so the energy columns are empty; sampled power over a 40 ms timing is not used "
+                "(kernels/bench/power.py says why).")
+    return (f"Energy: {counted} rows (the configs within 5% of each shape's fastest, and the hand rule's) have the "
+            "energy per call from the board's energy counter over a second or more of back-to-back calls.")
+
+
 def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
     ok = sum(r["status"] == "ok" for r in rows)
     lines = [f"# Launch-config cost model on {rows[0]['gpu']}", "", f"_{_stamp(rows)}_", "",
@@ -118,6 +132,7 @@ def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
              "for the scale plus a RandomForestRegressor (200 trees) on the residual, which alone ranks the configs "
              "of a shape; a forest averages measured leaves, so it never ranks a config by an extrapolation "
              "(kernels/bench/costmodel.py says more). Evaluation: GroupKFold over whole shapes.", "",
+             _energy_note(rows), "",
              "Slowdown = time of the chosen config / best measured time on a held-out shape (median / worst). "
              "Target: model within 1.05 median and 1.15 worst, better than the hand rule on average.", "",
              "| family | shapes | R² log time | err median | err worst | R² log energy | model | hand | autotune "
@@ -127,9 +142,9 @@ def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
         s = ev["summary"]
         mm = lambda m: f"{_fmt(s[m]['median'])} / {_fmt(s[m]['worst'])}"  # noqa: E731
         lines.append(f"| {fam} | {ev['n_shapes']} | {_fmt(ev.get('r2_log_ms', math.nan))} | "
-                     f"{_fmt(ev.get('median_err_pct', math.nan), '.1f')}% | {_fmt(ev.get('worst_err_pct', math.nan), '.1f')}% | "
+                     f"{_pct(ev.get('median_err_pct', math.nan))} | {_pct(ev.get('worst_err_pct', math.nan))} | "
                      f"{_fmt(ev.get('r2_log_energy', math.nan))} | {mm('model')} | {mm('hand')} | {mm('autotune')} | "
-                     f"{_fmt(s['autotune_cost_s_per_shape'], '.1f')} | {_fmt(s['energy_saving_pct'], '.1f')}% | "
+                     f"{_fmt(s['autotune_cost_s_per_shape'], '.1f')} | {_pct(s['energy_saving_pct'])} | "
                      f"{'met' if s['meets_target'] else 'missed'} |")
     lines += ["", "Per held-out shape (slowdowns; energy of the fastest vs the least-energy config within 5%, mJ):", "",
               "| family | shape | best ms | best config | model | hand | autotune | E fastest | E frugal |",
@@ -154,8 +169,9 @@ def write_report(rows: list[dict], out: str, folds: int = 5, seed: int = 0) -> l
     models = fit(rows, seed)
     plots = [plot_pred(res, folder / f"costmodel-pred-{slug}.png", stamp),
              plot_slowdown(res, folder / f"costmodel-slowdown-{slug}.png", stamp),
-             plot_importance(models, folder / f"costmodel-importance-{slug}.png", stamp),
-             plot_energy(rows, folder / f"costmodel-energy-{slug}.png", stamp)]
+             plot_importance(models, folder / f"costmodel-importance-{slug}.png", stamp)]
+    if any(r.get("energy_src") == "counter" for r in rows):  # else _energy_note says why there is none
+        plots.append(plot_energy(rows, folder / f"costmodel-energy-{slug}.png", stamp))
     md = folder / f"costmodel-{slug}.md"
     md.write_text(markdown(rows, res, plots))
     return [str(md), *plots]

@@ -1,13 +1,16 @@
 """Launch-config sweep: every valid config of every kernel family on a grid of shapes,
 timed with the harness's rules and with board power sampled through NVML; one Parquet row each.
 
-    python -m kernels.bench.sweep [--grid tiny|small|full] [--families a,b] [--deadline-s 400]
+    python -m kernels.bench.sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400] [--energy-s 1]
                                   [--out runs/costmodel/sweep-<gpu>.parquet] [--mlflow]
 
 What is measured per (family, shape, config): ``ms`` the do_bench median (CUDA events, L2 flushed,
 after warm-up; ``kernels.bench.measure.bench_ms``; a host clock on the CPU), ``power_w`` the mean
-board power during that timing (``kernels.bench.power``), ``energy_j`` = power x time per call
-(J; NaN without NVML), ``compile_s`` the first call's wall seconds (Triton compile), ``bench_s``
+sampled board power during that timing (``kernels.bench.power``; too coarse for a 40 ms window,
+kept for reference), ``energy_j`` the energy per call from the board's energy counter over at
+least ``--energy-s`` of back-to-back calls (``energy_src`` = counter; measured for the configs
+within 5% of the shape's fastest and the hand rule's, NaN for the others and without NVML),
+``compile_s`` the first call's wall seconds (Triton compile), ``bench_s``
 the wall seconds the timing took (what an autotuner spends on this candidate), ``rel_err`` of
 the outputs against the hand-rule config's outputs, ``spills`` (registers spilled, where Triton
 reports it). ``status``: ok, mismatch (rel_err over the bench's tolerance), out_of_resources,
@@ -23,7 +26,7 @@ GPU command sequence (one GPU call: ``experiments/gpu/costmodel.sh`` runs exactl
 and GIT_COMMIT set, on a machine with the project installed)::
 
     slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
-    python3 -m kernels.bench.sweep --grid small --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
+    python3 -m kernels.bench.sweep --grid medium --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
     python3 -m kernels.bench.costmodel eval   --data $OUT/sweep-$slug.parquet --out $OUT/eval-$slug.json
     python3 -m kernels.bench.costmodel report --data $OUT/sweep-$slug.parquet --out $OUT/report
     python3 -m kernels.bench.costmodel export --data $OUT/sweep-$slug.parquet --out $OUT/configs/$slug.json
@@ -48,9 +51,10 @@ import torch
 
 from kernels._launch_configs import FAMILIES, forced
 from kernels.bench.measure import CHECK_TOL, bench_ms, free_memory, rel_err, sync
-from kernels.bench.power import PowerSampler
+from kernels.bench.power import EnergyMeter, PowerSampler
 from kernels.bench.stamp import make_stamp
-from kernels.bench.sweep_families import DTYPES, LEVELS, SweepShape, grid, hand_config, make_case, space
+from kernels.bench.sweep_families import (DTYPES, ENERGY_SLACK, LEVELS, SweepShape, grid, hand_config, make_case,
+                                         space)
 
 KEY = ("family", "shape_id", "config_id")
 _KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
@@ -115,8 +119,9 @@ def _sticky(exc: BaseException) -> bool:
 def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device,
                 sampler: PowerSampler, args) -> dict:
     """One row's measurements of `fn` under `cfg` (see the module docstring)."""
-    row = dict(status="ok", error="", ms=math.nan, power_w=math.nan, energy_j=math.nan, n_power=0,
-               compile_s=math.nan, bench_s=math.nan, rel_err=math.nan, spills=math.nan)
+    row = dict(status="ok", error="", ms=math.nan, power_w=math.nan, n_power=0, energy_j=math.nan, energy_src="none",
+               energy_window_s=math.nan, energy_calls=0, compile_s=math.nan, bench_s=math.nan, rel_err=math.nan,
+               spills=math.nan)
     with forced(family, cfg):
         before = _compiled(family)
         t0 = time.perf_counter()
@@ -141,8 +146,31 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
             row["ms"] = bench_ms(fn, device, args.warmup_ms, args.rep_ms)
         row["bench_s"] = time.perf_counter() - t1
         row["power_w"], row["n_power"] = sampler.mean_w, len(sampler.samples)
-        row["energy_j"] = row["power_w"] * row["ms"] / 1e3
     return row
+
+
+def measure_energy(family: str, fn, rows: list[dict], device: torch.device, meter: EnergyMeter, args) -> None:
+    """Energy per call (J) from the board's energy counter over at least args.energy_s of
+    back-to-back calls, for the rows an energy-aware choice weighs: ok and within ENERGY_SLACK of
+    the fastest of `rows` (one shape), or the hand rule's. The window's wall time and calls are kept:
+    where a call's launch takes longer than its kernel, idle power is part of each call's energy."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok or not meter.available or args.energy_s <= 0:
+        return
+    fastest = min(r["ms"] for r in ok)
+    for r in ok:
+        if not (r["ms"] <= ENERGY_SLACK * fastest or r["is_hand"]):
+            continue
+        calls = max(1, math.ceil(args.energy_s * 1e3 / r["ms"]))
+        with forced(family, json.loads(r["config"])):
+            fn()
+            sync(device)
+            e0, t0 = meter.read_j(), time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync(device)
+            e1, t1 = meter.read_j(), time.perf_counter()
+        r.update(energy_j=(e1 - e0) / calls, energy_src="counter", energy_window_s=t1 - t0, energy_calls=calls)
 
 
 def _shape_cols(family: str, s: SweepShape, info: dict) -> dict:
@@ -167,8 +195,10 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device, stamp: dict,
-                sampler: PowerSampler, args, out_of_time) -> tuple[list[dict], bool]:
-    """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen)."""
+                sampler: PowerSampler, meter: EnergyMeter, args, out_of_time,
+                prior: list[dict] = ()) -> tuple[list[dict], bool]:
+    """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen). The energy pass runs
+    over these and the shape's `prior` rows (a resumed sweep's: updated in place)."""
     fn, info = make_case(family, s, device, args.seed)
     dtype = DTYPES[s.dtype]
     with forced(family, hand):
@@ -184,6 +214,8 @@ def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device
                      "rep_ms": args.rep_ms, "grid": args.grid, **{k: stamp[k] for k in STAMP_COLS}})
         if sticky:
             break
+    if not sticky and not any(r.get("energy_src") == "counter" for r in prior):
+        measure_energy(family, fn, [*prior, *rows], device, meter, args)
     del fn, ref
     free_memory(device)
     return rows, sticky
@@ -208,29 +240,40 @@ def run(args) -> int:
     stamp = make_stamp(device, args.commit)
     out = Path(args.out.replace("<gpu>", stamp["gpu_slug"]))
     rows = load_rows(out)
+    other = sorted({str(r.get("gpu_slug")) for r in rows} - {stamp["gpu_slug"]})
+    if other:  # timings of another GPU (or none) would mix into this one's model
+        print(f"error: {out} holds rows timed on {', '.join(other)}, not on this {stamp['gpu']}: resume a sweep "
+              "only on the GPU it ran on (another --out starts afresh)", file=sys.stderr)
+        return 2
     done = {tuple(r[k] for k in KEY) for r in rows}
     t0 = time.monotonic()
     out_of_time = lambda: args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s  # noqa: E731
     grids = {f: grid(f, args.grid) for f in args.families}
     order = [(f, g[i]) for i in range(max(map(len, grids.values()))) for f, g in grids.items() if i < len(g)]
     sampler = PowerSampler((device.index or 0) if device.type == "cuda" else None)
+    meter = EnergyMeter((device.index or 0) if device.type == "cuda" else None)
     print(f"sweep {args.grid}: {len(order)} (family, shape) pairs, {len(rows)} rows already in {out}; "
           f"{stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, commit {stamp['commit']}; "
-          f"power {'NVML' if sampler.available else 'absent (energy NaN)'}", flush=True)
+          f"power {'NVML' if sampler.available else 'absent'}, energy counter "
+          f"{'NVML' if meter.available else 'absent (energy NaN)'}", flush=True)
     n_new = 0
     for i, (family, s) in enumerate(order):
         hand = hand_config(family, s)
         todo = [c for c in space(family, s, args.grid) if (family, s.id, config_id(c)) not in done]
-        if not todo:
+        prior = [r for r in rows if r["family"] == family and r["shape_id"] == s.id]
+        # a shape timed before the energy pass existed (or without NVML) gets its energy readings now
+        no_energy = meter.available and args.energy_s > 0 and prior and not any(
+            r.get("energy_src") == "counter" for r in prior)
+        if not todo and not no_energy:
             continue
         if out_of_time():
             print(f"deadline ({args.deadline_s:g} s) reached: {len(order) - i} shapes not finished", flush=True)
             break
-        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, sampler, args, out_of_time)
+        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, sampler, meter, args, out_of_time, prior)
         rows += new
         n_new += len(new)
         write_rows(out, rows)
-        _progress(family, s, new, len(order) - i - 1, time.monotonic() - t0)
+        _progress(family, s, new or prior, len(order) - i - 1, time.monotonic() - t0)
         if sticky:
             print("a CUDA error poisoned the context: stopping; rerun to resume after that config", flush=True)
             return 3
@@ -268,6 +311,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--deadline-s", type=float, default=None, help="start no new config after this many seconds")
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up, ms")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time, ms")
+    p.add_argument("--energy-s", type=float, default=1.0,
+                   help="seconds of back-to-back calls per energy reading (0: no energy pass)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--commit", default=None, help="git commit to record (default $GIT_COMMIT, else HEAD)")
     p.add_argument("--seed", type=int, default=0)

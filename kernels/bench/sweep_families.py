@@ -3,8 +3,11 @@
 A family is one launcher of kernels/_*_triton.py whose launch dict goes through
 ``kernels._launch_configs.tuned`` (the same names as ``_launch_configs.FAMILIES``). For each:
 
-- ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small`` (one GPU call
-  of ~400 s) or ``full`` (several resumed calls). Lengths are drawn as in the benchmark harness
+- ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small`` (21 shapes, 608
+  configs timed in 231 s on an H200), ``medium`` (small's shapes and config space, and 22 more
+  shapes spread over the full grid's ranges: held-out shapes the model has neighbours for; about
+  twice small's time, or one call on top of a resumed small sweep) or ``full`` (every shape and a
+  larger config space: several resumed calls). Lengths are drawn as in the benchmark harness
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
 - ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
   ``FLAGS``: dense_bwd's SPLIT_DQ, both settings), with the
@@ -31,7 +34,8 @@ import torch
 from kernels._launch_configs import FAMILIES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-LEVELS = ("tiny", "small", "full")
+LEVELS = ("tiny", "small", "medium", "full")
+ENERGY_SLACK = 1.05  # the energy-aware choice: least energy among the configs within 5% of the fastest
 # the keys of each family's launch dict that the sweep varies (the others come from the launcher)
 TUNABLE = {
     "flash_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
@@ -85,6 +89,18 @@ _SMALL = {
             SweepShape(4096, 512, 0.5, 1, 256), SweepShape(2048, 256, 0.25, 1, 64),
             SweepShape(512, 2048, 0.25, 1, 128)],
 }
+_MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, H, D and Tq
+    "attn": _SMALL["attn"] + [SweepShape((1 << 20) // N, N, f, H, D) for N, f, H, D in [
+        (128, 0.5, 2, 64), (256, 0.75, 4, 128), (512, 0.1, 4, 32), (1024, 0.75, 2, 64), (2048, 0.25, 2, 64),
+        (4096, 0.5, 4, 128)]],
+    "dense": _SMALL["dense"] + [SweepShape((1 << 20) // N, N, f, H, D, Tq=tq) for N, f, H, D, tq in [
+        (256, 0.25, 4, 128, 64), (256, 0.5, 2, 64, 16), (1024, 0.1, 2, 64, 4), (1024, 0.5, 4, 128, 1),
+        (4096, 0.1, 2, 64, 16), (4096, 0.25, 2, 64, 64)]],
+    "softmax": _SMALL["softmax"] + [SweepShape((1 << 20) // N, N, f, H) for N, f, H in [
+        (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32)]],
+    "ops": _SMALL["ops"] + [SweepShape((1 << 20) // N, N, f, 1, D) for N, f, D in [
+        (256, 0.5, 128), (512, 0.75, 64), (1024, 0.25, 256), (2048, 0.1, 256), (2048, 0.5, 64)]],
+}
 _TINY = {
     "attn": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 2, 16, "float32")],
     "dense": [SweepShape(3, 24, 0.6, 1, 16, "float32", Tq=2), SweepShape(2, 40, 0.5, 2, 16, "float32", Tq=3)],
@@ -106,7 +122,7 @@ _KIND = {"flash_fwd": "attn", "flash_bwd": "attn", "dense_fwd": "dense", "dense_
 
 
 def grid(family: str, level: str) -> list[SweepShape]:
-    return list({"tiny": _TINY, "small": _SMALL, "full": _FULL}[level][_KIND[family]])
+    return list({"tiny": _TINY, "small": _SMALL, "medium": _MEDIUM, "full": _FULL}[level][_KIND[family]])
 
 
 def _product(keys: tuple, *values) -> list[dict]:
