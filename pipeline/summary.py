@@ -78,8 +78,10 @@ def budget_state(name: str, md: str) -> str:
     if raw is None:
         return "unknown (no budget line)"
     ran = {RENAMED_KEYS.get(k, k): v for k, v in json.loads(raw.strip("`")).items()}  # reports of earlier versions
-    differ = [f"{k}: ran {ran.get(k)!r}, file {v!r}" for k, v in (spec.get("set") or {}).items()
-              if json.dumps(ran.get(k)) != json.dumps(v)]
+    now = spec.get("set") or {}
+    differ = [f"{k}: ran {ran.get(k)!r}, file {v!r}" for k, v in now.items() if json.dumps(ran.get(k)) != json.dumps(v)]
+    given = set(re.findall(r"--set ([\w.]+)=", md))  # the sweep command's own --set: not the file's budget
+    differ += [f"{k}: ran {v!r}, file: not set" for k, v in ran.items() if k not in now and k not in given]
     return "current" if not differ else "stale: " + "; ".join(differ)
 
 

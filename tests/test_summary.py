@@ -66,6 +66,12 @@ def test_a_report_from_another_budget_is_marked_stale(tmp_path):
     text = summary.build(_results(tmp_path, {**current, "trainer.max_steps": 100}))
     assert "stale: trainer.max_steps: ran 100, file 300" in text
     assert "[batch_size](batch_size/report.md) (stale budget)" in text
+    # a key the file no longer sets is stale too, unless the sweep's command gave it with --set
+    gone = REPORT.format(budget=json.dumps({**current, "trainer.limit_train_batches": 1000, "data.num_workers": 4}))
+    assert summary.budget_state("batch_size", gone) == ("stale: trainer.limit_train_batches: ran 1000, file: not set; "
+                                                        "data.num_workers: ran 4, file: not set")
+    given = gone + "- MLflow: command `python -m pipeline.sweep x.yaml --set data.num_workers=4`\n"
+    assert summary.budget_state("batch_size", given) == "stale: trainer.limit_train_batches: ran 1000, file: not set"
 
 
 def test_main_writes_the_file_and_rejects_a_missing_folder(tmp_path, capsys):
