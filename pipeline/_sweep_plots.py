@@ -118,8 +118,10 @@ def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], met
         return seed_spread_plot(df, seeds, [s for s in series if s != seeds], metric, ylabel, title, path,
                                 subtitle)
     fig, ax = plt.subplots(figsize=(8, 4.6))
-    if numeric(order) is None:  # fix the category order before any series draws
+    categorical = numeric(order) is None
+    if categorical:  # fix the category order before any series draws
         ax.plot(order, [float("nan")] * len(order), alpha=0)
+    style = {"linestyle": "none"} if categorical else {}  # no line between unordered categories
     for name, rows in series_groups(df, x, [s for s in series if s != seeds]).items():
         have, missing = _points(rows, x, order, metric, seeds)
         xs = _xs([h[0] for h in have], order)
@@ -127,10 +129,10 @@ def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], met
         if seeds and have:
             n = max(h[4] for h in have)
             err = [[h[1] - h[2] for h in have], [h[3] - h[1] for h in have]]
-            line = ax.errorbar(xs, means, yerr=err, marker="o", capsize=3,
+            line = ax.errorbar(xs, means, yerr=err, marker="o", capsize=3, **style,
                                label=f"{name} (mean of {n} seeds; bars: min to max)")[0]
         else:
-            (line,) = ax.plot(xs, means, marker="o", label=name)
+            (line,) = ax.plot(xs, means, marker="o", label=name, **style)
         _mark_missing(ax, _xs([m[0] for m in missing], order), [m[1] for m in missing], line.get_color(), name)
     if extra is not None:
         extra(ax)
@@ -178,13 +180,16 @@ def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], tit
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     panels = (("throughput", f"speed-up: {baseline} examples/s / other's (x)\nabove 1: {baseline} faster"),
               ("memory", f"memory saving: other's peak / {baseline}'s (x)\nabove 1: {baseline} leaner"))
+    categorical = numeric(order) is None
+    style = {"linestyle": "none"} if categorical else {}  # no line between unordered categories
     for ax, (key, ylabel) in zip(axes, panels):
-        if numeric(order) is None:
+        if categorical:
             ax.plot(order, [float("nan")] * len(order), alpha=0)
         for name, r in ratios.items():
             other = name.split(" / ", 1)[-1]
             pts = [(xv, yv) for xv, yv in zip(r["x"], r[key]) if yv is not None]
-            (line,) = ax.plot(_xs([p[0] for p in pts], order), [p[1] for p in pts], marker="o", label=f"vs {other}")
+            (line,) = ax.plot(_xs([p[0] for p in pts], order), [p[1] for p in pts], marker="o", label=f"vs {other}",
+                              **style)
             gaps = [(xv, note or "NOT RUN") for xv, yv, note in zip(r["x"], r[key], r.get("note", [""] * len(r["x"])))
                     if yv is None]
             gaps += [(xv, "NOT RUN") for xv in order if xv not in r["x"]]

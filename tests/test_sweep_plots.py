@@ -78,3 +78,24 @@ def test_seeds_as_x_draw_one_column_per_series_not_a_line_across_seeds(tmp_path,
     assert means == {"jagged": 2.0, "sdpa": 2.0}
     dots = [ln for ln in ax.lines if ln.get_label().startswith("jagged: one dot")]
     assert sorted(dots[0].get_ydata()) == [1.0, 2.0, 3.0]
+
+
+def test_a_categorical_axis_draws_points_not_a_line_between_categories(tmp_path, monkeypatch):
+    """Variants (baseline, heads_1, ...) have no order: a line through them would suggest a trend;
+    a numeric axis keeps its line."""
+    figs = _capture(monkeypatch)
+    rows = [("baseline", "jagged", "0", "OK", 1.0), ("heads_1", "jagged", "0", "OK", 2.0),
+            ("layers_0", "jagged", "0", "OK", 1.5)]
+    plots.line_plot(_frame(rows), "x", ["baseline", "heads_1", "layers_0"], ["attention"], "m", "metric (units)",
+                    "T", tmp_path / "c.png")
+    (drawn,) = [ln for ln in figs[-1].axes[0].lines if ln.get_label() == "jagged"]
+    assert drawn.get_linestyle() == "None" and list(drawn.get_ydata()) == [1.0, 2.0, 1.5]
+    numeric = [(x, *r[1:]) for x, r in zip(["64", "256", "1024"], rows)]
+    plots.line_plot(_frame(numeric), "x", ["64", "256", "1024"], ["attention"], "m", "metric (units)", "T",
+                    tmp_path / "n.png")
+    (drawn,) = [ln for ln in figs[-1].axes[0].lines if ln.get_label() == "jagged"]
+    assert drawn.get_linestyle() == "-"
+    ratios = {"jagged / sdpa": {"x": ["a", "b"], "throughput": [2.0, 3.0], "memory": [1.5, 1.2], "note": ["", ""]}}
+    plots.ratio_plot(ratios, "x", ["a", "b"], "t", tmp_path / "r.png")
+    assert all(ln.get_linestyle() == "None" for ax in figs[-1].axes[:2] for ln in ax.lines if ln.get_label() == "vs sdpa")
+    plt.close("all")
