@@ -85,7 +85,7 @@ ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default;
 bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
 	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
 
-config-sweep: setup ## time every launch config of every kernel family on GRID=small|full shapes (GPU; tiny: CPU interpreter) into SWEEP_OUT, resumable (CONFIG_SWEEP_ARGS="--deadline-s 400 --families a,b --mlflow")
+config-sweep: setup ## time every launch config of every kernel family on GRID=small|medium|full shapes (GPU; tiny: CPU interpreter) into SWEEP_OUT, resumable (CONFIG_SWEEP_ARGS="--deadline-s 400 --families a,b --mlflow")
 	$(if $(filter tiny,$(GRID)),TRITON_INTERPRET=1 )$(PY) -m kernels.bench.sweep --grid $(GRID) --out $(SWEEP_OUT) \
 	  $(if $(filter tiny,$(GRID)),--device cpu) $(CONFIG_SWEEP_ARGS)
 
