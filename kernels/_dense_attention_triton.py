@@ -291,19 +291,24 @@ def _dense_bwd_kernel(
 # ---- block sizes --------------------------------------------------------------------------
 
 
-def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype) -> dict:
-    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim. SPLIT_DQ (0/1,
-    backward only) is off until timed on a GPU; a launch table may turn it on per shape."""
+def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype, backward: bool = False) -> dict:
+    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim. 4 warps up to
+    D = 128 and 3 stages in the backward (2 in the forward below D = 128): the cost-model sweep's
+    fastest on its target-attention shapes (kernels/TUNING.md, "First GPU sweep"). SPLIT_DQ (0/1,
+    backward only) stays off: it was faster still on every swept shape, but its fp32 atomics make
+    dQ run-to-run nondeterministic and its fp32 buffer adds memory; a launch table may turn it on."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, SPLIT_DQ=0, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     bm = max(16, min(64 if bd <= 128 else 32, triton.next_power_of_2(num_queries)))
     bn = 64 if bd <= 128 else 32
-    warps = 8 if bd >= 128 else 4
+    warps = 8 if bd > 128 else 4
     if dtype == torch.float32:
         bm, bn = max(bm // 2, 16), (32 if bd <= 64 else 16)
-    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, SPLIT_DQ=0, num_warps=warps,
-                num_stages=1 if dtype == torch.float32 else 2)
+        stages = 1
+    else:
+        stages = 3 if backward or bd == 128 else 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, SPLIT_DQ=0, num_warps=warps, num_stages=stages)
 
 
 # block sizes and constexprs per (head dim, Tq, dtype, direction, and the shape bucket when a
@@ -318,7 +323,7 @@ def _dense_kw(D: int, Tq: int, dtype: torch.dtype, family: str, B: int, N: int, 
     key = (D, Tq, dtype, family, bucket)
     kw = _KW.get(key)
     if kw is None:
-        cfg = dense_config(D, Tq, dtype)
+        cfg = dense_config(D, Tq, dtype, backward=family == "dense_bwd")
         if bucket:
             cfg = _lc.tuned(family, (*bucket, D, Tq, dtype), cfg)
         kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), DOT_PREC=dot_precision(dtype))

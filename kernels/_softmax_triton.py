@@ -20,8 +20,9 @@ from kernels._triton_common import zero_rows, col_block
 
 # Launch parameters (module level, so a tuning script can override them), forward and backward:
 # BLOCK_N rows of the large single tile and of the streamed tiles, SMALL_N (<= BLOCK_N) rows of
-# the small single tile, BLOCK_H the widest column block, warps.
-SOFTMAX_CONFIG = {"BLOCK_N": 512, "SMALL_N": 128, "BLOCK_H": 16, "num_warps": 8}
+# the small single tile, BLOCK_H the widest column block, warps. The fastest single config over
+# the cost-model sweep's five softmax shapes (kernels/TUNING.md, "First GPU sweep").
+SOFTMAX_CONFIG = {"BLOCK_N": 256, "SMALL_N": 128, "BLOCK_H": 16, "num_warps": 4}
 
 
 @triton.jit

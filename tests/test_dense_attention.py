@@ -99,7 +99,7 @@ def split_dq(monkeypatch):
     from kernels import _launch_configs
 
     hand = dat.dense_config
-    monkeypatch.setattr(dat, "dense_config", lambda *a: dict(hand(*a), SPLIT_DQ=1))
+    monkeypatch.setattr(dat, "dense_config", lambda *a, **k: dict(hand(*a, **k), SPLIT_DQ=1))
     _launch_configs.clear_caches()
     yield
     _launch_configs.clear_caches()
@@ -174,7 +174,7 @@ def test_dense_split_dq_same_dk_dv_bits(monkeypatch, dtype):
     bias = torch.randn(4, H, Tq, N, dtype=dtype)
     hand, grads = dat.dense_config, []
     for split in (0, 1):
-        monkeypatch.setattr(dat, "dense_config", lambda *a, s=split: dict(hand(*a), SPLIT_DQ=s))
+        monkeypatch.setattr(dat, "dense_config", lambda *a, s=split, **k: dict(hand(*a, **k), SPLIT_DQ=s))
         _launch_configs.clear_caches()
         out = jagged_dense_attention(q, k, v, off, N, bias=bias, backend="triton")
         grads.append(torch.autograd.grad(out, (k, v), torch.ones_like(out)))

@@ -208,7 +208,7 @@ def hand_config(family: str, s: SweepShape) -> dict:
     elif family == "flash_bwd":
         cfg = bwd_config(s.D, dt)
     elif family in ("dense_fwd", "dense_bwd"):
-        cfg = dense_config(s.D, s.Tq, dt)
+        cfg = dense_config(s.D, s.Tq, dt, backward=family == "dense_bwd")
     elif family.startswith("softmax"):
         cfg = _softmax_triton.SOFTMAX_CONFIG
     elif family == "padded_to_jagged":
