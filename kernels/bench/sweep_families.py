@@ -4,9 +4,10 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
 ``kernels._launch_configs.tuned`` (the same names as ``_launch_configs.FAMILIES``). For each:
 
 - ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small`` (21 shapes, 608
-  configs timed in 231 s on an H200), ``medium`` (small's shapes and config space, and 22 more
-  shapes spread over the full grid's ranges: held-out shapes the model has neighbours for; about
-  twice small's time, or one call on top of a resumed small sweep) or ``full`` (every shape and a
+  configs timed in 231 s on an H200), ``medium`` (small's shapes and config space, softmax also
+  with 64-column programs, and 22 more shapes spread over the full grid's ranges: held-out
+  shapes the model has neighbours for; about 1,500 configs, one call on top of a resumed small
+  sweep) or ``full`` (every shape and a
   larger config space: several resumed calls). Lengths are drawn as in the benchmark harness
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
 - ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
@@ -157,8 +158,9 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
         tiles = [(16, 64), (32, 64), (64, 64), (16, 32), (64, 32)] + ([(32, 128), (64, 128)] if full else [])
         return [dict(zip(k, (m, n, m, n, w, st, sp)))
                 for (m, n), w, st, sp in itertools.product(tiles, warps, stages, [0, 1])]
-    if family.startswith("softmax"):
-        return _product(k, [256, 512, 1024], [64, 128, 256] if full else [64, 128], [8, 16, 32] if full else [16], warps)
+    if family.startswith("softmax"):  # medium: 64 columns a program too (128-byte rows at fill 0.1)
+        block_h = [8, 16, 32, 64] if full else [16, 64] if level == "medium" else [16]
+        return _product(k, [256, 512, 1024], [64, 128, 256] if full else [64, 128], block_h, warps)
     if family == "jagged_dense_bmm":
         return _product(k, [64, 128], [64, 128], [32, 64, 128] if full else [32, 64], warps, stages)
     if family == "jagged_jagged_bmm":
