@@ -63,8 +63,8 @@ def series_groups(df: pl.DataFrame, x: str, series: list[str]) -> dict[str, pl.D
 def _finish(fig, ax_or_axes, title: str, subtitle: str, path: Path) -> Path:
     axes = ax_or_axes if isinstance(ax_or_axes, (list, tuple)) else [ax_or_axes]
     for ax in axes:
-        handles, _ = ax.get_legend_handles_labels()
-        if handles:  # outside the axes: a legend never covers a point
+        handles, labels = ax.get_legend_handles_labels()
+        if handles and labels != ["all"]:  # outside the axes: a legend never covers a point; none for one series
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.suptitle(title, fontsize=11)
     if subtitle:

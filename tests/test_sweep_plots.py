@@ -90,6 +90,9 @@ def test_a_categorical_axis_draws_points_not_a_line_between_categories(tmp_path,
                     "T", tmp_path / "c.png")
     (drawn,) = [ln for ln in figs[-1].axes[0].lines if ln.get_label() == "jagged"]
     assert drawn.get_linestyle() == "None" and list(drawn.get_ydata()) == [1.0, 2.0, 1.5]
+    plots.line_plot(_frame(rows), "x", ["baseline", "heads_1", "layers_0"], [], "m", "metric (units)", "T",
+                    tmp_path / "one.png")
+    assert figs[-1].axes[0].get_legend() is None  # one series without a name: no legend saying "all"
     numeric = [(x, *r[1:]) for x, r in zip(["64", "256", "1024"], rows)]
     plots.line_plot(_frame(numeric), "x", ["64", "256", "1024"], ["attention"], "m", "metric (units)", "T",
                     tmp_path / "n.png")
