@@ -227,7 +227,7 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
     assert df.height == expected and "0 new rows" in capsys.readouterr().out
     counted = df.filter(pl.col("energy_src") == "counter")
     assert counted.height >= len(grid("flash_fwd", "tiny")) + len(grid("softmax_fwd", "tiny"))  # >= 1 a shape
-    assert (counted["energy_j"] == 0.5 / counted["energy_calls"]).all()
+    assert (counted["energy_j"] == 0.5 / counted["energy_calls"]).all() and (counted["energy_window_s"] >= 0.001).all()
     # another GPU's rows are never resumed into this one's sweep
     pl.read_parquet(out).with_columns(gpu_slug=pl.lit("h200")).write_parquet(out)
     assert sweep.main(argv) == 2
@@ -259,8 +259,12 @@ def test_energy_pass_reads_the_counter_for_the_configs_near_the_fastest(tmp_path
             dict(status="error", ms=math.nan, is_hand=False, config=cfg(256))]
     sweep.measure_energy("flash_fwd", fn, rows, torch.device("cpu"), meter, SimpleNamespace(energy_s=0.01))
     assert [r.get("energy_src") for r in rows] == ["counter", "counter", None, "counter", None]
-    assert [r.get("energy_calls") for r in rows] == [10, 10, None, 5, None]  # 10 ms of calls each
-    assert all(r["energy_j"] == pytest.approx(2.0) for r in rows if "energy_j" in r)
+    many = [dict(status="ok", ms=1.0 + i / 100, is_hand=False, config=cfg(16)) for i in range(5)]
+    sweep.measure_energy("flash_fwd", fn, many, torch.device("cpu"), meter, SimpleNamespace(energy_s=0.001))
+    assert [r.get("energy_src") for r in many] == ["counter"] * sweep.ENERGY_MAX_CONFIGS + [None] * 2  # the fastest
+    measured = [r for r in rows if "energy_j" in r]
+    assert all(r["energy_window_s"] >= 0.01 and r["energy_calls"] >= 1 for r in measured)  # 10 ms of calls each
+    assert all(r["energy_j"] == pytest.approx(2.0) for r in measured)
     meter.available = False  # no NVML: nothing measured
     fresh = [dict(status="ok", ms=1.0, is_hand=True, config=cfg(16))]
     sweep.measure_energy("flash_fwd", fn, fresh, torch.device("cpu"), meter, SimpleNamespace(energy_s=0.01))

@@ -14,8 +14,8 @@ sweep's rows read the idle board (122-126 W, the same value for configs in a row
 350-860 W for their neighbours. :class:`EnergyMeter` reads the board's total-energy counter
 (``nvmlDeviceGetTotalEnergyConsumption``, mJ since the driver loaded) before and after a window
 of back-to-back calls of a second or more: energy per call = counter difference / calls. The
-sweep measures that for the configs that matter to an energy-aware choice (within 5% of a
-shape's fastest, and the hand rule's).
+sweep measures that for the configs that matter to an energy-aware choice (the up to 3 fastest
+within 5% of a shape's fastest, and the hand rule's).
 """
 
 from __future__ import annotations

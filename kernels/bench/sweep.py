@@ -8,8 +8,9 @@ What is measured per (family, shape, config): ``ms`` the do_bench median (CUDA e
 after warm-up; ``kernels.bench.measure.bench_ms``; a host clock on the CPU), ``power_w`` the mean
 sampled board power during that timing (``kernels.bench.power``; too coarse for a 40 ms window,
 kept for reference), ``energy_j`` the energy per call from the board's energy counter over at
-least ``--energy-s`` of back-to-back calls (``energy_src`` = counter; measured for the configs
-within 5% of the shape's fastest and the hand rule's, NaN for the others and without NVML),
+least ``--energy-s`` of back-to-back calls (``energy_src`` = counter; measured for the up to 3
+fastest configs within 5% of the shape's fastest and the hand rule's, NaN for the others and
+without NVML),
 ``compile_s`` the first call's wall seconds (Triton compile), ``bench_s``
 the wall seconds the timing took (what an autotuner spends on this candidate), ``rel_err`` of
 the outputs against the hand-rule config's outputs, ``spills`` (registers spilled, where Triton
@@ -149,25 +150,32 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
     return row
 
 
+ENERGY_MAX_CONFIGS = 3  # per shape, besides the hand rule's: about 4 s of energy readings a shape
+
+
 def measure_energy(family: str, fn, rows: list[dict], device: torch.device, meter: EnergyMeter, args) -> None:
-    """Energy per call (J) from the board's energy counter over at least args.energy_s of
-    back-to-back calls, for the rows an energy-aware choice weighs: ok and within ENERGY_SLACK of
-    the fastest of `rows` (one shape), or the hand rule's. The window's wall time and calls are kept:
-    where a call's launch takes longer than its kernel, idle power is part of each call's energy."""
+    """Energy per call (J) from the board's energy counter over back-to-back calls for at least
+    args.energy_s of wall time, for the rows an energy-aware choice weighs: the ENERGY_MAX_CONFIGS
+    fastest of those ok and within ENERGY_SLACK of the fastest of `rows` (one shape), and the hand
+    rule's. The window's wall time
+    and calls are kept: where a call's launch takes longer than its kernel (the host is the
+    bound), idle power is part of each call's energy, alike for every config of the shape."""
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok or not meter.available or args.energy_s <= 0:
         return
     fastest = min(r["ms"] for r in ok)
-    for r in ok:
-        if not (r["ms"] <= ENERGY_SLACK * fastest or r["is_hand"]):
-            continue
-        calls = max(1, math.ceil(args.energy_s * 1e3 / r["ms"]))
+    near = sorted((r for r in ok if r["ms"] <= ENERGY_SLACK * fastest), key=lambda r: r["ms"])[:ENERGY_MAX_CONFIGS]
+    for r in [*near, *(r for r in ok if r["is_hand"] and r not in near)]:
+        chunk = max(1, min(1000, math.ceil(args.energy_s * 1e3 / r["ms"] / 20)))  # ~20 checks of the clock
+        calls = 0
         with forced(family, json.loads(r["config"])):
             fn()
             sync(device)
             e0, t0 = meter.read_j(), time.perf_counter()
-            for _ in range(calls):
-                fn()
+            while calls == 0 or time.perf_counter() - t0 < args.energy_s:
+                for _ in range(chunk):
+                    fn()
+                calls += chunk
             sync(device)
             e1, t1 = meter.read_j(), time.perf_counter()
         r.update(energy_j=(e1 - e0) / calls, energy_src="counter", energy_window_s=t1 - t0, energy_calls=calls)
