@@ -119,7 +119,7 @@ def test_shipped_ablations_expand():
     assert {p.dataset.overrides["mean_len"] for p in parity.points} == {256}
     assert sorted({p.overrides["seed_everything"] for p in parity.points}) == [0, 1, 2]
     # the accuracy ablations train until converged: early stopping on val/auc, the peak's weights tested
-    for name in ("auc_parity", "history_value", "model"):
+    for name in ("auc_parity", "history_value", "model", "alure"):
         assert load(ABLATIONS / f"{name}.yaml", Path("/d")).configs[-1].name == "converge.yaml", name
     converge = yaml.safe_load((REPO / "experiments" / "configs" / "converge.yaml").read_text())
     stop = converge["trainer"]["callbacks"][0]
