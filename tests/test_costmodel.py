@@ -8,6 +8,7 @@ import json
 import math
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import polars as pl
 import pytest
@@ -236,11 +237,9 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
 
 
 def test_energy_pass_reads_the_counter_for_the_configs_near_the_fastest(tmp_path):
-    """Energy per call = counter difference / calls over a window of back-to-back calls, for the ok
-    configs within 5% of the fastest and the hand rule's; the others keep no energy, and the cost
-    model reads energy only from counter rows (not from sampled power x time)."""
-    from types import SimpleNamespace
-
+    """Energy per call = counter difference / calls over a window of back-to-back calls, for the (at
+    most 3) fastest ok configs within 5% of the fastest and the hand rule's; the others keep no
+    energy, and the cost model reads energy only from counter rows (not sampled power x time)."""
     class Meter:  # a board whose every call of fn costs 2 J
         available = True
         j = 100.0
@@ -376,6 +375,23 @@ def test_costmodel_bad_cli_exits_2(tmp_path):
     with pytest.raises(SystemExit) as e:
         costmodel.parse_args(["predict", "--data", "x"])
     assert e.value.code == 2
+
+
+def test_judge_on_new_counts_only_the_shapes_outside_the_small_grid(monkeypatch):
+    """The hand rules were retuned on the small grid's shapes: --judge-on new leaves those out of the
+    slowdowns (they still train the model)."""
+    from kernels.bench import sweep_families
+
+    rows = synthetic_rows()
+    small_ids = {r["shape_id"] for r in rows if r["N"] <= 256}  # stand-ins for the small grid's shapes
+    monkeypatch.setattr(sweep_families, "grid", lambda family, level: [SimpleNamespace(id=i) for i in small_ids])
+    hand = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    everything = costmodel.evaluate(rows, folds=7, hand_fn=lambda fam, s: hand)["flash_fwd"]
+    new = costmodel.evaluate(rows, folds=7, hand_fn=lambda fam, s: hand, judge_on="new")["flash_fwd"]
+    assert len(everything["shapes"]) == 14 and everything["summary"]["model"]["n"] == 14
+    assert {s["shape_id"] for s in new["shapes"]} == {r["shape_id"] for r in rows} - small_ids
+    assert new["summary"]["model"]["n"] == 14 - len(small_ids) and new["n_shapes"] == 14  # all shapes trained
+    assert costmodel.parse_args(["eval", "--data", __file__, "--judge-on", "new"]).judge_on == "new"
 
 
 def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_path):

@@ -31,9 +31,11 @@ timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRI
   --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} > "$OUT/sweep.log" 2>&1
 echo "sweep rc=$?" | tee -a "$log"
 tail -4 "$OUT/sweep.log" | tee -a "$log"
-timeout 120 python3 -m kernels.bench.costmodel eval --data "$data" --out "$OUT/eval-$slug.json" >> "$log" 2>&1
+# the hand rules were retuned on the small grid's shapes: beyond it, judge on the other shapes only
+judge=${JUDGE_ON:-$([ "${GRID:-medium}" = small ] && echo all || echo new)}
+timeout 120 python3 -m kernels.bench.costmodel eval --data "$data" --out "$OUT/eval-$slug.json" --judge-on "$judge" >> "$log" 2>&1
 echo "costmodel eval rc=$?" | tee -a "$log"
-timeout 120 python3 -m kernels.bench.costmodel report --data "$data" --out "$OUT/report" > /dev/null 2>> "$log"
+timeout 120 python3 -m kernels.bench.costmodel report --data "$data" --out "$OUT/report" --judge-on "$judge" > /dev/null 2>> "$log"
 echo "costmodel report rc=$?" | tee -a "$log"
 timeout 120 python3 -m kernels.bench.costmodel export --data "$data" --out "$OUT/configs/$slug.json" >> "$log" 2>&1
 echo "costmodel export rc=$?" | tee -a "$log"
