@@ -122,8 +122,11 @@ def test_shipped_ablations_expand():
     for name in ("auc_parity", "history_value", "model", "alure"):
         assert load(ABLATIONS / f"{name}.yaml", Path("/d")).configs[-1].name == "converge.yaml", name
     converge = yaml.safe_load((REPO / "experiments" / "configs" / "converge.yaml").read_text())
-    stop = converge["trainer"]["callbacks"][0]
+    stop, bar = converge["trainer"]["callbacks"]
     assert stop["class_path"].endswith("EarlyStopping") and stop["init_args"]["monitor"] == "val/auc"
+    # the list replaces paper.yaml's: its sync-sparing progress bar must be in it again
+    paper = yaml.safe_load((REPO / "experiments" / "configs" / "paper.yaml").read_text())["trainer"]["callbacks"]
+    assert all(c in converge["trainer"]["callbacks"] for c in paper), (paper, converge["trainer"]["callbacks"])
     assert converge["checkpoint"]["monitor"] == "val/auc" and converge["checkpoint"]["save_top_k"] == 1
     model = load(ABLATIONS / "model.yaml", REPO / "data")
     by = {p.labels["variant"]: p.overrides for p in model.points}
