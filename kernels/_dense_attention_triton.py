@@ -14,7 +14,8 @@ itself (no pre-pass launch). Every output element has exactly one writer: no ato
 dQ under SPLIT_DQ). dBias is dS itself (the bias enters the scores unscaled), so the dQ programs
 store it on the way.
 
-SPLIT_DQ (a launch key, off in the hand rules until timed on a GPU): the dQ programs read all of
+SPLIT_DQ (a launch key, on in the 16-bit hand rules up to D = 128, off under
+torch.use_deterministic_algorithms): the dQ programs read all of
 their sequence's K and V again after the dK/dV programs have, which for few queries is most of
 the backward's bytes. With SPLIT_DQ there are no dQ programs: each dK/dV program also computes,
 per query step, its key block's share dS @ K (the dS it has for dK) and adds it, times the scale,
@@ -293,10 +294,10 @@ def _dense_bwd_kernel(
 
 def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype, backward: bool = False) -> dict:
     """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim. 4 warps up to
-    D = 128 and 3 stages in the backward (2 in the forward below D = 128): the cost-model sweep's
-    fastest on its target-attention shapes (kernels/TUNING.md, "First GPU sweep"). SPLIT_DQ (0/1,
-    backward only) stays off: it was faster still on every swept shape, but its fp32 atomics make
-    dQ run-to-run nondeterministic and its fp32 buffer adds memory; a launch table may turn it on."""
+    D = 128, 3 stages and SPLIT_DQ in the 16-bit backward (2 stages in the forward below D = 128):
+    the cost-model sweep's fastest on every one of its target-attention shapes (kernels/TUNING.md,
+    "First GPU sweep"). The launcher drops SPLIT_DQ under torch.use_deterministic_algorithms (its
+    fp32 atomics add dQ in arrival order); fp32 and D > 128 keep it off (not swept)."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, SPLIT_DQ=0, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
@@ -305,10 +306,10 @@ def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype, backward: 
     warps = 8 if bd > 128 else 4
     if dtype == torch.float32:
         bm, bn = max(bm // 2, 16), (32 if bd <= 64 else 16)
-        stages = 1
+        stages, split = 1, 0
     else:
-        stages = 3 if backward or bd == 128 else 2
-    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, SPLIT_DQ=0, num_warps=warps, num_stages=stages)
+        stages, split = (3 if backward or bd == 128 else 2), int(backward and bd <= 128)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, SPLIT_DQ=split, num_warps=warps, num_stages=stages)
 
 
 # block sizes and constexprs per (head dim, Tq, dtype, direction, and the shape bucket when a
@@ -395,8 +396,10 @@ def dense_attention_bwd(
     if out.stride() != dout.stride():  # the kernel reads O with dO's strides
         out = out.contiguous()
     kw = _dense_kw(D, Tq, q.dtype, "dense_bwd", B, max_seq_len, T, H)
-    # split-K dQ (module docstring): not with dBias (the dQ programs write it), nor without keys
-    split = 1 if kw["SPLIT_DQ"] and not store_dbias and T > 0 else 0
+    # split-K dQ (module docstring): not with dBias (the dQ programs write it), nor without keys, nor
+    # where torch is asked for deterministic results (the atomics add in arrival order)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    split = 1 if kw["SPLIT_DQ"] and not store_dbias and T > 0 and not deterministic else 0
     if split != kw["SPLIT_DQ"]:
         kw = dict(kw, SPLIT_DQ=split)
     if split:  # fp32 sums of the key blocks' atomic adds; queries without keys keep the zeros

@@ -123,7 +123,7 @@ def _workloads(dtype, D):
         yield f"dense bias={b is not None}", lambda b=b: (
             dense_attention_fwd(qd, k, v, off, N, b, 0.1),
             dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, b is not None))
-    for b in (None, bias):  # SPLIT_DQ: off in the hand rules, a launch table may turn it on
+    for b in (None, bias):  # SPLIT_DQ forced on, the fp32 and bias cases too
         yield f"dense split_dq bias={b is not None}", lambda b=b: _split_dq(
             lambda: dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, False))
     lse2 = torch.empty(T, H, device="meta", dtype=torch.float32)

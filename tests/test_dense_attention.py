@@ -146,6 +146,29 @@ def test_dense_split_dq_cpu(split_dq, bwd_launches, lengths, Tq, H, D, N, bias, 
         assert split == 1 and n_dq == 0 and grid == ((sum(lengths) // 16 + len(lengths)) * H,)
 
 
+def test_dense_split_dq_off_under_deterministic_algorithms(split_dq, bwd_launches):
+    """torch.use_deterministic_algorithms: the dQ programs, whose sums have one writer, not the atomics."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        check_dense([33, 0, 5], 5, 1, 48, 33, False, BF16, "cpu")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (grid, n_dq, split), = bwd_launches
+    assert split == 0 and n_dq == 3
+
+
+def test_16bit_hand_rules_split_dq_in_the_backward_only(monkeypatch):
+    """On a GPU the 16-bit backward takes SPLIT_DQ up to D 128; fp32, the forward and D 256 do not."""
+    from kernels import _dense_attention_triton as dat
+
+    monkeypatch.setattr(dat, "INTERPRET", False)
+    assert dat.dense_config(64, 16, BF16, backward=True)["SPLIT_DQ"] == 1
+    assert dat.dense_config(128, 1, F16, backward=True)["SPLIT_DQ"] == 1
+    assert dat.dense_config(64, 16, BF16)["SPLIT_DQ"] == 0
+    assert dat.dense_config(64, 16, F32, backward=True)["SPLIT_DQ"] == 0
+    assert dat.dense_config(256, 16, BF16, backward=True)["SPLIT_DQ"] == 0
+
+
 def test_dense_split_dq_cpu_masked_bias(split_dq):
     # a constant -inf bias masks keys and whole query rows: zeros, never NaN
     check_dense([20, 0, 9], 3, 2, 16, 20, True, F32, "cpu", scale=0.4, bias_mask=True, bias_grad=False)
