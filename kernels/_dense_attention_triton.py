@@ -297,18 +297,21 @@ def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype, backward: 
     D = 128, 3 stages and SPLIT_DQ in the 16-bit backward (2 stages in the forward below D = 128):
     the cost-model sweep's fastest on every one of its target-attention shapes (kernels/TUNING.md,
     "First GPU sweep"). The launcher drops SPLIT_DQ under torch.use_deterministic_algorithms (its
-    fp32 atomics add dQ in arrival order); fp32 and D > 128 keep it off (not swept)."""
+    fp32 atomics add dQ in arrival order). fp32 and D > 128 were not swept: they keep the earlier
+    rule (8 warps from D = 128 in fp32 and above D = 128 in 16 bits, 1 stage in fp32, 2 in 16
+    bits above D = 128, no SPLIT_DQ)."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, SPLIT_DQ=0, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     bm = max(16, min(64 if bd <= 128 else 32, triton.next_power_of_2(num_queries)))
     bn = 64 if bd <= 128 else 32
-    warps = 8 if bd > 128 else 4
-    if dtype == torch.float32:
+    if dtype == torch.float32:  # not swept: the rule from before the sweep
         bm, bn = max(bm // 2, 16), (32 if bd <= 64 else 16)
-        stages, split = 1, 0
+        warps, stages, split = (8 if bd >= 128 else 4), 1, 0
+    elif bd > 128:  # not swept: the rule from before the sweep
+        warps, stages, split = 8, 2, 0
     else:
-        stages, split = (3 if backward or bd == 128 else 2), int(backward and bd <= 128)
+        warps, stages, split = 4, (3 if backward or bd == 128 else 2), int(backward)
     return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, SPLIT_DQ=split, num_warps=warps, num_stages=stages)
 
 

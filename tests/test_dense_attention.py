@@ -169,6 +169,20 @@ def test_16bit_hand_rules_split_dq_in_the_backward_only(monkeypatch):
     assert dat.dense_config(256, 16, BF16, backward=True)["SPLIT_DQ"] == 0
 
 
+def test_unswept_hand_rules_keep_the_rule_from_before_the_sweep(monkeypatch):
+    """The sweep timed 16-bit tiles up to D 128 only: fp32 and D 256 keep 8 warps and their stages."""
+    from kernels import _dense_attention_triton as dat
+
+    monkeypatch.setattr(dat, "INTERPRET", False)
+    for backward in (False, True):
+        fp32 = dat.dense_config(128, 16, F32, backward)
+        assert (fp32["num_warps"], fp32["num_stages"]) == (8, 1)
+        d256 = dat.dense_config(256, 16, BF16, backward)
+        assert (d256["num_warps"], d256["num_stages"]) == (8, 2)
+        swept = dat.dense_config(128, 16, BF16, backward)
+        assert (swept["num_warps"], swept["num_stages"]) == (4, 3)
+
+
 def test_dense_split_dq_cpu_masked_bias(split_dq):
     # a constant -inf bias masks keys and whole query rows: zeros, never NaN
     check_dense([20, 0, 9], 3, 2, 16, 20, True, F32, "cpu", scale=0.4, bias_mask=True, bias_grad=False)
