@@ -214,15 +214,7 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
     assert "0 new rows" in capsys.readouterr().out
     assert pl.read_parquet(out).height == expected
     # resumed where the energy counter exists: the shapes timed without it get their energy readings
-    class Meter:
-        def __init__(self, index):
-            self.available, self.j = True, 0.0
-
-        def read_j(self):
-            self.j += 0.5  # 0.5 J between two readings
-            return self.j
-
-    monkeypatch.setattr(sweep, "EnergyMeter", Meter)
+    monkeypatch.setattr(sweep, "EnergyMeter", _CountingMeter)
     assert sweep.main([*argv, "--energy-s", "0.001"]) == 0
     df = pl.read_parquet(out)
     assert df.height == expected and "0 new rows" in capsys.readouterr().out
@@ -234,6 +226,55 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
     assert sweep.main(argv) == 2
     assert "holds rows timed on h200, not on this" in capsys.readouterr().err
     assert pl.read_parquet(out).height == expected  # the file untouched
+
+
+class _CountingMeter:
+    """An energy counter that gains 0.5 J between two readings."""
+
+    def __init__(self, index=None):
+        self.available, self.j = True, 0.0
+
+    def read_j(self):
+        self.j += 0.5
+        return self.j
+
+
+def _tiny_shape_args():
+    from kernels.bench.sweep_families import grid, hand_config, space
+
+    s = grid("flash_fwd", "tiny")[0]
+    args = SimpleNamespace(warmup_ms=0, rep_ms=1, grid="tiny", seed=0, energy_s=0.001)
+    stamp = {k: "x" for k in sweep.STAMP_COLS}
+    return s, space("flash_fwd", s, "tiny"), hand_config("flash_fwd", s), args, stamp
+
+
+def test_a_shape_cut_by_the_deadline_gets_no_energy_pass_until_complete():
+    """Energy is read only once every config of a shape is timed: a cut shape's fastest config may
+    be one not yet timed, and the readings would miss it."""
+    from kernels.bench.power import PowerSampler
+
+    s, todo, hand, args, stamp = _tiny_shape_args()
+    assert len(todo) >= 2
+    calls = iter([False] + [True] * 10)  # the deadline passes after the first config
+    rows, sticky = sweep.sweep_shape("flash_fwd", s, todo, hand, torch.device("cpu"), stamp, PowerSampler(None),
+                                     _CountingMeter(), args, lambda: next(calls))
+    assert len(rows) == 1 and not sticky and all(r["energy_src"] == "none" for r in rows)
+    assert sweep.needs_energy(rows)
+    rest, _ = sweep.sweep_shape("flash_fwd", s, todo[1:], hand, torch.device("cpu"), stamp, PowerSampler(None),
+                                _CountingMeter(), args, lambda: False, prior=rows)
+    every = rows + rest
+    assert len(every) == len(todo) and not sweep.needs_energy(every)
+    assert {id(r) for r in sweep.energy_rows(every)} <= {id(r) for r in every if r["energy_src"] == "counter"}
+
+
+def test_resumed_rows_take_todays_hand_rule_and_only_counter_energy():
+    s, todo, hand, args, stamp = _tiny_shape_args()
+    cols = dict(family="flash_fwd", shape_id=s.id, B=s.B, N=s.N, fill=s.fill, H=s.H, D=s.D, Tq=s.Tq, dtype=s.dtype)
+    rows = [dict(cols, config_id=sweep.config_id(c), is_hand=not (c == hand), energy_j=1.0,
+                 energy_src="none" if c == hand else "counter") for c in todo]
+    sweep.refresh(rows)
+    assert [r["is_hand"] for r in rows] == [c == hand for c in todo]
+    assert [math.isnan(r["energy_j"]) for r in rows] == [c == hand for c in todo]
 
 
 def test_energy_pass_reads_the_counter_for_the_configs_near_the_fastest(tmp_path):
@@ -378,8 +419,8 @@ def test_costmodel_bad_cli_exits_2(tmp_path):
 
 
 def test_judge_on_new_counts_only_the_shapes_outside_the_small_grid(monkeypatch):
-    """The hand rules were retuned on the small grid's shapes: --judge-on new leaves those out of the
-    slowdowns (they still train the model)."""
+    """Where the hand rules were retuned on the small grid's shapes, --judge-on new leaves those out
+    of the slowdowns (they still train the model); a family whose rules were not keeps them all."""
     from kernels.bench import sweep_families
 
     rows = synthetic_rows()
@@ -387,8 +428,12 @@ def test_judge_on_new_counts_only_the_shapes_outside_the_small_grid(monkeypatch)
     monkeypatch.setattr(sweep_families, "grid", lambda family, level: [SimpleNamespace(id=i) for i in small_ids])
     hand = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     everything = costmodel.evaluate(rows, folds=7, hand_fn=lambda fam, s: hand)["flash_fwd"]
+    monkeypatch.setattr(sweep_families, "RETUNED_ON_SMALL", ())
+    kept = costmodel.evaluate(rows, folds=7, hand_fn=lambda fam, s: hand, judge_on="new")["flash_fwd"]
+    monkeypatch.setattr(sweep_families, "RETUNED_ON_SMALL", ("flash_fwd",))
     new = costmodel.evaluate(rows, folds=7, hand_fn=lambda fam, s: hand, judge_on="new")["flash_fwd"]
     assert len(everything["shapes"]) == 14 and everything["summary"]["model"]["n"] == 14
+    assert kept["summary"]["model"]["n"] == 14  # not retuned: every held-out shape counts
     assert {s["shape_id"] for s in new["shapes"]} == {r["shape_id"] for r in rows} - small_ids
     assert new["summary"]["model"]["n"] == 14 - len(small_ids) and new["n_shapes"] == 14  # all shapes trained
     assert costmodel.parse_args(["eval", "--data", __file__, "--judge-on", "new"]).judge_on == "new"
@@ -410,3 +455,27 @@ def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_
     sampled = write_report([dict(r, energy_j=math.nan) for r in rows], str(tmp_path / "b"), folds=7)
     assert len(sampled) == 4 and "costmodel-energy" not in " ".join(sampled)
     assert "no row has a reading of the board's energy counter" in Path(sampled[0]).read_text()
+
+
+def test_nvml_board_is_torchs_device_by_uuid_never_another_visible_index(monkeypatch):
+    """NVML numbers every board of the host; torch's index counts the visible ones only."""
+    from kernels.bench import power
+
+    class NV:
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            return ("uuid", uuid)
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return ("index", i)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="58a3-7f"))
+    assert power._handle(NV(), 0) == ("uuid", b"GPU-58a3-7f")
+
+    def no_cuda(i):
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", no_cuda)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert power._handle(NV(), 0) is None  # board 0 of NVML is not torch's device 0 here
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert power._handle(NV(), 0) == ("index", 0)

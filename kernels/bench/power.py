@@ -21,6 +21,7 @@ within 5% of a shape's fastest, and the hand rule's).
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 
@@ -37,15 +38,30 @@ def _nvml():
     return pynvml
 
 
+def _handle(nv, device_index: int):
+    """NVML's handle of torch's CUDA device `device_index`. NVML numbers every board of the host
+    and ignores CUDA_VISIBLE_DEVICES, torch numbers the visible ones: match the board by UUID;
+    by index only where no board is hidden (else None: no reading rather than another board's)."""
+    try:
+        import torch
+
+        uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+        return nv.nvmlDeviceGetHandleByUUID((uuid if uuid.startswith("GPU-") else "GPU-" + uuid).encode())
+    except Exception:  # noqa: BLE001 - an old torch or driver without UUIDs
+        if os.environ.get("CUDA_VISIBLE_DEVICES"):
+            return None
+        return nv.nvmlDeviceGetHandleByIndex(device_index)
+
+
 class PowerSampler:
     """Mean board power (W) over a `with` block; NaN when NVML is unavailable."""
 
     def __init__(self, device_index: int | None = 0, period_s: float = 0.005):
-        """device_index: the NVML index of the GPU; None samples nothing (a CPU run)."""
+        """device_index: torch's index of the CUDA device; None samples nothing (a CPU run)."""
         self.period_s, self.samples = period_s, []
         self._nvml = _nvml() if device_index is not None else None
-        self._handle = self._nvml.nvmlDeviceGetHandleByIndex(device_index) if self._nvml else None
-        self._instant = self._nvml is not None and self._read_instant() is not None
+        self._handle = _handle(self._nvml, device_index) if self._nvml else None
+        self._instant = self._handle is not None and self._read_instant() is not None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -109,7 +125,7 @@ class EnergyMeter:
         self._nvml, self._handle = nv, None
         if nv is not None:
             try:
-                handle = nv.nvmlDeviceGetHandleByIndex(device_index)
+                handle = _handle(nv, device_index)
                 nv.nvmlDeviceGetTotalEnergyConsumption(handle)
                 self._handle = handle
             except Exception:  # noqa: BLE001 - no counter on this board: energy stays NaN

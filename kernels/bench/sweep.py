@@ -23,8 +23,9 @@ holds the first shapes of every family. The Parquet is rewritten after every sha
 also carry the GPU, torch/triton/CUDA versions and the git commit (``--commit``, else
 $GIT_COMMIT, else HEAD). Families, grids and config spaces: ``kernels.bench.sweep_families``.
 
-GPU command sequence (one GPU call: ``experiments/gpu/costmodel.sh`` runs exactly this, with OUT
-and GIT_COMMIT set, on a machine with the project installed)::
+GPU command sequence (``experiments/gpu/costmodel.sh`` runs it, with OUT and GIT_COMMIT set, on a
+machine with the project installed; it also resumes from the committed Parquet of the GPU and
+judges the medium grid on its new shapes, ``--judge-on new``)::
 
     slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
     python3 -m kernels.bench.sweep --grid medium --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
@@ -153,31 +154,52 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
 ENERGY_MAX_CONFIGS = 3  # per shape, besides the hand rule's: about 4 s of energy readings a shape
 
 
-def measure_energy(family: str, fn, rows: list[dict], device: torch.device, meter: EnergyMeter, args) -> None:
-    """Energy per call (J) from the board's energy counter over back-to-back calls for at least
-    args.energy_s of wall time, for the rows an energy-aware choice weighs: the ENERGY_MAX_CONFIGS
-    fastest of those ok and within ENERGY_SLACK of the fastest of `rows` (one shape), and the hand
-    rule's. The window's wall time
-    and calls are kept: where a call's launch takes longer than its kernel (the host is the
-    bound), idle power is part of each call's energy, alike for every config of the shape."""
+def energy_rows(rows: list[dict]) -> list[dict]:
+    """The rows of one shape whose energy an energy-aware choice weighs: the ENERGY_MAX_CONFIGS
+    fastest of those ok and within ENERGY_SLACK of the fastest, and the hand rule's."""
     ok = [r for r in rows if r["status"] == "ok"]
-    if not ok or not meter.available or args.energy_s <= 0:
-        return
+    if not ok:
+        return []
     fastest = min(r["ms"] for r in ok)
     near = sorted((r for r in ok if r["ms"] <= ENERGY_SLACK * fastest), key=lambda r: r["ms"])[:ENERGY_MAX_CONFIGS]
-    for r in [*near, *(r for r in ok if r["is_hand"] and r not in near)]:
+    return [*near, *(r for r in ok if r["is_hand"] and r not in near)]
+
+
+def needs_energy(rows: list[dict]) -> bool:
+    """Whether a row of `energy_rows` has no reading of the energy counter yet."""
+    return any(r.get("energy_src") != "counter" for r in energy_rows(rows))
+
+
+def measure_energy(family: str, fn, rows: list[dict], device: torch.device, meter: EnergyMeter, args) -> None:
+    """Energy per call (J) from the board's energy counter over back-to-back calls for at least
+    args.energy_s of wall time, for the `energy_rows` of `rows` (one shape) that have no counter
+    reading yet (a resumed shape whose fastest configs changed gets the new ones'). The calls run
+    back to back without do_bench's L2 flush: the energy of a warm-cache regime, alike for every
+    config of the shape. The window's wall time and calls are kept: where a call's launch takes
+    longer than its kernel (the host is the bound), idle power is part of each call's energy,
+    alike for every config of the shape. A failed reading leaves that row's energy NaN
+    (energy_src 'error', measured again by a resumed sweep)."""
+    if not meter.available or args.energy_s <= 0:
+        return
+    for r in energy_rows(rows):
+        if r.get("energy_src") == "counter":
+            continue
         chunk = max(1, min(1000, math.ceil(args.energy_s * 1e3 / r["ms"] / 20)))  # ~20 checks of the clock
         calls = 0
-        with forced(family, json.loads(r["config"])):
-            fn()
-            sync(device)
-            e0, t0 = meter.read_j(), time.perf_counter()
-            while calls == 0 or time.perf_counter() - t0 < args.energy_s:
-                for _ in range(chunk):
-                    fn()
-                calls += chunk
-            sync(device)
-            e1, t1 = meter.read_j(), time.perf_counter()
+        try:
+            with forced(family, json.loads(r["config"])):
+                fn()
+                sync(device)
+                e0, t0 = meter.read_j(), time.perf_counter()
+                while calls == 0 or time.perf_counter() - t0 < args.energy_s:
+                    for _ in range(chunk):
+                        fn()
+                    calls += chunk
+                sync(device)
+                e1, t1 = meter.read_j(), time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - the timings of the shape are kept
+            r.update(energy_j=math.nan, energy_src="error", error=f"energy: {type(exc).__name__}: {str(exc)[:150]}")
+            continue
         r.update(energy_j=(e1 - e0) / calls, energy_src="counter", energy_window_s=t1 - t0, energy_calls=calls)
 
 
@@ -193,6 +215,20 @@ def load_rows(path: Path) -> list[dict]:
     return pl.read_parquet(path).to_dicts() if path.is_file() else []
 
 
+def refresh(rows: list[dict]) -> None:
+    """Resumed rows, in place: `is_hand` after today's hand rules (they may have changed since the
+    rows were timed), and no energy but the counter's (sampled power x time of older sweeps)."""
+    hand_ids: dict[tuple, str] = {}
+    for r in rows:
+        key = (r["family"], r["shape_id"])
+        if key not in hand_ids:
+            shape = SweepShape(r["B"], r["N"], r["fill"], r["H"], r["D"], r["dtype"], r["Tq"])
+            hand_ids[key] = config_id(hand_config(r["family"], shape))
+        r["is_hand"] = r["config_id"] == hand_ids[key]
+        if r.get("energy_src") != "counter":
+            r["energy_j"] = math.nan
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     import polars as pl
 
@@ -205,15 +241,17 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device, stamp: dict,
                 sampler: PowerSampler, meter: EnergyMeter, args, out_of_time,
                 prior: list[dict] = ()) -> tuple[list[dict], bool]:
-    """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen). The energy pass runs
-    over these and the shape's `prior` rows (a resumed sweep's: updated in place)."""
+    """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen). Once every config
+    of the shape is timed, the energy pass runs over these and the shape's `prior` rows (a resumed
+    sweep's: updated in place)."""
     fn, info = make_case(family, s, device, args.seed)
     dtype = DTYPES[s.dtype]
     with forced(family, hand):
         ref = [o.detach().clone() for o in _outputs(fn())]
-    rows, sticky = [], False
+    rows, sticky, complete = [], False, True
     for cfg in todo:
         if out_of_time():
+            complete = False
             break
         m = time_config(family, fn, cfg, ref, dtype, device, sampler, args)
         sticky = bool(m.pop("sticky", False))
@@ -222,7 +260,7 @@ def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device
                      "rep_ms": args.rep_ms, "grid": args.grid, **{k: stamp[k] for k in STAMP_COLS}})
         if sticky:
             break
-    if not sticky and not any(r.get("energy_src") == "counter" for r in prior):
+    if complete and not sticky:  # a shape cut by the deadline: its fastest configs may be still untimed
         measure_energy(family, fn, [*prior, *rows], device, meter, args)
     del fn, ref
     free_memory(device)
@@ -253,6 +291,7 @@ def run(args) -> int:
         print(f"error: {out} holds rows timed on {', '.join(other)}, not on this {stamp['gpu']}: resume a sweep "
               "only on the GPU it ran on (another --out starts afresh)", file=sys.stderr)
         return 2
+    refresh(rows)
     done = {tuple(r[k] for k in KEY) for r in rows}
     t0 = time.monotonic()
     out_of_time = lambda: args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s  # noqa: E731
@@ -269,9 +308,9 @@ def run(args) -> int:
         hand = hand_config(family, s)
         todo = [c for c in space(family, s, args.grid) if (family, s.id, config_id(c)) not in done]
         prior = [r for r in rows if r["family"] == family and r["shape_id"] == s.id]
-        # a shape timed before the energy pass existed (or without NVML) gets its energy readings now
-        no_energy = meter.available and args.energy_s > 0 and prior and not any(
-            r.get("energy_src") == "counter" for r in prior)
+        # a shape timed before the energy pass existed (or without NVML), or whose fastest configs
+        # changed since, gets its missing energy readings now
+        no_energy = meter.available and args.energy_s > 0 and needs_energy(prior)
         if not todo and not no_energy:
             continue
         if out_of_time():
