@@ -24,13 +24,16 @@ log=$OUT/run.log
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv,noheader | tee "$log"
 slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
 data=$OUT/sweep-$slug.parquet
-RESUME=${RESUME:-$( [ -f "experiments/results/costmodel-sweep-$slug.parquet" ] && echo "experiments/results/costmodel-sweep-$slug.parquet")}
+# RESUME= (set, empty) starts afresh; unset, the committed Parquet of this GPU where there is one
+RESUME=${RESUME-$( [ -f "experiments/results/costmodel-sweep-$slug.parquet" ] && echo "experiments/results/costmodel-sweep-$slug.parquet")}
 if [ -n "$RESUME" ]; then cp "$RESUME" "$data" && chmod u+w "$data" && echo "resuming from $RESUME" | tee -a "$log"; fi
 deadline=${SWEEP_DEADLINE:-400}
 timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-medium}" \
   --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} > "$OUT/sweep.log" 2>&1
-echo "sweep rc=$?" | tee -a "$log"
+rc=$?
+echo "sweep rc=$rc" | tee -a "$log"
 tail -4 "$OUT/sweep.log" | tee -a "$log"
+if [ "$rc" = 2 ]; then echo "the sweep refused its input (another GPU's rows?): no model, report or table" | tee -a "$log"; exit 2; fi
 # the hand rules were retuned on the small grid's shapes: beyond it, judge on the other shapes only
 judge=${JUDGE_ON:-$([ "${GRID:-medium}" = small ] && echo all || echo new)}
 timeout 120 python3 -m kernels.bench.costmodel eval --data "$data" --out "$OUT/eval-$slug.json" --judge-on "$judge" >> "$log" 2>&1
