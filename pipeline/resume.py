@@ -32,7 +32,8 @@ from pipeline.tracking import flatten, tracking_uri
 
 COMPARED = ("model.", "data.", "trainer.", "seed_everything")
 # how a run is watched or fed, never what it computes: extra callbacks (tests stop runs this way;
-# the pipeline's own callbacks have keys of their own), the console, loader processes (the
+# the pipeline's own callbacks have keys of their own; EarlyStopping decides when a run ends, but
+# converge.yaml, which adds it, keeps no last.ckpt: such a run restarts), the console, loader processes (the
 # sampler hands whole batches to workers, so the batches are the same for any worker count), and
 # Lightning's distributed sampler (always off: the data module shards batches itself; runs made
 # before it was turned off logged it on, to no effect in one process)
