@@ -305,7 +305,7 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
 def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[str]:
     """Validation AUC at each check of every finished run that validated more than once. A run has
     converged when its last check did not raise the best validation AUC so far by more than tol:
-    flat, or past its peak (early stopping on val/auc ends a run there, and where the checkpoint
+    flat (within tol of that best), or past its peak (below it by more than tol) (early stopping on val/auc ends a run there, and where the checkpoint
     callback watches val/auc the best checkpoint is the one tested: `test/weights_step`)."""
     ok = df.filter(pl.col("status") == "OK")
     rows = []
@@ -314,8 +314,8 @@ def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str],
         if len(hist) < 2:
             continue
         last, prev = hist[-1].value, hist[-2].value
-        gain = last - max(m.value for m in hist[:-1])
-        verdict = "rising" if gain > tol else "flat" if abs(last - prev) <= tol else "past its peak"
+        gain = last - max(m.value for m in hist[:-1])  # over the best earlier check
+        verdict = "rising" if gain > tol else "past its peak" if gain < -tol else "flat"
         tested = r.get("test/weights_step")
         curve = " → ".join(f"{m.value:.4f}" for m in hist[-4:])
         rows.append([*(str(r[a]) for a in axes), f"{hist[-2].step}-{hist[-1].step}", curve,

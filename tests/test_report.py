@@ -163,20 +163,22 @@ def test_convergence_section_judges_the_last_validation_interval():
     from pipeline.report import convergence_section
 
     # a: flat; b: still rising; c: fell from its first check (past its peak); f: rose by more than tol
-    # over the last interval but stays below its earlier best (past its peak, not rising)
+    # over the last interval but stays below its earlier best (past its peak, not rising); g: rose
+    # by more than tol over the last interval, back to within tol of its earlier best (flat)
     curves = {"a": [0.70, 0.74, 0.745], "b": [0.70, 0.72, 0.73], "c": [0.75, 0.74], "d": [0.7],
-              "f": [0.77, 0.70, 0.73]}
+              "f": [0.77, 0.70, 0.73], "g": [0.75, 0.70, 0.7505]}
     client = SimpleNamespace(get_metric_history=lambda run_id, key: [
         SimpleNamespace(step=100 * (i + 1), value=v) for i, v in enumerate(curves[run_id])])
-    df = pl.DataFrame({"run_id": ["a", "b", "c", "d", "e", "f"], "status": ["OK", "OK", "OK", "OK", "FAILED", "OK"],
-                       "attention": ["jagged", "sdpa", "dense", "jagged", "sdpa", "dense"],
-                       "seed": ["0", "0", "0", "1", "1", "1"],
-                       "test/weights_step": [300.0, None, 100.0, None, None, 100.0]})
+    df = pl.DataFrame({"run_id": ["a", "b", "c", "d", "e", "f", "g"],
+                       "status": ["OK", "OK", "OK", "OK", "FAILED", "OK", "OK"],
+                       "attention": ["jagged", "sdpa", "dense", "jagged", "sdpa", "dense", "jagged"],
+                       "seed": ["0", "0", "0", "1", "1", "1", "2"],
+                       "test/weights_step": [300.0, None, 100.0, None, None, 100.0, 300.0]})
     lines = convergence_section(client, df, ["attention", "seed"], 0.006)
-    assert "3 of 4 runs did" in " ".join(lines)  # d validated once, e did not finish: neither is judged
+    assert "4 of 5 runs did" in " ".join(lines)  # d validated once, e did not finish: neither is judged
     rows = [ln for ln in lines if ln.startswith("| jagged") or ln.startswith("| sdpa") or ln.startswith("| dense")]
-    assert [r.split("|")[-2].strip() for r in rows] == ["flat", "rising", "past its peak", "past its peak"]
-    assert [r.split("|")[-3].strip() for r in rows] == ["300", "-", "100", "100"]  # the tested weights' step
+    assert [r.split("|")[-2].strip() for r in rows] == ["flat", "rising", "past its peak", "past its peak", "flat"]
+    assert [r.split("|")[-3].strip() for r in rows] == ["300", "-", "100", "100", "300"]  # the tested weights' step
     assert "200-300" in rows[0] and "+0.0050" in rows[0]
     assert convergence_section(client, df.filter(pl.col("run_id") == "d"), ["attention", "seed"], 0.002) == []
 
