@@ -164,6 +164,20 @@ def error_line(output: str) -> str:
     return (lines[-1] if lines else "no output")[:500]
 
 
+def failure_line(rc: int, output: str) -> str:
+    """Why a child that did not finish failed: a signal that ended it (a negative return code;
+    SIGKILL from outside is, on Linux, most often the kernel's out-of-memory killer), else its
+    error line."""
+    if rc >= 0:
+        return error_line(output)
+    try:
+        name = signal.Signals(-rc).name
+    except ValueError:
+        name = f"signal {-rc}"
+    hint = " (most often the kernel's out-of-memory killer: the host ran out of memory)" if -rc == signal.SIGKILL else ""
+    return f"killed by {name}{hint}; its last line: {error_line(output)}"[:500]
+
+
 def child_env(tags: dict[str, str]) -> dict[str, str]:
     """The child's environment: our tracking URI, the sweep tags (set by MLflow at run creation)."""
     env = {k: v for k, v in os.environ.items()

@@ -47,7 +47,7 @@ from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from pipeline import _sweep_runs as runs_
-from pipeline._proc import TAIL_BYTES, child_env, error_line, hold_lock, lock_path, sigterm_as_interrupt, stream
+from pipeline._proc import TAIL_BYTES, child_env, error_line, failure_line, hold_lock, lock_path, sigterm_as_interrupt, stream
 from pipeline._sweep_spec import Ablation, Point, cli_value, code_version, load, parse_set
 from pipeline.comparison import comparison_on_parent, parent_url
 from pipeline.errors import ConfigError, command
@@ -252,7 +252,7 @@ class Sweep:
             status, error = "OOM", error_line(output)
         else:
             status = "FAILED"
-            error = error_line(output) if rc != 0 else "exited 0 without a FINISHED MLflow run"
+            error = failure_line(rc, output) if rc != 0 else "exited 0 without a FINISHED MLflow run"
         self.record(point, config_hash, child, status, output, error, wall, tags)
         return status
 

@@ -160,6 +160,17 @@ def test_bad_ablation_files(tmp_path, change, message):
         load(path, tmp_path)
 
 
+def test_failure_line_names_the_signal_that_ended_a_run():
+    from pipeline._proc import failure_line
+
+    out = "Epoch 0:   0%|          | 0/9\n"
+    assert failure_line(1, "x\nerror: bad\n") == "error: bad"
+    killed = failure_line(-9, out)
+    assert killed.startswith("killed by SIGKILL (most often the kernel's out-of-memory killer")
+    assert killed.endswith("its last line: Epoch 0:   0%|          | 0/9")
+    assert failure_line(-15, out).startswith("killed by SIGTERM; its last line")
+
+
 def test_error_line():
     out = "Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory.\n"
     assert sweep.error_line(out).startswith("torch.OutOfMemoryError") and sweep._OOM.search(out)
