@@ -8,7 +8,9 @@ Reads only committed files (no MLflow, no GPU): the kernel benchmark tables
 one-step profiles (``profile_*.json``) and the ablation files themselves. It writes:
 
 - the paper's claims next to ours, at kernel level and at model level;
-- every PASS/MISS target found in those reports, with its number and where it comes from;
+- every PASS/MISS target of those reports, with its number and where it comes from; an ablation's
+  targets as its file states them now, judged on its runs.csv by the report's own function (a
+  target changed since the report was written is marked so);
 - per ablation: run or not, device, commit, points by status, and whether the budget it ran with
   is the one its file states now (a report from an older budget is marked stale, not quoted as
   the result);
@@ -85,6 +87,27 @@ def budget_state(name: str, md: str) -> str:
     return "current" if not differ else "stale: " + "; ".join(differ)
 
 
+def current_targets(name: str, runs_csv: Path) -> list[list[str]] | None:
+    """The ablation file's targets as they stand now, judged on the committed runs.csv by the
+    report's own function (so a target changed since the report was written is judged as the file
+    states it); None where runs.csv lacks what they need (the report's table is quoted then)."""
+    from pipeline.report import memory_metric, targets_section
+
+    spec = yaml.safe_load((ABLATIONS / f"{name}.yaml").read_text()) or {}
+    rep = spec.get("report") or {}
+    if not rep.get("targets"):
+        return []
+    if not runs_csv.is_file():
+        return None
+    header = pl.read_csv(runs_csv, n_rows=0).columns
+    labels = {RENAMED_KEYS.get(k, k).split(".")[-1] for k in spec.get("grid") or {}} | {"status"}  # grid labels are text
+    try:
+        df = pl.read_csv(runs_csv, schema_overrides={c: pl.Utf8 for c in header if c in labels})
+        return _table_rows("\n".join(targets_section(df, rep, memory_metric(df)[0])), "Targets")
+    except (pl.exceptions.PolarsError, KeyError):  # columns of an older report
+        return None
+
+
 def ablation_status(results: Path) -> list[dict]:
     out = []
     for name in EXPECTED:
@@ -98,9 +121,11 @@ def ablation_status(results: Path) -> list[dict]:
         statuses = runs["status"].to_list()
         counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(
             "OK" if s == "OK" else s.split(":")[0] for s in statuses))
+        written, now = _table_rows(md, "Targets"), current_targets(name, results / name / "runs.csv")
         out.append({"name": name, "ran": True, "device": (_header_value(md, "device") or "?").split(";")[0].strip("`"),
                     "commit": _header_value(md, "git commit") or "?", "points": counts or "none",
-                    "budget": budget_state(name, md), "targets": _table_rows(md, "Targets"), "md": md})
+                    "budget": budget_state(name, md), "targets": written if now is None else now,
+                    "rejudged": now is not None and now != written, "md": md})
     return out
 
 
@@ -218,7 +243,8 @@ def build(results: Path) -> str:
     for a in abl:
         if not a["ran"]:
             continue
-        tag = "" if a["budget"] == "current" else " (stale budget)"
+        tag = ("" if a["budget"] == "current" else " (stale budget)") + (" (targets as the file states them now)"
+                                                                          if a["rejudged"] else "")
         out += [f"| [{a['name']}]({a['name']}/report.md){tag} | {r[0]}: {r[2]} | {r[1]} | {r[3]} |"
                 for r in a["targets"] if len(r) >= 4]
     out += ["", "## The ablations", "", "| ablation | run on | commit | points | budget vs its file now |",

@@ -90,3 +90,21 @@ def test_a_report_that_names_a_renamed_key_reads_under_the_new_name():
     assert summary.budget_state("history_value", REPORT.format(budget=json.dumps(old))) == "current"
     other = REPORT.format(budget=json.dumps({**old, "model.ranker.backend": "sdpa"}))
     assert summary.budget_state("history_value", other) == "stale: model.ranker.attention: ran 'sdpa', file 'jagged'"
+
+
+def test_targets_are_judged_as_the_ablation_file_states_them_now(tmp_path):
+    """A target changed in the file since the report was written: the summary judges the committed
+    runs against the file's targets with the report's own function, and says so."""
+    current = __import__("yaml").safe_load((summary.ABLATIONS / "batch_size.yaml").read_text())["set"]
+    _results(tmp_path, current)
+    old = REPORT.format(budget=json.dumps(current)).replace(">= 2.5x", ">= 2.0x")
+    (tmp_path / "batch_size" / "report.md").write_text(old)
+    (tmp_path / "batch_size" / "runs.csv").write_text(
+        "status,batch_size,attention,tag.accelerator,perf/train_examples_per_s,mem/train_peak_allocated_mb\n"
+        "OK,512,jagged,cuda,2200,1000\nOK,512,sdpa,cuda,1000,2500\nOOM,512,dense,cuda,,\n")
+    text = summary.build(tmp_path)
+    tag = "[batch_size](batch_size/report.md) (targets as the file states them now)"
+    assert f"| {tag} | batch_size=512: jagged vs sdpa: >= 2.5x | train ex/s ratio 2.20x | MISS |" in text
+    assert f"| {tag} | batch_size=512: jagged vs sdpa: <= 0.5x | peak memory ratio 0.40x | PASS |" in text
+    assert f"| {tag} | batch_size=2048: jagged vs sdpa: - | - | NOT MEASURED (missing) |" in text
+    assert ">= 2.0x" not in text
