@@ -325,9 +325,11 @@ def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str],
     done = sum(row[-1] != "rising" for row in rows)
     return ["", "## Convergence (validation AUC at each check)", "",
             f"A run counts as converged when its last validation check did not raise the best validation AUC so "
-            f"far by more than {tol} (flat, or past its peak: early stopping on val/auc ends a run there); "
+            f"far by more than {tol} (flat: within {tol} of that best; past its peak: below it by more; early "
+            f"stopping on val/auc ends a run either way); "
             f"`tested at step` is the step whose weights the test metrics are of (the best checkpoint's where the "
-            f"run kept one; `-`: the final weights of a run that did not log it): {done} of {len(rows)} runs did.", "",
+            f"run kept one, named by its optimizer step: Lightning logs the validation that chose it one step "
+            f"earlier; `-`: the final weights of a run that did not log it): {done} of {len(rows)} runs did.", "",
             "| " + " | ".join([*axes, "last interval (steps)", "val AUC (last checks)", "change", "tested at step",
                                "verdict"]) + " |",
             "|" + "---|" * (len(axes) + 5), *("| " + " | ".join(row) + " |" for row in rows)]
