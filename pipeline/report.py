@@ -153,6 +153,8 @@ def shared_device_note(df: pl.DataFrame) -> list[str]:
 
 
 def ratio_section(rat: dict[str, dict[str, list]], x: str) -> list[str]:
+    if not any(r["x"] for r in rat.values()):  # only the baseline series ran (a --where subset): nothing to set against
+        return []
     lines = ["", "## Speed-up and memory saving of the baseline over the other series", "",
              "| series | " + x + " | train ex/s ratio | peak memory ratio (other / baseline) | note |",
              "|---|---|---|---|---|"]

@@ -68,6 +68,10 @@ def test_ratios_and_oracle_section():
     assert rat["jagged / sdpa"]["throughput"] == [3.0] and rat["jagged / sdpa"]["memory"] == [3.0]
     assert rat["jagged / dense"]["x"] == ["256", "4096"] and rat["jagged / dense"]["throughput"] == [6.0, None]
     assert rat["jagged / dense"]["note"] == ["", "dense OOM"]
+    assert "| jagged / dense | 4096 | -x | -x | dense OOM |" in report.ratio_section(rat, "max_seq_len")
+    alone = report.ratios(df.filter(pl.col("attention") == "jagged"), ["max_seq_len", "attention"], "attention",
+                          "jagged", "mem/train_peak_allocated_mb")
+    assert report.ratio_section(alone, "max_seq_len") == []  # only the baseline ran: no empty table
     lines = report.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
                                   {"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81})
     assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | - |" in lines
