@@ -12,7 +12,7 @@
 # The accuracy parts may share the call with the GPU kernel tests (both are correctness only;
 # never with tune_ops or the benchmarks, whose timings need the GPU alone):
 #   PARTS=tests bash experiments/gpu/kernels.sh & PARTS="auc_parity history_value" bash experiments/gpu/ablations.sh; wait
-# Parts (NAME or NAME@axis=label,...: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), alure
+# Parts (NAME, or NAME@axis=label,...[@axis=label,...]: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), alure
 # (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), s2 (dense vs
 # S2 attention on the `long` data, each run alone on its GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
@@ -78,8 +78,11 @@ if [ -n "${GPUS:-}" ]; then
   through=(--gpus "$GPUS") accuracy=(--gpus "${acc%,}")
 fi
 for spec in $PARTS; do
-  part=${spec%%@*}; where=()  # NAME@axis=label,label runs only those points (e.g. batch_size@batch_size=512)
-  [ "$spec" != "$part" ] && where=(--where "${spec#*@}")
+  # NAME@axis=label,label[@axis=label...] runs only those points (e.g. batch_size@batch_size=512,
+  # auc_parity@seed_everything=0@attention=dense,jagged)
+  part=${spec%%@*}; where=()
+  IFS=@ read -ra conds <<< "${spec#"$part"}"
+  for c in "${conds[@]}"; do [ -n "$c" ] && where+=(--where "$c"); done
   case $part in
     seq_len|sparsity|compile|smoke|batch_size|s2) sweep "$part" "${where[@]}" "${through[@]}" ;;
     history_value|model|auc_parity) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
