@@ -166,12 +166,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:
-    """A polars frame of strings, printed without dtypes or shape."""
-    frame = pl.DataFrame([list(col) for col in zip(*rows)] if rows else [[] for _ in header],
-                         schema=[(h, pl.Utf8) for h in header], orient="col")
-    with pl.Config(tbl_rows=-1, tbl_cols=-1, tbl_width_chars=250, fmt_str_lengths=100,
-                   tbl_hide_dataframe_shape=True, tbl_hide_column_data_types=True):
-        return str(frame)
+    """Left-aligned columns two spaces apart under a dashed rule: the console's table."""
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*map(str, r)) for r in rows)]
+    return "\n".join(ln.rstrip() for ln in lines)
 
 
 def parent_axes(parent: Run) -> dict[str, list[str]]:

@@ -67,23 +67,13 @@ def fit_overrides(extra: list[str]) -> dict:
         raise ConfigError(f"after --: {err}") from None
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def table_rows(results: list[dict], cuda: bool) -> tuple[list[str], list[list[str]]]:
-    mem_key, mem_name = ("mem/train_peak_allocated_mb", "peak GPU mem (MB)") if cuda else ("mem/peak_rss_mb", "peak RSS (MB)")
-    header = ["attention", "status", "test AUC", "test NE", "test log loss", "train ex/s", "tokens/s",
-              "step (ms)", mem_name, "wall (s)", "MLflow run"]
-    rows = []
-    for r in results:
-        m = r["metrics"]
-        rows.append([
-            r["attention"], r["status"], _fmt(m.get("test/auc"), ".4f"), _fmt(m.get("test/ne"), ".4f"),
-            _fmt(m.get("test/logloss"), ".4f"), _fmt(m.get("perf/train_examples_per_s"), ",.0f"),
-            _fmt(m.get("perf/train_tokens_per_s"), ",.0f"), _fmt(m.get("perf/step_time_ms"), ".1f"),
-            _fmt(m.get(mem_key), ",.0f"), f"{r['wall_s']:.0f}", r["run_id"] or "-",
-        ])
+    """The main job's table: one row per attention layout, the sweep report's columns and formats."""
+    keys = ["test/auc", "test/ne", "test/logloss", "perf/train_examples_per_s", "perf/train_tokens_per_s",
+            "perf/step_time_ms", "mem/train_peak_allocated_mb" if cuda else "mem/peak_rss_mb"]
+    header = ["attention", "status", *(runs_.METRICS[k][0] for k in keys), "wall (s)", "MLflow run"]
+    rows = [[r["attention"], r["status"], *(runs_.fmt(r["metrics"].get(k), runs_.METRICS[k][1]) for k in keys),
+             f"{r['wall_s']:.0f}", r["run_id"] or "-"] for r in results]
     return header, rows
 
 
@@ -118,17 +108,6 @@ def write_results(out: Path, md: str, results: list[dict]) -> tuple[Path, str | 
     return out, reason
 
 
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def text_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
-
-
 def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tuple[str, str]:
     """(markdown document, plain-text table)."""
     header, rows = table_rows(results, env["accelerator"] == "cuda")
@@ -147,20 +126,21 @@ def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tupl
         f"CUDA {env['cuda_version']}, Python {env['python_version']}",
         f"- git commit: `{env['git_commit']}`; data digest: `{meta['digest']}` ({args.data})",
         f"- date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}; total wall time {total_s:.0f} s",
-        f"- test split oracle (the planted model): AUC {_fmt(oracle.get('auc'), '.4f')} "
-        f"(from the most recent items only: {recent or '-'}), NE {_fmt(oracle.get('ne'), '.4f')}",
+        f"- test split oracle (the planted model): AUC {runs_.fmt(oracle.get('auc'), '.4f')} "
+        f"(from the most recent items only: {recent or '-'}), NE (own-split CTR) {runs_.fmt(oracle.get('ne'), '.4f')}",
         f"- MLflow: experiment `{args.experiment_name}`, parent run `{parent.info.run_id}`",
         "",
-        markdown_table(header, rows),
+        runs_.markdown_table(header, rows),
         "",
-        f"NE is the log loss over the entropy of the training split's CTR "
-        f"({_fmt(meta['splits']['train'].get('ctr'), '.4f')}), for every split. "
+        f"The models' NE is the log loss over the entropy of the training split's CTR "
+        f"({runs_.fmt(meta['splits']['train'].get('ctr'), '.4f')}), for every split (the oracle's, over its own "
+        "split's CTR, as meta.json has it). "
         "Throughput is over steady-state training steps (warm-up and validation excluded); "
         "tokens are real history items. Wall time is the whole process (start-up, data loading, "
         "training, validation, test).",
     ]
     # on the terminal without the run ids (printed below the table): it fits 110 columns
-    return "\n".join(lines) + "\n" + note, text_table(header[:-1], [r[:-1] for r in rows])
+    return "\n".join(lines) + "\n" + note, runs_.text_table(header[:-1], [r[:-1] for r in rows])
 
 
 @command

@@ -209,3 +209,18 @@ def test_recovery_section_shares_of_the_gain_and_costs(tmp_path):
     no_long = df.with_columns(pl.when(pl.col("variant") == "long").then(pl.lit("OOM")).otherwise(pl.col("status"))
                               .alias("status"))
     assert "NOT MEASURED" in report.recovery_section(no_long, "variant", spec, "x")[-1]
+
+
+def test_one_markdown_and_one_text_table_for_every_command():
+    from pipeline import _sweep_runs as runs_
+    from pipeline import experiment
+
+    res = [{"attention": "jagged", "status": "FINISHED", "wall_s": 41.2, "run_id": "r1",
+            "metrics": {"test/auc": 0.72634, "test/ne": 0.903, "mem/peak_rss_mb": 1019.4}}]
+    header, rows = experiment.table_rows(res, cuda=False)
+    assert header[3] == "test NE (train CTR)" and header[8] == "peak RSS (MB)"
+    assert rows == [["jagged", "FINISHED", "0.7263", "0.9030", "-", "-", "-", "-", "1,019", "41", "r1"]]
+    text = runs_.text_table(header, rows).splitlines()
+    assert text[0].startswith("attention  status    test AUC") and set(text[1]) == {"-", " "}
+    assert all(ln == ln.rstrip() for ln in text) and text[0].index("status") == text[2].index("FINISHED")
+    assert runs_.markdown_table(["a", "b"], [["x|y", "1"]]) == "| a | b |\n|---|---|\n| x\\|y | 1 |"
