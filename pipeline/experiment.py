@@ -139,7 +139,7 @@ def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tupl
         "tokens are real history items. Wall time is the whole process (start-up, data loading, "
         "training, validation, test).",
     ]
-    # on the terminal without the run ids (printed below the table): it fits 110 columns
+    # on the terminal without the run ids (printed below the table)
     return "\n".join(lines) + "\n" + note, runs_.text_table(header[:-1], [r[:-1] for r in rows])
 
 

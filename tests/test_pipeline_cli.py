@@ -224,7 +224,7 @@ def test_compiled_model_trains_like_the_eager_one(tiny, tracking, tmp_path):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
-def test_fit_tests_the_monitored_best_checkpoint_and_stops_early(tiny, tracking, tmp_path):
+def test_fit_tests_the_monitored_best_checkpoint_and_stops_early(tiny, tracking, tmp_path, capsys):
     """checkpoint.monitor set: the test metrics are of the best checkpoint's weights (test/weights_step
     names its step); EarlyStopping given as a trainer callback ends the run; unset: the final weights."""
     stop = ('[{"class_path": "pytorch_lightning.callbacks.EarlyStopping", '
@@ -241,5 +241,14 @@ def test_fit_tests_the_monitored_best_checkpoint_and_stops_early(tiny, tracking,
     assert max(best["train/loss_step"]) < 3 * 8
     # tiny: 8 steps an epoch, validation at each epoch's end; the tested weights are the worst epoch's
     assert list(best["test/weights_step"].values()) == [8 * (1 + val.index(min(val)))]
+    # and those are the weights tested: `test` of that checkpoint file prints the same test AUC
+    ckpt, = [c for c in tmp_path.rglob("*.ckpt") if f"step={8 * (1 + val.index(min(val)))}" in c.name]
+    capsys.readouterr()
+    main(["test", "--config", str(CONFIGS / "base.yaml"), "--config", str(CONFIGS / "tiny.yaml"),
+          "--data.data_dir", str(tiny), "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar",
+          "false", "--mlflow.system_metrics", "false", "--ckpt_path", str(ckpt)])
+    retest_auc = float(re.search(r"test/auc\s+([0-9.]+)", capsys.readouterr().out).group(1))
+    assert retest_auc == pytest.approx(runs["best"].data.metrics["test/auc"], abs=1e-6)
+    assert retest_auc != pytest.approx(runs["final"].data.metrics["test/auc"], abs=1e-6)  # other weights, other AUC
     final = history(tracking, runs["final"].info.run_id, ("test/weights_step",))
     assert list(final["test/weights_step"].values()) == [2 * 8]  # tiny.yaml: 2 epochs, the final weights
