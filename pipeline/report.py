@@ -330,8 +330,9 @@ def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str],
             f"far by more than {tol} (flat: within {tol} of that best; past its peak: below it by more; early "
             f"stopping on val/auc ends a run either way); "
             f"`tested at step` is the step whose weights the test metrics are of (the best checkpoint's where the "
-            f"run kept one, named by its optimizer step: Lightning logs the validation that chose it one step "
-            f"earlier; `-`: the final weights of a run that did not log it): {done} of {len(rows)} runs did.", "",
+            f"run kept one, named by its optimizer step; Lightning logs a validation at its own batch count, "
+            f"which can be one less; `-`: the final weights of a run that did not log it): {done} of {len(rows)} "
+            f"runs did.", "",
             "| " + " | ".join([*axes, "last interval (steps)", "val AUC (last checks)", "change", "tested at step",
                                "verdict"]) + " |",
             "|" + "---|" * (len(axes) + 5), *("| " + " | ".join(row) + " |" for row in rows)]

@@ -224,6 +224,24 @@ def test_compiled_model_trains_like_the_eager_one(tiny, tracking, tmp_path):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+def test_early_stopping_inside_an_epoch_as_the_accuracy_ablations_validate(tiny, tracking, tmp_path):
+    """converge.yaml with validation every half epoch (the ablations: every quarter; tiny: 74 steps an
+    epoch there): the run stops mid-epoch after patience + 1 checks and tests the weights of the best one."""
+    main(fit_args(tiny, tmp_path, "--config", str(CONFIGS / "converge.yaml"), "--mlflow.run_name", "half",
+                  "--mlflow.system_metrics", "false", "--trainer.val_check_interval", "0.5", "--trainer.callbacks",
+                  '[{"class_path": "pytorch_lightning.callbacks.EarlyStopping", "init_args": '
+                  '{"monitor": "val/auc", "mode": "min", "min_delta": 1.0, "patience": 2}}]', "--checkpoint.mode", "min"))
+    run = all_runs(tracking)["half"]
+    got = history(tracking, run.info.run_id, ("val/auc", "train/loss_step", "test/weights_step"))
+    val = [v for _, v in sorted(got["val/auc"].items())]
+    checks = sorted(got["val/auc"])  # Lightning logs a check at its batch count: the optimizer step, or one less
+    epoch = 2 * (checks[0] + 1)  # the first check comes half an epoch in
+    assert len(val) == 3 and checks[-1] in (epoch * 3 // 2 - 1, epoch * 3 // 2)  # stopped mid-epoch, at the 3rd
+    assert max(got["train/loss_step"]) < 2 * epoch  # and trained no further
+    tested, = got["test/weights_step"].values()  # the best check's checkpoint (its file names the optimizer step)
+    assert tested - checks[val.index(min(val))] in (0, 1)
+
+
 def test_fit_tests_the_monitored_best_checkpoint_and_stops_early(tiny, tracking, tmp_path, capsys):
     """checkpoint.monitor set: the test metrics are of the best checkpoint's weights (test/weights_step
     names its step); EarlyStopping given as a trainer callback ends the run; unset: the final weights."""
