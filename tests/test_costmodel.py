@@ -428,12 +428,12 @@ def test_judge_on_new_counts_only_the_shapes_outside_the_small_grid(monkeypatch)
     monkeypatch.setattr(sweep_families, "grid", lambda family, level: [SimpleNamespace(id=i) for i in small_ids])
     hand = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     everything = costmodel.evaluate(rows, folds=7, hand_fn=lambda fam, s: hand)["flash_fwd"]
-    monkeypatch.setattr(sweep_families, "RETUNED_ON_SMALL", ())
-    kept = costmodel.evaluate(rows, folds=7, hand_fn=lambda fam, s: hand, judge_on="new")["flash_fwd"]
+    monkeypatch.setattr(sweep_families, "RETUNED_ON_SMALL", ("softmax_fwd",))
+    judged = costmodel.judged_shapes("new")
+    assert all(judged("flash_fwd", i) for i in small_ids) and not any(judged("softmax_fwd", i) for i in small_ids)
     monkeypatch.setattr(sweep_families, "RETUNED_ON_SMALL", ("flash_fwd",))
     new = costmodel.evaluate(rows, folds=7, hand_fn=lambda fam, s: hand, judge_on="new")["flash_fwd"]
     assert len(everything["shapes"]) == 14 and everything["summary"]["model"]["n"] == 14
-    assert kept["summary"]["model"]["n"] == 14  # not retuned: every held-out shape counts
     assert {s["shape_id"] for s in new["shapes"]} == {r["shape_id"] for r in rows} - small_ids
     assert new["summary"]["model"]["n"] == 14 - len(small_ids) and new["n_shapes"] == 14  # all shapes trained
     assert costmodel.parse_args(["eval", "--data", __file__, "--judge-on", "new"]).judge_on == "new"

@@ -224,6 +224,7 @@ def test_compiled_model_trains_like_the_eager_one(tiny, tracking, tmp_path):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+@pytest.mark.slow
 def test_early_stopping_inside_an_epoch_as_the_accuracy_ablations_validate(tiny, tracking, tmp_path):
     """converge.yaml with validation every half epoch (the ablations: every quarter; tiny: 74 steps an
     epoch there): the run stops mid-epoch after patience + 1 checks and tests the weights of the best one."""
