@@ -173,12 +173,11 @@ def needs_energy(rows: list[dict]) -> bool:
 def measure_energy(family: str, fn, rows: list[dict], device: torch.device, meter: EnergyMeter, args) -> None:
     """Energy per call (J) from the board's energy counter over back-to-back calls for at least
     args.energy_s of wall time, for the `energy_rows` of `rows` (one shape) that have no counter
-    reading yet (a resumed shape whose fastest configs changed gets the new ones'). The calls run
-    back to back without do_bench's L2 flush: the energy of a warm-cache regime, alike for every
-    config of the shape. The window's wall time and calls are kept: where a call's launch takes
-    longer than its kernel (the host is the bound), idle power is part of each call's energy,
-    alike for every config of the shape. A failed reading leaves that row's energy NaN
-    (energy_src 'error', measured again by a resumed sweep)."""
+    reading yet (a resumed shape whose fastest configs changed gets the new ones'). Alike for every
+    config of the shape: the calls run back to back without do_bench's L2 flush (a warm-cache
+    regime), and where a call's launch takes longer than its kernel (the host is the bound), idle
+    power is part of each call's energy (the window's wall time and calls are kept). A failed
+    reading leaves that row's energy NaN (energy_src 'error', measured again by a resumed sweep)."""
     if not meter.available or args.energy_s <= 0:
         return
     for r in energy_rows(rows):
