@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kernels.bench import layouts, runner, targets
+from kernels.bench import layouts, measure, runner, targets
 from kernels.bench.__main__ import main
 from kernels.bench.base import Prepared, Provider, RunConfig
 from kernels.bench.measure import tensor_bytes
@@ -219,6 +219,29 @@ def test_attention_floor_is_the_larger_of_bytes_and_flops_per_pass():
         == pytest.approx(200e-9 * 1e3)
     assert floors.floor_ms(row, {}, 2) is None and floors.floor_ms(dict(row, kind="ops"), {"copy_gbps": 1.0,
                                                                                            "matmul_tflops": 1.0}, 2) is None
+
+
+def test_kernel_time_beside_call_time(monkeypatch):
+    """--graph-ms: each row also timed as a CUDA-graph replay; the report sets ours against each peer
+    both ways (a speedup by call but not by kernels is host time), and a call that cannot be
+    captured keeps its call time with gpu_ms None and the reason."""
+    from kernels.bench import report
+    from kernels.bench.base import RunConfig
+
+    rows = [dict(_row("jagged", "fwd_bwd", 0.81, 1), gpu_ms=0.30), dict(_row("varlen_attn", "fwd_bwd", 0.76, 1), gpu_ms=0.45),
+            dict(_row("njt_sdpa", "fwd_bwd", 9.9, 1), gpu_ms=None), _row("jagged", "fwd", 0.1, 1)]
+    lines = report.graph_table(rows)
+    assert "| attention | paper | B8-N64-H2-D64-d0.25 | fwd_bwd | varlen_attn | 0.81 / 0.3 | 0.76 / 0.45 | 0.94x | 1.50x |" \
+        in lines
+    assert not any("njt_sdpa" in ln for ln in lines) and report.graph_table(rows[3:]) == []
+
+    def uncapturable(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(runner, "graph_ms", uncapturable)
+    got = runner._graph_time(lambda: None, RunConfig(device=torch.device("cpu"), graph_ms=True), [])
+    assert got["gpu_ms"] is None and got["gpu_ms_error"].startswith("RuntimeError: operation not permitted")
+    assert measure.graph_ms(lambda: None, torch.device("cpu"), 10.0) is None  # no graphs off CUDA
 
 
 def test_tune_ops_machinery_on_cpu(capsys):

@@ -5,7 +5,9 @@
 # (the GPU machine has no .git). Everything lands in $OUT/bench (JSON, markdown, PNG: at most
 # 7 files) and $OUT/run.log, so a call cut short still returns what was measured.
 # PARTS picks what runs: tests, tune_ops (kernels.bench.tune_ops, TUNE_BUDGET s, log in
-# $OUT/tune_ops.log), bench_paper, bench_recsys_long; default all but tune_ops. One 10-minute
+# $OUT/tune_ops.log), bench_paper, bench_recsys_long, graph_paper (self-attention on the paper
+# suite, ours and varlen_attn, each row also as a CUDA-graph replay: the kernels' own time beside
+# the call's); default all but tune_ops and graph_paper. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
 # workers; now one per core, at most 16 (TEST_WORKERS to change). E.g.
 #   PARTS="tests bench_paper" bash experiments/gpu/kernels.sh
@@ -33,6 +35,11 @@ if [[ $PARTS == *" bench_paper "* ]]; then
   python3 -m kernels.bench all --suite paper --out "$OUT/bench" --commit "$GIT_COMMIT" \
     --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${PAPER_DEADLINE:-280}" >> "$log" 2>&1
   echo "bench paper rc=$?" | tee -a "$log"
+fi
+if [[ $PARTS == *" graph_paper "* ]]; then  # kernels alone vs call (host included): is a gap host time?
+  python3 -m kernels.bench attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/bench" \
+    --commit "$GIT_COMMIT" --deadline-s "${GRAPH_DEADLINE:-200}" >> "$log" 2>&1
+  echo "bench graph_paper rc=$?" | tee -a "$log"
 fi
 if [[ $PARTS == *" bench_recsys_long "* ]]; then
   python3 -m kernels.bench all --suite recsys,long --out "$OUT/bench" --commit "$GIT_COMMIT" \

@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--commit", default=None, help="git commit to stamp (the GPU machine has no .git)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-report", action="store_true", help="write the JSON only")
+    p.add_argument("--graph-ms", action="store_true",
+                   help="also time every row as a CUDA-graph replay (the kernels alone, no host time): gpu_ms")
     return p.parse_args(argv)
 
 
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
         flex_max_tokens=args.flex_max_tokens,
         flex_budget_s=args.flex_budget_s,
         deadline=start + args.deadline_s if args.deadline_s else None,
+        graph_ms=args.graph_ms,
     )
     stamp = make_stamp(device, args.commit)
     print(stamp_line(stamp), flush=True)
@@ -117,7 +120,8 @@ def main(argv=None) -> int:
     config = {
         "kinds": kinds, "suites": suites, "dtype": args.dtype, "modes": list(modes), "warmup_ms": cfg.warmup_ms,
         "rep_ms": cfg.rep_ms, "ours_backend": cfg.ours_backend, "max_shapes": args.max_shapes,
-        "providers": args.providers, "seed": args.seed, "argv": sys.argv[1:] if argv is None else list(argv),
+        "providers": args.providers, "seed": args.seed, "graph_ms": args.graph_ms,
+        "argv": sys.argv[1:] if argv is None else list(argv),
     }
     rows: list[dict] = []
 

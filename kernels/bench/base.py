@@ -28,6 +28,7 @@ class RunConfig:
     flex_max_tokens: int = 300_000  # FlexAttention over packed tokens costs ~T^2 (memory and time)
     flex_budget_s: float = 120.0  # wall time FlexAttention (compiles included) may use per run
     deadline: float | None = None  # time.monotonic() after which remaining shapes are skipped
+    graph_ms: bool = False  # also time every row as a CUDA-graph replay (the kernels alone): gpu_ms
     flex_spent_s: float = field(default=0.0)
 
     def past_deadline(self) -> bool:

@@ -5,6 +5,8 @@ do_bench calls the function once before it measures, and the harness has already
 for the output check, so the first call (Triton compilation, autotuning) is never timed. On the
 CPU (smoke runs) a host clock around each call, median, after one untimed call.
 
+Kernel time (``--graph-ms``, CUDA only): the same call replayed as a CUDA graph, no host time.
+
 Peak memory (CUDA only): bytes of the provider's inputs in its own layout, plus
 ``max_memory_allocated() - memory_allocated()`` around one call made after
 ``reset_peak_memory_stats()`` with the inputs already allocated and the gradients cleared.
@@ -75,6 +77,18 @@ def bench_ms(
             triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
         )
     return _cpu_bench(fn, warmup_ms, rep_ms, grad_to_none or [])
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, rep_ms: float,
+             grad_to_none: list[torch.Tensor] | None = None) -> float | None:
+    """Median milliseconds of `fn()` replayed as a CUDA graph (``triton.testing.do_bench_cudagraph``:
+    calls unrolled in one graph, so no host time and no launch gaps: the kernels' own time, as
+    kernels/TUNING.md's "gpu" columns); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
 
 
 def _cpu_bench(fn, warmup_ms: float, rep_ms: float, grads: list[torch.Tensor]) -> float:

@@ -149,6 +149,29 @@ def _legend(ceilings: dict | None) -> list[str]:
     ]
 
 
+def graph_table(rows: list[dict]) -> list[str]:
+    """Markdown: rows timed both ways (``--graph-ms``): ours and each peer by call (do_bench: host
+    included where the host is the slower side) and by kernels alone (CUDA-graph replay)."""
+    timed = [r for r in rows if r["status"] == "ok" and r.get("gpu_ms") is not None]
+    key = lambda r: (r["kind"], r.get("op"), r["suite"], r["shape_id"], r["mode"])  # noqa: E731
+    ours = {key(r): r for r in timed if r["provider"] == OURS}
+    pairs = [(ours[key(r)], r) for r in timed if r["provider"] != OURS and key(r) in ours]
+    if not pairs:
+        return []
+    lines = ["## Kernel time beside call time (`--graph-ms`)", "",
+             "call: do_bench of the call (its host time shows where the host is slower than the GPU); kernels: the "
+             "same call replayed as a CUDA graph (no host time, no launch gaps). Where the two speedups differ, the "
+             "difference is host time.", "",
+             "| kind | suite | shape | mode | peer | ours call / kernels ms | peer call / kernels ms | speedup by call "
+             "| by kernels |", "|---|---|---|---|---|---:|---:|---:|---:|"]
+    for o, p in sorted(pairs, key=lambda op: (*key(op[1])[:4], op[1]["provider"])):
+        name = f"{p['kind']} {p['op']}" if p.get("op") else p["kind"]
+        lines.append(f"| {name} | {p['suite']} | {p['shape_id']} | {p['mode']} | {p['provider']} | "
+                     f"{_ms(o['ms'])} / {_ms(o['gpu_ms'])} | {_ms(p['ms'])} / {_ms(p['gpu_ms'])} | "
+                     f"{p['ms'] / o['ms']:.2f}x | {p['gpu_ms'] / o['gpu_ms']:.2f}x |")
+    return lines + [""]
+
+
 def render_markdown(docs: list[dict], rows: list[dict]) -> str:
     st = docs[-1]["stamp"]
     ceilings = next((d.get("ceilings") for d in reversed(docs) if d.get("ceilings")), None)
@@ -177,6 +200,7 @@ def render_markdown(docs: list[dict], rows: list[dict]) -> str:
         )
     out.append("")
     out += floor_table(rows, ceilings or {}, docs[-1].get("config", {}).get("dtype", ""))
+    out += graph_table(rows)
     suites = sorted({r["suite"] for r in rows}, key=lambda s: ("paper", "recsys", "long", "smoke").index(s))
     for kind in KIND_TITLES:
         for suite in suites:

@@ -23,6 +23,7 @@ from kernels.bench.measure import (
     CHECK_TOL,
     bench_ms,
     free_memory,
+    graph_ms,
     is_oom,
     peak_extra_bytes,
     rel_err,
@@ -61,7 +62,20 @@ def _time_mode(prep: Prepared, mode: str, cfg: RunConfig) -> dict:
     extra = peak_extra_bytes(fn, cfg.device, grads)
     in_bytes = tensor_bytes(held)
     peak = None if extra is None else in_bytes + extra
-    return {"status": "ok", "ms": ms, "input_bytes": in_bytes, "extra_bytes": extra, "peak_bytes": peak}
+    row = {"status": "ok", "ms": ms, "input_bytes": in_bytes, "extra_bytes": extra, "peak_bytes": peak}
+    if cfg.graph_ms:
+        row.update(_graph_time(fn, cfg, grads))
+    return row
+
+
+def _graph_time(fn, cfg: RunConfig, grads: list) -> dict:
+    """gpu_ms of the row (the kernels alone), or why not: a peer whose call cannot be captured in a
+    CUDA graph (a host sync, a CPU tensor) gets gpu_ms None and the reason, not a failed row."""
+    try:
+        return {"gpu_ms": graph_ms(fn, cfg.device, min(cfg.rep_ms, 50.0), grad_to_none=grads)}
+    except Exception as exc:  # noqa: BLE001 - the row's call time stands
+        free_memory(cfg.device)
+        return {"gpu_ms": None, "gpu_ms_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
 def run_provider(prov: Provider, j: Jagged, ref: torch.Tensor, cfg: RunConfig, modes, base: dict) -> list[dict]:
