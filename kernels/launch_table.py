@@ -109,6 +109,14 @@ def table_path(gpu_name: str | None) -> Path | None:
     return path if path.is_file() else None
 
 
+def describe(table: "LaunchTable | None") -> str:
+    """One line for result stamps: 'none (hand rules)', or the table's file, entries and source."""
+    if table is None:
+        return "none (hand rules)"
+    src = ", ".join(f"{k} {table.meta[k]}" for k in ("gpu", "commit") if table.meta.get(k))
+    return f"{Path(table.path).name if table.path else 'in memory'}: {len(table)} entries" + (f" ({src})" if src else "")
+
+
 def write_table(path: str | os.PathLike, entries: list[dict], meta: dict) -> Path:
     """Write entries (sorted by key, so diffs stay readable) with `meta` as a table file."""
     path = Path(path)

@@ -269,3 +269,36 @@ def test_host_glue_bench_reaches_every_mocked_launcher(capsys):
     for op in ("jagged_flash_attention", "jagged_dense_attention", "jagged_softmax", "jagged_dense_bmm",
                "jagged_jagged_bmm", "jagged_dense_elementwise_mul", "jagged_to_padded", "padded_to_jagged"):
         assert f"| {op} |" in out
+
+
+def test_compare_two_runs_of_ours(tmp_path, capsys):
+    """kernels.bench.compare: per row new / base of ours, a row slower than the noise is a MISS, and so
+    is a lower geometric mean over varlen_attn; another GPU's file is refused."""
+    from kernels.bench import compare
+
+    stamp = {"gpu": "GPU X", "gpu_slug": "x", "torch": "2.11", "triton": "3.6", "cuda": "13", "commit": "a",
+             "date": "d"}
+
+    def doc(ours_ms, varlen_ms, table):
+        rows = [dict(_row("jagged", "fwd_bwd", ms, 1, shape_id=f"S{i}"), ours_speedup=1.0) for i, ms in enumerate(ours_ms)]
+        rows += [dict(_row("varlen_attn", "fwd_bwd", v, 1, shape_id=f"S{i}"), ours_speedup=v / o)
+                 for i, (o, v) in enumerate(zip(ours_ms, varlen_ms))]
+        return {"stamp": dict(stamp, launch_table=table), "rows": rows}
+
+    paths = {}
+    for name, d in {"base": doc([1.0, 2.0], [1.5, 3.0], "none (hand rules)"),
+                    "same": doc([1.04, 1.9], [1.5, 3.0], "x.json: 9 entries"),
+                    "slow": doc([1.2, 1.5], [1.5, 3.0], "x.json: 9 entries")}.items():
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(d))
+    assert compare.main([str(paths["base"]), str(paths["same"]), "--out", str(tmp_path / "c.md")]) == 0
+    md = (tmp_path / "c.md").read_text()
+    assert "launch table none (hand rules)" in md and "launch table x.json: 9 entries" in md
+    assert "| 0 of 2 rows slower" in md and "base 1.500x, new 1.509x | PASS |" in md
+    lines, ok = compare.compare(compare._load(str(paths["base"])), compare._load(str(paths["slow"])), 0.05)
+    assert not ok and "| attention | paper |  | S0 | fwd_bwd | 1 | 1.2 | 1.200 **slower** | - |" in lines
+    other = json.loads(paths["same"].read_text())
+    other["stamp"]["gpu_slug"] = "y"
+    paths["same"].write_text(json.dumps(other))
+    assert compare.main([str(paths["base"]), str(paths["same"])]) == 2
+    assert "different GPUs" in capsys.readouterr().err

@@ -7,7 +7,9 @@
 # PARTS picks what runs: tests, tune_ops (kernels.bench.tune_ops, TUNE_BUDGET s, log in
 # $OUT/tune_ops.log), bench_paper, bench_recsys_long, graph_paper (self-attention on the paper
 # suite, ours and varlen_attn, each row also as a CUDA-graph replay: the kernels' own time beside
-# the call's); default all but tune_ops and graph_paper. One 10-minute
+# the call's), bench_paper_hand (the paper suite with the hand rules, JFA_LAUNCH_TABLE=off, into
+# $OUT/hand: the run a launch table's is set against, `python -m kernels.bench.compare`);
+# default all but tune_ops, graph_paper and bench_paper_hand. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
 # workers; now one per core, at most 16 (TEST_WORKERS to change). E.g.
 #   PARTS="tests bench_paper" bash experiments/gpu/kernels.sh
@@ -35,6 +37,11 @@ if [[ $PARTS == *" bench_paper "* ]]; then
   python3 -m kernels.bench all --suite paper --out "$OUT/bench" --commit "$GIT_COMMIT" \
     --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${PAPER_DEADLINE:-280}" >> "$log" 2>&1
   echo "bench paper rc=$?" | tee -a "$log"
+fi
+if [[ $PARTS == *" bench_paper_hand "* ]]; then
+  JFA_LAUNCH_TABLE=off python3 -m kernels.bench all --suite paper --out "$OUT/hand" --commit "$GIT_COMMIT" \
+    --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${PAPER_DEADLINE:-280}" >> "$log" 2>&1
+  echo "bench paper (hand rules) rc=$?" | tee -a "$log"
 fi
 if [[ $PARTS == *" graph_paper "* ]]; then  # kernels alone vs call (host included): is a gap host time?
   python3 -m kernels.bench attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/bench" \

@@ -179,14 +179,18 @@ def render_markdown(docs: list[dict], rows: list[dict]) -> str:
     out += ["Regenerate: `make bench SUITE=<suite>` on the GPU machine (or `python -m kernels.bench all --suite <suite> "
             "--out experiments/results`); `python -m kernels.bench report --out experiments/results` rebuilds this file "
             "and the plots from the JSON files.", ""]
-    out += ["| result file | kinds | suites | GPU | torch | triton | CUDA | commit | date |", "|---|---|---|---|---|---|---|---|---|"]
+    out += ["| result file | kinds | suites | GPU | torch | triton | CUDA | commit | date | launch table |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for d in docs:
         s = d["stamp"]
         cfg = d.get("config", {})
         out.append(
             f"| {d['_file']} | {', '.join(cfg.get('kinds', []))} | {', '.join(cfg.get('suites', []))} | {s['gpu']} | "
-            f"{s['torch']} | {s['triton']} | {s['cuda']} | {s['commit']} | {s['date']} |"
+            f"{s['torch']} | {s['triton']} | {s['cuda']} | {s['commit']} | {s['date']} | "
+            f"{s.get('launch_table', 'not recorded')} |"
         )
+    if len({d["stamp"].get("launch_table") for d in docs}) > 1:
+        out += ["", "**Note:** these results ran with different launch configs (see the launch table column)."]
     if len({d["stamp"]["commit"] for d in docs}) > 1:
         out += ["", "**Note:** these results come from more than one commit (see the table above)."]
     out += [""] + _legend(ceilings)
