@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kernels.bench.base import OURS
 from kernels.bench.stamp import stamp_line
-from kernels.bench.targets import geomean
+from kernels.bench.targets import geomean, pairs
 
 
 def _key(r: dict) -> tuple:
@@ -38,8 +38,8 @@ def _ours(doc: dict) -> dict[tuple, dict]:
 
 def varlen_geomean(doc: dict, suites: set[str]) -> float | None:
     """Geometric mean of ours' fwd+bwd speedup over varlen_attn on the attention rows of `suites`."""
-    return geomean([r["ours_speedup"] for r in doc["rows"] if r["kind"] == "attention" and r["mode"] == "fwd_bwd"
-                    and r["provider"] == "varlen_attn" and r["suite"] in suites and r.get("ours_speedup")])
+    ps = pairs(doc["rows"], "attention", "varlen_attn", "fwd_bwd", suites=suites)
+    return geomean([r["ms"] / o["ms"] for r, o in ps if o is not None])
 
 
 def compare(base: dict, new: dict, noise: float) -> tuple[list[str], bool]:
