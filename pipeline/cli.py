@@ -27,6 +27,7 @@ and 143 for SIGTERM (the run marked KILLED).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import inspect
 import json
@@ -71,6 +72,16 @@ from pipeline.tracking import (
     shown,
     tracking_uri,
 )
+
+
+def _as_plain_dict(value):
+    """A linked dataclass option as a plain dict (or None): jsonargparse before 4.53 passes a
+    linked dataclass group on as flattened 'name.field' keyword arguments otherwise."""
+    if value is None or isinstance(value, dict):
+        return value
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return value.as_dict() if hasattr(value, "as_dict") else dict(vars(value))
 
 
 def _seed_to_int(seed) -> int:
@@ -149,7 +160,7 @@ class RankerCLI(LightningCLI):
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed_to_int)
         parser.link_arguments("data.spec", "model.data_spec", apply_on="instantiate")
         # the ranker's user embedding option tells the data module what to join
-        parser.link_arguments("model.ranker.user_embedding", "data.user_embedding")
+        parser.link_arguments("model.ranker.user_embedding", "data.user_embedding", compute_fn=_as_plain_dict)
 
     def parse_arguments(self, parser, args) -> None:
         try:
