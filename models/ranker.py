@@ -23,7 +23,10 @@ class Ranker(nn.Module):
     With ``cfg.user_embedding`` the ``dense`` input carries, after the data set's n_dense
     features, an embedding learned offline (dim values) and a known flag: rows without one
     (a user not seen before its as-of day) use a learned "unknown" vector instead. The vector
-    goes through LayerNorm and a projection to embed_dim.
+    goes through LayerNorm and a projection to embed_dim; the MLP takes it and its elementwise
+    product with the candidate's item embedding (an MLP over a concatenation hardly learns a
+    product, and what a user-level vector says about a click is how it matches the candidate:
+    the encoder's own head reads it as [u, c, u * c]).
 
     The parameters do not depend on the attention layout: a state_dict of one loads into the others.
     ``sparse_item_grad`` makes the item table's gradient sparse (how it is computed, not what:
@@ -49,7 +52,7 @@ class Ranker(nn.Module):
         if user is not None:
             self.user_unknown = nn.Parameter(torch.zeros(user.dim))
             self.user_proj = nn.Sequential(nn.LayerNorm(user.dim), nn.Linear(user.dim, d))
-        n_feats = 2 + cfg.target_attention + cfg.pool_heads * cfg.interaction + (n_dense > 0) + (user is not None)
+        n_feats = 2 + cfg.target_attention + cfg.pool_heads * cfg.interaction + (n_dense > 0) + 2 * (user is not None)
         in_dim = d * n_feats + 1
         self.head = mlp(in_dim, cfg.mlp_dims)
 
@@ -83,8 +86,9 @@ class Ranker(nn.Module):
             feats.append(self.interaction(cand, x, hist))
         if self.dense_proj is not None:
             feats.append(self.dense_proj(dense[:, :self.n_dense]))
-        if self.cfg.user_embedding is not None:
-            feats.append(self._user(dense[:, self.n_dense:]))
+        if self.cfg.user_embedding is not None:  # the vector, and read against the candidate
+            user = self._user(dense[:, self.n_dense:])
+            feats += [user, user * cand.to(user.dtype)]
         feats.append(torch.log1p(hist.lengths.to(cand.dtype))[:, None])
         feats = [f.to(cand.dtype) for f in feats]
         logits = self.head(torch.cat(feats, dim=-1)).squeeze(-1)  # [B]
