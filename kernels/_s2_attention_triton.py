@@ -256,8 +256,18 @@ def _launch_args(q: torch.Tensor, shards, causal: bool) -> tuple[dict, dict]:
     return dict(common, **rows_q), dict(common, **rows_kv)
 
 
+_HEAD_OFFSETS: dict[tuple, torch.Tensor] = {}
+
+
 def _head_offsets(shards, num_heads: int, device) -> torch.Tensor:
-    return torch.tensor(shards.offsets_for(num_heads), dtype=torch.int32, device=device)
+    """The heads' stride offsets [H] int32 on the device, made once per (offsets, device) and
+    kept: a tensor built from host ints on every call is a host-to-device copy, which a CUDA
+    graph capture refuses (the training loop's graphs warm up first, so the capture finds it)."""
+    key = (shards.offsets_for(num_heads), torch.device(device))
+    heads = _HEAD_OFFSETS.get(key)
+    if heads is None:
+        heads = _HEAD_OFFSETS[key] = torch.tensor(key[0], dtype=torch.int32, device=device)
+    return heads
 
 
 def _contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:

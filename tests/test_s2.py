@@ -313,3 +313,40 @@ def test_triton_s2_double_backward_raises_a_clear_error():
     (gq,) = torch.autograd.grad(out.square().sum(), xs[:1], create_graph=True)
     with pytest.raises(RuntimeError, match=r"jagged_flash_attention \(shards\): double backward .* use backend='torch'"):
         gq.sum().backward()
+
+
+def test_the_head_offsets_reach_the_device_once():
+    """The kernels' [H] head offsets are made once per (offsets, device) and reused: a tensor built
+    from host ints on every call is a host-to-device copy, which CUDA graph capture refuses."""
+    from kernels._s2_attention_triton import _head_offsets
+
+    a, b = _head_offsets(S2Shards(16, 1, 4), 4, "cpu"), _head_offsets(S2Shards(16, 2, 4), 4, torch.device("cpu"))
+    assert a is b and a.tolist() == [0, 1, 2, 3] and a.dtype == torch.int32
+    assert _head_offsets(S2Shards(16, 1, 4, head_offsets=(3, 2, 1, 0)), 4, "cpu").tolist() == [3, 2, 1, 0]
+
+
+@pytest.mark.gpu
+def test_s2_forward_and_backward_replay_in_a_cuda_graph():
+    """The training loop's CUDA graphs (pipeline.graphs: warm up, then capture) take S2 layers:
+    the replay gives the eager forward and gradients."""
+    lengths, N, shards, H, D = [0, 300, 17, 129], 256, S2Shards(32, 1, 4), 4, 64
+    off = offsets_from_lengths(lengths, "cuda")
+    xs = [torch.randn(sum(lengths), H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    dout = torch.randn(sum(lengths), H, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = jagged_flash_attention(*xs, off, N, backend="triton", shards=shards)
+        return (out, *torch.autograd.grad(out, xs, dout))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        eager = [t.clone() for t in step()]  # the warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
