@@ -63,14 +63,20 @@ def _header_value(md: str, key: str) -> str | None:
     return m.group(1).strip() if m else None
 
 
-def kernel_targets(results: Path) -> tuple[list[list[str]], str]:
-    """(target rows: target, status, measured) and the file they come from."""
-    found = sorted(results.glob("kernels-*.md"))
-    if not found:
-        return [], ""
-    md = found[-1].read_text()
-    rows = _table_rows(md, "Targets")  # also "## Targets (...)"
-    return [[r[0], r[1].strip("*"), r[2]] for r in rows if len(r) >= 3], found[-1].name
+def kernel_targets(results: Path) -> list[list[str]]:
+    """Target rows (target, status, measured, source file) over every kernels report: for each
+    target the newest report (by file name) that measured it (PASS or MISS); where none did, the
+    newest report's row. A partial run (one kind, one suite) so adds to the full ones before it
+    instead of hiding their rows."""
+    rows: dict[str, list[str]] = {}
+    for path in sorted(results.glob("kernels-*.md")):
+        for r in _table_rows(path.read_text(), "Targets"):  # also "## Targets (...)"
+            if len(r) < 3:
+                continue
+            row = [r[0], r[1].strip("*"), r[2], path.name]
+            if r[0] not in rows or row[1] in ("PASS", "MISS") or rows[r[0]][1] not in ("PASS", "MISS"):
+                rows[r[0]] = row
+    return list(rows.values())
 
 
 def budget_state(name: str, md: str) -> str:
@@ -217,7 +223,7 @@ def amdahl_lines(prof: list[dict]) -> list[str]:
 
 
 def build(results: Path) -> str:
-    kt, kfile = kernel_targets(results)
+    kt = kernel_targets(results)
     abl = ablation_status(results)
     prof = profile_rows(results)
     out = ["# Jagged Flash Attention: the results in one page", "",
@@ -230,7 +236,8 @@ def build(results: Path) -> str:
             key = "dense_torch" if "dense attention" in claim else "sdpa_padded_mask"
             hits = [r for r in kt if r[0].startswith("headline") and key in r[0]]
             res = "; ".join(f"{'fwd+bwd' if 'fwd_bwd' in r[0] else 'fwd'} {r[1]}: {r[2]}" for r in hits) or "not measured"
-            out.append(f"| {level} | {claim} | {how} | {res} | [{kfile or 'none'}]({kfile}) |")
+            files = sorted({r[3] for r in hits})
+            out.append(f"| {level} | {claim} | {how} | {res} | {', '.join(f'[{f}]({f})' for f in files) or 'none'} |")
         else:
             out.append(f"| {level} | {claim} | {how} | see the model-level table below (training, not "
                        f"serving: QPS in production is not measured here) | [batch_size](batch_size/report.md) |")
@@ -239,7 +246,7 @@ def build(results: Path) -> str:
             "[auc_parity](auc_parity/report.md) (accuracy over seeds). Ratios: jagged / sdpa.", "",
             *(model_level(results) or ["No batch_size or auc_parity results yet."])]
     out += ["", "## Every target, PASS or MISS", "", "| source | target | measured | result |", "|---|---|---|---|"]
-    out += [f"| [{kfile}]({kfile}) | {r[0]} | {r[2]} | {r[1]} |" for r in kt]
+    out += [f"| [{r[3]}]({r[3]}) | {r[0]} | {r[2]} | {r[1]} |" for r in kt]
     for a in abl:
         if not a["ran"]:
             continue

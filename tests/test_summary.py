@@ -108,3 +108,17 @@ def test_targets_are_judged_as_the_ablation_file_states_them_now(tmp_path):
     assert f"| {tag} | batch_size=512: jagged vs sdpa: <= 0.5x | peak memory ratio 0.40x | PASS |" in text
     assert f"| {tag} | batch_size=2048: jagged vs sdpa: - | - | NOT MEASURED (missing) |" in text
     assert ">= 2.0x" not in text
+
+
+def test_a_partial_kernels_run_adds_to_a_full_one_instead_of_hiding_it(tmp_path):
+    """Each kernel target comes from the newest report that measured it: a later run of one kind
+    (its other targets N/A) replaces only the rows it measured, and each row names its file."""
+    (tmp_path / "kernels-a.md").write_text(KERNELS)
+    (tmp_path / "kernels-b.md").write_text(KERNELS.replace("**PASS** | speed 50x", "**N/A** | not run").replace(
+        "**MISS** | speed 2.5x", "**PASS** | speed 3.5x"))
+    rows = {r[0].split(" vs ")[1].split(":")[0]: r for r in summary.kernel_targets(tmp_path)}
+    assert rows["dense_torch"][1:] == ["PASS", "speed 50x", "kernels-a.md"]
+    assert rows["sdpa_padded_mask"][1:] == ["PASS", "speed 3.5x", "kernels-b.md"]
+    text = summary.build(tmp_path)
+    assert "[kernels-a.md](kernels-a.md) | headline S fwd_bwd vs dense_torch" in text
+    assert "[kernels-b.md](kernels-b.md) | headline S fwd_bwd vs sdpa_padded_mask" in text
