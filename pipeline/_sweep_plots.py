@@ -218,3 +218,45 @@ def oracle_lines(oracle: dict):
             ax.axhline(oracle["auc_recent_0"], color="grey", lw=1, ls=":",
                        label=f"oracle, no history ({oracle['auc_recent_0']:.4f})")
     return draw
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (speed, quality) points that no other point beats on both (higher is better on both),
+    fastest first."""
+    front, best = [], float("-inf")
+    for speed, quality in sorted(points, key=lambda p: (-p[0], -p[1])):
+        if quality > best:
+            front.append((speed, quality))
+            best = quality
+    return front
+
+
+def pareto_plot(df: pl.DataFrame, x: str, series: list[str], speed: str, path: Path, oracle: dict | None = None,
+                subtitle: str = "") -> Path | None:
+    """Test AUC against training examples/s, one point per finished run (marker by series, labelled
+    with its x value), the Pareto front (no run both faster and more accurate) as a step line, and,
+    with an oracle, the planted model's AUC from the last k items for each k on the x axis."""
+    ok = df.filter((pl.col("status") == "OK") & pl.col(speed).is_not_null() & pl.col("test/auc").is_not_null()) \
+        if {speed, "test/auc"} <= set(df.columns) else df.clear()
+    if ok.height == 0:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    markers = "osD^v<>P*h"
+    for i, (name, rows) in enumerate(series_groups(ok, x, [s for s in series if s != x]).items()):
+        (dots,) = ax.plot(rows[speed].to_list(), rows["test/auc"].to_list(), marker=markers[i % len(markers)],
+                          linestyle="none", label=name)
+        for sp, auc, label in zip(rows[speed].to_list(), rows["test/auc"].to_list(), rows[x].to_list()):
+            ax.annotate(f"{x}={label}", (sp, auc), xytext=(4, 4), textcoords="offset points", fontsize=6,
+                        color=dots.get_color())
+    front = pareto_front(list(zip(ok[speed].to_list(), ok["test/auc"].to_list())))
+    ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", lw=1, ls="--",
+            label="Pareto front (no run faster and more accurate)")
+    for k in (oracle_ks(oracle) if oracle else []):
+        if str(k) in {str(v) for v in df[x].to_list()}:
+            ax.axhline(oracle[f"auc_recent_{k}"], color="black", lw=0.8, ls=":")
+            ax.annotate(f"oracle, last {k} items", (1.0, oracle[f"auc_recent_{k}"]), xycoords=("axes fraction", "data"),
+                        xytext=(-2, 2), textcoords="offset points", ha="right", fontsize=6)
+    ax.set_xscale("log")
+    ax.set_xlabel("training examples/s (steady steps, log scale)")
+    ax.set_ylabel("test AUC")
+    return _finish(fig, ax, "Accuracy against speed", subtitle, path)

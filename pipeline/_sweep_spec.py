@@ -14,6 +14,8 @@ users). Every key but ``name`` and ``grid`` is optional::
       model.ranker.attention: [dense, sdpa, jagged]   # a key axis: named after the key's last part
       fill:                                         # a named axis: label -> overrides of the point
         "0.25": {dataset: {name: fill025, preset: paper, mean_len: 256}}
+    exclude:                     # points of the product not to run: each entry {axis: label or [labels]}
+      - {max_seq_len: "1024", attention: [s2_stride4, s2_stride8]}   # drops the points matching all its axes
     report: {x: max_seq_len, series: attention, baseline: jagged, oracle: false,
              targets: [{at: {max_seq_len: "1024"}, vs: sdpa, min_speedup: 2, max_memory_ratio: 0.5,
                         max_auc_diff: 0.002}],         # PASS/MISS table: baseline vs `vs` at `at`
@@ -21,7 +23,8 @@ users). Every key but ``name`` and ``grid`` is optional::
              seeds: seed,                              # an axis of seeds: AUC spread; targets on means
              converged_within: 0.002,                  # val AUC change over the last check that counts as flat
              recovery: {low: short, high: long, candidates: [short_emb], min_share: 0.7,
-                        max_cost_ratio: 0.5}}          # share of the low->high AUC gain a candidate recovers
+                        max_cost_ratio: 0.5},          # share of the low->high AUC gain a candidate recovers
+             pareto: true}                             # pareto.png: test AUC vs examples/s, front, oracle
 
 A dataset is ``{dir: PATH}`` (must exist) or ``{preset: P, [name: N], [seed: S], [<data_gen
 key>: value ...]}``: the directory ``<data root>/<name or preset>``, written by ``python -m
@@ -48,8 +51,10 @@ from pipeline.tracking import REPO_ROOT
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"
 DEFAULT_EXPERIMENT = "ablations"
-_TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "report"}
-_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds", "converged_within", "recovery"}
+_TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "exclude",
+             "report"}
+_REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds", "converged_within", "recovery",
+                "pareto"}
 _TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff"}
 CODE_PACKAGES = ("data_gen", "kernels", "models", "pipeline")  # what a fit runs
 
@@ -268,8 +273,12 @@ def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | Non
     if set(report) - _REPORT_KEYS:
         raise ConfigError(f"{path}: unknown report keys {sorted(set(report) - _REPORT_KEYS)}")
     axes = _axes(raw.get("grid"))
+    excluded = _exclusions(path, raw.get("exclude"), axes)
     points = []
     for combo in itertools.product(*(vals for _, vals in axes)):
+        if any(all(label in rule[axis] for (axis, _), (label, _) in zip(axes, combo) if axis in rule)
+               for rule in excluded):
+            continue
         labels, over, dataset = {}, dict(raw.get("set") or {}), default
         for (axis, _), (label, point_over) in zip(axes, combo):
             labels[axis] = label
@@ -291,6 +300,26 @@ def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | Non
         experiment=str(raw.get("experiment", DEFAULT_EXPERIMENT)), configs=configs,
         timeout_s=raw.get("timeout_s"), report=report, axes=[a for a, _ in axes], points=points, raw=raw,
     )
+
+
+def _exclusions(path: Path, raw: Any, axes: list) -> list[dict[str, set[str]]]:
+    """`exclude`, checked: a list of {axis: label or [labels]}, every axis and label of the grid."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(r, dict) and r for r in raw):
+        raise ConfigError(f"{path}: `exclude` must be a list of mappings {{axis: label or [labels]}}")
+    labels = {axis: {label for label, _ in vals} for axis, vals in axes}
+    rules = []
+    for i, rule in enumerate(raw):
+        checked = {}
+        for axis, want in rule.items():
+            want = {str(w) for w in (want if isinstance(want, list) else [want])}
+            if axis not in labels or want - labels[axis]:
+                raise ConfigError(f"{path}: exclude[{i}]: {axis}={sorted(want)} is not on the grid "
+                                  f"(axes and labels: { {a: sorted(v) for a, v in labels.items()} })")
+            checked[axis] = want
+        rules.append(checked)
+    return rules
 
 
 def _check_recovery(path: Path, report: dict, points: list[Point]) -> None:

@@ -419,6 +419,8 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
                                 extra=plots.oracle_lines(oracle) if oracle else None,
                                 extra_ticks=tuple(plots.oracle_ks(oracle)) if oracle else (), subtitle=sub,
                                 seeds=seeds))
+    if spec.get("pareto"):
+        made.append(plots.pareto_plot(df, x, names, THROUGHPUT, out / "pareto.png", oracle, subtitle=sub))
     made = [p for p in made if p is not None]
     lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in made)]
     (out / "report.md").write_text("\n".join(lines) + "\n")

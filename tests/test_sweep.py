@@ -105,8 +105,12 @@ def test_shipped_ablations_expand():
         abl = load(path, REPO / "data")
         assert abl.name == path.stem and abl.points, path.name
         assert len({p.name for p in abl.points}) == len(abl.points), f"{path.name}: point names repeat"
-        # every point is the product of the axes' labels, each with a data set
-        assert len(abl.points) == math.prod(len({p.labels[a] for p in abl.points}) for a in abl.axes), path.name
+        # every point is the product of the axes' labels less the excluded ones, each with a data set
+        product = math.prod(len({p.labels[a] for p in abl.points}) for a in abl.axes)
+        excluded = sum(math.prod(len(v) if isinstance(v, list) else 1 for v in rule.values())
+                       * math.prod(len({p.labels[a] for p in abl.points}) for a in abl.axes if a not in rule)
+                       for rule in abl.raw.get("exclude") or [])  # the shipped files' entries do not overlap
+        assert len(abl.points) == product - excluded, path.name
         assert all(p.dataset is not None and p.dataset.dir for p in abl.points), path.name
         assert path.read_text().startswith("#") and f"make experiment-{path.stem}" in path.read_text(), path.name
     sparsity = load(ABLATIONS / "sparsity.yaml", Path("/d"))
@@ -144,6 +148,18 @@ def test_config_hash_and_overrides(tmp_path):
     assert plain.config_hash(plain.points[0], "d1") != abl.config_hash(a, "d1")  # --set changes the hash
 
 
+def test_excluded_points_are_not_run(tmp_path):
+    """`exclude` drops the points that match every axis of one of its entries, and only those."""
+    spec = {"name": "x", "dataset": {"dir": str(tmp_path)}, "grid": {"model.ranker.attention": ["dense", "jagged", "s2"],
+            "data.max_seq_len": [1024, 4096]},
+            "exclude": [{"max_seq_len": "1024", "attention": ["jagged", "s2"]}, {"attention": "dense", "max_seq_len": 4096}]}
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    names = [p.name for p in load(path, tmp_path).points]
+    assert names == ["attention=dense/max_seq_len=1024", "attention=jagged/max_seq_len=4096",
+                     "attention=s2/max_seq_len=4096"]
+
+
 @pytest.mark.parametrize("change, message", [
     ({"bogus": 1}, "unknown keys"),
     ({"configs": ["base", "nope"]}, "config files not found"),
@@ -151,6 +167,9 @@ def test_config_hash_and_overrides(tmp_path):
     ({"grid": {"f": {"a": {"dataset": {"preset": "tiny", "mean_len": 9}}}}}, "needs a `name`"),
     ({"set": {"data.data_dir": "x"}}, "not data.data_dir"),
     ({"grid": {}}, "non-empty"),
+    ({"exclude": {"max_seq_len": "16"}}, "must be a list"),
+    ({"exclude": [{"max_seq_len": "999"}]}, r"exclude\[0\]: max_seq_len=\['999'\] is not on the grid"),
+    ({"exclude": [{"nope": "16"}]}, "is not on the grid"),
 ])
 def test_bad_ablation_files(tmp_path, change, message):
     spec = {**yaml.safe_load((ABLATIONS / "smoke.yaml").read_text()), **change}

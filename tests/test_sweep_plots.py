@@ -102,3 +102,29 @@ def test_a_categorical_axis_draws_points_not_a_line_between_categories(tmp_path,
     plots.ratio_plot(ratios, "x", ["a", "b"], "t", tmp_path / "r.png")
     assert all(ln.get_linestyle() == "None" for ax in figs[-1].axes[:2] for ln in ax.lines if ln.get_label() == "vs sdpa")
     plt.close("all")
+
+
+def test_pareto_front_keeps_the_runs_no_other_beats_on_both():
+    pts = [(100.0, 0.70), (50.0, 0.72), (80.0, 0.69), (30.0, 0.72), (10.0, 0.75)]
+    assert plots.pareto_front(pts) == [(100.0, 0.70), (50.0, 0.72), (10.0, 0.75)]
+
+
+def test_pareto_plot_draws_every_finished_run_and_the_oracle_of_each_length(tmp_path, monkeypatch):
+    figs = _capture(monkeypatch)
+    df = pl.DataFrame({"max_seq_len": ["1024", "4096", "4096", "4096"], "attention": ["dense", "dense", "s2", "s2h"],
+                       "status": ["OK", "OK", "OK", "OOM"], "speed": [900.0, 300.0, 600.0, None],
+                       "test/auc": [0.70, 0.74, 0.73, None]})
+    oracle = {"auc": 0.85, "auc_recent_0": 0.6, "auc_recent_1024": 0.77, "auc_recent_4096": 0.84, "auc_recent_16384": 0.85}
+    path = plots.pareto_plot(df, "max_seq_len", ["max_seq_len", "attention"], "speed", tmp_path / "p.png", oracle)
+    assert path.is_file()
+    ax = figs[-1].axes[0]
+    dots = {tuple(line.get_xydata()[0]) for line in ax.lines if line.get_label() in ("dense", "s2")}
+    assert (600.0, 0.73) in dots and (900.0, 0.70) in dots
+    texts = [t.get_text() for t in ax.texts]
+    assert "oracle, last 1024 items" in texts and "oracle, last 4096 items" in texts
+    assert "oracle, last 16384 items" not in texts  # no run at that length
+    assert "max_seq_len=4096" in texts and ax.get_xscale() == "log"
+    front = [line for line in ax.lines if line.get_label().startswith("Pareto")][0]
+    assert [tuple(p) for p in front.get_xydata()] == [(900.0, 0.70), (600.0, 0.73), (300.0, 0.74)]
+    assert plots.pareto_plot(df.with_columns(status=pl.lit("OOM")), "max_seq_len", ["attention"], "speed",
+                             tmp_path / "q.png") is None
