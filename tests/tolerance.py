@@ -12,6 +12,12 @@ import torch
 _FLOORS = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
+def resolution_floor(dtype: torch.dtype, oracle: torch.Tensor) -> float:
+    """The rule's floor for values of `dtype`'s resolution, scaled with the result's magnitude so
+    that a large output is not held to a bar below one ulp of its own dtype."""
+    return _FLOORS[dtype] * max(1.0, oracle.abs().max().item() if oracle.numel() else 0.0)
+
+
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
@@ -30,10 +36,7 @@ def assert_close_to_oracle(
     assert out.shape == oracle.shape, f"{name}: shape {tuple(out.shape)} != {tuple(oracle.shape)}"
     assert torch.isfinite(out.float()).all(), f"{name}: non-finite values in the kernel output"
     if floor is None:
-        floor = _FLOORS[out.dtype]
-        # scale the floor with the magnitude of the result so large outputs are not held to
-        # an absolute bar smaller than one ulp of their own dtype
-        floor *= max(1.0, oracle.abs().max().item() if oracle.numel() else 0.0)
+        floor = resolution_floor(out.dtype, oracle)
     err = max_abs_err(out, oracle)
     ref_err = max_abs_err(torch_lowp, oracle)
     bound = factor * ref_err + floor
