@@ -35,6 +35,11 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "jagged_dense_bmm": ("B", "N", "L", "K", "M", "dtype"),
     "jagged_jagged_bmm": ("B", "N", "L", "K", "M", "dtype"),
     "padded_to_jagged": ("B", "N", "L", "D", "dtype"),
+    # S2 attention (kernels/_s2_attention_triton.py): forward; dQ and dK/dV. The layout's block
+    # bounds the tiles (key chunks divide it; causal query tiles too): a config that does not fit
+    # the block in use is ignored there and the hand rule runs
+    "s2_fwd": ("B", "N", "L", "H", "D", "dtype", "causal"),
+    "s2_bwd": ("B", "N", "L", "H", "D", "dtype", "causal"),
 }
 
 _UNSET = object()

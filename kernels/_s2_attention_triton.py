@@ -13,8 +13,9 @@ One program per (query tile, sequence, head) over max_seq_len (idle programs exi
 A forward or dQ program walks its visible blocks as one flat loop over their key chunks (the
 strided run, then the local run: two arithmetic progressions of blocks, `_visible_blocks`), so
 there is no branch per block and no nested loop for the compiler's software pipelining to stop
-at. Tiles follow the dense kernels' (`_tiles`). The first version walked every block with an
-`if seen` and 16-row key chunks: on the H100 it reached only 0.29-0.41 of the ideal speed-up
+at. Tiles follow the dense kernels' (`s2_tiles`), or a launch table's (families s2_fwd and
+s2_bwd of kernels/_launch_configs.py). The first version walked every block with an `if seen`
+and 16-row key chunks: on the H100 it reached only 0.29-0.41 of the ideal speed-up
 (kernels.bench.s2 at 863ba9b). The work list of the dense kernels
 (kernels/_flash_attention_triton.py) is not used here yet. Softmax in base 2 (scores scaled by
 scale * log2(e)); lse stored in base 2 for the backward; delta = rowsum(dO * O) computed by
@@ -27,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import _launch_configs as _lc
 from kernels._triton_common import INTERPRET, LOG2E, online_softmax, col_block, dot_precision
 
 
@@ -232,28 +234,55 @@ def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, s
     tl.store(DV + krows, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-def _tiles(dtype: torch.dtype, head_dim: int, block: int) -> tuple[dict, dict]:
-    """Tiles, warps and stages of the forward and dQ programs (BLOCK_M queries, key chunks of
-    BLOCK_N) and of the dK/dV programs (BLOCK_N keys, query steps of BLOCK_M): the dense
-    kernels' choices (kernels/TUNING.md) where the S2 block allows them (every tile divides
-    the block: causal tiles lie in one block); 16-row tiles in fp32, above D = 128 and in the interpreter."""
+def s2_tiles(dtype: torch.dtype, head_dim: int, block: int) -> tuple[dict, dict]:
+    """The hand rules (families s2_fwd and s2_bwd of kernels/_launch_configs.py): the forward's
+    BLOCK_M queries a program walking key chunks of BLOCK_N; the backward's dQ programs likewise
+    (BLOCK_M, BLOCK_N) and its dK/dV programs N_KV keys walking query steps of M_KV. The dense
+    kernels' choices (kernels/TUNING.md) where the S2 block allows them (every tile divides the
+    block: causal tiles lie in one block); 16-row tiles in fp32, above D = 128 and in the interpreter."""
     if INTERPRET or dtype == torch.float32 or head_dim > 128:  # larger tiles spill above D = 128
-        t = dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
-        return t, t
+        return (dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),
+                dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, num_warps=4, num_stages=1))
     bm = 64 if block % 64 == 0 else 32 if block % 32 == 0 else 16
     step = min(bm, 32 if head_dim <= 64 else 16)
     warps = 4 if head_dim <= 64 or bm == 16 else 8  # 64-row tiles spill with 4 warps at D = 128 (gpu_check --ptxas)
     return (dict(BLOCK_M=bm, BLOCK_N=step, num_warps=warps, num_stages=3),
-            dict(BLOCK_M=step, BLOCK_N=bm, num_warps=warps, num_stages=3))
+            dict(BLOCK_M=bm, BLOCK_N=step, M_KV=step, N_KV=bm, num_warps=warps, num_stages=3))
 
 
-def _launch_args(q: torch.Tensor, shards, causal: bool) -> tuple[dict, dict]:
-    """Launch keywords of the forward and dQ kernels, and of the dK/dV kernel."""
-    rows_q, rows_kv = _tiles(q.dtype, q.shape[2], shards.block)
-    common = dict(S2_BLOCK=shards.block, LOCAL=shards.local_blocks, STRIDE=shards.stride, CAUSAL=causal,
-                  BLOCK_D=col_block(q.shape[2], 16, 256), HEAD_DIM=q.shape[2],
-                  DOT_PREC=dot_precision(q.dtype))
-    return dict(common, **rows_q), dict(common, **rows_kv)
+def fits(cfg: dict, block: int, causal: bool) -> bool:
+    """Whether a launch config of either family can run the layout's block: key chunks (BLOCK_N)
+    divide the block; in causal mode query tiles (BLOCK_M) and dK/dV key tiles (N_KV) too."""
+    tiles = [cfg["BLOCK_N"]] + ([cfg["BLOCK_M"], cfg.get("N_KV", block)] if causal else [])
+    return all(t > 0 and block % t == 0 for t in tiles)
+
+
+# launch keywords per (dtype, head dim, layout, causal, shape bucket): built once
+_KW: dict = _lc.register_cache({})
+
+
+def _launch_args(q: torch.Tensor, shards, causal: bool, B: int, max_seq_len: int) -> tuple[dict, dict, dict]:
+    """Launch keywords of the forward, dQ and dK/dV kernels: the hand rules, or a launch table's
+    (or a forced) config where it fits the block."""
+    T, H, D = q.shape
+    bucket = _lc.bucket(B, max_seq_len, T, H) if _lc.active() else ()  # host ints: no sync
+    key = (q.dtype, D, shards.block, shards.local_blocks, shards.stride, causal, bucket)
+    kws = _KW.get(key)
+    if kws is None:
+        fwd, bwd = s2_tiles(q.dtype, D, shards.block)
+        if bucket:
+            feats = (*bucket, D, q.dtype, int(causal))
+            tuned_fwd, tuned_bwd = _lc.tuned("s2_fwd", feats, fwd), _lc.tuned("s2_bwd", feats, bwd)
+            fwd = tuned_fwd if fits(tuned_fwd, shards.block, causal) else fwd
+            bwd = tuned_bwd if fits(tuned_bwd, shards.block, causal) else bwd
+        common = dict(S2_BLOCK=shards.block, LOCAL=shards.local_blocks, STRIDE=shards.stride, CAUSAL=causal,
+                      BLOCK_D=col_block(D, 16, 256), HEAD_DIM=D, DOT_PREC=dot_precision(q.dtype))
+        run = dict(num_warps=bwd["num_warps"], num_stages=bwd["num_stages"])
+        kws = (dict(common, **fwd), dict(common, BLOCK_M=bwd["BLOCK_M"], BLOCK_N=bwd["BLOCK_N"], **run),
+               dict(common, BLOCK_M=bwd["M_KV"], BLOCK_N=bwd["N_KV"], **run))
+        if q.dtype != torch.float32:  # fp32's DOT_PREC follows a torch setting: not cached
+            _KW[key] = kws
+    return kws
 
 
 _HEAD_OFFSETS: dict[tuple, torch.Tensor] = {}
@@ -283,7 +312,7 @@ def s2_attention_fwd(q, k, v, offsets, max_seq_len: int, shards, causal: bool, s
     out = torch.zeros_like(q)
     lse2 = torch.full((T, H), float("inf"), dtype=torch.float32, device=q.device)
     if T and B and max_seq_len:
-        kw, _ = _launch_args(q, shards, causal)
+        kw, _, _ = _launch_args(q, shards, causal, B, max_seq_len)
         grid = (triton.cdiv(max_seq_len, kw["BLOCK_M"]), B, H)
         _s2_fwd[grid](q, k, v, out, lse2, offsets, _head_offsets(shards, H, q.device), q.stride(0), q.stride(1),
                       H, max_seq_len, scale * LOG2E, **kw)
@@ -299,7 +328,7 @@ def s2_attention_bwd(dout, q, k, v, out, lse2, offsets, max_seq_len: int, shards
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if T and B and max_seq_len:
         delta = (dout.float() * out.float()).sum(-1).contiguous()  # [T, H]
-        kw, kv_kw = _launch_args(q, shards, causal)
+        _, kw, kv_kw = _launch_args(q, shards, causal, B, max_seq_len)
         heads = _head_offsets(shards, H, q.device)
         common = (offsets, heads, q.stride(0), q.stride(1), H, max_seq_len, scale * LOG2E, scale)
         _s2_bwd_dq[(triton.cdiv(max_seq_len, kw["BLOCK_M"]), B, H)](q, k, v, dout, dq, lse2, delta, *common, **kw)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels import _launch_configs as lc
-from kernels import (jagged_dense_attention, jagged_dense_bmm, jagged_flash_attention, jagged_jagged_bmm,
+from kernels import (S2Shards, jagged_dense_attention, jagged_dense_bmm, jagged_flash_attention, jagged_jagged_bmm,
                      jagged_softmax, offsets_from_lengths, padded_to_jagged)
 from kernels._flash_attention_triton import _FWD_KW, _fwd_kw, fwd_config
 from kernels.bench import costmodel, sweep
@@ -114,6 +114,8 @@ OTHER = {  # every family: a config unlike the interpreter's hand rule
     "jagged_dense_bmm": {"BLOCK_T": 16, "BLOCK_M": 16, "BLOCK_K": 16, "num_stages": 1},
     "jagged_jagged_bmm": {"BLOCK_T": 16, "BLOCK_M": 16, "BLOCK_K": 16, "num_stages": 1},
     "padded_to_jagged": {"BLOCK_N": 16},
+    "s2_fwd": {"BLOCK_M": 32, "BLOCK_N": 16},
+    "s2_bwd": {"BLOCK_M": 32, "M_KV": 16, "N_KV": 32},
 }
 
 
@@ -122,7 +124,7 @@ def _table_for_all(tmp_path, D):
               "dense_fwd": dict(H=2, D=D, Tq=3), "dense_bwd": dict(H=2, D=D, Tq=3),
               "softmax_fwd": dict(H=3), "softmax_bwd": dict(H=3),
               "jagged_dense_bmm": dict(K=D, M=D), "jagged_jagged_bmm": dict(K=D, M=D),
-              "padded_to_jagged": dict(D=D)}
+              "padded_to_jagged": dict(D=D), "s2_fwd": dict(H=2, D=D, causal=0), "s2_bwd": dict(H=2, D=D, causal=0)}
     entries = [_entry(f, OTHER[f], B=4, N=32, L=16, dtype=F32, **shapes[f]) for f in OTHER]
     return write_table(tmp_path / "all.json", entries, {"gpu": "test"})
 
@@ -166,6 +168,8 @@ def test_launchers_correct_with_a_table_of_other_configs(tmp_path, monkeypatch):
 
     q, k, v = (torch.randn(T, 2, D) for _ in range(3))
     both(lambda q, k, v, backend: jagged_flash_attention(q, k, v, off, N, backend=backend), q, k, v)
+    both(lambda q, k, v, backend: jagged_flash_attention(q, k, v, off, N, backend=backend,
+                                                         shards=S2Shards(16, 1, 2)), q, k, v)
     qd = torch.randn(4, 3, 2, D)
     both(lambda q, k, v, backend: jagged_dense_attention(q, k, v, off, N, backend=backend), qd, k, v)
     x = torch.randn(T, 3)

@@ -197,32 +197,53 @@ def test_triton_kernels_match_the_masked_reference(lengths, N, shards, H, causal
     assert all((g[past] == 0).all() for g in grads), f"{tag}: rows past max_seq_len have gradients"
 
 
+def _s2_matches_the_reference(causal: bool, tag: str) -> None:
+    for lengths, N, shards, H in (([0, 200, 31, 64], 160, S2Shards(32, 1, 4), 2),
+                                  ([70, 1, 129], 128, S2Shards(64, 0, 3), 2),
+                                  ([96, 40], 96, S2Shards(32, 2, 2, head_offsets=(1,)), 1)):
+        off = offsets_from_lengths(lengths)
+        xs = [torch.randn(sum(lengths), H, 16, requires_grad=True) for _ in range(3)]
+        out = jagged_flash_attention(*xs, off, N, causal=causal, backend="triton", shards=shards)
+        ys = [x.detach().double().requires_grad_() for x in xs]
+        want = s2_attention_reference(*ys, off, N, shards, causal)
+        dout = torch.randn_like(out)
+        got_g = torch.autograd.grad(out, xs, dout)
+        want_g = torch.autograd.grad(want, ys, dout.double())
+        where = f"{tag} {shards} causal={causal}"
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4, msg=where)
+        for name, g, w in zip(("dq", "dk", "dv"), got_g, want_g):
+            torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=f"{where} {name}")
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_kernels_with_tall_tiles(monkeypatch, causal):
+def test_triton_kernels_with_tall_tiles(causal):
     """The GPU's bf16 tiles (key chunks as tall as the query tile, several chunks a block or one,
     dK/dV query steps shorter than its key rows) in fp32 in the interpreter, where the kernels
-    otherwise run 16-row tiles only."""
-    import kernels._s2_attention_triton as s2t
+    otherwise run 16-row tiles only; set through the route a launch table takes
+    (kernels/_launch_configs.py, families s2_fwd and s2_bwd). A config that does not fit a block
+    (key chunks of 64 rows in blocks of 32) is ignored there: the hand rule runs, as correct."""
+    from kernels import _launch_configs as lc
 
-    for m, n, kv, step in ((32, 32, 32, 16), (16, 16, 32, 16), (32, 16, 16, 32)):
-        tiles = (dict(BLOCK_M=m, BLOCK_N=n, num_warps=4, num_stages=1),
-                 dict(BLOCK_M=step, BLOCK_N=kv, num_warps=4, num_stages=1))
-        monkeypatch.setattr(s2t, "_tiles", lambda dtype, d, block, t=tiles: t)
-        for lengths, N, shards, H in (([0, 200, 31, 64], 160, S2Shards(32, 1, 4), 2),
-                                      ([70, 1, 129], 128, S2Shards(64, 0, 3), 2),
-                                      ([96, 40], 96, S2Shards(32, 2, 2, head_offsets=(1,)), 1)):
-            off = offsets_from_lengths(lengths)
-            xs = [torch.randn(sum(lengths), H, 16, requires_grad=True) for _ in range(3)]
-            out = jagged_flash_attention(*xs, off, N, causal=causal, backend="triton", shards=shards)
-            ys = [x.detach().double().requires_grad_() for x in xs]
-            want = s2_attention_reference(*ys, off, N, shards, causal)
-            dout = torch.randn_like(out)
-            got_g = torch.autograd.grad(out, xs, dout)
-            want_g = torch.autograd.grad(want, ys, dout.double())
-            tag = f"tiles {tiles} {shards} causal={causal}"
-            torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4, msg=tag)
-            for name, g, w in zip(("dq", "dk", "dv"), got_g, want_g):
-                torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=f"{tag} {name}")
+    for m, n, kv, step in ((32, 32, 32, 16), (16, 16, 32, 16), (32, 16, 16, 32), (64, 64, 64, 64)):
+        fwd, bwd = dict(BLOCK_M=m, BLOCK_N=n), dict(BLOCK_M=m, BLOCK_N=n, M_KV=step, N_KV=kv)
+        with lc.forced("s2_fwd", fwd), lc.forced("s2_bwd", bwd):
+            _s2_matches_the_reference(causal, f"fwd {fwd} bwd {bwd}")
+
+
+def test_a_launch_config_that_does_not_fit_the_block_is_ignored():
+    from kernels import _launch_configs as lc
+    from kernels._s2_attention_triton import _launch_args, fits, s2_tiles
+
+    assert fits(dict(BLOCK_M=128, BLOCK_N=64), 64, causal=False) and not fits(dict(BLOCK_M=128, BLOCK_N=64), 64, True)
+    assert fits(dict(BLOCK_M=16, BLOCK_N=32, N_KV=64), 32, causal=False)  # non-causal dK/dV tiles may straddle
+    assert not fits(dict(BLOCK_M=16, BLOCK_N=64), 32, causal=False)  # a key chunk beyond its block
+    q = torch.randn(10, 2, 16)
+    with lc.forced("s2_fwd", dict(BLOCK_M=32, BLOCK_N=32)), lc.forced("s2_bwd", dict(N_KV=64, M_KV=16)):
+        fwd, dq, dkdv = _launch_args(q, S2Shards(32, 1, 2), True, 2, 16)
+    hand_fwd, hand_bwd = s2_tiles(torch.float32, 16, 32)
+    assert (fwd["BLOCK_M"], fwd["BLOCK_N"]) == (32, 32)  # fits the block of 32
+    assert (dkdv["BLOCK_N"], dkdv["BLOCK_M"]) == (hand_bwd["N_KV"], hand_bwd["M_KV"])  # 64 keys: not in causal blocks of 32
+    assert (dq["BLOCK_M"], dq["BLOCK_N"]) == (hand_bwd["BLOCK_M"], hand_bwd["BLOCK_N"])
 
 
 def test_triton_never_reads_a_key_block_no_head_sees():

@@ -69,6 +69,8 @@ _KERNELS = {  # the @triton.jit functions behind each family (for the spill coun
     "jagged_dense_bmm": ("_bmm_triton", "_jagged_dense_bmm_kernel"),
     "jagged_jagged_bmm": ("_bmm_triton", "_jagged_jagged_bmm_kernel"),
     "padded_to_jagged": ("_conversions_triton", "_padded_to_jagged_kernel"),
+    "s2_fwd": ("_s2_attention_triton", "_s2_fwd"),
+    "s2_bwd": ("_s2_attention_triton", "_s2_bwd_dq", "_s2_bwd_dkdv"),
 }
 
 
@@ -81,14 +83,15 @@ def _compiled(family: str) -> dict:
     """{cache key: CompiledKernel} of the family's kernel (empty where Triton hides it)."""
     import importlib
 
-    mod, name = _KERNELS[family]
-    fn = getattr(importlib.import_module(f"kernels.{mod}"), name)
+    mod, *names = _KERNELS[family]
     out = {}
-    try:
-        for dev_cache in fn.device_caches.values():
-            out.update(dev_cache[0])
-    except (AttributeError, TypeError, IndexError):
-        pass
+    for name in names:  # a family may launch several kernels: the most any of them spills
+        fn = getattr(importlib.import_module(f"kernels.{mod}"), name)
+        try:
+            for dev_cache in fn.device_caches.values():
+                out.update({(name, key): k for key, k in dev_cache[0].items()})
+        except (AttributeError, TypeError, IndexError):
+            pass
     return out
 
 

@@ -9,7 +9,10 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
   shapes the model has neighbours for; about 1,500 configs, 880 of them new: about 340 s of
   timing on an H200 plus the energy pass, so two calls on top of a resumed small sweep) or
   ``full`` (every shape and a
-  larger config space: several resumed calls). Lengths are drawn as in the benchmark harness
+  larger config space: several resumed calls). The S2 families (s2_fwd, s2_bwd: S2 attention in
+  the layout of kernels.bench.s2 and the s2 ablation, block 64, 4 local blocks, stride 8) add 4
+  shapes and 232 configs to small, 8 shapes and 464 configs to medium (not yet timed on a GPU).
+  Lengths are drawn as in the benchmark harness
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
 - ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
   ``FLAGS``: dense_bwd's SPLIT_DQ, both settings), with the
@@ -49,6 +52,8 @@ TUNABLE = {
     "jagged_dense_bmm": ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages"),
     "jagged_jagged_bmm": ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages"),
     "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
+    "s2_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
+    "s2_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages"),
 }
 assert TUNABLE.keys() == FAMILIES.keys()
 FLAGS = ("SPLIT_DQ",)  # tunable keys that are 0/1 switches (the others are powers of two)
@@ -94,6 +99,9 @@ _SMALL = {
     "ops": [SweepShape(1024, 1024, 0.1, 1, 128), SweepShape(1024, 1024, 0.5, 1, 128),
             SweepShape(4096, 512, 0.5, 1, 256), SweepShape(2048, 256, 0.25, 1, 64),
             SweepShape(512, 2048, 0.25, 1, 128)],
+    # S2 attention over long histories, the S2 layout of the bench and the ablation (_s2_layout)
+    "s2": [SweepShape(64, 4096, 0.5, 8, 64), SweepShape(32, 8192, 0.5, 8, 64), SweepShape(16, 16384, 0.5, 8, 64),
+           SweepShape(64, 4096, 0.25, 8, 64)],
 }
 _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, H, D and Tq
     "attn": _SMALL["attn"] + [SweepShape((1 << 20) // N, N, f, H, D) for N, f, H, D in [
@@ -106,12 +114,15 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
         (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32)]],
     "ops": _SMALL["ops"] + [SweepShape((1 << 20) // N, N, f, 1, D) for N, f, D in [
         (256, 0.5, 128), (512, 0.75, 64), (1024, 0.25, 256), (2048, 0.1, 256), (2048, 0.5, 64)]],
+    "s2": _SMALL["s2"] + [SweepShape((1 << 18) // N, N, f, H, D) for N, f, H, D in [
+        (2048, 0.5, 8, 64), (8192, 0.25, 8, 64), (16384, 0.75, 8, 64), (4096, 0.5, 4, 128)]],
 }
 _TINY = {
     "attn": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 2, 16, "float32")],
     "dense": [SweepShape(3, 24, 0.6, 1, 16, "float32", Tq=2), SweepShape(2, 40, 0.5, 2, 16, "float32", Tq=3)],
     "softmax": [SweepShape(3, 24, 0.6, 4, 0, "float32"), SweepShape(2, 40, 0.5, 3, 0, "float32")],
     "ops": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 1, 16, "float32")],
+    "s2": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 2, 16, "float32")],
 }
 _FULL = {
     "attn": _attn([128, 256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [(2, 64), (4, 32), (4, 128)]),
@@ -121,10 +132,12 @@ _FULL = {
         [256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [32, 64, 128, 256])],
     "ops": [SweepShape(max(1, (1 << 20) // N), N, f, 1, D) for N, f, D in itertools.product(
         [256, 512, 1024, 2048], [0.1, 0.25, 0.5, 0.75], [64, 128, 256])],
+    "s2": [SweepShape((1 << 18) // N, N, f, H, D) for N, f, (H, D) in itertools.product(
+        [2048, 4096, 8192, 16384], [0.25, 0.5, 0.75], [(8, 64), (4, 128)])],
 }
 _KIND = {"flash_fwd": "attn", "flash_bwd": "attn", "dense_fwd": "dense", "dense_bwd": "dense",
          "softmax_fwd": "softmax", "softmax_bwd": "softmax", "jagged_dense_bmm": "ops",
-         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops"}
+         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops", "s2_fwd": "s2", "s2_bwd": "s2"}
 
 
 def grid(family: str, level: str) -> list[SweepShape]:
@@ -150,6 +163,8 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
             "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
             "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1]),
             "padded_to_jagged": _product(k, [16, 32], [16], [4]),
+            "s2_fwd": _product(k, [16, 32], [16], [4], [1]),
+            "s2_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)]],
         }[family]
     full = level == "full"
     warps, stages = [4, 8], ([2, 3, 4] if full else [3])
@@ -170,6 +185,12 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
         return _product(k, [64, 128], [64, 128], [32, 64, 128] if full else [32, 64], warps, stages)
     if family == "jagged_jagged_bmm":
         return _product(k, [64, 128], [64, 128], [32, 64] + ([128] if full else []), warps, stages)
+    if family == "s2_fwd":
+        return _product(k, [32, 64, 128], [16, 32, 64], warps, stages)
+    if family == "s2_bwd":  # dQ (query tile, key chunk) x dK/dV (query step, key tile)
+        dq = [(64, 32), (64, 16), (128, 32), (128, 64), (32, 32)]
+        kv = [(32, 64), (16, 64), (32, 128), (64, 64)]
+        return [dict(zip(k, (*a, *b, w, st))) for a, b, w, st in itertools.product(dq, kv, warps, stages)]
     return _product(k, [32, 64, 128], [64, 128, 256] if full else [128], warps)  # padded_to_jagged
 
 
@@ -187,6 +208,10 @@ def valid(family: str, cfg: dict, s: SweepShape) -> bool:
         return cfg["SMALL_N"] <= cfg["BLOCK_N"]
     if family == "padded_to_jagged":
         return cfg["BLOCK_D"] <= max(16, 2 * s.D)
+    if family.startswith("s2"):  # key chunks inside the layout's block (the sweep times non-causal S2)
+        from kernels._s2_attention_triton import fits
+
+        return fits(cfg, _s2_layout(s).block, causal=False)
     return True
 
 
@@ -220,6 +245,10 @@ def hand_config(family: str, s: SweepShape) -> dict:
         cfg = _softmax_triton.SOFTMAX_CONFIG
     elif family == "padded_to_jagged":
         cfg = _conversions_triton.P2J_CONFIG
+    elif family.startswith("s2"):
+        from kernels._s2_attention_triton import s2_tiles
+
+        cfg = s2_tiles(dt, s.D, _s2_layout(s).block)[family == "s2_bwd"]
     else:
         cfg = _bmm_triton.bmm_base_config("dense" if family == "jagged_dense_bmm" else "jagged", dt)
     return {k: cfg[k] for k in TUNABLE[family]}
@@ -238,6 +267,9 @@ AUTOTUNE = {  # a plausible @triton.autotune list per family (subsets of the sma
     "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
     "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
     "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),
+    "s2_fwd": _product(TUNABLE["s2_fwd"], [64, 128], [32, 64], [4, 8], [3]),
+    "s2_bwd": [dict(zip(TUNABLE["s2_bwd"], v)) for v in
+               [(64, 32, 32, 64, 4, 3), (128, 32, 32, 128, 8, 3), (64, 16, 16, 64, 4, 3), (128, 64, 64, 64, 8, 2)]],
 }
 
 
@@ -305,6 +337,26 @@ def _bmm(s, T, off, rand, jagged: bool):
     return lambda: jagged_dense_bmm_triton(a, off, dense, s.N)
 
 
+def _s2_layout(s: SweepShape):
+    """The S2 layout the s2 families are swept with: the bench's and the ablation's (block 64, 4
+    local blocks, stride 8); blocks of 16 (1 local, stride 2) on the interpreter's tiny shapes."""
+    from kernels.s2 import S2Shards
+
+    return S2Shards(64, 4, 8) if s.N >= 256 else S2Shards(16, 1, 2)
+
+
+def _s2(s, T, off, rand, bwd: bool):
+    from kernels._s2_attention_triton import s2_attention_bwd, s2_attention_fwd
+
+    q, k, v = (rand(T, s.H, s.D) for _ in range(3))
+    shards, scale = _s2_layout(s), 1 / math.sqrt(s.D)
+    if not bwd:
+        return lambda: s2_attention_fwd(q, k, v, off, s.N, shards, False, scale)[0]
+    out, lse2 = s2_attention_fwd(q, k, v, off, s.N, shards, False, scale)
+    do = rand(T, s.H, s.D)
+    return lambda: s2_attention_bwd(do, q, k, v, out, lse2, off, s.N, shards, False, scale)
+
+
 def _p2j(s, T, off, rand):
     from kernels._conversions_triton import padded_to_jagged_triton
 
@@ -318,4 +370,5 @@ _BUILDERS = {
     "softmax_fwd": lambda *a: _softmax(*a, bwd=False), "softmax_bwd": lambda *a: _softmax(*a, bwd=True),
     "jagged_dense_bmm": lambda *a: _bmm(*a, jagged=False), "jagged_jagged_bmm": lambda *a: _bmm(*a, jagged=True),
     "padded_to_jagged": _p2j,
+    "s2_fwd": lambda *a: _s2(*a, bwd=False), "s2_bwd": lambda *a: _s2(*a, bwd=True),
 }
