@@ -2,7 +2,7 @@
 
     python -m pipeline.sweep experiments/ablations/seq_len.yaml [--dry-run] [--max-runs N]
         [--data DIR] [--data-root data] [--set key=value ...] [--where axis=label[,label]]
-        [--deadline-s S] [--timeout S] [--parallel N | --gpus 0,1] [--retry-oom] [--new]
+        [--deadline-s S] [--end-s S] [--timeout S] [--parallel N | --gpus 0,1] [--retry-oom] [--new]
     make experiment-seq_len [SWEEP_ARGS="--max-runs 3"]
 
 Every run is ``python -m pipeline fit --config <configs...> --<key> <value> ...`` in its own
@@ -20,7 +20,9 @@ pipeline.report --parent <name>`` writes the tables and plots.
 
 One sweep of an ablation runs at a time (a lock per tracking store, experiment and name,
 held by the sweep and its runs); every point's arguments are checked by the fit's parser
-before any runs (``--dry-run`` marks the refused ones INVALID).
+before any runs (``--dry-run`` marks the refused ones INVALID). Inside a bounded call,
+``--deadline-s`` starts no run after it and ``--end-s`` (when the caller will stop the sweep)
+starts no run that its earlier runs, of any code version, say cannot finish by then.
 
 The file format is described in :mod:`pipeline._sweep_spec` and at the top of every file in
 experiments/ablations/. Exit status: 0 when every point finished (or is a recorded OOM), 1
@@ -36,6 +38,7 @@ import os
 import queue
 import re
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -166,6 +169,21 @@ class Sweep:
                 run = self.client.get_run(run.info.run_id)
             out.setdefault(run.data.tags.get("sweep.config_hash", ""), []).append(run)
         return out
+
+    def expected_seconds(self) -> dict[str, float]:
+        """Point name -> the seconds its earlier runs say it needs (any code version): the median
+        wall time of its finished runs, else the longest a killed one ran (a lower bound)."""
+        done, cut = {}, {}
+        for run in (r for runs in self._previous.values() for r in runs):
+            name, end = run.data.tags.get("sweep.point"), run.info.end_time
+            if not name or not end:
+                continue
+            wall = (end - run.info.start_time) / 1000
+            if runs_.run_status(run) == "OK":
+                done.setdefault(name, []).append(wall)
+            elif runs_.run_status(run) == "KILLED":
+                cut[name] = max(cut.get(name, 0.0), wall)
+        return {**cut, **{name: statistics.median(walls) for name, walls in done.items()}}
 
     def done_status(self, previous: list[Run]) -> str | None:
         statuses = {runs_.run_status(r) for r in previous}
@@ -309,6 +327,7 @@ class Sweep:
                               f"e.g. {name}: {error}")
         parent_id = self.open_parent()
         self._previous, self._executed, self._t_start = self.previous(), 0, time.monotonic()
+        self._needs = self.expected_seconds()
         self._lock, self._stop = threading.Lock(), threading.Event()
         points, results = self.selected(), {}
         jobs = [(f"=== [{i + 1}/{len(points)}] {self.abl.name}: {p.name}", p) for i, p in enumerate(points)]
@@ -351,9 +370,15 @@ class Sweep:
             print(f"{head}: skipped, already {done} (hash {h})", flush=True)
             return done
         with self._lock:
-            late = self.args.deadline_s is not None and time.monotonic() - self._t_start > self.args.deadline_s
-            if late or (self.args.max_runs is not None and self._executed >= self.args.max_runs):
-                print(f"{head}: not started ({'past --deadline-s' if late else '--max-runs reached'})")
+            elapsed = time.monotonic() - self._t_start
+            late = self.args.deadline_s is not None and elapsed > self.args.deadline_s
+            need = self._needs.get(point.name)
+            short = self.args.end_s is not None and need is not None and elapsed + need > self.args.end_s
+            if late or short or (self.args.max_runs is not None and self._executed >= self.args.max_runs):
+                why = ("past --deadline-s" if late else f"its earlier runs needed {need:.0f} s, "
+                       f"{max(0.0, self.args.end_s - elapsed):.0f} s are left before --end-s" if short
+                       else "--max-runs reached")
+                print(f"{head}: not started ({why})")
                 return "NOT RUN"
             self._executed += 1
         print(f"\n{head} (hash {h}) ===", flush=True)
@@ -416,6 +441,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="override for every run, e.g. trainer.max_steps=50 (changes the config hash)")
     p.add_argument("--where", action="append", default=[], metavar="AXIS=LABEL[,LABEL]",
                    help="only the points with these labels, e.g. max_seq_len=1024,4096")
+    p.add_argument("--end-s", type=float, default=None,
+                   help="when the caller stops the sweep (seconds after its start, e.g. its timeout): a point whose "
+                        "earlier runs (any code version) needed more than is left then is not started")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="start no new run after this many seconds (a run in progress finishes); rerun to go on")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default: the file's timeout_s)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -233,6 +234,20 @@ def test_rerun_skips_finished_and_oom_children(smoke, capsys):
     assert the_parent(smoke.uri).info.run_id == parent.info.run_id  # found by name, resumed
     assert {k: len(v) for k, v in after.items()} == {k: len(v) + k.endswith("=0") for k, v in before.items()}
     assert "not run" not in out and "FAILED" in out  # the summary covers the whole grid
+
+
+@pytest.mark.slow
+def test_a_point_its_earlier_runs_say_cannot_finish_by_end_s_is_not_started(smoke, capsys):
+    """--end-s: a point whose earlier runs (another code version here: --set changes the hash)
+    took longer than what is left is not started; one without history still is, as before."""
+    parent = the_parent(smoke.uri)
+    before = children(smoke.uri, parent.info.run_id)
+    argv = [*smoke.argv, "--set", "trainer.max_steps=2", "--where", "max_seq_len=16", "--end-s", "0.5"]
+    assert sweep.main(argv) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"max_seq_len=16: not started \(its earlier runs needed \d+ s, 0 s are left before --end-s\)", out)
+    after = children(smoke.uri, parent.info.run_id)
+    assert {k: len(v) for k, v in after.items()} == {k: len(v) for k, v in before.items()}  # no run started
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
   # the files' own datasets on the GPU; --data (it replaces every file-level dataset) only for a check on other data
   local data=(); [ "$preset" != paper ] && data=(--data "data/$preset")
   timeout -k 90 "$t" python3 -m pipeline.sweep "experiments/ablations/$name.yaml" "${data[@]}" \
-    --deadline-s $((t - 60)) "$@" >> "$log" 2>&1
+    --deadline-s $((t - 60)) --end-s "$t" "$@" >> "$log" 2>&1
   echo "$name sweep rc=$? at ${SECONDS}s" | tee -a "$log"
   timeout 45 python3 -m pipeline.report --parent "$name" --commit "$GIT_COMMIT" >> "$log" 2>&1
   echo "$name report rc=$? at ${SECONDS}s" | tee -a "$log"
