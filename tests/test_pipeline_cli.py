@@ -271,3 +271,17 @@ def test_fit_tests_the_monitored_best_checkpoint_and_stops_early(tiny, tracking,
     assert retest_auc != pytest.approx(runs["final"].data.metrics["test/auc"], abs=1e-6)  # other weights, other AUC
     final = history(tracking, runs["final"].info.run_id, ("test/weights_step",))
     assert list(final["test/weights_step"].values()) == [2 * 8]  # tiny.yaml: 2 epochs, the final weights
+
+
+def test_the_linked_user_embedding_reaches_the_data_module_as_a_plain_dict():
+    """model.ranker.user_embedding is linked to data.user_embedding through a plain dict: jsonargparse
+    4.42 (the GPU machine's) passed a linked dataclass on as flattened 'user_embedding.dim' keywords."""
+    from jsonargparse import Namespace
+
+    from models.config import UserEmbeddingConfig
+    from pipeline.cli import _as_plain_dict
+
+    want = {"dim": 8, "path": "e.parquet", "lag_days": 1}
+    assert _as_plain_dict(UserEmbeddingConfig(**want)) == want
+    assert _as_plain_dict(Namespace(**want)) == want and _as_plain_dict(want) == want
+    assert _as_plain_dict(None) is None
