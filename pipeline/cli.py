@@ -36,6 +36,7 @@ import re
 import signal
 import sys
 import tempfile
+import typing
 from pathlib import Path
 from typing import Optional
 
@@ -166,7 +167,7 @@ class RankerCLI(LightningCLI):
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            raise ConfigError(parse_error(err, sys.argv[1:] if args is None else args)) from None
+            raise ConfigError(parse_error(err, sys.argv[1:] if args is None else args, parser)) from None
         # here, before Lightning replaces the requested model settings by a checkpoint's
         subcommand = self.config.get("subcommand")
         if subcommand:
@@ -303,9 +304,31 @@ class RankerCLI(LightningCLI):
     after_test = after_validate
 
 
-def parse_error(err: ArgumentError, argv: list[str]) -> str:
+def _typehint(parser, argv: list[str], key: str):
+    """The type of option `key` in the parser of argv's subcommand (None where not found)."""
+    try:
+        sub = parser._subcommands_action._name_parser_map[argv[0]]
+        return sub._option_string_actions[f"--{key}"]._typehint
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return None
+
+
+def _same_words(text: str, argv: list[str], parser) -> str:
+    """Older jsonargparse (the GPU machine has 4.42) words two errors otherwise than 4.53: the
+    same message whatever the version."""
+    text = re.sub(r"\bUnrecognized arguments:", "unrecognized arguments:", text)
+    m = re.search(r'Parser key "([^"]+)": Cannot take a Union of no types\.?', text)
+    hint = _typehint(parser, argv, m.group(1)) if m and parser is not None else None
+    if m and typing.get_origin(hint) is typing.Literal:
+        flag = f"--{m.group(1)}"
+        got = argv[argv.index(flag) + 1] if flag in argv[:-1] else "(from a config file)"
+        text = text.replace(m.group(0), f'Parser key "{m.group(1)}": Expected a {hint}. Got value: {got}')
+    return text
+
+
+def parse_error(err: ArgumentError, argv: list[str], parser=None) -> str:
     """One line for a parse error, naming the config file that holds an unknown key."""
-    text = " ".join(str(err).split())
+    text = _same_words(" ".join(str(err).split()), argv, parser)
     configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
     if "Problems parsing config" in text:  # YAML syntax: jsonargparse names no file, yaml does
         for path in configs:
@@ -318,7 +341,7 @@ def parse_error(err: ArgumentError, argv: list[str]) -> str:
                 return f"{where}: {problem}; `python -m pipeline fit --help` lists the options"
             except OSError:
                 continue
-    bad = re.search(r"does not accept option '([^']+)'", text)
+    bad = re.search(r"does not accept (?:option|nested key) '([^']+)'", text)  # 4.53 | 4.42
     if bad:
         key = bad.group(1)
         for path in configs:

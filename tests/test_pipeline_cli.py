@@ -285,3 +285,26 @@ def test_the_linked_user_embedding_reaches_the_data_module_as_a_plain_dict():
     assert _as_plain_dict(UserEmbeddingConfig(**want)) == want
     assert _as_plain_dict(Namespace(**want)) == want and _as_plain_dict(want) == want
     assert _as_plain_dict(None) is None
+
+
+def test_older_jsonargparse_errors_read_as_the_current_ones():
+    """jsonargparse 4.42 (the GPU machine's) words a bad Literal value, an unknown option and an
+    unknown key in a config file otherwise than 4.53: parse_error gives one wording for both."""
+    from types import SimpleNamespace
+    from typing import Literal
+
+    from argparse import ArgumentError
+
+    from pipeline.cli import parse_error
+
+    action = SimpleNamespace(_typehint=Literal["dense", "sdpa", "jagged"])
+    fit = SimpleNamespace(_option_string_actions={"--model.ranker.attention": action})
+    parser = SimpleNamespace(_subcommands_action=SimpleNamespace(_name_parser_map={"fit": fit}))
+    argv = ["fit", "--model.ranker.attention", "flash"]
+    old = parse_error(ArgumentError(None, 'Parser key "model.ranker.attention": Cannot take a Union of no types.'),
+                      argv, parser)
+    assert old.startswith("Parser key \"model.ranker.attention\": Expected a typing.Literal['dense', 'sdpa', 'jagged']. "
+                          "Got value: flash;"), old
+    assert "unrecognized arguments: --x 1" in parse_error(ArgumentError(None, "Unrecognized arguments: --x 1"), argv)
+    assert "Cannot take a Union" in parse_error(ArgumentError(None, 'Parser key "a.b": Cannot take a Union of no '
+                                                                    'types.'), ["fit"], parser)  # no such option: as is
