@@ -122,3 +122,12 @@ def test_a_partial_kernels_run_adds_to_a_full_one_instead_of_hiding_it(tmp_path)
     text = summary.build(tmp_path)
     assert "[kernels-a.md](kernels-a.md) | headline S fwd_bwd vs dense_torch" in text
     assert "[kernels-b.md](kernels-b.md) | headline S fwd_bwd vs sdpa_padded_mask" in text
+
+
+def test_the_seeds_other_systems_are_listed_once_they_have_run(tmp_path):
+    current = __import__("yaml").safe_load((summary.ABLATIONS / "batch_size.yaml").read_text())["set"]
+    results = _results(tmp_path, current)
+    assert "| s2 | NOT RUN" not in summary.build(results) and "[alure]" not in summary.build(results)
+    (results / "alure").mkdir()
+    (results / "alure" / "report.md").write_text(REPORT.replace("`batch_size`", "`alure`").format(budget="{}"))
+    assert "| [alure](alure/report.md) | GPU X | `abc1234` |" in summary.build(results)
