@@ -14,7 +14,8 @@
 # from RESUME=<path>, by default the committed experiments/results/costmodel-sweep-<gpu>.parquet
 # where one exists for this GPU (commit the returned Parquet there). GRID=small|medium (default)|full.
 # Shapes timed before the energy pass get their energy-counter readings when resumed.
-# MLFLOW=1 also logs the sweep as an MLflow run (Parquet as artifact) into ./mlflow.db.
+# FAMILIES=a,b sweeps only those kernel families (default all; e.g. the S2 ones alone:
+# FAMILIES=s2_fwd,s2_bwd). MLFLOW=1 also logs the sweep as an MLflow run (Parquet as artifact) into ./mlflow.db.
 # Where the machine returns few files per command, end with `bash experiments/gpu/pack.sh`. E.g.
 #   GIT_COMMIT=$(git rev-parse HEAD) bash experiments/gpu/costmodel.sh; bash experiments/gpu/pack.sh
 set -uo pipefail
@@ -29,7 +30,8 @@ RESUME=${RESUME-$( [ -f "experiments/results/costmodel-sweep-$slug.parquet" ] &&
 if [ -n "$RESUME" ]; then cp "$RESUME" "$data" && chmod u+w "$data" && echo "resuming from $RESUME" | tee -a "$log"; fi
 deadline=${SWEEP_DEADLINE:-400}
 timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-medium}" \
-  --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} > "$OUT/sweep.log" 2>&1
+  --families "${FAMILIES:-all}" --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} \
+  > "$OUT/sweep.log" 2>&1
 rc=$?
 echo "sweep rc=$rc" | tee -a "$log"
 tail -4 "$OUT/sweep.log" | tee -a "$log"
