@@ -251,8 +251,9 @@ def pareto_plot(df: pl.DataFrame, x: str, series: list[str], speed: str, path: P
     front = pareto_front(list(zip(ok[speed].to_list(), ok["test/auc"].to_list())))
     ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="grey", lw=1, ls="--",
             label="Pareto front (no run faster and more accurate)")
+    lengths = {str(v) for v in df[x].to_list()}
     for k in (oracle_ks(oracle) if oracle else []):
-        if str(k) in {str(v) for v in df[x].to_list()}:
+        if str(k) in lengths:
             ax.axhline(oracle[f"auc_recent_{k}"], color="black", lw=0.8, ls=":")
             ax.annotate(f"oracle, last {k} items", (1.0, oracle[f"auc_recent_{k}"]), xycoords=("axes fraction", "data"),
                         xytext=(-2, 2), textcoords="offset points", ha="right", fontsize=6)

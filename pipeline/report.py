@@ -307,8 +307,9 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
 def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[str]:
     """Validation AUC at each check of every finished run that validated more than once. A run has
     converged when its last check did not raise the best validation AUC so far by more than tol:
-    flat (within tol of that best), or past its peak (below it by more than tol) (early stopping on val/auc ends a run there, and where the checkpoint
-    callback watches val/auc the best checkpoint is the one tested: `test/weights_step`)."""
+    flat (within tol of that best) or past its peak (below it by more than tol). Early stopping on
+    val/auc ends a run there, and where the checkpoint callback watches val/auc the best checkpoint
+    is the one tested (`test/weights_step`)."""
     ok = df.filter(pl.col("status") == "OK")
     rows = []
     for r in ok.iter_rows(named=True):

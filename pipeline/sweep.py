@@ -178,10 +178,10 @@ class Sweep:
             name, end = run.data.tags.get("sweep.point"), run.info.end_time
             if not name or not end:
                 continue
-            wall = (end - run.info.start_time) / 1000
-            if runs_.run_status(run) == "OK":
+            wall, status = (end - run.info.start_time) / 1000, runs_.run_status(run)
+            if status == "OK":
                 done.setdefault(name, []).append(wall)
-            elif runs_.run_status(run) == "KILLED":
+            elif status == "KILLED":
                 cut[name] = max(cut.get(name, 0.0), wall)
         return {**cut, **{name: statistics.median(walls) for name, walls in done.items()}}
 
