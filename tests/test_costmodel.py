@@ -413,6 +413,29 @@ def test_export_table_covers_unseen_shapes(tmp_path):
     assert t.lookup("flash_fwd", short)["config"]["BLOCK_M"] == 32
 
 
+def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys):
+    """Two swept shapes are not a model: the family gets no entry (not even its measured ones, which
+    the nearest-entry lookup would hand to every other shape), so its hand rule stays in force."""
+    rows = synthetic_rows()
+    models = costmodel.fit(rows)
+    rows += [dict(r, family="flash_bwd") for r in rows if r["N"] in (256, 512) and r["fill"] == 0.3]
+    path = costmodel.export(rows, models, str(tmp_path / "t.json"))
+    t = LaunchTable.load(path)
+    assert {e["family"] for e in t.exact.values()} == {"flash_fwd"}
+    assert t.lookup("flash_bwd", dict(B=512, N=512, L=154, H=2, D=64, dtype="bfloat16", causal=0)) is None
+    assert "flash_bwd: 2 swept shape(s), under 3: not in the table" in capsys.readouterr().out
+    assert json.loads(path.read_text())["commit"] == "c0"
+
+
+def test_summary_says_not_judged_where_no_shape_is_held_out():
+    ev = {"shapes": []}
+    assert costmodel.summarize(ev)["verdict"] == "not judged" and not costmodel.summarize(ev)["meets_target"]
+    ev = {"shapes": [{"shape_id": "a", "model": 1.2, "hand": 1.0, "autotune": 1.0, "autotune_cost_s": 1.0}]}
+    assert costmodel.summarize(ev)["verdict"] == "missed"
+    ev["shapes"][0]["model"] = 1.01
+    assert costmodel.summarize(ev)["verdict"] == "met"
+
+
 def test_costmodel_bad_cli_exits_2(tmp_path):
     with pytest.raises(SystemExit) as e:
         costmodel.parse_args(["fit", "--data", str(tmp_path / "missing.parquet")])

@@ -272,6 +272,7 @@ def summarize(ev: dict) -> dict:
     fe = [(s["fastest_energy_j"], s["frugal_energy_j"]) for s in ev.get("shapes", []) if "frugal_energy_j" in s]
     out["energy_saving_pct"] = float(100 * np.median([1 - b / a for a, b in fe])) if fe else math.nan
     out["meets_target"] = bool(out["model"]["n"] and out["model"]["median"] <= 1.05 and out["model"]["worst"] <= 1.15)
+    out["verdict"] = "not judged" if not out["model"]["n"] else "met" if out["meets_target"] else "missed"
     return out
 
 
@@ -305,7 +306,7 @@ def evaluate(rows: list[dict], folds: int = 5, seed: int = 0, hand_fn=hand_confi
               f"slowdown model {s['model']['median']:.3f}/{s['model']['worst']:.3f}  "
               f"hand {s['hand']['median']:.3f}/{s['hand']['worst']:.3f}  "
               f"autotune {s['autotune']['median']:.3f} ({s['autotune_cost_s_per_shape']:.1f} s/shape)  "
-              f"target {'met' if s['meets_target'] else 'MISSED'}", flush=True)
+              f"target {s['verdict']}", flush=True)
     return res
 
 
@@ -342,12 +343,21 @@ def table_shape(family: str, shape: dict) -> dict:
     return {k: (vals[k] if k == "dtype" else int(vals[k])) for k in FAMILIES[family]}
 
 
+MIN_EXPORT_SHAPES = 3  # fewer swept shapes: the family keeps its hand rule (no entries at all)
+
+
 def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: bool = True) -> list[dict]:
     """Measured best per swept shape ('measured'), then the model's pick for the dense grid's
-    shapes that no swept shape already covers ('predicted')."""
+    shapes that no swept shape already covers ('predicted'). A family swept on fewer than
+    MIN_EXPORT_SHAPES shapes gets no entry: the table's nearest-entry fallback would hand one
+    shape's best config to every shape of the family, where the hand rule is the safer guess."""
     entries, seen = [], set()
     for fam, rs in by_family(rows).items():
         ok = [r for r in rs if r["status"] == "ok"]
+        if len({r["shape_id"] for r in ok}) < MIN_EXPORT_SHAPES:
+            print(f"  {fam}: {len({r['shape_id'] for r in ok})} swept shape(s), under {MIN_EXPORT_SHAPES}: "
+                  "not in the table (hand rule)", flush=True)
+            continue
         for sid in sorted({r["shape_id"] for r in ok}):
             best = min((r for r in ok if r["shape_id"] == sid), key=lambda r: r["ms"])
             shape = table_shape(fam, _shape_dict(best))
@@ -372,7 +382,8 @@ def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None) ->
     from kernels.launch_table import CONFIG_DIR, write_table
 
     r0 = rows[0]
-    meta = {k: r0[k] for k in ("gpu", "gpu_slug", "torch", "triton", "cuda", "commit")}
+    meta = {k: r0[k] for k in ("gpu", "gpu_slug", "torch", "triton", "cuda")}
+    meta["commit"] = ", ".join(sorted({str(r["commit"]) for r in rows}))  # the sweep's rows may span commits
     meta["model"] = "power law + RandomForestRegressor(200) residual on log ms, per family (kernels/bench/costmodel.py)"
     path = Path(out.replace("<gpu>", r0["gpu_slug"])) if out else CONFIG_DIR / f"{r0['gpu_slug']}.json"
     entries = export_entries(rows, models)

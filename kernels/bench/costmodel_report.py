@@ -150,7 +150,7 @@ def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
                      f"{_pct(ev.get('median_err_pct', math.nan))} | {_pct(ev.get('worst_err_pct', math.nan))} | "
                      f"{_fmt(ev.get('r2_log_energy', math.nan))} | {mm('model')} | {mm('hand')} | {mm('autotune')} | "
                      f"{_fmt(s['autotune_cost_s_per_shape'], '.1f')} | {_pct(s['energy_saving_pct'])} | "
-                     f"{'met' if s['meets_target'] else 'missed'} |")
+                     f"{s['verdict']} |")
     lines += ["", "Per held-out shape (slowdowns; energy of the fastest vs the least-energy config within 5%, mJ):", "",
               "| family | shape | best ms | best config | model | hand | autotune | E fastest | E frugal |",
               "|---|---|---:|---|---:|---:|---:|---:|---:|"]
