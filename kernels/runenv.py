@@ -4,6 +4,7 @@ the trainer's MLflow tags, the profile, the DDP reports and the kernel benchmark
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import re
@@ -28,6 +29,25 @@ def _head() -> str:
     if re.fullmatch(r"[0-9a-f]{40}", sha):
         return sha + ("-dirty" if dirty else "")
     return "unknown"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_code() -> str:
+    """sha256 (12 hex digits) over the kernels' own source files (kernels/*.py, not the bench)
+    and the torch and triton versions: what a kernel's timing depends on besides the GPU. Unlike a
+    commit id it ignores every other file and is the same on a machine without .git."""
+    h = hashlib.sha256()
+    for path in sorted((REPO_ROOT / "kernels").glob("*.py")):
+        h.update(f"{path.name}\n".encode())
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    try:
+        import triton
+
+        h.update(f"triton {triton.__version__}".encode())
+    except ImportError:
+        pass
+    h.update(f"torch {torch.__version__}".encode())
+    return h.hexdigest()[:12]
 
 
 def git_commit(explicit: str | None = None, short: bool = False) -> str:

@@ -232,6 +232,31 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
     assert pl.read_parquet(out).height == expected  # the file untouched
 
 
+def test_rows_of_other_kernel_code_are_set_aside_and_timed_again(tmp_path, capsys):
+    """A kernel edited (or another torch/triton) since a sweep makes its timings stale: a resume
+    times every config again and keeps the old rows in a .stale.parquet beside the sweep."""
+    from kernels.runenv import kernel_code
+
+    out = tmp_path / "s.parquet"
+    argv = ["--grid", "tiny", "--device", "cpu", "--families", "softmax_fwd", "--out", str(out),
+            "--warmup-ms", "0", "--rep-ms", "1", "--commit", "abc123"]
+    assert sweep.main(argv) == 0
+    df = pl.read_parquet(out)
+    assert set(df["kernel_code"]) == {kernel_code()} and len(kernel_code()) == 12
+    n = df.height
+    df.with_columns(kernel_code=pl.when(pl.col("shape_id") == df["shape_id"][0]).then(pl.lit("old"))
+                    .otherwise(pl.col("kernel_code"))).write_parquet(out)
+    stale_n = df.filter(pl.col("shape_id") == df["shape_id"][0]).height
+    capsys.readouterr()
+    assert sweep.main(argv) == 0
+    said = capsys.readouterr().out
+    assert f"{stale_n} of {n} rows were timed with other kernel code" in said and f"{stale_n} new rows" in said
+    again = pl.read_parquet(out)
+    assert again.height == n and set(again["kernel_code"]) == {kernel_code()}
+    archived = pl.read_parquet(tmp_path / "s.stale.parquet")
+    assert archived.height == stale_n and set(archived["kernel_code"]) == {"old"}
+
+
 class _CountingMeter:
     """An energy counter that gains 0.5 J between two readings."""
 

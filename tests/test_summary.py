@@ -131,3 +131,18 @@ def test_the_seeds_other_systems_are_listed_once_they_have_run(tmp_path):
     (results / "alure").mkdir()
     (results / "alure" / "report.md").write_text(REPORT.replace("`batch_size`", "`alure`").format(budget="{}"))
     assert "| [alure](alure/report.md) | GPU X | `abc1234` |" in summary.build(results)
+
+
+def test_jagged_is_judged_against_each_peer_at_its_fastest_step(tmp_path):
+    """The compile ablation gives every layout its fastest step; a peer that compiles faster than
+    it runs eagerly is judged at its compiled speed, and the 2.5x target can fail there."""
+    (tmp_path / "compile").mkdir()
+    (tmp_path / "compile" / "runs.csv").write_text(
+        "status,step,attention,perf/train_examples_per_s,mem/train_peak_allocated_mb\n"
+        "OK,eager,jagged,3000,1000\nOK,graphs,jagged,5000,900\nOK,eager,sdpa,1500,2000\n"
+        "OK,compiled,sdpa,2500,1900\nOOM,compiled,dense,,\nOK,eager,dense,500,9000\n")
+    text = summary.build(tmp_path)
+    assert "| sdpa | compiled | 2,500 | 1,900 | 2.00x |" in text and "| jagged | graphs | 5,000 | 900 | 1.00x |" in text
+    assert ("| [compile](compile/report.md) | jagged (graphs) vs sdpa at its fastest step (compiled): >= 2.5x | "
+            "train ex/s ratio 2.00x (5,000 vs 2,500) | MISS |") in text
+    assert "jagged (graphs) vs dense at its fastest step (eager): >= 2.5x | train ex/s ratio 10.00x" in text

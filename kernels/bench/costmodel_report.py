@@ -23,8 +23,14 @@ from kernels.bench.sweep_families import RETUNED_ON_SMALL  # noqa: E402
 
 
 def _stamp(rows: list[dict]) -> str:
+    """GPU and versions of the first row; every commit the rows were timed at (a resumed sweep's
+    rows may span several: each commit's share is named)."""
     r = rows[0]
-    return f"{r['gpu']} · torch {r['torch']} · triton {r['triton']} · CUDA {r['cuda']} · commit {r['commit']}"
+    counts: dict[str, int] = {}
+    for x in rows:
+        counts[str(x["commit"])] = counts.get(str(x["commit"]), 0) + 1
+    commits = ", ".join(f"{c} ({n} rows)" for c, n in counts.items()) if len(counts) > 1 else r["commit"]
+    return f"{r['gpu']} · torch {r['torch']} · triton {r['triton']} · CUDA {r['cuda']} · commit {commits}"
 
 
 def _save(fig, path: Path, title: str, stamp: str) -> str:

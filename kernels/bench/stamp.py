@@ -7,7 +7,7 @@ import platform
 
 import torch
 
-from kernels.runenv import device_name, device_slug, git_commit
+from kernels.runenv import device_name, device_slug, git_commit, kernel_code
 
 
 def make_stamp(device: torch.device, commit: str | None = None) -> dict:
@@ -30,6 +30,7 @@ def make_stamp(device: torch.device, commit: str | None = None) -> dict:
         "cuda": torch.version.cuda or "none",
         "python": platform.python_version(),
         "commit": git_commit(commit, short=True),
+        "kernel_code": kernel_code(),  # kernels/*.py + torch + triton: timings of another code are stale
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         # the launch configs the kernels ran with: a measured table's picks, or the hand rules
         "launch_table": describe(_launch_configs.current_table() if cuda else None),

@@ -231,6 +231,22 @@ def refresh(rows: list[dict]) -> None:
             r["energy_j"] = math.nan
 
 
+def set_aside_stale(path: Path, rows: list[dict], code: str) -> list[dict]:
+    """The rows timed with today's kernel code (stamp's `kernel_code`); the others (another kernel
+    source, torch or triton, or a sweep from before the code was recorded) are timed again, and
+    kept, appended to <path stem>.stale.parquet beside the sweep, not mixed into its model."""
+    stale = [r for r in rows if r.get("kernel_code") != code]
+    if not stale:
+        return rows
+    archive = path.with_name(path.stem + ".stale.parquet")
+    write_rows(archive, [*load_rows(archive), *stale])
+    print(f"{len(stale)} of {len(rows)} rows were timed with other kernel code than today's ({code}): they "
+          f"are timed again (the old rows: {archive})", flush=True)
+    fresh = [r for r in rows if r.get("kernel_code") == code]
+    write_rows(path, fresh)
+    return fresh
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     import polars as pl
 
@@ -269,7 +285,7 @@ def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device
     return rows, sticky
 
 
-STAMP_COLS = ("gpu", "gpu_slug", "torch", "triton", "cuda", "commit", "date")
+STAMP_COLS = ("gpu", "gpu_slug", "torch", "triton", "cuda", "commit", "kernel_code", "date")
 
 
 def _progress(family: str, s: SweepShape, rows: list[dict], n_left: int, elapsed: float) -> None:
@@ -293,6 +309,7 @@ def run(args) -> int:
         print(f"error: {out} holds rows timed on {', '.join(other)}, not on this {stamp['gpu']}: resume a sweep "
               "only on the GPU it ran on (another --out starts afresh)", file=sys.stderr)
         return 2
+    rows = set_aside_stale(out, rows, stamp["kernel_code"])
     refresh(rows)
     done = {tuple(r[k] for k in KEY) for r in rows}
     t0 = time.monotonic()
