@@ -31,15 +31,22 @@ def _head() -> str:
     return "unknown"
 
 
+def files_digest(paths: list[Path], root: Path):
+    """sha256 (a hashlib object, for more updates) over each file's path relative to `root` and
+    its bytes, in the order given: a version of source code that holds without .git."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(f"{path.relative_to(root).as_posix()}\n".encode())
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+    return h
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_code() -> str:
-    """sha256 (12 hex digits) over the kernels' own source files (kernels/*.py, not the bench)
-    and the torch and triton versions: what a kernel's timing depends on besides the GPU. Unlike a
-    commit id it ignores every other file and is the same on a machine without .git."""
-    h = hashlib.sha256()
-    for path in sorted((REPO_ROOT / "kernels").glob("*.py")):
-        h.update(f"{path.name}\n".encode())
-        h.update(hashlib.sha256(path.read_bytes()).digest())
+    """12 hex digits of the kernels' own source files (kernels/*.py, not the bench) and the torch
+    and triton versions: what a kernel's timing depends on besides the GPU. Unlike a commit id it
+    ignores every other file and is the same on a machine without .git."""
+    h = files_digest(sorted((REPO_ROOT / "kernels").glob("*.py")), REPO_ROOT)
     try:
         import triton
 

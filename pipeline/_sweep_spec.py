@@ -46,6 +46,7 @@ from typing import Any
 
 import yaml
 
+from kernels.runenv import files_digest
 from pipeline.errors import ConfigError
 from pipeline.tracking import REPO_ROOT
 
@@ -66,12 +67,8 @@ def code_version(root: Path = REPO_ROOT) -> str:
     The code a point ran with: unlike a commit id it covers uncommitted edits, is the same on a
     machine without .git, and does not change with documentation-only commits.
     """
-    h = hashlib.sha256()
-    for package in CODE_PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            h.update(f"{path.relative_to(root).as_posix()}\n".encode())
-            h.update(hashlib.sha256(path.read_bytes()).digest())
-    return h.hexdigest()[:16]
+    paths = [path for package in CODE_PACKAGES for path in sorted((root / package).rglob("*.py"))]
+    return files_digest(paths, root).hexdigest()[:16]
 
 
 @dataclass

@@ -354,11 +354,12 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
     entries, seen = [], set()
     for fam, rs in by_family(rows).items():
         ok = [r for r in rs if r["status"] == "ok"]
-        if len({r["shape_id"] for r in ok}) < MIN_EXPORT_SHAPES:
-            print(f"  {fam}: {len({r['shape_id'] for r in ok})} swept shape(s), under {MIN_EXPORT_SHAPES}: "
+        shape_ids = sorted({r["shape_id"] for r in ok})
+        if len(shape_ids) < MIN_EXPORT_SHAPES:
+            print(f"  {fam}: {len(shape_ids)} swept shape(s), under {MIN_EXPORT_SHAPES}: "
                   "not in the table (hand rule)", flush=True)
             continue
-        for sid in sorted({r["shape_id"] for r in ok}):
+        for sid in shape_ids:
             best = min((r for r in ok if r["shape_id"] == sid), key=lambda r: r["ms"])
             shape = table_shape(fam, _shape_dict(best))
             entries.append({"family": fam, "shape": shape, "config": best["cfg"], "source": "measured",

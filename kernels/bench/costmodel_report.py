@@ -10,6 +10,7 @@ config of each family's first shape, with the fastest and the energy-aware pick 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import matplotlib
@@ -26,9 +27,7 @@ def _stamp(rows: list[dict]) -> str:
     """GPU and versions of the first row; every commit the rows were timed at (a resumed sweep's
     rows may span several: each commit's share is named)."""
     r = rows[0]
-    counts: dict[str, int] = {}
-    for x in rows:
-        counts[str(x["commit"])] = counts.get(str(x["commit"]), 0) + 1
+    counts = Counter(str(x["commit"]) for x in rows)
     commits = ", ".join(f"{c} ({n} rows)" for c, n in counts.items()) if len(counts) > 1 else r["commit"]
     return f"{r['gpu']} · torch {r['torch']} · triton {r['triton']} · CUDA {r['cuda']} · commit {commits}"
 
