@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 from data_gen.config import resolve_config
 from data_gen.lengths import build_length_model
 from data_gen.world import zipf_probs
+from pipeline.dist import gloo_worker
 from pipeline.gradsync import EMBEDDING_GRADS, GradSync
 from pipeline.optim import build_optimizer
 
@@ -120,8 +121,7 @@ def measure(point: dict, mode: str, rank: int, steps: int, warmup: int) -> dict:
 
 def _worker(rank: int, world: int, store: str, todo: list[dict], steps: int, warmup: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    try:
+    with gloo_worker(rank, world, store):
         for point in todo:
             for mode in EMBEDDING_GRADS:
                 mine = measure(point, mode, rank, steps, warmup)
@@ -130,8 +130,6 @@ def _worker(rank: int, world: int, store: str, todo: list[dict], steps: int, war
                 if rank == 0:
                     with open(out, "a") as f:
                         f.write(json.dumps({**point, "mode": mode, "world": world, **combine(every)}) + "\n")
-    finally:
-        dist.destroy_process_group()
 
 
 def combine(ranks: list[dict]) -> dict:
@@ -148,8 +146,6 @@ def run(worlds: list[int], steps: int, warmup: int, todo: list[dict]) -> list[di
         rows = Path(tmp) / "rows.jsonl"
         for world in worlds:
             t0 = time.perf_counter()
-            # a rendezvous file of this set of processes only (a free TCP port can be taken by
-            # another job's processes between being found and being bound)
             store = str(Path(tmp) / f"rendezvous-{world}")
             mp.start_processes(_worker, args=(world, store, todo, steps, warmup, str(rows)), nprocs=world,
                                start_method="spawn")

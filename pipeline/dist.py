@@ -11,6 +11,9 @@ store's checks) on rank 0.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -48,6 +51,28 @@ def all_gather(values: torch.Tensor) -> torch.Tensor:
     out = [torch.empty_like(values) for _ in range(world_size())]
     dist.all_gather(out, values.contiguous())
     return torch.stack(out)
+
+
+@contextmanager
+def gloo_worker(rank: int, world: int, rendezvous: str) -> Iterator[None]:
+    """The process group of one process started by ``torch.multiprocessing`` (Gloo, rendezvous
+    through the file `rendezvous`: a free TCP port could be taken by another job first).
+
+    On success the process ends inside this block, without interpreter finalization: a Gloo
+    worker thread may still be releasing the last collective's tensors, which takes the GIL, and
+    a thread that takes the GIL while the interpreter finalizes aborts the whole process
+    ("terminate called without an active exception", SIGABRT; pytorch/pytorch#179291, seen here
+    in about one run in three). An exception still propagates, so the launcher reports it."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        yield
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 SIGTERM_CHECK_EVERY = 50  # training steps between two checks of rank 0's SIGTERM flag

@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from models import Ranker, RankerConfig
 from pipeline.batches import EpochBatchSampler
+from pipeline.dist import gloo_worker
 from pipeline.split_cache import load_split
 from pipeline.errors import ConfigError
-from pipeline.gradsync import EMBEDDING_GRADS, GradSync
+from pipeline.gradsync import EMBEDDING_GRADS, GradSync, allreduce_mean
 from pipeline.metrics import ranking_metrics
 from pipeline.module import RankerModule
 from pipeline.optim import build_optimizer
@@ -57,8 +57,7 @@ def _batches(data_dir: str, rank: int, world: int) -> list[dict]:
 
 def _worker(rank: int, store: str, data_dir: str, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    try:
+    with gloo_worker(rank, WORLD, store):
         batch = _batches(data_dir, rank, WORLD)[0]
         result = {"grads": {}, "sent": {}}
         for name, mode, table_sync in CASES:
@@ -78,8 +77,6 @@ def _worker(rank: int, store: str, data_dir: str, out: str) -> None:
             m.update(logits[part][100:], labels[part][100:])
         result["metrics"] = {k: float(m.compute()) for k, m in metrics.items()}
         torch.save(result, Path(out) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +163,21 @@ def test_the_item_table_is_left_to_gradsync_only_when_it_must_be():
     assert "model.embed.item.weight" in graphs
     rows = RankerModule(RankerConfig(), data_spec=SPEC, table_sync="rows")._ddp_params_and_buffers_to_ignore
     assert "model.embed.item.weight" in rows
+
+
+def _all_reduce_then(rank: int, store: str, fail: bool) -> None:
+    with gloo_worker(rank, WORLD, store):
+        t = torch.full((1000,), float(rank))
+        allreduce_mean([t], WORLD)
+        if fail and rank == 1:
+            raise RuntimeError(f"rank 1 saw {t[0].item()}")
+
+
+@pytest.mark.slow
+def test_a_gloo_worker_exits_zero_on_success_and_reports_its_error(tmp_path):
+    mp.start_processes(_all_reduce_then, args=(str(tmp_path / "ok"), False), nprocs=WORLD, start_method="spawn")
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 saw 0.5"):
+        mp.start_processes(_all_reduce_then, args=(str(tmp_path / "fail"), True), nprocs=WORLD, start_method="spawn")
 
 
 @pytest.mark.slow
