@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from kernels.bench.figures import save_png  # noqa: E402
 from pipeline.gradsync import EMBEDDING_GRADS  # noqa: E402
 from pipeline.tracking import device_name, git_commit  # noqa: E402
 
@@ -91,8 +92,7 @@ def plot_sweep(rows: list[dict], cross: list[dict], path: Path) -> None:
     axes[1][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
     fig.suptitle(f"Embedding gradients across processes: {SWEEP_NAME}\n{_subtitle()}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 SWEEP_NAME = "100k x 32 table, distinct ids per process"
@@ -118,8 +118,7 @@ def plot_presets(rows: list[dict], path: Path) -> None:
     axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle(f"Embedding gradients at the presets' tables and batches\n{_subtitle()}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    save_png(fig, path, dpi=110)
 
 
 _PRESET_ORDER = ("tiny", "small", "paper")

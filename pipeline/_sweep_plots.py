@@ -16,6 +16,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
 
+from kernels.bench.figures import save_png  # noqa: E402
+
 _MISSING_MARK = {"OOM": "X", "FAILED": "x", "KILLED": "x", "NOT RUN": "1"}
 
 
@@ -70,9 +72,7 @@ def _finish(fig, ax_or_axes, title: str, subtitle: str, path: Path) -> Path:
     if subtitle:
         fig.text(0.5, 0.005, subtitle, ha="center", va="bottom", fontsize=7, color="dimgray", wrap=True)
     fig.tight_layout(rect=(0, 0.05 if subtitle else 0, 1, 1))
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_png(fig, path, dpi=120)
 
 
 def _mark_missing(ax, xs: list, statuses: list[str], color, name: str) -> None:

@@ -146,6 +146,19 @@ def test_smoke_end_to_end_on_cpu(tmp_path):
     (out / "kernels-cpu.md").unlink()
     assert main(["report", "--out", str(out)]) == 0  # the report alone rebuilds from the JSON
     assert "abc1234test" in (out / "kernels-cpu.md").read_text()
+    later = json.loads((out / "bench-cpu-all-smoke.json").read_text())  # a second file: the ops again
+    later["stamp"].update(commit="def5678later", launch_table="cpu.json: 3 entries")
+    later["rows"] = [r for r in later["rows"] if r["kind"] == "ops"]
+    (out / "bench-cpu-ops-smoke.json").write_text(json.dumps(later))
+    assert main(["report", "--out", str(out)]) == 0
+    for p in pngs:  # plots of merged rows name both files' commits and launch tables, not the newest only
+        text = Image.open(p).text["Description"]
+        assert "abc1234test + def5678later" in text and "none (hand rules) + cpu.json: 3 entries" in text, text
+    later["rows"] = json.loads((out / "bench-cpu-all-smoke.json").read_text())["rows"]  # now every row
+    (out / "bench-cpu-ops-smoke.json").write_text(json.dumps(later))
+    assert main(["report", "--out", str(out)]) == 0
+    text = Image.open(out / "ops-bandwidth-cpu.png").text["Description"]
+    assert "def5678later" in text and "abc1234test" not in text  # the first file gives no row any more
 
 
 def _row(provider, mode, ms, peak, shape_id="B8-N64-H2-D64-d0.25", suite="paper", kind="attention"):

@@ -128,3 +128,21 @@ def test_pareto_plot_draws_every_finished_run_and_the_oracle_of_each_length(tmp_
     assert [tuple(p) for p in front.get_xydata()] == [(900.0, 0.70), (600.0, 0.73), (300.0, 0.74)]
     assert plots.pareto_plot(df.with_columns(status=pl.lit("OOM")), "max_seq_len", ["attention"], "speed",
                              tmp_path / "q.png") is None
+
+
+def test_a_saved_plot_is_a_palette_png_with_its_text_and_exact_flat_colours(tmp_path):
+    from PIL import Image
+
+    from kernels.bench.figures import save_png
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.set_facecolor((1.0, 0.0, 0.0))
+    for k in range(40):  # more shades than a plot needs, fewer than the palette's 256
+        ax.plot([0, 1], [k, k + 1], color=(k / 40, 0.5, 1 - k / 40))
+    path = save_png(fig, tmp_path / "p.png", dpi=80, metadata={"Title": "T", "Description": "commit abc"})
+    assert not plt.fignum_exists(fig.number)  # closed
+    with Image.open(path) as im:
+        assert im.mode == "P" and im.text["Title"] == "T" and im.text["Description"] == "commit abc"
+        rgb = im.convert("RGB")
+        colours = {c for _, c in rgb.getcolors(256)}
+    assert (255, 0, 0) in colours  # flat areas keep their colour: no dithering, no shift

@@ -19,6 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kernels.bench.figures import save_png  # noqa: E402
 from kernels.bench.costmodel import ENERGY_SLACK, by_family, evaluate, feature_names, fit  # noqa: E402
 from kernels.bench.sweep_families import RETUNED_ON_SMALL  # noqa: E402
 
@@ -36,9 +37,7 @@ def _save(fig, path: Path, title: str, stamp: str) -> str:
     fig.suptitle(title, fontsize=11)
     fig.text(0.5, 0.93, stamp, ha="center", fontsize=8, color="dimgray")
     fig.tight_layout(rect=(0, 0, 1, 0.92))
-    fig.savefig(path, dpi=110, metadata={"Title": title, "Description": stamp})
-    plt.close(fig)
-    return str(path)
+    return str(save_png(fig, path, dpi=110, metadata={"Title": title, "Description": stamp}, tight=False))
 
 
 def plot_pred(res: dict, path: Path, stamp: str) -> str:

@@ -55,8 +55,12 @@ def merge_rows(docs: list[dict]) -> list[dict]:
     merged: dict[tuple, dict] = {}
     for doc in docs:
         for r in doc["rows"]:
-            merged[(r["kind"], r["suite"], r["shape_id"], r.get("op"), r["provider"], r["mode"])] = r
+            merged[_row_key(r)] = r
     return list(merged.values())
+
+
+def _row_key(r: dict) -> tuple:
+    return r["kind"], r["suite"], r["shape_id"], r.get("op"), r["provider"], r["mode"]
 
 
 def _ms(x: float) -> str:
@@ -226,5 +230,24 @@ def write_report(folder: str, slug: str | None = None) -> list[str]:
             f.write(render_markdown(docs, rows))
         written.append(path)
         ceilings = next((d.get("ceilings") for d in reversed(docs) if d.get("ceilings")), None) or {}
-        written += write_plots(rows, docs[-1]["stamp"], folder, s, ceilings.get("copy_gbps"))
+        written += write_plots(rows, combined_stamp(docs), folder, s, ceilings.get("copy_gbps"))
     return written
+
+
+def combined_stamp(docs: list[dict]) -> dict:
+    """One stamp for plots of rows merged from several result files: the newest file's, except
+    that a field on which the files that still give a row differ (commit, versions, launch
+    table, the day) lists every value, oldest first, instead of naming only the newest file's."""
+    seen, kept = set(), []
+    for doc in reversed(docs):  # a file all of whose rows newer files replaced is left out
+        keys = {_row_key(r) for r in doc["rows"]}
+        if not keys <= seen:
+            kept.insert(0, doc)
+        seen |= keys
+    docs = kept or docs[-1:]
+    stamp = dict(docs[-1]["stamp"])
+    for key in ("commit", "torch", "triton", "cuda", "launch_table", "date"):
+        values = list(dict.fromkeys(str(d["stamp"].get(key) or "none") for d in docs))
+        if len(values) > 1:
+            stamp[key] = " + ".join(dict.fromkeys(v[:10] for v in values) if key == "date" else values)
+    return stamp

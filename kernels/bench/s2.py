@@ -24,6 +24,7 @@ import torch
 
 from kernels import S2Shards, jagged_flash_attention, offsets_from_lengths
 from kernels.bench.base import varlen_fn
+from kernels.bench.figures import save_png
 from kernels.bench.measure import bench_ms, free_memory, is_oom
 from kernels.bench.stamp import make_stamp, stamp_line
 from kernels.bench.suites import make_lengths
@@ -135,8 +136,7 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
     ax.set_title(f"S2 attention fwd+bwd, {stamp['gpu']}, commit {stamp['commit']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / f"{name}.png", dpi=120)
-    plt.close(fig)
+    save_png(fig, out / f"{name}.png", dpi=120, tight=False)
     return md
 
 
