@@ -9,7 +9,10 @@ shape)::
      "entries": [{"family": "flash_fwd",
                   "shape": {"B": 1024, "N": 1024, "L": 256, "H": 2, "D": 64, "dtype": "bfloat16", "causal": 0},
                   "config": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-                  "source": "measured" | "predicted", "pred_ms": 0.2}, ...]}
+                  "source": "measured" | "predicted" | "hand", "pred_ms": 0.2}, ...]}
+
+("hand": the shape keeps its hand rule's config, the measured or predicted gain of any other
+being within the export's switch margins, kernels/bench/costmodel.py.)
 
 Shape features: B sequences, N = max_seq_len (tokens), L = mean length T / B (tokens), H heads
 (or columns), Tq dense queries; these are compared in log2 space. Every other feature (D, K, M,

@@ -424,18 +424,49 @@ def test_costmodel_picks_the_best_config_on_held_out_shapes(capsys):
     assert any(x["model_frugal_energy_j"] < x["model_energy_j"] for x in saved)  # the model's frugal pick too
 
 
+FIXED_HAND = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}  # best where L is near 64
+
+
 def test_export_table_covers_unseen_shapes(tmp_path):
     rows = synthetic_rows()
     models = costmodel.fit(rows)
-    path = costmodel.export(rows, models, str(tmp_path / "<gpu>.json"))
+    path = costmodel.export(rows, models, str(tmp_path / "<gpu>.json"), hand_fn=lambda fam, s: FIXED_HAND)
     assert path.name == "synthetic.json"
     t = LaunchTable.load(path)
-    src = [e["source"] for e in t.exact.values()]
-    assert src.count("measured") == 14 and src.count("predicted") > 14
+    swept = [e["source"] for e in t.exact.values() if "best_ms" in e]
+    unseen = [e["source"] for e in t.exact.values() if "pred_ms" in e]
+    assert len(swept) == 14 and set(swept) == {"measured", "hand"}
+    assert len(unseen) > 14 and set(unseen) == {"predicted", "hand"}
     long = dict(B=32, N=8192, L=4096, H=2, D=64, dtype="bfloat16", causal=0)  # never swept
     assert t.lookup("flash_fwd", long)["config"]["BLOCK_M"] == 128
     short = dict(B=4096, N=64, L=20, H=2, D=64, dtype="bfloat16", causal=0)
     assert t.lookup("flash_fwd", short)["config"]["BLOCK_M"] == 32
+
+
+def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(tmp_path):
+    rows = synthetic_rows()
+    models = costmodel.fit(rows)
+    entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: FIXED_HAND)
+    hand_id = sweep.config_id(FIXED_HAND)
+    for e in entries:
+        if e["source"] == "hand":  # kept: the hand rule within the margin of the best (measured or predicted)
+            assert e["config"] == FIXED_HAND
+            if "hand_ms" in e:
+                assert e["hand_ms"] <= costmodel.SWITCH_MEASURED * e["best_ms"]
+            else:
+                assert e["pred_hand_ms"] <= costmodel.SWITCH_PREDICTED * e["pred_ms"]
+        elif e["source"] == "measured":  # switched: the best beats the hand rule's own time clearly
+            assert e["hand_ms"] > costmodel.SWITCH_MEASURED * e["best_ms"] and sweep.config_id(e["config"]) != hand_id
+        else:
+            assert e["pred_hand_ms"] > costmodel.SWITCH_PREDICTED * e["pred_ms"]
+    by_source = {src: [e for e in entries if e["source"] == src] for src in ("measured", "predicted", "hand")}
+    assert all(by_source.values()), {k: len(v) for k, v in by_source.items()}  # every case occurs here
+    near = [e for e in by_source["hand"] if "hand_ms" in e]  # swept shapes where the hand config is (nearly) best
+    assert near and all(90 <= e["shape"]["L"] < 350 for e in near)  # where _best_bm is 64
+    # a rule right for no shape is replaced wherever the sweep measured a clear gain
+    bad = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
+    entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: bad)
+    assert [e["source"] for e in entries if "best_ms" in e].count("measured") == 14
 
 
 def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys):

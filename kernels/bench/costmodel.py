@@ -32,6 +32,9 @@ function the launcher calls), (c) Triton autotune over ``sweep_families.AUTOTUNE
 best of its candidates, at the cost of timing each: the sum of their compile + timing seconds).
 Energy: the config with the least (predicted) energy among those within 5% of the (predicted)
 fastest, with its measured time and energy beside the fastest pick's.
+
+Export: one entry per swept shape and per shape of a denser grid around them; an entry keeps the
+hand rule's config unless another clearly beats it (``SWITCH_MEASURED``, ``SWITCH_PREDICTED``).
 """
 
 from __future__ import annotations
@@ -344,11 +347,20 @@ def table_shape(family: str, shape: dict) -> dict:
 
 
 MIN_EXPORT_SHAPES = 3  # fewer swept shapes: the family keeps its hand rule (no entries at all)
+# A table entry moves a shape off its hand rule only for a clear gain: the measured best must beat
+# the hand rule's measured time on that shape by more than the timing noise, a predicted pick
+# the hand rule's predicted time by more than the model's held-out error. Otherwise the entry
+# names the hand rule's config itself (an absent entry would hand the shape its nearest
+# neighbour's pick instead), so a table cannot make a shape slower by a noise-level "win".
+SWITCH_MEASURED = 1.03
+SWITCH_PREDICTED = 1.10
 
 
-def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: bool = True) -> list[dict]:
-    """Measured best per swept shape ('measured'), then the model's pick for the dense grid's
-    shapes that no swept shape already covers ('predicted'). A family swept on fewer than
+def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: bool = True,
+                   hand_fn=hand_config) -> list[dict]:
+    """Measured best per swept shape ('measured', or 'hand' where the hand rule's config is within
+    SWITCH_MEASURED of it), then the model's pick for the dense grid's shapes that no swept shape
+    already covers ('predicted', or 'hand' within SWITCH_PREDICTED). A family swept on fewer than
     MIN_EXPORT_SHAPES shapes gets no entry: the table's nearest-entry fallback would hand one
     shape's best config to every shape of the family, where the hand rule is the safer guess."""
     entries, seen = [], set()
@@ -360,10 +372,16 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
                   "not in the table (hand rule)", flush=True)
             continue
         for sid in shape_ids:
-            best = min((r for r in ok if r["shape_id"] == sid), key=lambda r: r["ms"])
+            on_shape = [r for r in ok if r["shape_id"] == sid]
+            best = min(on_shape, key=lambda r: r["ms"])
+            hand_id = config_id(hand_fn(fam, shape_of(best)))
+            hand = min((r for r in on_shape if r["config_id"] == hand_id), key=lambda r: r["ms"], default=None)
+            keep = hand is not None and hand["ms"] <= SWITCH_MEASURED * best["ms"]
             shape = table_shape(fam, _shape_dict(best))
-            entries.append({"family": fam, "shape": shape, "config": best["cfg"], "source": "measured",
-                            "ms": round(best["ms"], 5)})
+            entries.append({"family": fam, "shape": shape, "config": (hand if keep else best)["cfg"],
+                            "source": "hand" if keep else "measured", "ms": round((hand if keep else best)["ms"], 5),
+                            "best_ms": round(best["ms"], 5),
+                            "hand_ms": round(hand["ms"], 5) if hand is not None else None})
             seen.add(json.dumps([fam, shape], sort_keys=True))
         if not unseen or fam not in models:
             continue
@@ -374,12 +392,16 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
                 continue
             seen.add(k)
             pick = models[fam].pick(sh)
-            entries.append({"family": fam, "shape": shape, "config": pick["fastest"], "source": "predicted",
-                            "pred_ms": round(pick["pred_ms"], 5)})
+            hand_cfg = hand_fn(fam, SweepShape(sh["B"], sh["N"], sh["fill"], sh["H"], sh["D"], sh["dtype"], sh["Tq"]))
+            hand_ms = float(models[fam].predict(sh, [hand_cfg])[0][0])
+            keep = hand_ms <= SWITCH_PREDICTED * pick["pred_ms"]
+            entries.append({"family": fam, "shape": shape, "config": hand_cfg if keep else pick["fastest"],
+                            "source": "hand" if keep else "predicted", "pred_ms": round(pick["pred_ms"], 5),
+                            "pred_hand_ms": round(hand_ms, 5)})
     return entries
 
 
-def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None) -> Path:
+def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None, hand_fn=hand_config) -> Path:
     from kernels.launch_table import CONFIG_DIR, write_table
 
     r0 = rows[0]
@@ -387,10 +409,11 @@ def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None) ->
     meta["commit"] = ", ".join(sorted({str(r["commit"]) for r in rows}))  # the sweep's rows may span commits
     meta["model"] = "power law + RandomForestRegressor(200) residual on log ms, per family (kernels/bench/costmodel.py)"
     path = Path(out.replace("<gpu>", r0["gpu_slug"])) if out else CONFIG_DIR / f"{r0['gpu_slug']}.json"
-    entries = export_entries(rows, models)
+    entries = export_entries(rows, models, hand_fn=hand_fn)
     write_table(path, entries, meta)
-    n_meas = sum(e["source"] == "measured" for e in entries)
-    print(f"{len(entries)} entries ({n_meas} measured, {len(entries) - n_meas} predicted) -> {path}", flush=True)
+    n = {src: sum(e["source"] == src for e in entries) for src in ("measured", "predicted", "hand")}
+    print(f"{len(entries)} entries ({n['measured']} measured, {n['predicted']} predicted picks; {n['hand']} keep "
+          f"the hand rule, no clear gain) -> {path}", flush=True)
     return path
 
 
