@@ -427,9 +427,15 @@ def test_costmodel_picks_the_best_config_on_held_out_shapes(capsys):
 FIXED_HAND = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}  # best where L is near 64
 
 
-def test_export_table_covers_unseen_shapes(tmp_path):
+@pytest.fixture(scope="module")
+def fitted() -> tuple[list[dict], dict]:
+    """The synthetic sweep and its models, fitted once for the export tests (read-only)."""
     rows = synthetic_rows()
-    models = costmodel.fit(rows)
+    return rows, costmodel.fit(rows)
+
+
+def test_export_table_covers_unseen_shapes(tmp_path, fitted):
+    rows, models = fitted
     path = costmodel.export(rows, models, str(tmp_path / "<gpu>.json"), hand_fn=lambda fam, s: FIXED_HAND)
     assert path.name == "synthetic.json"
     t = LaunchTable.load(path)
@@ -443,9 +449,8 @@ def test_export_table_covers_unseen_shapes(tmp_path):
     assert t.lookup("flash_fwd", short)["config"]["BLOCK_M"] == 32
 
 
-def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(tmp_path):
-    rows = synthetic_rows()
-    models = costmodel.fit(rows)
+def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(fitted):
+    rows, models = fitted
     entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: FIXED_HAND)
     hand_id = sweep.config_id(FIXED_HAND)
     for e in entries:
@@ -465,16 +470,15 @@ def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(tmp_p
     assert near and all(90 <= e["shape"]["L"] < 350 for e in near)  # where _best_bm is 64
     # a rule right for no shape is replaced wherever the sweep measured a clear gain
     bad = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
-    entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: bad)
-    assert [e["source"] for e in entries if "best_ms" in e].count("measured") == 14
+    entries = costmodel.export_entries(rows, models, unseen=False, hand_fn=lambda fam, s: bad)
+    assert [e["source"] for e in entries].count("measured") == 14
 
 
-def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys):
+def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys, fitted):
     """Two swept shapes are not a model: the family gets no entry (not even its measured ones, which
     the nearest-entry lookup would hand to every other shape), so its hand rule stays in force."""
-    rows = synthetic_rows()
-    models = costmodel.fit(rows)
-    rows += [dict(r, family="flash_bwd") for r in rows if r["N"] in (256, 512) and r["fill"] == 0.3]
+    rows, models = fitted
+    rows = rows + [dict(r, family="flash_bwd") for r in rows if r["N"] in (256, 512) and r["fill"] == 0.3]
     path = costmodel.export(rows, models, str(tmp_path / "t.json"))
     t = LaunchTable.load(path)
     assert {e["family"] for e in t.exact.values()} == {"flash_fwd"}
