@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
 
-from kernels.bench.figures import save_png  # noqa: E402
+from kernels.bench.figures import fit_to_width, save_png  # noqa: E402
 
 _MISSING_MARK = {"OOM": "X", "FAILED": "x", "KILLED": "x", "NOT RUN": "1"}
 
@@ -70,7 +70,7 @@ def _finish(fig, ax_or_axes, title: str, subtitle: str, path: Path) -> Path:
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.suptitle(title, fontsize=11)
     if subtitle:
-        fig.text(0.5, 0.005, subtitle, ha="center", va="bottom", fontsize=7, color="dimgray", wrap=True)
+        fig.text(0.5, 0.005, fit_to_width(fig, subtitle, 7), ha="center", va="bottom", fontsize=7, color="dimgray")
     fig.tight_layout(rect=(0, 0.05 if subtitle else 0, 1, 1))
     return save_png(fig, path, dpi=120)
 

@@ -146,3 +146,12 @@ def test_a_saved_plot_is_a_palette_png_with_its_text_and_exact_flat_colours(tmp_
         rgb = im.convert("RGB")
         colours = {c for _, c in rgb.getcolors(256)}
     assert (255, 0, 0) in colours  # flat areas keep their colour: no dithering, no shift
+
+
+def test_a_long_subtitle_is_broken_to_the_figure_width(tmp_path, monkeypatch):
+    figs = _capture(monkeypatch)
+    df = _frame([("256", "jagged", "0", "OK", 1.0)])
+    long = " | ".join(f"commit {c}{c}{c}{c}abc" for c in "0123456789abcdef")  # ~300 characters
+    plots.line_plot(df, "x", ["256"], ["attention", "seed"], "m", "metric", "T", tmp_path / "p.png", subtitle=long)
+    (text,) = [t.get_text() for t in figs[-1].texts if "commit" in t.get_text()]
+    assert text.replace("\n", " ") == long and text.count("\n") >= 1  # every word kept, on several lines

@@ -19,8 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kernels.bench.figures import save_png  # noqa: E402
 from kernels.bench.costmodel import ENERGY_SLACK, by_family, evaluate, feature_names, fit  # noqa: E402
+from kernels.bench.figures import save_png  # noqa: E402
 from kernels.bench.sweep_families import RETUNED_ON_SMALL  # noqa: E402
 
 

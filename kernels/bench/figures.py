@@ -8,7 +8,15 @@ and ablation runs, so they are written small in the first place, not shrunk afte
 from __future__ import annotations
 
 import io
+import textwrap
 from pathlib import Path
+
+
+def fit_to_width(fig, text: str, fontsize: float) -> str:
+    """`text` broken into lines as wide as the figure: matplotlib's own wrapping (``wrap=True``)
+    does nothing under the tight bounding box `save_png` uses. A character is about 0.6 of the
+    font size wide."""
+    return textwrap.fill(text, width=int(fig.get_figwidth() * 72 / (0.6 * fontsize)))
 
 
 def save_png(fig, path: str | Path, dpi: int, metadata: dict[str, str] | None = None,

@@ -7,7 +7,6 @@ carries the stamp (GPU, torch, triton, CUDA, commit, date) under its title.
 from __future__ import annotations
 
 import os
-import textwrap
 from collections import Counter, defaultdict
 
 import matplotlib
@@ -17,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogFormatter  # noqa: E402
 
 from kernels.bench.base import OURS  # noqa: E402
-from kernels.bench.figures import save_png  # noqa: E402
+from kernels.bench.figures import fit_to_width, save_png  # noqa: E402
 from kernels.bench.stamp import stamp_line  # noqa: E402
 
 MODES = (("fwd", "forward"), ("fwd_bwd", "forward + backward"))
@@ -57,12 +56,6 @@ def _mark_unmeasured(ax, rows: list[dict], xkey: str, mode: str, peer: str, colo
                         textcoords="offset points", rotation=90, ha="center", va="bottom", fontsize=6, color=color)
 
 
-def _stamp_text(fig, stamp: dict) -> str:
-    """The stamp line, broken to the figure's width (matplotlib's own wrapping is off under a
-    tight bounding box); an 8-point character is about 4.8 points wide."""
-    return textwrap.fill(stamp_line(stamp), width=int(fig.get_figwidth() * 72 / 4.8))
-
-
 def _figure(rows: list[dict], xkey: str, xlabel: str, title: str, stamp: dict, path: str, logx: bool) -> str:
     panels = (("ms", "time per call (ms, median; lower is better)", "time"),
               ("ours_speedup", "speedup of ours (peer time / ours)", "speed"),
@@ -94,7 +87,7 @@ def _figure(rows: list[dict], xkey: str, xlabel: str, title: str, stamp: dict, p
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title, fontsize=12)
-    fig.text(0.5, 0.945, _stamp_text(fig, stamp), ha="center", va="top", fontsize=8, color="dimgray")
+    fig.text(0.5, 0.945, fit_to_width(fig, stamp_line(stamp), 8), ha="center", va="top", fontsize=8, color="dimgray")
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     return save_png(fig, path, dpi=110, metadata={"Title": title, "Description": stamp_line(stamp)})
 
@@ -152,7 +145,7 @@ def _bandwidth_figure(rows: list[dict], stamp: dict, path: str, copy: float | No
     else:
         ax.text(0.5, 0.5, "no ops measured", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle("Jagged ops: achieved bandwidth", fontsize=12)
-    fig.text(0.5, 0.93, _stamp_text(fig, stamp), ha="center", va="top", fontsize=8, color="dimgray")
+    fig.text(0.5, 0.93, fit_to_width(fig, stamp_line(stamp), 8), ha="center", va="top", fontsize=8, color="dimgray")
     fig.tight_layout(rect=(0, 0, 1, 0.9))
     return save_png(fig, path, dpi=110, metadata={"Title": "Jagged ops bandwidth", "Description": stamp_line(stamp)})
 
