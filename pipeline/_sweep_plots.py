@@ -50,10 +50,13 @@ def _xs(labels: list[str], order: list[str]) -> list:
     return [float(x) for x in labels]
 
 
+ONE_SERIES = "measured"  # the label of a sweep without series axes (in a legend beside an oracle's lines)
+
+
 def series_groups(df: pl.DataFrame, x: str, series: list[str]) -> dict[str, pl.DataFrame]:
-    """Rows per series label ('attention=jagged', or 'all' without series axes), x in grid order."""
+    """Rows per series label ('attention=jagged', or ONE_SERIES without series axes), x in grid order."""
     if not series:
-        return {"all": df}
+        return {ONE_SERIES: df}
     keys = df.select(series).unique(maintain_order=True).rows()
     out = {}
     for key in keys:
@@ -66,7 +69,7 @@ def _finish(fig, ax_or_axes, title: str, subtitle: str, path: Path) -> Path:
     axes = ax_or_axes if isinstance(ax_or_axes, (list, tuple)) else [ax_or_axes]
     for ax in axes:
         handles, labels = ax.get_legend_handles_labels()
-        if handles and labels != ["all"]:  # outside the axes: a legend never covers a point; none for one series
+        if handles and labels != [ONE_SERIES]:  # outside the axes: a legend never covers a point; none for one series
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.suptitle(title, fontsize=11)
     if subtitle:

@@ -31,11 +31,13 @@ from pathlib import Path
 
 import mlflow
 import polars as pl
+import yaml
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
 from pipeline import _sweep_plots as plots
 from pipeline import _sweep_runs as runs_
+from pipeline import _sweep_spec
 from pipeline.comparison import log_comparison
 from pipeline.errors import ConfigError, command
 from pipeline.tracking import REPO_ROOT, check_tracking, tracking_uri
@@ -112,6 +114,8 @@ def header_lines(parent: Run, df: pl.DataFrame, commit: str | None) -> list[str]
         f"- git commit: {commits}",
         f"- data digest: {data or '-'}",
         f"- budget and overrides of every run: `{tags.get('sweep.set', '{}')}`",
+        *([f"- every run trains {stop}: the EarlyStopping callback of the ablation file's configs"]
+          if (stop := early_stopping_words(parent)) else []),
         f"- written {dt.datetime.now().astimezone().isoformat(timespec='seconds')} by "
         f"`python -m pipeline.report --parent {name}`",
         "",
@@ -131,7 +135,31 @@ def plot_subtitle(parent: Run, df: pl.DataFrame) -> str:
     commits = ", ".join(str(v)[:12] for v in dict.fromkeys(env["tag.git_commit"].to_list()) if v) or "?"
     budget = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in json.loads(parent.data.tags.get("sweep.set") or "{}").items()
                        if any(w in k for w in ("max_steps", "limit_train", "max_epochs", "batch_size", "warmup")))
+    budget = ", ".join(w for w in (early_stopping_words(parent), budget) if w)
     return f"{device} | data {data} | {budget or 'budget: see report.md'} | commit {commits}"
+
+
+def early_stopping_words(parent: Run) -> str:
+    """'until val/auc stops rising (at most 3 epochs)' where the ablation file's configs train
+    until an EarlyStopping callback ends the run (the accuracy ablations' budget); '' otherwise,
+    and where the file is gone. The file as it is now: the report's budget line says whether
+    its runs are of that budget (pipeline.summary)."""
+    try:
+        configs = _sweep_spec.read(REPO_ROOT / parent.data.tags.get("sweep.file", "")).get("configs") or []
+    except ConfigError:
+        return ""
+    trainer: dict = {}
+    for name in configs:
+        path = _sweep_spec.CONFIGS / (name if str(name).endswith(".yaml") else f"{name}.yaml")
+        if path.is_file():
+            trainer.update((yaml.safe_load(path.read_text()) or {}).get("trainer") or {})
+    stops = [(c.get("init_args") or {}) for c in trainer.get("callbacks") or []
+             if isinstance(c, dict) and str(c.get("class_path", "")).endswith("EarlyStopping")]
+    if not stops:
+        return ""
+    epochs = json.loads(parent.data.tags.get("sweep.set") or "{}").get("trainer.max_epochs", trainer.get("max_epochs"))
+    cap = f" (at most {epochs} epochs)" if epochs else ""
+    return f"until {stops[0].get('monitor', 'the monitored metric')} stops rising{cap}"
 
 
 def shared_device_note(df: pl.DataFrame) -> list[str]:
@@ -172,8 +200,28 @@ def oracle_of(client: MlflowClient, df: pl.DataFrame) -> dict | None:
                 path = client.download_artifacts(run_id, "data/meta.json", tmp)
             except mlflow.exceptions.MlflowException:
                 continue
-            return json.loads(Path(path).read_text())["splits"]["test"].get("oracle")
+            test = json.loads(Path(path).read_text())["splits"]["test"]
+            return with_whole_window(test.get("oracle"), (test.get("length_stats") or {}).get("max"))
     return None
+
+
+def with_whole_window(oracle: dict | None, longest: int | None) -> dict | None:
+    """The oracle's figures plus ``longest_history`` (the split's longest history) and the window
+    that holds it: from the last k >= that length, the planted logit sees every item, so its AUC
+    is the full history's (p_true is the sigmoid of that logit)."""
+    if not oracle or longest is None or "auc" not in oracle:
+        return oracle
+    return {f"auc_recent_{int(longest)}": oracle["auc"], **oracle, "longest_history": int(longest)}
+
+
+def oracle_at(oracle: dict, k) -> float | None:
+    """The oracle's AUC from the last k items: meta.json's figure, or the full history's where k
+    is at least the longest history."""
+    value = oracle.get(f"auc_recent_{k}")
+    longest = oracle.get("longest_history")
+    if value is None and longest is not None and str(k).isdigit() and int(k) >= longest:
+        value = oracle.get("auc")
+    return value
 
 
 def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = ()) -> list[str]:
@@ -185,7 +233,11 @@ def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (
     for row in df.iter_rows(named=True):
         lines.append("| " + " | ".join([*(str(row[s]) for s in series), str(row[x]),
                                         runs_.fmt(row.get("test/auc"), ".4f"),
-                                        runs_.fmt(oracle.get(f"auc_recent_{row[x]}"), ".4f")]) + " |")
+                                        runs_.fmt(oracle_at(oracle, row[x]), ".4f")]) + " |")
+    longest = oracle.get("longest_history")
+    if longest is not None and any(str(k).isdigit() and int(k) >= longest for k in df[x].to_list()):
+        lines += ["", f"The longest test history has {longest} items: from the last {longest} or more, the "
+                  "oracle sees every item, and its AUC is the full history's."]
     return lines
 
 

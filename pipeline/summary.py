@@ -192,9 +192,73 @@ def model_level(results: Path) -> list[str]:
         for b, g in df.group_by("attention", maintain_order=True):
             a = g["test/auc"]
             lines.append(f"| {b[0]} | {a.len()} | {a.mean():.4f} | {_fmt(a.std(), '.4f')} | {a.min():.4f} | {a.max():.4f} |")
-        said = re.search(r"^A run counts as converged.*$", (results / "auc_parity" / "report.md").read_text(), re.M)
+        said = re.search(r"^A run counts as converged.*: (\d+) of (\d+) runs did\.$",
+                         (results / "auc_parity" / "report.md").read_text(), re.M)
         if said:
-            lines += ["", f"Convergence ({'auc_parity/report.md'}): {said.group(0)}"]
+            lines += ["", f"Convergence ([auc_parity/report.md](auc_parity/report.md), validation AUC at every check): "
+                      f"{said.group(1)} of {said.group(2)} runs converged."]
+    return lines
+
+
+def history_lines(results: Path) -> list[str]:
+    """Do longer histories pay? history_value's test AUC per max_seq_len beside the oracle's AUC
+    from the last k items (its report's oracle table), each with its gain over the shorter one."""
+    md = results / "history_value" / "report.md"
+    rows = _table_rows(md.read_text(), "Test AUC against the oracle") if md.is_file() else []
+    rows = [r for r in rows if len(r) == 3 and r[0].isdigit()]
+    if not rows:
+        return ["No history_value results with the oracle's curve yet (`make experiment-history_value` on the GPU)."]
+    num = [(int(k), _float(m), _float(o)) for k, m, o in rows]
+    lines = ["From [history_value](history_value/report.md): the jagged ranker trained at each max_seq_len (one "
+             "run each), beside the planted model's own AUC from the last k items (meta.json).", "",
+             "| max_seq_len | model test AUC | gain over the shorter | oracle AUC, last k items | oracle gain |",
+             "|---:|---:|---:|---:|---:|"]
+    for i, (k, m, o) in enumerate(num):
+        pm, po = (num[i - 1][1], num[i - 1][2]) if i else (None, None)
+        lines.append(f"| {k} | {_fmt(m, '.4f')} | {_fmt(_diff(m, pm), '+.4f')} | {_fmt(o, '.4f')} | "
+                     f"{_fmt(_diff(o, po), '+.4f')} |")
+    ran = [(k, m) for k, m, _ in num if m is not None]
+    if ran:
+        best_k, best = max(ran, key=lambda r: r[1])
+        longer = [(k, m, o) for k, m, o in num if k > best_k and m is not None]
+        said = (f"The model's test AUC is highest at max_seq_len {best_k} ({best:.4f}), "
+                f"{best - ran[0][1]:+.4f} over {ran[0][0]}")
+        if longer:
+            k, m, o = longer[-1]
+            lift = _diff(o, next(o2 for k2, _, o2 in num if k2 == best_k))
+            said += (f"; at {k} it is {m - best:+.4f} against that: on this data and budget, history beyond "
+                     f"{best_k} items did not raise the model's AUC (the oracle's own gain there: {_fmt(lift, '+.4f')})")
+        lines += ["", said + "."]
+    return lines
+
+
+def _float(cell: str) -> float | None:
+    try:
+        return float(cell)
+    except ValueError:
+        return None
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def model_ablation_lines(results: Path) -> list[str]:
+    """Which parts of the ranker pay: the model ablation's test AUC per variant against the baseline."""
+    csv = results / "model" / "runs.csv"
+    if not csv.is_file():
+        return ["No model ablation yet (`make experiment-model` on the GPU)."]
+    df = pl.read_csv(csv, infer_schema_length=0)
+    base = df.filter((pl.col("variant") == "baseline") & (pl.col("status") == "OK"))
+    b = float(base["test/auc"][0]) if base.height else None
+    lines = ["From [model](model/report.md): one change at a time from the paper preset's jagged ranker at "
+             "max_seq_len 256 (one run each: a difference under the seed spread of "
+             "[auc_parity](auc_parity/report.md) is not a finding).", "",
+             "| variant | status | test AUC | against the baseline |", "|---|---|---:|---:|"]
+    for r in df.iter_rows(named=True):
+        a = _float(r["test/auc"] or "") if r["status"] == "OK" else None
+        vs = "baseline" if r["variant"] == "baseline" else _fmt(_diff(a, b), "+.4f")
+        lines.append(f"| {r['variant']} | {r['status']} | {_fmt(a, '.4f')} | {vs} |")
     return lines
 
 
@@ -284,6 +348,8 @@ def build(results: Path) -> str:
             *(model_level(results) or ["No batch_size or auc_parity results yet."])]
     peer_lines, peer_targets = strongest_peers(results)
     out += peer_lines
+    out += ["", "## Do longer histories pay?", "", *history_lines(results)]
+    out += ["", "## Which parts of the ranker pay?", "", *model_ablation_lines(results)]
     out += ["", "## Every target, PASS or MISS", "", "| source | target | measured | result |", "|---|---|---|---|"]
     out += [f"| [{r[3]}]({r[3]}) | {r[0]} | {r[2]} | {r[1]} |" for r in kt]
     out += [f"| [compile](compile/report.md) | {t} | {m} | {v} |" for t, v, m in peer_targets]

@@ -75,6 +75,26 @@ def test_ratios_and_oracle_section():
     lines = report.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
                                   {"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81})
     assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | - |" in lines
+    whole = report.with_whole_window({"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81}, 4096)
+    assert whole["auc_recent_4096"] == 0.86 and whole["longest_history"] == 4096
+    assert report.with_whole_window({"auc": 0.86, "auc_recent_1024": 0.85}, 1024)["auc_recent_1024"] == 0.85  # measured wins
+    lines = report.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
+                                  report.with_whole_window({"auc": 0.86, "auc_recent_256": 0.81}, 1024))
+    assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | 0.8600 |" in lines  # 4096 >= the longest
+    assert any("longest test history has 1024 items" in line for line in lines)
+
+
+def test_the_plot_budget_names_the_early_stopping_of_the_files_configs():
+    from types import SimpleNamespace
+
+    def parent(file: str, overrides: dict | None = None):
+        return SimpleNamespace(data=SimpleNamespace(tags={"sweep.file": file, "sweep.set": json.dumps(overrides or {})}))
+    assert report.early_stopping_words(parent("experiments/ablations/auc_parity.yaml")) == \
+        "until val/auc stops rising (at most 3 epochs)"  # converge.yaml
+    assert report.early_stopping_words(parent("experiments/ablations/auc_parity.yaml", {"trainer.max_epochs": 5})) == \
+        "until val/auc stops rising (at most 5 epochs)"
+    assert report.early_stopping_words(parent("experiments/ablations/seq_len.yaml")) == ""  # a fixed step budget
+    assert report.early_stopping_words(parent("experiments/ablations/gone.yaml")) == ""
 
 
 @pytest.mark.slow

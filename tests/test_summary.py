@@ -146,3 +146,21 @@ def test_jagged_is_judged_against_each_peer_at_its_fastest_step(tmp_path):
     assert ("| [compile](compile/report.md) | jagged (graphs) vs sdpa at its fastest step (compiled): >= 2.5x | "
             "train ex/s ratio 2.00x (5,000 vs 2,500) | MISS |") in text
     assert "jagged (graphs) vs dense at its fastest step (eager): >= 2.5x | train ex/s ratio 10.00x" in text
+
+
+def test_history_and_architecture_sections_read_their_reports(tmp_path):
+    assert "No history_value results" in summary.build(tmp_path) and "No model ablation yet" in summary.build(tmp_path)
+    (tmp_path / "history_value").mkdir()
+    (tmp_path / "history_value" / "report.md").write_text(
+        "# Ablation `history_value`\n\n## Test AUC against the oracle (the planted label model, meta.json)\n\n"
+        "Oracle: full history 0.8600, no history 0.6000.\n\n"
+        "| max_seq_len | model test AUC | oracle AUC from the last max_seq_len items |\n|---|---|---|\n"
+        "| 64 | 0.7000 | 0.7500 |\n| 1024 | 0.7300 | 0.8500 |\n| 4096 | 0.7250 | 0.8600 |\n| 8192 | - | 0.8600 |\n\n## Plots\n")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "runs.csv").write_text(
+        "variant,status,test/auc\nbaseline,OK,0.75\nlayers_0,OK,0.76\ndim_256,FAILED,\n")
+    text = summary.build(tmp_path)
+    assert "| 1024 | 0.7300 | +0.0300 | 0.8500 | +0.1000 |" in text and "| 8192 | - | - | 0.8600 | +0.0000 |" in text
+    assert "highest at max_seq_len 1024 (0.7300), +0.0300 over 64; at 4096 it is -0.0050 against that" in text
+    assert "(the oracle's own gain there: +0.0100)" in text
+    assert "| layers_0 | OK | 0.7600 | +0.0100 |" in text and "| dim_256 | FAILED | - | - |" in text
