@@ -244,8 +244,17 @@ def _shape_record(model: FamilyModel, rows: list[dict], hand_fn) -> dict:
     chosen = ok.get(config_id(pick["fastest"]))
     rec["model_config"] = config_id(pick["fastest"])
     rec["model"] = chosen["ms"] / best["ms"] if chosen else math.inf  # a pick that failed here
-    hand = ok.get(config_id(hand_fn(r0["family"], shape_of(r0))))
+    hand_cfg = hand_fn(r0["family"], shape_of(r0))
+    hand = ok.get(config_id(hand_cfg))
     rec["hand"] = hand["ms"] / best["ms"] if hand else math.nan
+    # what the exported table gives an unswept shape: the model's pick only where the model
+    # predicts the hand config more than SWITCH_PREDICTED slower (export_entries), else the hand rule
+    pred_pick, pred_hand = model.predict(_shape_dict(r0), [pick["fastest"], hand_cfg])[0]
+    table_cfg = pick["fastest"] if pred_hand > SWITCH_PREDICTED * pred_pick else hand_cfg
+    rec["table_config"] = config_id(table_cfg)
+    table = ok.get(rec["table_config"])
+    rec["table"] = (table["ms"] / best["ms"] if table else
+                    math.inf if rec["table_config"] in status else math.nan)  # failed here / not tried
     at = [ok[config_id(c)] for c in AUTOTUNE.get(r0["family"], []) if config_id(c) in ok]
     rec["autotune"] = min(r["ms"] for r in at) / best["ms"] if at else math.nan
     rec["autotune_cost_s"] = sum((r["compile_s"] or 0) + (r["bench_s"] or 0) for r in at) if at else math.nan
@@ -267,10 +276,13 @@ def _energy(rec: dict, ok: dict, best: dict, pick: dict) -> None:
                 "model_frugal_ms": m_frugal["ms"]}
 
 
+METHODS = ("model", "table", "hand", "autotune")  # table: the exported rule (model pick past the switch margin)
+
+
 def summarize(ev: dict) -> dict:
     """Median / worst / geometric-mean slowdowns per method over the held-out shapes."""
     out = {}
-    for m in ("model", "hand", "autotune"):
+    for m in METHODS:
         v = [s[m] for s in ev.get("shapes", []) if m in s and not math.isnan(s[m])]
         fin = [x for x in v if math.isfinite(x)]
         out[m] = {"n": len(v), "median": float(np.median(v)) if v else math.nan,
@@ -313,6 +325,7 @@ def evaluate(rows: list[dict], folds: int = 5, seed: int = 0, hand_fn=hand_confi
         print(f"  {fam:<18} {ev['n_shapes']:3d} shapes  R2 {ev.get('r2_log_ms', math.nan):6.3f}  "
               f"err med {ev.get('median_err_pct', math.nan):5.1f}% worst {ev.get('worst_err_pct', math.nan):6.1f}%  "
               f"slowdown model {s['model']['median']:.3f}/{s['model']['worst']:.3f}  "
+              f"table {s['table']['median']:.3f}/{s['table']['worst']:.3f}  "
               f"hand {s['hand']['median']:.3f}/{s['hand']['worst']:.3f}  "
               f"autotune {s['autotune']['median']:.3f} ({s['autotune_cost_s_per_shape']:.1f} s/shape)  "
               f"target {s['verdict']}", flush=True)
