@@ -11,8 +11,11 @@
 # $OUT/hand: the run a launch table's is set against, `python -m kernels.bench.compare`);
 # default all but tune_ops, graph_paper and bench_paper_hand. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
-# workers; now one per core, at most 16 (TEST_WORKERS to change). E.g.
+# workers; now one per core, at most 16 (TEST_WORKERS to change). GRAPH_MS=1: bench_paper and
+# bench_paper_hand also time every row as a CUDA-graph replay (the kernels' own time, what a launch
+# table changes; host-bound call times move 0.6-1.5x between runs). E.g.
 #   PARTS="tests bench_paper" bash experiments/gpu/kernels.sh
+#   GRAPH_MS=1 PARTS="bench_paper bench_paper_hand" bash experiments/gpu/kernels.sh   # table vs hand rules
 set -uo pipefail
 PARTS=" ${PARTS:-tests bench_paper bench_recsys_long} "
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
@@ -33,13 +36,14 @@ if [[ $PARTS == *" tune_ops "* ]]; then  # candidates of the ops kernels' launch
   echo "tune_ops rc=$?" | tee -a "$log"; grep -A20 "best config per op" "$OUT/tune_ops.log" | tee -a "$log"
 fi
 mkdir -p "$OUT/bench"
+graph=(); [ "${GRAPH_MS:-0}" = 1 ] && graph=(--graph-ms)
 if [[ $PARTS == *" bench_paper "* ]]; then
-  python3 -m kernels.bench all --suite paper --out "$OUT/bench" --commit "$GIT_COMMIT" \
+  python3 -m kernels.bench all --suite paper --out "$OUT/bench" --commit "$GIT_COMMIT" "${graph[@]}" \
     --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${PAPER_DEADLINE:-280}" >> "$log" 2>&1
   echo "bench paper rc=$?" | tee -a "$log"
 fi
 if [[ $PARTS == *" bench_paper_hand "* ]]; then
-  JFA_LAUNCH_TABLE=off python3 -m kernels.bench all --suite paper --out "$OUT/hand" --commit "$GIT_COMMIT" \
+  JFA_LAUNCH_TABLE=off python3 -m kernels.bench all --suite paper --out "$OUT/hand" --commit "$GIT_COMMIT" "${graph[@]}" \
     --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${PAPER_DEADLINE:-280}" >> "$log" 2>&1
   echo "bench paper (hand rules) rc=$?" | tee -a "$log"
 fi
