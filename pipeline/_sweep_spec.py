@@ -235,6 +235,11 @@ def parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def config_path(name: str) -> Path:
+    """experiments/configs/<name>.yaml of an ablation file's `configs` entry (`name` or `name.yaml`)."""
+    return CONFIGS / (name if str(name).endswith(".yaml") else f"{name}.yaml")
+
+
 def read(path: str | Path) -> dict[str, Any]:
     """An ablation file's mapping, not yet checked; ConfigError when there is no such file."""
     path = Path(path)
@@ -258,7 +263,7 @@ def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | Non
         raise ConfigError(f"{path}: unknown keys {sorted(unknown)}; allowed: {sorted(_TOP_KEYS)}")
     if not raw.get("name"):
         raise ConfigError(f"{path}: `name` is required")
-    configs = [CONFIGS / (c if str(c).endswith(".yaml") else f"{c}.yaml") for c in raw.get("configs", ["base"])]
+    configs = [config_path(c) for c in raw.get("configs", ["base"])]
     missing = [str(c) for c in configs if not c.is_file()]
     if missing:
         raise ConfigError(f"{path}: config files not found: {', '.join(missing)}")

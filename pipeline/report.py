@@ -92,7 +92,8 @@ def _distinct(df: pl.DataFrame, col: str) -> str:
     return ", ".join(f"`{v}`" for v in values) or "-"
 
 
-def header_lines(parent: Run, df: pl.DataFrame, commit: str | None) -> list[str]:
+def header_lines(parent: Run, df: pl.DataFrame, commit: str | None, stop: str = "") -> list[str]:
+    """The report's head; `stop`: early_stopping_words of the parent, '' for none."""
     tags = parent.data.tags
     name = tags.get("sweep.name", parent.info.run_name)
     counts = {s: df["status"].to_list().count(s) for s in dict.fromkeys(df["status"].to_list())}
@@ -115,7 +116,7 @@ def header_lines(parent: Run, df: pl.DataFrame, commit: str | None) -> list[str]
         f"- data digest: {data or '-'}",
         f"- budget and overrides of every run: `{tags.get('sweep.set', '{}')}`",
         *([f"- every run trains {stop}: the EarlyStopping callback of the ablation file's configs"]
-          if (stop := early_stopping_words(parent)) else []),
+          if stop else []),
         f"- written {dt.datetime.now().astimezone().isoformat(timespec='seconds')} by "
         f"`python -m pipeline.report --parent {name}`",
         "",
@@ -125,8 +126,8 @@ def header_lines(parent: Run, df: pl.DataFrame, commit: str | None) -> list[str]
     ]
 
 
-def plot_subtitle(parent: Run, df: pl.DataFrame) -> str:
-    """What every plot's numbers depend on: device, data, budget, commit."""
+def plot_subtitle(parent: Run, df: pl.DataFrame, stop: str = "") -> str:
+    """What every plot's numbers depend on: device, data, budget (`stop`: early_stopping_words), commit."""
     env = df.filter(pl.col("status") == "OK")
     env = env if env.height else df
     device = ", ".join(v for v in dict.fromkeys(env["tag.device"].to_list()) if v) or "?"
@@ -135,7 +136,7 @@ def plot_subtitle(parent: Run, df: pl.DataFrame) -> str:
     commits = ", ".join(str(v)[:12] for v in dict.fromkeys(env["tag.git_commit"].to_list()) if v) or "?"
     budget = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in json.loads(parent.data.tags.get("sweep.set") or "{}").items()
                        if any(w in k for w in ("max_steps", "limit_train", "max_epochs", "batch_size", "warmup")))
-    budget = ", ".join(w for w in (early_stopping_words(parent), budget) if w)
+    budget = ", ".join(w for w in (stop, budget) if w)
     return f"{device} | data {data} | {budget or 'budget: see report.md'} | commit {commits}"
 
 
@@ -150,7 +151,7 @@ def early_stopping_words(parent: Run) -> str:
         return ""
     trainer: dict = {}
     for name in configs:
-        path = _sweep_spec.CONFIGS / (name if str(name).endswith(".yaml") else f"{name}.yaml")
+        path = _sweep_spec.config_path(name)
         if path.is_file():
             trainer.update((yaml.safe_load(path.read_text()) or {}).get("trainer") or {})
     stops = [(c.get("init_args") or {}) for c in trainer.get("callbacks") or []
@@ -443,8 +444,9 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     out.mkdir(parents=True, exist_ok=True)
     mem, mem_label = memory_metric(df)
     header, rows = runs_.summary_rows(df, names)
-    lines = [*header_lines(parent, df, commit), "", "## Runs", "", runs_.markdown_table(header, rows)]
-    sub, seeds = plot_subtitle(parent, df), spec.get("seeds")
+    stop = early_stopping_words(parent)
+    lines = [*header_lines(parent, df, commit, stop), "", "## Runs", "", runs_.markdown_table(header, rows)]
+    sub, seeds = plot_subtitle(parent, df, stop), spec.get("seeds")
     made = [
         plots.line_plot(df, x, order, series, THROUGHPUT, "training examples/s (steady steps)", "Training throughput",
                         out / "throughput.png", subtitle=sub, seeds=seeds),

@@ -217,17 +217,17 @@ def history_lines(results: Path) -> list[str]:
         pm, po = (num[i - 1][1], num[i - 1][2]) if i else (None, None)
         lines.append(f"| {k} | {_fmt(m, '.4f')} | {_fmt(_diff(m, pm), '+.4f')} | {_fmt(o, '.4f')} | "
                      f"{_fmt(_diff(o, po), '+.4f')} |")
-    ran = [(k, m) for k, m, _ in num if m is not None]
+    ran = [r for r in num if r[1] is not None]
     if ran:
-        best_k, best = max(ran, key=lambda r: r[1])
-        longer = [(k, m, o) for k, m, o in num if k > best_k and m is not None]
+        best_k, best, best_oracle = max(ran, key=lambda r: r[1])
+        longer = [r for r in ran if r[0] > best_k]
         said = (f"The model's test AUC is highest at max_seq_len {best_k} ({best:.4f}), "
                 f"{best - ran[0][1]:+.4f} over {ran[0][0]}")
         if longer:
             k, m, o = longer[-1]
-            lift = _diff(o, next(o2 for k2, _, o2 in num if k2 == best_k))
             said += (f"; at {k} it is {m - best:+.4f} against that: on this data and budget, history beyond "
-                     f"{best_k} items did not raise the model's AUC (the oracle's own gain there: {_fmt(lift, '+.4f')})")
+                     f"{best_k} items did not raise the model's AUC (the oracle's own gain there: "
+                     f"{_fmt(_diff(o, best_oracle), '+.4f')})")
         lines += ["", said + "."]
     return lines
 

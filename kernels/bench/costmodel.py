@@ -247,10 +247,9 @@ def _shape_record(model: FamilyModel, rows: list[dict], hand_fn) -> dict:
     hand_cfg = hand_fn(r0["family"], shape_of(r0))
     hand = ok.get(config_id(hand_cfg))
     rec["hand"] = hand["ms"] / best["ms"] if hand else math.nan
-    # what the exported table gives an unswept shape: the model's pick only where the model
-    # predicts the hand config more than SWITCH_PREDICTED slower (export_entries), else the hand rule
-    pred_pick, pred_hand = model.predict(_shape_dict(r0), [pick["fastest"], hand_cfg])[0]
-    table_cfg = pick["fastest"] if pred_hand > SWITCH_PREDICTED * pred_pick else hand_cfg
+    # what the exported table gives an unswept shape (export_entries' rule)
+    pred_hand = float(model.predict(_shape_dict(r0), [hand_cfg])[0][0])
+    table_cfg = hand_cfg if keeps_hand(pred_hand, pick["pred_ms"], SWITCH_PREDICTED) else pick["fastest"]
     rec["table_config"] = config_id(table_cfg)
     table = ok.get(rec["table_config"])
     rec["table"] = (table["ms"] / best["ms"] if table else
@@ -375,6 +374,12 @@ SWITCH_MEASURED = 1.03
 SWITCH_PREDICTED = 1.10
 
 
+def keeps_hand(hand_ms: float, other_ms: float, margin: float) -> bool:
+    """The export's switch rule: the hand config stays unless it is more than `margin` times the
+    other config's (measured or predicted) time."""
+    return hand_ms <= margin * other_ms
+
+
 def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: bool = True,
                    hand_fn=hand_config) -> list[dict]:
     """Measured best per swept shape ('measured', or 'hand' where the hand rule's config is within
@@ -395,7 +400,7 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
             best = min(on_shape, key=lambda r: r["ms"])
             hand_id = config_id(hand_fn(fam, shape_of(best)))
             hand = min((r for r in on_shape if r["config_id"] == hand_id), key=lambda r: r["ms"], default=None)
-            keep = hand is not None and hand["ms"] <= SWITCH_MEASURED * best["ms"]
+            keep = hand is not None and keeps_hand(hand["ms"], best["ms"], SWITCH_MEASURED)
             shape = table_shape(fam, _shape_dict(best))
             entries.append({"family": fam, "shape": shape, "config": (hand if keep else best)["cfg"],
                             "source": "hand" if keep else "measured", "ms": round((hand if keep else best)["ms"], 5),
@@ -416,7 +421,7 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
         predicted = models[fam].predict_ms([(sh, cfgs) for _, sh, cfgs in todo]) if todo else []
         for (shape, _, cfgs), ms in zip(todo, predicted):
             i = int(np.argmin(ms[:-1])) if len(ms) > 1 else 0
-            keep = len(ms) == 1 or ms[-1] <= SWITCH_PREDICTED * ms[i]  # no candidate: the hand rule
+            keep = len(ms) == 1 or keeps_hand(ms[-1], ms[i], SWITCH_PREDICTED)  # no candidate: the hand rule
             entries.append({"family": fam, "shape": shape, "config": cfgs[-1] if keep else cfgs[i],
                             "source": "hand" if keep else "predicted", "pred_ms": round(float(ms[i]), 5),
                             "pred_hand_ms": round(float(ms[-1]), 5)})
