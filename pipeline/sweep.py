@@ -172,13 +172,18 @@ class Sweep:
 
     def expected_seconds(self) -> dict[str, float]:
         """Point name -> the seconds its earlier runs say it needs (any code version): the median
-        wall time of its finished runs, else the longest a killed one ran (a lower bound)."""
+        wall time of its finished runs, else the longest a killed one ran (a lower bound). The wall
+        time is the whole process's (``sweep/process_wall_s``: start-up and data loading included,
+        what --end-s must leave room for); a run recorded without it falls back to its MLflow span."""
         done, cut = {}, {}
         for run in (r for runs in self._previous.values() for r in runs):
             name, end = run.data.tags.get("sweep.point"), run.info.end_time
-            if not name or not end:
+            wall = run.data.metrics.get("sweep/process_wall_s")
+            if wall is None and end:
+                wall = (end - run.info.start_time) / 1000
+            if not name or wall is None:
                 continue
-            wall, status = (end - run.info.start_time) / 1000, runs_.run_status(run)
+            status = runs_.run_status(run)
             if status == "OK":
                 done.setdefault(name, []).append(wall)
             elif status == "KILLED":

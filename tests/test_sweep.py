@@ -247,10 +247,15 @@ def test_a_point_its_earlier_runs_say_cannot_finish_by_end_s_is_not_started(smok
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     parent = the_parent(uri)
     before = children(uri, parent.info.run_id)
-    argv = [*smoke.argv, "--set", "trainer.max_steps=2", "--where", "max_seq_len=16", "--end-s", "0.5"]
+    (earlier,) = before["attention=jagged/max_seq_len=16"]
+    process_s = earlier.data.metrics["sweep/process_wall_s"]  # start-up included: more than MLflow's span
+    assert process_s > (earlier.info.end_time - earlier.info.start_time) / 1000
+    end_s = process_s / 2
+    argv = [*smoke.argv, "--set", "trainer.max_steps=2", "--where", "max_seq_len=16", "--end-s", str(end_s)]
     assert sweep.main(argv) == 1
     out = capsys.readouterr().out
-    assert re.search(r"max_seq_len=16: not started \(its earlier runs needed \d+ s, 0 s are left before --end-s\)", out)
+    found = re.search(r"max_seq_len=16: not started \(its earlier runs needed (\d+) s, \d+ s are left before --end-s\)", out)
+    assert found and int(found.group(1)) == round(process_s)
     after = children(uri, parent.info.run_id)
     assert {k: len(v) for k, v in after.items()} == {k: len(v) for k, v in before.items()}  # no run started
 
