@@ -3,9 +3,12 @@
 Grid: one program per (sequence b, column block of H), column blocks fastest (the programs of
 one sequence read neighbouring bytes of the same rows). A program owns whole columns of one
 sequence, so the reductions over the sequence need no atomics and no second launch. A sequence
-that fits in one tile (the common case) is loaded once and kept in registers: SMALL_N rows when
-it is that short, else BLOCK_N rows (two tile sizes, so short sequences do not pay for the
-large tile's arithmetic). A longer one is streamed twice in BLOCK_N-row tiles. Statistics in fp32.
+that fits in one tile (the common case) is loaded once and kept in registers, in the smallest
+tile of the ladder SMALL_N, 2 * SMALL_N, ..., BLOCK_N rows that holds it: every lane of a tile
+costs instructions whether or not it holds a row, and the per-program cost (the reductions'
+shuffles, the cross-warp exchange) is paid once per tile, so short sequences take short tiles.
+A longer one is streamed twice in BLOCK_N-row tiles. Statistics in fp32; exp as exp2 of
+(x - max) * log2(e), the normalisation as one reciprocal per column.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import triton.language as tl
 
 from kernels import _launch_configs as _lc
 from kernels._jagged_common import device_guard, new_output
-from kernels._triton_common import zero_rows, col_block
+from kernels._triton_common import LOG2E_C, zero_rows, col_block
 
 # Launch parameters (module level, so a tuning script can override them), forward and backward:
-# BLOCK_N rows of the large single tile and of the streamed tiles, SMALL_N (<= BLOCK_N) rows of
-# the small single tile, BLOCK_H the widest column block, warps. The fastest single config over
-# the cost-model sweep's five softmax shapes (kernels/TUNING.md, "First GPU sweep").
-SOFTMAX_CONFIG = {"BLOCK_N": 256, "SMALL_N": 128, "BLOCK_H": 16, "num_warps": 4}
+# BLOCK_N rows of the largest single tile and of the streamed tiles, SMALL_N (<= BLOCK_N, both
+# powers of two) rows of the smallest single tile, BLOCK_H the widest column block, warps.
+# BLOCK_N, BLOCK_H and warps: the fastest single config over the cost-model sweep's five softmax
+# shapes (kernels/TUNING.md, "First GPU sweep"); SMALL_N 32: the tile ladder (kernels/TUNING.md,
+# "Softmax instruction counts").
+SOFTMAX_CONFIG = {"BLOCK_N": 256, "SMALL_N": 32, "BLOCK_H": 16, "num_warps": 4}
 
 
 @triton.jit
@@ -50,10 +55,10 @@ def _softmax_fwd_tile(x_ptr, y_ptr, begin, length, cols, col_ok,
                 mask=mask, other=float("-inf")).to(tl.float32)
     m = tl.max(x, axis=0)
     shift = tl.where(m == float("-inf"), 0.0, m)
-    e = tl.exp(x - shift[None, :])
+    e = tl.math.exp2((x - shift[None, :]) * LOG2E_C)
     s = tl.sum(e, axis=0)
-    s = tl.where(s > 0.0, s, 1.0)  # only empty/masked columns have s == 0; they store nothing
-    y = e / s[None, :]
+    inv = 1.0 / tl.where(s > 0.0, s, 1.0)  # only empty/masked columns have s == 0; they store nothing
+    y = e * inv[None, :]
     tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yh, y, mask=mask)
 
 
@@ -74,16 +79,16 @@ def _softmax_fwd_stream(x_ptr, y_ptr, begin, length, cols, col_ok,
                     mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.exp(m - shift) + tl.sum(tl.exp(x - shift[None, :]), axis=0)
+        s = s * tl.math.exp2((m - shift) * LOG2E_C) + tl.sum(tl.math.exp2((x - shift[None, :]) * LOG2E_C), axis=0)
         m = m_new
     shift = tl.where(m == float("-inf"), 0.0, m)
-    s = tl.where(s > 0.0, s, 1.0)
+    inv = 1.0 / tl.where(s > 0.0, s, 1.0)
     for start in range(0, length, BLOCK_N):
         mask = ((start + rows0) < length)[:, None] & col_ok[None, :]
         rows = begin + start + rows0
         x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh,
                     mask=mask, other=float("-inf")).to(tl.float32)
-        y = tl.exp(x - shift[None, :]) / s[None, :]
+        y = tl.math.exp2((x - shift[None, :]) * LOG2E_C) * inv[None, :]
         tl.store(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yh, y, mask=mask)
 
 
@@ -93,15 +98,18 @@ def _softmax_fwd_stream(x_ptr, y_ptr, begin, length, cols, col_ok,
 def _jagged_softmax_fwd_kernel(
     x_ptr, offsets_ptr, y_ptr, N, H,
     stride_xt, stride_xh, stride_yt, stride_yh,
-    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, RUNGS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     begin, end, length, cols, col_ok = _seq_cols(offsets_ptr, N, H, BLOCK_H)
     args = (x_ptr, y_ptr, begin, length, cols, col_ok, stride_xt, stride_xh, stride_yt, stride_yh)
-    if length <= SMALL_N:
-        _softmax_fwd_tile(*args, SMALL_N)
-    elif length <= BLOCK_N:
-        _softmax_fwd_tile(*args, BLOCK_N)
-    else:
+    for k in tl.static_range(RUNGS):  # the tile of SMALL_N << k rows: lengths in (its half, it]
+        if k == 0:
+            fits = length <= SMALL_N
+        else:
+            fits = (length > (SMALL_N << k) // 2) & (length <= (SMALL_N << k))
+        if fits:
+            _softmax_fwd_tile(*args, SMALL_N << k)
+    if length > BLOCK_N:
         _softmax_fwd_stream(*args, BLOCK_N, BLOCK_H)
     zero_rows(y_ptr, stride_yt, stride_yh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
@@ -151,16 +159,19 @@ def _softmax_bwd_stream(g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
 def _jagged_softmax_bwd_kernel(
     g_ptr, y_ptr, offsets_ptr, gx_ptr, N, H,
     stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh,
-    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, RUNGS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     begin, end, length, cols, col_ok = _seq_cols(offsets_ptr, N, H, BLOCK_H)
     args = (g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
             stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh)
-    if length <= SMALL_N:
-        _softmax_bwd_tile(*args, SMALL_N)
-    elif length <= BLOCK_N:
-        _softmax_bwd_tile(*args, BLOCK_N)
-    else:
+    for k in tl.static_range(RUNGS):  # as in the forward
+        if k == 0:
+            fits = length <= SMALL_N
+        else:
+            fits = (length > (SMALL_N << k) // 2) & (length <= (SMALL_N << k))
+        if fits:
+            _softmax_bwd_tile(*args, SMALL_N << k)
+    if length > BLOCK_N:
         _softmax_bwd_stream(*args, BLOCK_N, BLOCK_H)
     zero_rows(gx_ptr, stride_xt, stride_xh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
@@ -172,7 +183,8 @@ def _launch(H: int, B: int, family: str, N: int, T: int, dtype: torch.dtype) -> 
     if _lc.active():
         cfg = _lc.tuned(family, _lc.bucket(B, N, T, H, dtype), cfg)
     block_h = col_block(H, lo=min(16, cfg["BLOCK_H"]), hi=cfg["BLOCK_H"])
-    kw = dict(BLOCK_N=cfg["BLOCK_N"], SMALL_N=min(cfg["SMALL_N"], cfg["BLOCK_N"]), BLOCK_H=block_h,
+    small = min(cfg["SMALL_N"], cfg["BLOCK_N"])
+    kw = dict(BLOCK_N=cfg["BLOCK_N"], SMALL_N=small, RUNGS=(cfg["BLOCK_N"] // small).bit_length(), BLOCK_H=block_h,
               num_warps=cfg["num_warps"])
     return (B * triton.cdiv(H, block_h),), kw
 

@@ -1,4 +1,5 @@
-"""Compile every attention kernel (flash, dense, S2) for a GPU target on any machine, no GPU needed.
+"""Compile every Triton kernel (attention: flash, dense, S2; the row-wise ops: softmax, conversions,
+elementwise, bmm) for a GPU target on any machine, no GPU needed.
 
     python -m kernels.gpu_check [--arch 90] [--dtypes bf16,fp16,fp32] [--dims 16,48,...] [--ptxas]
 
@@ -6,9 +7,10 @@ The launchers are run on "meta" tensors with their kernels swapped for recorders
 the configurations the launchers would launch (block sizes, warps, stages, constexprs) are then
 compiled by Triton's own compiler down to a cubin for the chosen architecture. It catches
 compile errors before any GPU time is spent and, with --ptxas, prints registers, spills and
-shared memory per kernel: the numbers to look at when tuning block sizes. Pointer
-alignment and stride divisibility are not specialised here, so the code differs slightly from
-what runs on the GPU; compile errors and resource use are what this is for.
+shared memory per kernel: the numbers to look at when tuning block sizes. Arguments are
+specialised as Triton's launcher does (ints equal to 1 as constants, multiples of 16 and tensors
+as 16-byte aligned), so the code is what the GPU runs for these sizes; compile errors and
+resource use are what this is for.
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ class _Recorder:
 
 
 def _record(run) -> list:
-    """Run `run()` with every attention kernel replaced by a recorder; return the launches."""
-    from kernels import _dense_attention_triton as dense
-    from kernels import _flash_attention_triton as flash
-    from kernels import _s2_attention_triton as s2
+    """Run `run()` with every kernel replaced by a recorder; return the launches."""
+    from kernels import (_bmm_triton, _conversions_triton, _dense_attention_triton, _elementwise_triton,
+                         _flash_attention_triton, _s2_attention_triton, _softmax_triton)
 
     calls: list = []
     saved = []
-    for mod in (flash, dense, s2):
+    for mod in (_flash_attention_triton, _dense_attention_triton, _s2_attention_triton, _softmax_triton,
+                _conversions_triton, _elementwise_triton, _bmm_triton):
         for name in dir(mod):
             obj = getattr(mod, name)
             if (name.endswith("_kernel") or name.startswith("_s2_")) and hasattr(obj, "arg_names"):
@@ -56,10 +58,13 @@ def _record(run) -> list:
 
 
 def _signature(fn, args, kwargs):
-    sig, const = {}, {}
-    params = [p for p in fn.params]
+    """(signature, constexprs, attrs) as Triton's launcher specialises a real call: an int
+    argument equal to 1 becomes a constant and one divisible by 16 is marked so, unless the
+    kernel says do_not_specialize; tensors are taken as 16-byte aligned (torch's allocations)."""
+    sig, const, attrs = {}, {}, {}
+    dns = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
     positional = iter(args)
-    for p in params:
+    for i, p in enumerate(fn.params):
         name = p.name
         if p.is_constexpr:
             sig[name] = "constexpr"
@@ -68,13 +73,19 @@ def _signature(fn, args, kwargs):
         a = kwargs[name] if name in kwargs else next(positional)  # S2 passes LOCAL, STRIDE by name
         if isinstance(a, torch.Tensor):
             sig[name] = "*" + _TYPES[a.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(a, bool):
             sig[name] = "i1"
         elif isinstance(a, int):
+            if a == 1 and name not in dns:
+                sig[name], const[name] = "constexpr", 1
+                continue
             sig[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+            if a % 16 == 0 and name not in dns:
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32"
-    return sig, const
+    return sig, const, attrs
 
 
 def _ptxas_report(ptx: str, arch: int) -> str:
@@ -126,6 +137,7 @@ def _workloads(dtype, D):
     for b in (None, bias):  # SPLIT_DQ forced on, the fp32 and bias cases too
         yield f"dense split_dq bias={b is not None}", lambda b=b: _split_dq(
             lambda: dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, False))
+    yield from _row_wise_workloads(dtype, D)
     lse2 = torch.empty(T, H, device="meta", dtype=torch.float32)
     for block in (64, 48):
         for causal in (False, True):
@@ -133,6 +145,27 @@ def _workloads(dtype, D):
             yield f"s2 block={block} causal={causal}", lambda c=causal, s=shards: (
                 s2_attention_fwd(q, k, v, off, N, s, c, 0.1),
                 s2_attention_bwd(q, q, k, v, q, lse2, off, N, s, c, 0.1))
+
+
+def _row_wise_workloads(dtype, D):
+    """(label, thunk) pairs for the row-wise ops' launchers: D is the feature width (softmax:
+    the number of columns)."""
+    from kernels._bmm_triton import jagged_dense_bmm_triton, jagged_jagged_bmm_triton
+    from kernels._conversions_triton import jagged_to_padded_triton, padded_to_jagged_triton
+    from kernels._elementwise_triton import jagged_dense_elementwise_bwd_triton, jagged_dense_elementwise_fwd_triton
+    from kernels._softmax_triton import jagged_softmax_bwd_triton, jagged_softmax_fwd_triton
+
+    T, B, N = 64, 2, 32
+    m = dict(device="meta", dtype=dtype)
+    x, off = torch.empty(T, D, **m), torch.empty(B + 1, device="meta", dtype=torch.int64)
+    dense, w = torch.empty(B, N, D, **m), torch.empty(B, D, D, **m)
+    yield "softmax", lambda: (jagged_softmax_fwd_triton(x, off, N), jagged_softmax_bwd_triton(x, x, off, N))
+    yield "conversions", lambda: (jagged_to_padded_triton(x, off, N, 0.0), padded_to_jagged_triton(dense, off, T))
+    for is_mul in (False, True):
+        yield f"elementwise mul={is_mul}", lambda mul=is_mul: (
+            jagged_dense_elementwise_fwd_triton(x, off, dense, mul),
+            jagged_dense_elementwise_bwd_triton(x, off, x if mul else None, dense if mul else None, N))
+    yield "bmm", lambda: (jagged_dense_bmm_triton(x, off, w, N), jagged_jagged_bmm_triton(x, x, off, N))
 
 
 def main(argv=None) -> int:
@@ -153,8 +186,8 @@ def main(argv=None) -> int:
         for D in (int(x) for x in a.dims.split(",")):
             for label, thunk in _workloads(names[dt], D):
                 for fn, args, kwargs in _record(thunk):
-                    sig, const = _signature(fn, args, kwargs)
-                    key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted(const.items())),
+                    sig, const, attrs = _signature(fn, args, kwargs)
+                    key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted(const.items())), str(attrs),
                            kwargs.get("num_warps"), kwargs.get("num_stages"))
                     if key in seen:
                         continue
@@ -162,7 +195,7 @@ def main(argv=None) -> int:
                     opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
                     t0 = time.time()
                     try:
-                        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                                            target=target, options=opts)
                     except Exception as e:  # report and go on: the point is the full list
                         failures += 1

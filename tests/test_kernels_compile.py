@@ -146,8 +146,8 @@ def test_autocast_under_compile():
     torch.testing.assert_close(compiled, eager)
 
 
-def test_every_attention_kernel_compiles_for_sm90_without_a_gpu():
-    """`python -m kernels.gpu_check`: the launchers' real configurations (flash, dense and S2
+def test_every_kernel_compiles_for_sm90_without_a_gpu():
+    """`python -m kernels.gpu_check`: the launchers' real configurations (attention and row-wise
     kernels) through Triton's compiler to a Hopper cubin on this CPU machine (outside the
     interpreter, whose configurations differ)."""
     import os
@@ -161,6 +161,8 @@ def test_every_attention_kernel_compiles_for_sm90_without_a_gpu():
                           timeout=600)
     assert proc.returncode == 0 and " 0 failures" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     for kernel in ("_flash_fwd_kernel", "_flash_bwd_kernel", "_dense_fwd_kernel", "_dense_bwd_kernel",
-                   "_s2_fwd", "_s2_bwd_dq", "_s2_bwd_dkdv"):
+                   "_s2_fwd", "_s2_bwd_dq", "_s2_bwd_dkdv", "_jagged_softmax_fwd_kernel", "_jagged_softmax_bwd_kernel",
+                   "_jagged_to_padded_kernel", "_padded_to_jagged_kernel", "_jagged_dense_elementwise_fwd_kernel",
+                   "_jagged_dense_elementwise_bwd_kernel", "_jagged_dense_bmm_kernel", "_jagged_jagged_bmm_kernel"):
         assert f" {kernel} " in proc.stdout, kernel
     assert " dense split_dq bias=False _dense_bwd_kernel " in proc.stdout  # the SPLIT_DQ variant too

@@ -287,11 +287,15 @@ def test_small_tiles_every_path(op_name, case, device, monkeypatch):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_softmax_default_tiles_long_and_short(device):
-    # the shipped tile sizes: one batch with sequences for each of the three softmax paths
+    # the shipped tile sizes: one batch with sequences at both edges of every rung of the tile
+    # ladder (small, 2 * small, ..., big rows) and streamed ones
     from kernels._softmax_triton import SOFTMAX_CONFIG
 
     big, small = SOFTMAX_CONFIG["BLOCK_N"], SOFTMAX_CONFIG["SMALL_N"]
-    lengths = (big + 37, 2, small + 5, 0, 2 * big + 9, small)  # the 2 * big + 9 one is truncated
+    rungs = [small << k for k in range((big // small).bit_length())]
+    assert rungs[-1] == big
+    edges = [n for rows in rungs for n in (rows // 2 + 1, rows)]
+    lengths = (big + 37, 2, 0, *edges, 2 * big + 9)  # the 2 * big + 9 one is truncated
     case = Case("softmax_tiles", lengths, N=2 * big, D=20, M=16)
     check_op(_op_softmax(case, make_offsets(lengths, device), torch.float32, device))
 

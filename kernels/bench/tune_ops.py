@@ -48,11 +48,14 @@ DBMM = ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
 JBMM = ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages")
 ROW_TILES = [(64, 128, 4), (32, 128, 4), (128, 128, 4), (128, 128, 8)]
 CANDIDATES = {
-    "padded_to_jagged": (_conversions_triton.P2J_CONFIG, P2J, ROW_TILES),
+    "padded_to_jagged": (_conversions_triton.P2J_CONFIG, P2J, [(128, 128, 8), (64, 128, 4), (32, 128, 4),
+                                                                (256, 128, 8)]),
     "jagged_dense_elementwise_add": (_elementwise_triton.FWD_CONFIG, P2J, ROW_TILES),
     "jagged_dense_elementwise_mul": (_elementwise_triton.FWD_CONFIG, P2J, ROW_TILES),
+    # softmax: the shipped ladder (32-256 rows), the two-tile config it replaced (128, 256 rows),
+    # and wider column blocks with smaller tiles for short sequences
     "jagged_softmax": (_softmax_triton.SOFTMAX_CONFIG, SOFT,
-                       [(512, 128, 16, 8), (256, 256, 16, 4), (1024, 128, 8, 8), (256, 64, 32, 8)]),
+                       [(256, 32, 16, 4), (256, 128, 16, 4), (128, 16, 32, 4), (64, 16, 64, 4)]),
     "jagged_dense_bmm": (_bmm_triton.DENSE_BMM_CONFIGS[ES], DBMM,
                          [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 128, 8, 1),
                           (64, 64, 32, 4, 3)]),  # the last: the old tiles, on the new slot grid
