@@ -315,3 +315,32 @@ def test_compare_two_runs_of_ours(tmp_path, capsys):
     paths["same"].write_text(json.dumps(other))
     assert compare.main([str(paths["base"]), str(paths["same"])]) == 2
     assert "different GPUs" in capsys.readouterr().err
+
+
+def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_path, monkeypatch, capsys):
+    """--force FAMILY:KEY=VALUE: every launch of the family takes the keys during the run (the
+    launch-config A/B through the bench itself), the result file says so; bad specs exit 2."""
+    from kernels import _launch_configs
+    from kernels.bench import __main__ as bench_main
+
+    seen = []
+
+    def fake_run_kind(kind, suite, cfg, on_shape):
+        seen.append({f: dict(c) for f, c in _launch_configs._forced.items()})
+        return []
+
+    monkeypatch.setattr(bench_main, "run_kind", fake_run_kind)
+    out = tmp_path / "r.json"
+    argv = ["dense_attention", "--suite", "smoke", "--device", "cpu", "--out", str(out), "--warmup", "0", "--rep", "1",
+            "--no-report", "--force", "dense_bwd:SPLIT_DQ=0,M_KV=32", "--force", "softmax_fwd:SMALL_N=16"]
+    assert main(argv) == 0
+    assert seen == [{"dense_bwd": {"SPLIT_DQ": 0, "M_KV": 32}, "softmax_fwd": {"SMALL_N": 16}}]
+    assert _launch_configs._forced == {}  # given back after the run
+    doc = json.loads(out.read_text())
+    assert doc["config"]["force"] == {"dense_bwd": {"SPLIT_DQ": 0, "M_KV": 32}, "softmax_fwd": {"SMALL_N": 16}}
+    assert doc["stamp"]["launch_table"].endswith("+ forced dense_bwd SPLIT_DQ=0,M_KV=32; softmax_fwd SMALL_N=16")
+    for bad, words in (("nope:X=1", "unknown kernel family 'nope'"), ("dense_bwd:SPLIT=1", "'SPLIT=1' is not KEY=integer"),
+                       ("dense_bwd:SPLIT_DQ=yes", "is not KEY=integer"), ("dense_bwd", "no KEY=VALUE")):
+        with pytest.raises(SystemExit) as exc:
+            main(["dense_attention", "--device", "cpu", "--force", bad])
+        assert exc.value.code == 2 and words in capsys.readouterr().err

@@ -8,8 +8,11 @@
 # $OUT/tune_ops.log), bench_paper, bench_recsys_long, graph_paper (self-attention on the paper
 # suite, ours and varlen_attn, each row also as a CUDA-graph replay: the kernels' own time beside
 # the call's), bench_paper_hand (the paper suite with the hand rules, JFA_LAUNCH_TABLE=off, into
-# $OUT/hand: the run a launch table's is set against, `python -m kernels.bench.compare`);
-# default all but tune_ops, graph_paper and bench_paper_hand. One 10-minute
+# $OUT/hand: the run a launch table's is set against, `python -m kernels.bench.compare`),
+# target_ab (target attention on the paper suite against varlen_attn, call and CUDA-graph times,
+# with SPLIT_DQ as shipped into $OUT/bench and forced off into $OUT/nosplit: whether the Tq 1/16
+# fwd+bwd rows' 0.5 ms over the H100 run of 9940400 is host or kernel time, and SPLIT_DQ's share);
+# default all but tune_ops, graph_paper, bench_paper_hand and target_ab. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
 # workers; now one per core, at most 16 (TEST_WORKERS to change). GRAPH_MS=1: bench_paper and
 # bench_paper_hand also time every row as a CUDA-graph replay (the kernels' own time, what a launch
@@ -51,6 +54,14 @@ if [[ $PARTS == *" graph_paper "* ]]; then  # kernels alone vs call (host includ
   python3 -m kernels.bench attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/bench" \
     --commit "$GIT_COMMIT" --deadline-s "${GRAPH_DEADLINE:-200}" >> "$log" 2>&1
   echo "bench graph_paper rc=$?" | tee -a "$log"
+fi
+if [[ $PARTS == *" target_ab "* ]]; then
+  for variant in bench nosplit; do
+    force=(); [ $variant = nosplit ] && force=(--force dense_bwd:SPLIT_DQ=0)
+    python3 -m kernels.bench dense_attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/$variant" \
+      --commit "$GIT_COMMIT" "${force[@]}" --deadline-s "${AB_DEADLINE:-120}" >> "$log" 2>&1
+    echo "bench target_ab $variant rc=$?" | tee -a "$log"
+  done
 fi
 if [[ $PARTS == *" bench_recsys_long "* ]]; then
   python3 -m kernels.bench all --suite recsys,long --out "$OUT/bench" --commit "$GIT_COMMIT" \

@@ -5,11 +5,13 @@ Examples:
     python -m kernels.bench attention --suite recsys --providers varlen_attn   # ours vs one peer
     python -m kernels.bench all --suite smoke --device cpu --out /tmp/bench    # CPU, seconds
     python -m kernels.bench report --out experiments/results                   # tables + plots from JSON
+    python -m kernels.bench dense_attention --force dense_bwd:SPLIT_DQ=0      # a launch-config A/B
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -51,7 +53,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-report", action="store_true", help="write the JSON only")
     p.add_argument("--graph-ms", action="store_true",
                    help="also time every row as a CUDA-graph replay (the kernels alone, no host time): gpu_ms")
-    return p.parse_args(argv)
+    p.add_argument("--force", action="append", default=[], metavar="FAMILY:KEY=VALUE[,KEY=VALUE]",
+                   help="launch every kernel of FAMILY (e.g. dense_bwd) with these keys over its hand rule or "
+                        "table pick; repeatable; stamped into the results")
+    args = p.parse_args(argv)
+    try:
+        args.force = parse_force(args.force)
+    except ValueError as err:
+        p.error(str(err))
+    return args
+
+
+def parse_force(specs: list[str]) -> dict[str, dict[str, int]]:
+    """['dense_bwd:SPLIT_DQ=0,M_KV=32'] -> {'dense_bwd': {'SPLIT_DQ': 0, 'M_KV': 32}}; unknown
+    families and keys are refused with the known ones named."""
+    from kernels._launch_configs import FAMILIES
+    from kernels.bench.sweep_families import TUNABLE
+
+    out: dict[str, dict[str, int]] = {}
+    for spec in specs:
+        family, _, pairs = spec.partition(":")
+        if family not in FAMILIES:
+            raise ValueError(f"--force {spec}: unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+        for pair in filter(None, pairs.split(",")):
+            key, eq, value = pair.partition("=")
+            if not eq or key not in TUNABLE[family] or not value.lstrip("-").isdigit():
+                raise ValueError(f"--force {spec}: {pair!r} is not KEY=integer with KEY one of "
+                                 f"{', '.join(TUNABLE[family])}")
+            out.setdefault(family, {})[key] = int(value)
+        if family not in out:
+            raise ValueError(f"--force {spec}: no KEY=VALUE after {family}:")
+    return out
 
 
 def _paths(out: str, slug: str, what: str, suites: list[str]) -> tuple[str, str]:
@@ -108,6 +140,9 @@ def main(argv=None) -> int:
         graph_ms=args.graph_ms,
     )
     stamp = make_stamp(device, args.commit)
+    if args.force:
+        forced = "; ".join(f"{fam} " + ",".join(f"{k}={v}" for k, v in kv.items()) for fam, kv in args.force.items())
+        stamp["launch_table"] = f"{stamp['launch_table']} + forced {forced}"
     print(stamp_line(stamp), flush=True)
     ceilings = measure_ceilings(device, cfg.dtype, cfg.warmup_ms, cfg.rep_ms)
     print(
@@ -120,7 +155,7 @@ def main(argv=None) -> int:
     config = {
         "kinds": kinds, "suites": suites, "dtype": args.dtype, "modes": list(modes), "warmup_ms": cfg.warmup_ms,
         "rep_ms": cfg.rep_ms, "ours_backend": cfg.ours_backend, "max_shapes": args.max_shapes,
-        "providers": args.providers, "seed": args.seed, "graph_ms": args.graph_ms,
+        "providers": args.providers, "seed": args.seed, "graph_ms": args.graph_ms, "force": args.force,
         "argv": sys.argv[1:] if argv is None else list(argv),
     }
     rows: list[dict] = []
@@ -129,9 +164,14 @@ def main(argv=None) -> int:
         write_json(json_path, {"schema": SCHEMA, "stamp": stamp, "ceilings": ceilings, "config": config,
                                "rows": rows + partial, "wall_s": round(time.monotonic() - start, 1)})
 
-    for suite in suites:
-        for kind in kinds:
-            rows += run_kind(kind, suite, cfg, on_shape=save)
+    from kernels._launch_configs import forced
+
+    with contextlib.ExitStack() as stack:
+        for family, keys in args.force.items():
+            stack.enter_context(forced(family, keys))
+        for suite in suites:
+            for kind in kinds:
+                rows += run_kind(kind, suite, cfg, on_shape=save)
     save([])
     print(f"\nwrote {json_path} ({len(rows)} rows, {time.monotonic() - start:.0f} s)")
     print_summary(rows, ceilings)
