@@ -42,6 +42,14 @@ def _seq_cols(offsets_ptr, N, H, BLOCK_H: tl.constexpr):
     return begin, end, tl.minimum(end - begin, N), cols, cols < H
 
 
+@triton.jit
+def _on_rung(length, SMALL_N: tl.constexpr, k: tl.constexpr):
+    """Whether the single tile of SMALL_N << k rows is the smallest of the ladder that holds
+    `length` rows: length in (SMALL_N << k) // 2, SMALL_N << k], from 0 on the first rung."""
+    lo: tl.constexpr = 0 if k == 0 else (SMALL_N << k) // 2
+    return (length > lo) & (length <= (SMALL_N << k))
+
+
 # Forward, one tile: every row of the sequence at once. The column max m (-inf for a column of
 # only -inf, which then uses 0 as its shift to avoid inf - inf), s = sum(exp(x - m)), then
 # exp(x - m) / s from the registers: one read, one write.
@@ -103,11 +111,7 @@ def _jagged_softmax_fwd_kernel(
     begin, end, length, cols, col_ok = _seq_cols(offsets_ptr, N, H, BLOCK_H)
     args = (x_ptr, y_ptr, begin, length, cols, col_ok, stride_xt, stride_xh, stride_yt, stride_yh)
     for k in tl.static_range(RUNGS):  # the tile of SMALL_N << k rows: lengths in (its half, it]
-        if k == 0:
-            fits = length <= SMALL_N
-        else:
-            fits = (length > (SMALL_N << k) // 2) & (length <= (SMALL_N << k))
-        if fits:
+        if _on_rung(length, SMALL_N, k):
             _softmax_fwd_tile(*args, SMALL_N << k)
     if length > BLOCK_N:
         _softmax_fwd_stream(*args, BLOCK_N, BLOCK_H)
@@ -165,11 +169,7 @@ def _jagged_softmax_bwd_kernel(
     args = (g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
             stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh)
     for k in tl.static_range(RUNGS):  # as in the forward
-        if k == 0:
-            fits = length <= SMALL_N
-        else:
-            fits = (length > (SMALL_N << k) // 2) & (length <= (SMALL_N << k))
-        if fits:
+        if _on_rung(length, SMALL_N, k):
             _softmax_bwd_tile(*args, SMALL_N << k)
     if length > BLOCK_N:
         _softmax_bwd_stream(*args, BLOCK_N, BLOCK_H)
