@@ -42,6 +42,15 @@ def _style_x(ax, x_name: str, labels: list[str], extra_ticks: tuple[float, ...] 
     ax.grid(True, alpha=0.3)
 
 
+def _categories_first(ax, order: list[str]) -> dict:
+    """On a category axis, draw the categories in `order` before any series does (which fixes their
+    places); -> the series' line style: no line between unordered categories."""
+    if numeric(order) is not None:
+        return {}
+    ax.plot(order, [float("nan")] * len(order), alpha=0)
+    return {"linestyle": "none"}
+
+
 def _xs(labels: list[str], order: list[str]) -> list:
     """Plot positions: the numbers, or each category's index (`order` is plotted first, so a
     category axis places order[i] at i)."""
@@ -53,16 +62,12 @@ def _xs(labels: list[str], order: list[str]) -> list:
 ONE_SERIES = "measured"  # the label of a sweep without series axes (in a legend beside an oracle's lines)
 
 
-def series_groups(df: pl.DataFrame, x: str, series: list[str]) -> dict[str, pl.DataFrame]:
+def series_groups(df: pl.DataFrame, series: list[str]) -> dict[str, pl.DataFrame]:
     """Rows per series label ('attention=jagged', or ONE_SERIES without series axes), x in grid order."""
     if not series:
         return {ONE_SERIES: df}
     keys = df.select(series).unique(maintain_order=True).rows()
-    out = {}
-    for key in keys:
-        mask = pl.all_horizontal([pl.col(s) == v for s, v in zip(series, key)])
-        out["/".join(key)] = df.filter(mask)
-    return out
+    return {"/".join(key): df.filter(pl.all_horizontal([pl.col(s) == v for s, v in zip(series, key)])) for key in keys}
 
 
 def _finish(fig, ax_or_axes, title: str, subtitle: str, path: Path) -> Path:
@@ -103,8 +108,7 @@ def _points(rows: pl.DataFrame, x: str, order: list[str], metric: str, seeds: st
             vals = ok[metric].to_list()
             have.append((label, sum(vals) / len(vals), min(vals), max(vals), len(vals)))
         elif at.height:
-            bad = [s for s in at["status"].to_list() if s != "OK"]
-            missing.append((label, bad[0] if bad else "NO METRIC"))
+            missing.append((label, next((s for s in at["status"].to_list() if s != "OK"), "NO METRIC")))
         else:
             missing.append((label, "NOT RUN"))
     return have, missing
@@ -121,11 +125,8 @@ def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], met
         return seed_spread_plot(df, seeds, [s for s in series if s != seeds], metric, ylabel, title, path,
                                 subtitle)
     fig, ax = plt.subplots(figsize=(8, 4.6))
-    categorical = numeric(order) is None
-    if categorical:  # fix the category order before any series draws
-        ax.plot(order, [float("nan")] * len(order), alpha=0)
-    style = {"linestyle": "none"} if categorical else {}  # no line between unordered categories
-    for name, rows in series_groups(df, x, [s for s in series if s != seeds]).items():
+    style = _categories_first(ax, order)
+    for name, rows in series_groups(df, [s for s in series if s != seeds]).items():
         have, missing = _points(rows, x, order, metric, seeds)
         xs = _xs([h[0] for h in have], order)
         means = [h[1] for h in have]
@@ -151,10 +152,9 @@ def seed_spread_plot(df: pl.DataFrame, seeds: str, series: list[str], metric: st
     """One column per series: every seed's value as a dot, the mean as a bar from min to max;
     a series with a seed that has no number says so under its column."""
     fig, ax = plt.subplots(figsize=(8, 4.6))
-    groups = series_groups(df, seeds, series)
+    groups = series_groups(df, series)
     for i, (name, rows) in enumerate(groups.items()):
-        ok = rows.filter((pl.col("status") == "OK") & pl.col(metric).is_not_null())
-        vals = ok[metric].to_list()
+        vals = rows.filter((pl.col("status") == "OK") & pl.col(metric).is_not_null())[metric].to_list()
         color = f"C{i}"
         if vals:
             spread = [len(vals) - 1 and (j / (len(vals) - 1) - 0.5) * 0.3 for j in range(len(vals))]
@@ -183,11 +183,8 @@ def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], tit
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
     panels = (("throughput", f"speed-up: {baseline} examples/s / other's (x)\nabove 1: {baseline} faster"),
               ("memory", f"memory saving: other's peak / {baseline}'s (x)\nabove 1: {baseline} leaner"))
-    categorical = numeric(order) is None
-    style = {"linestyle": "none"} if categorical else {}  # no line between unordered categories
     for ax, (key, ylabel) in zip(axes, panels):
-        if categorical:
-            ax.plot(order, [float("nan")] * len(order), alpha=0)
+        style = _categories_first(ax, order)
         for name, r in ratios.items():
             other = name.split(" / ", 1)[-1]
             pts = [(xv, yv) for xv, yv in zip(r["x"], r[key]) if yv is not None]
@@ -245,7 +242,7 @@ def pareto_plot(df: pl.DataFrame, x: str, series: list[str], speed: str, path: P
         return None
     fig, ax = plt.subplots(figsize=(8, 4.6))
     markers = "osD^v<>P*h"
-    for i, (name, rows) in enumerate(series_groups(ok, x, [s for s in series if s != x]).items()):
+    for i, (name, rows) in enumerate(series_groups(ok, [s for s in series if s != x]).items()):
         (dots,) = ax.plot(rows[speed].to_list(), rows["test/auc"].to_list(), marker=markers[i % len(markers)],
                           linestyle="none", label=name)
         for sp, auc, label in zip(rows[speed].to_list(), rows["test/auc"].to_list(), rows[x].to_list()):

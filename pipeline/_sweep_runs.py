@@ -85,41 +85,30 @@ def child_runs(parent: Run) -> list[Run]:
 
 
 def run_status(run: Run) -> str:
-    tag = run.data.tags.get("status")
-    if tag:
-        return tag
-    return "OK" if run.info.status == "FINISHED" else run.info.status
+    return run.data.tags.get("status") or ("OK" if run.info.status == "FINISHED" else run.info.status)
 
 
 def runs_frame(runs: list[Run], axes: list[str]) -> pl.DataFrame:
     """One row per run: ids, status, axis labels (column = axis name), metrics, env tags."""
     metric_keys = sorted({k for r in runs for k in r.data.metrics} | set(METRICS))
-    cols: dict[str, list] = {k: [] for k in ("run_id", "run_name", "state", "status", "start_ms", "end_ms",
-                                             "config_hash", "point", "error", "parallel", "concurrent")}
-    cols.update({a: [] for a in axes})
-    cols.update({f"tag.{t}": [] for t in ENV_TAGS})
-    cols.update({m: [] for m in metric_keys})
+    rows = []
     for r in runs:
         tags = r.data.tags
-        cols["run_id"].append(r.info.run_id)
-        cols["run_name"].append(r.info.run_name)
-        cols["state"].append(r.info.status)
-        cols["status"].append(run_status(r))
-        cols["start_ms"].append(r.info.start_time)
-        cols["end_ms"].append(r.info.end_time)
-        cols["config_hash"].append(tags.get("sweep.config_hash") or r.info.run_id)
-        cols["point"].append(tags.get("sweep.point") or r.info.run_name)
-        cols["error"].append(tags.get("sweep.error"))
-        cols["parallel"].append(tags.get("sweep.parallel") or "1")  # runs sharing the device at once
-        cols["concurrent"].append(tags.get("sweep.concurrent_runs") or tags.get("sweep.parallel") or "1")  # on the host
-        for a in axes:
-            cols[a].append(tags.get(f"sweep.axis.{a}"))
-        for t in ENV_TAGS:
-            cols[f"tag.{t}"].append(tags.get(t))
-        for m in metric_keys:
-            cols[m].append(r.data.metrics.get(m))
-    schema = {k: (pl.Float64 if k in metric_keys else pl.Int64 if k.endswith("_ms") else pl.Utf8) for k in cols}
-    return pl.DataFrame(cols, schema=schema)
+        rows.append({
+            "run_id": r.info.run_id, "run_name": r.info.run_name, "state": r.info.status, "status": run_status(r),
+            "start_ms": r.info.start_time, "end_ms": r.info.end_time,
+            "config_hash": tags.get("sweep.config_hash") or r.info.run_id,
+            "point": tags.get("sweep.point") or r.info.run_name, "error": tags.get("sweep.error"),
+            "parallel": tags.get("sweep.parallel") or "1",  # runs sharing the device at once
+            "concurrent": tags.get("sweep.concurrent_runs") or tags.get("sweep.parallel") or "1",  # on the host
+            **{a: tags.get(f"sweep.axis.{a}") for a in axes},
+            **{f"tag.{t}": tags.get(t) for t in ENV_TAGS},
+            **{m: r.data.metrics.get(m) for m in metric_keys},
+        })
+    columns = ["run_id", "run_name", "state", "status", "start_ms", "end_ms", "config_hash", "point", "error",
+               "parallel", "concurrent", *axes, *(f"tag.{t}" for t in ENV_TAGS), *metric_keys]
+    schema = {k: (pl.Float64 if k in metric_keys else pl.Int64 if k.endswith("_ms") else pl.Utf8) for k in columns}
+    return pl.DataFrame(rows, schema=schema)
 
 
 def best_per_point(df: pl.DataFrame, key: str = "config_hash") -> pl.DataFrame:
@@ -133,11 +122,9 @@ def best_per_point(df: pl.DataFrame, key: str = "config_hash") -> pl.DataFrame:
 
 def sort_by_grid(df: pl.DataFrame, axes: dict[str, list[str]]) -> pl.DataFrame:
     """Rows in grid order (axes in file order, values in file order)."""
-    keys = []
-    for axis, labels in axes.items():
-        if axis in df.columns:
-            rank = {label: i for i, label in enumerate(labels)}
-            keys.append(pl.col(axis).replace_strict(rank, default=len(labels), return_dtype=pl.Int64))
+    keys = [pl.col(axis).replace_strict({label: i for i, label in enumerate(labels)}, default=len(labels),
+                                        return_dtype=pl.Int64)
+            for axis, labels in axes.items() if axis in df.columns]
     return df.sort(keys) if keys else df
 
 
@@ -145,11 +132,17 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def memory_metric(df: pl.DataFrame) -> tuple[str, str]:
+    """(metric, axis label) of peak memory: the GPU's where any run was on CUDA, else the process's RSS."""
+    if "cuda" in df["tag.accelerator"].to_list():
+        return "mem/train_peak_allocated_mb", "peak GPU memory allocated, training (MB)"
+    return "mem/peak_rss_mb", "peak process RSS (MB; CPU run)"
+
+
 def summary_rows(df: pl.DataFrame, axes: list[str]) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the summary: axis labels, status, quality, speed, memory, wall, run id."""
-    cuda = any(a == "cuda" for a in df["tag.accelerator"].to_list() if a)
-    shown = [k for k in METRICS if not (k == "mem/peak_rss_mb" and cuda) and not
-             (k == "mem/train_peak_allocated_mb" and not cuda)]
+    mem = memory_metric(df)[0]
+    shown = [k for k in METRICS if not k.startswith("mem/") or k == mem]
     header = [*axes, "status", *(METRICS[k][0] for k in shown), "run"]
     rows = []
     for row in df.iter_rows(named=True):

@@ -186,8 +186,7 @@ def _dataset(spec: Any, data_root: Path, where: str) -> Dataset:
     preset = spec.pop("preset", None)
     if preset is None:
         raise ConfigError(f"{where}: a dataset needs `preset` (tiny|small|paper) or `dir`")
-    name = spec.pop("name", None)
-    seed = spec.pop("seed", None)
+    name, seed = spec.pop("name", None), spec.pop("seed", None)
     if spec and name is None:
         raise ConfigError(f"{where}: a dataset with data_gen overrides ({sorted(spec)}) needs a `name`")
     return Dataset(dir=(data_root / str(name or preset)).resolve(), preset=str(preset),
@@ -205,11 +204,10 @@ def _axes(grid: Any) -> list[tuple[str, list[tuple[str, dict[str, Any]]]]]:
             points = [(_label(v), {str(key): v}) for v in values]
         elif isinstance(values, dict):  # a named axis
             axis = str(key)
-            points = []
             for label, over in values.items():
                 if not isinstance(over, dict):
                     raise ConfigError(f"grid.{key}.{label}: a named value is a mapping of overrides, got {over!r}")
-                points.append((_label(label), dict(over)))
+            points = [(_label(label), dict(over)) for label, over in values.items()]
         else:
             raise ConfigError(f"grid.{key}: a list of values or a mapping label -> overrides, got {values!r}")
         if not points:
@@ -292,9 +290,12 @@ def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | Non
         if "data.data_dir" in over:
             raise ConfigError(f"{path}: set the data with `dataset` (or --data), not data.data_dir")
         points.append(Point(labels, over, dataset))
+    if not points:
+        raise ConfigError(f"{path}: `exclude` leaves no point of the grid to run")
+    names = [axis for axis, _ in axes]
     for key in ("x", "series", "seeds"):
-        if report.get(key) and report[key] not in labels:
-            raise ConfigError(f"{path}: report.{key} {report[key]!r} is not an axis ({list(labels)})")
+        if report.get(key) and report[key] not in names:
+            raise ConfigError(f"{path}: report.{key} {report[key]!r} is not an axis ({names})")
     _check_targets(path, report, points)
     _check_recovery(path, report, points)
     return Ablation(
@@ -356,6 +357,4 @@ def _check_targets(path: Path, report: dict, points: list) -> None:
 
 def cli_value(value: Any) -> str:
     """A config value as one `--key value` argument that jsonargparse reads back the same."""
-    if isinstance(value, str):
-        return value
-    return json.dumps(value)
+    return value if isinstance(value, str) else json.dumps(value)

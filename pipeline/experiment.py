@@ -36,12 +36,11 @@ from models import ATTENTIONS
 from pipeline import _sweep_runs as runs_
 from pipeline import sweep
 from pipeline._proc import sigterm_as_interrupt
-from pipeline._sweep_spec import expand, read
+from pipeline._sweep_spec import CONFIGS, expand, read
 from pipeline.comparison import parent_url
 from pipeline.errors import ConfigError, command
 from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
 
-CONFIGS = REPO_ROOT / "experiments" / "configs"
 MAIN = REPO_ROOT / "experiments" / "ablations" / "main.yaml"
 EXPERIMENT = "main-job"
 
@@ -146,8 +145,8 @@ def report(args, results, parent, meta: dict, env: dict, total_s: float) -> tupl
 @command
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
-    argv = argv[: argv.index("--")] if "--" in argv else argv
+    cut = argv.index("--") if "--" in argv else len(argv)
+    argv, extra = argv[:cut], argv[cut + 1 :]
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.experiment", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="small", help="experiments/configs/<preset>.yaml (tiny, small, paper)")
     p.add_argument("--data", default=None, help="data directory (default: data/<preset>)")

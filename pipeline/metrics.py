@@ -23,20 +23,26 @@ from torchmetrics.utilities import dim_zero_cat
 log = logging.getLogger(__name__)
 
 
-class LogLoss(Metric):
+class _Float64Sums(Metric):
+    """A metric whose states are the float64 sums named in ``sums``, reduced by summation."""
+
     is_differentiable = False
-    higher_is_better = False
     full_state_update = False
+    sums: tuple[str, ...] = ()
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.add_state("loss_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("count", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        for name in self.sums:
+            self.add_state(name, torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+
+class LogLoss(_Float64Sums):
+    higher_is_better = False
+    sums = ("loss_sum", "count")
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
         """logits [N] (any float), target [N] in {0, 1}."""
-        loss = F.binary_cross_entropy_with_logits(logits.double(), target.double(), reduction="sum")
-        self.loss_sum += loss
+        self.loss_sum += F.binary_cross_entropy_with_logits(logits.double(), target.double(), reduction="sum")
         self.count += target.numel()
 
     def compute(self) -> torch.Tensor:
@@ -60,15 +66,9 @@ class NormalizedEntropy(LogLoss):
         return super().compute() / self.base_entropy
 
 
-class Calibration(Metric):
-    is_differentiable = False
+class Calibration(_Float64Sums):
     higher_is_better = None
-    full_state_update = False
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.add_state("pred_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("label_sum", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+    sums = ("pred_sum", "label_sum")
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
         self.pred_sum += torch.sigmoid(logits.double()).sum()

@@ -65,24 +65,10 @@ class _BuildCLI(RankerCLI):
         return None
 
 
-def build(cli_args: list[str]):
-    """(module, datamodule, config) as ``python -m pipeline fit <cli_args>`` would build them."""
-    cli = _BuildCLI(args=cli_args, run=False)
-    return cli.model, cli.datamodule, cli.config
-
-
 def first_batch(dm) -> dict:
     """The first training batch of epoch 0, as the training loader yields it."""
     dm.setup("fit")
-    loader = dm.train_dataloader()
-    it = iter(loader)
-    batch = next(it)
-    del it, loader
-    return batch
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return next(iter(dm.train_dataloader()))
 
 
 def autocast_for(precision, device: torch.device):
@@ -99,7 +85,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(module, opt, batch: dict, amp, device) -> None:
+def train_step(module, opt, batch: dict, amp) -> None:
     """One eager step as training runs it: forward + loss, backward, the gradients as the
     optimizer takes them (``model.embedding_grad``), optimizer step."""
     opt.zero_grad(set_to_none=True)
@@ -132,10 +118,6 @@ def graphed_step_ms(module, opt, batch: dict, cfg, device, steps: int) -> float:
     return 1e3 * (time.perf_counter() - t0) / steps
 
 
-def _is_backward(evt) -> bool:
-    return getattr(evt, "scope", 0) == _BACKWARD_SCOPE
-
-
 def _descendants(evt):
     for ch in evt.cpu_children:
         yield ch
@@ -160,7 +142,8 @@ def attention_times(events, cuda: bool) -> dict:
     links = {(d.sequence_nr, d.thread) for r in ranges for d in _descendants(r) if d.sequence_nr >= 0}
     bwd_events = [
         e for e in cpu_events
-        if _is_backward(e) and e.fwd_thread is not None and (e.sequence_nr, e.fwd_thread) in links
+        if getattr(e, "scope", 0) == _BACKWARD_SCOPE
+        and e.fwd_thread is not None and (e.sequence_nr, e.fwd_thread) in links
     ]
     chosen = {id(e) for e in bwd_events}
     top = [e for e in bwd_events if not _has_ancestor(e, chosen)]  # no double counting of nesting
@@ -187,13 +170,14 @@ def top_ops(prof, cuda: bool, n: int) -> list[tuple[str, float]]:
 def profile_layout(attention: str, configs: list[str], extra: list[str], steps: int, warmup: int,
                    batches: dict, n_top: int) -> dict:
     args = [a for c in configs for a in ("--config", c)] + extra + ["--model.ranker.attention", attention]
-    module, dm, cfg = build(args)
+    cli = _BuildCLI(args=args, run=False)  # as `python -m pipeline fit <args>` would build them
+    module, dm, cfg = cli.model, cli.datamodule, cli.config
     accel = str(cfg.trainer.accelerator)
     device = torch.device("cuda" if torch.cuda.is_available() and accel in ("auto", "gpu", "cuda") else "cpu")
     key = (str(dm.data_dir), dm.batch_size, dm.max_seq_len, dm.seed)
     if key not in batches:  # every layout reads the same batch
         batches[key] = first_batch(dm)
-    batch = to_device(batches[key], device)
+    batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batches[key].items()}
     module = module.to(device).train()
     if module.compile_model:  # record_function ranges do not survive torch.compile
         print(f"note: {attention}: model.compile_model is ignored; the eager step is profiled", file=sys.stderr)
@@ -204,19 +188,19 @@ def profile_layout(attention: str, configs: list[str], extra: list[str], steps: 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(warmup):
-        train_step(module, opt, batch, amp, device)
+        train_step(module, opt, batch, amp)
     _sync(device)
     plain, launch = [], []
     for _ in range(steps):  # step time without the profiler's overhead
         t0 = time.perf_counter()
-        train_step(module, opt, batch, amp, device)
+        train_step(module, opt, batch, amp)
         t1 = time.perf_counter()  # the host is done: what is left is the GPU's queue
         _sync(device)
         plain.append(time.perf_counter() - t0)
         launch.append(t1 - t0)
     t0 = time.perf_counter()
     for _ in range(steps):  # back to back, as training runs: host and GPU overlap
-        train_step(module, opt, batch, amp, device)
+        train_step(module, opt, batch, amp)
     _sync(device)
     chained_s = (time.perf_counter() - t0) / steps
     graph_ms = graphed_step_ms(module, opt, batch, cfg, device, steps) if module.cuda_graphs and cuda else None
@@ -224,7 +208,7 @@ def profile_layout(attention: str, configs: list[str], extra: list[str], steps: 
     with profile(activities=activities) as prof:
         for _ in range(steps):
             with record_function(_STEP_RANGE):
-                train_step(module, opt, batch, amp, device)
+                train_step(module, opt, batch, amp)
                 _sync(device)
     events = prof.events()
     times = attention_times(events, cuda)

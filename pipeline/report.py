@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import mlflow
@@ -55,12 +56,6 @@ def load_frame(parent: Run) -> tuple[pl.DataFrame, dict[str, list[str]]]:
     return runs_.sort_by_grid(runs_.best_per_point(df), axes), axes
 
 
-def memory_metric(df: pl.DataFrame) -> tuple[str, str]:
-    if "cuda" in df["tag.accelerator"].to_list():
-        return "mem/train_peak_allocated_mb", "peak GPU memory allocated, training (MB)"
-    return "mem/peak_rss_mb", "peak process RSS (MB; CPU run)"
-
-
 def ratios(df: pl.DataFrame, axes: list[str], series: str, baseline: str, mem: str) -> dict[str, dict[str, list]]:
     """Baseline over each other series value, matched on every other axis: throughput and memory."""
     others = [a for a in axes if a != series]
@@ -87,23 +82,34 @@ def _div(a, b):
     return a / b if a is not None and b else None
 
 
+def _values(df: pl.DataFrame, col: str) -> list:
+    """The column's distinct values that are set, in first-seen order."""
+    return [v for v in dict.fromkeys(df[col].to_list()) if v]
+
+
 def _distinct(df: pl.DataFrame, col: str) -> str:
-    values = [v for v in dict.fromkeys(df[col].to_list()) if v]
-    return ", ".join(f"`{v}`" for v in values) or "-"
+    return ", ".join(f"`{v}`" for v in _values(df, col)) or "-"
+
+
+def _environment(df: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[str, str]]]:
+    """The runs whose tags describe the sweep (the finished ones, every run where none finished),
+    and their data sets as (digest, directory name)."""
+    ok = df.filter(pl.col("status") == "OK")
+    env = ok if ok.height else df
+    pairs = dict.fromkeys(zip(env["tag.data_digest"].to_list(), env["tag.data_dir"].to_list()))
+    return env, [(d, Path(p).name if p else "?") for d, p in pairs if d]
 
 
 def header_lines(parent: Run, df: pl.DataFrame, commit: str | None, stop: str = "") -> list[str]:
     """The report's head; `stop`: early_stopping_words of the parent, '' for none."""
     tags = parent.data.tags
     name = tags.get("sweep.name", parent.info.run_name)
-    counts = {s: df["status"].to_list().count(s) for s in dict.fromkeys(df["status"].to_list())}
+    counts = Counter(df["status"].to_list())
     commits = _distinct(df, "tag.git_commit")
     if commit and commits in ("-", "`unknown`"):
         commits = f"`{commit}` (given to the report; the runs recorded {commits})"
-    ok = df.filter(pl.col("status") == "OK")
-    env = ok if ok.height else df
-    data = ", ".join(f"`{d}` ({Path(p).name if p else '?'})" for d, p in
-                     dict.fromkeys(zip(env["tag.data_digest"].to_list(), env["tag.data_dir"].to_list())) if d)
+    env, data_sets = _environment(df)
+    data = ", ".join(f"`{d}` ({folder})" for d, folder in data_sets)
     return [
         f"# Ablation `{name}`", "", tags.get("sweep.description", ""), "",
         f"- MLflow: parent run `{parent.info.run_id}` ({parent.info.status}), experiment id "
@@ -122,18 +128,16 @@ def header_lines(parent: Run, df: pl.DataFrame, commit: str | None, stop: str = 
         "",
         "Throughput is over steady-state training steps (warm-up and validation excluded); tokens are "
         "real history items. Wall time is the whole run's process (start-up and data loading included).",
-        *shared_device_note(ok if ok.height else df),
+        *shared_device_note(env),
     ]
 
 
 def plot_subtitle(parent: Run, df: pl.DataFrame, stop: str = "") -> str:
     """What every plot's numbers depend on: device, data, budget (`stop`: early_stopping_words), commit."""
-    env = df.filter(pl.col("status") == "OK")
-    env = env if env.height else df
-    device = ", ".join(v for v in dict.fromkeys(env["tag.device"].to_list()) if v) or "?"
-    data = ", ".join(f"{Path(p).name if p else '?'} ({d[:8]})" for d, p in
-                     dict.fromkeys(zip(env["tag.data_digest"].to_list(), env["tag.data_dir"].to_list())) if d) or "?"
-    commits = ", ".join(str(v)[:12] for v in dict.fromkeys(env["tag.git_commit"].to_list()) if v) or "?"
+    env, data_sets = _environment(df)
+    device = ", ".join(_values(env, "tag.device")) or "?"
+    data = ", ".join(f"{folder} ({d[:8]})" for d, folder in data_sets) or "?"
+    commits = ", ".join(str(v)[:12] for v in _values(env, "tag.git_commit")) or "?"
     budget = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in json.loads(parent.data.tags.get("sweep.set") or "{}").items()
                        if any(w in k for w in ("max_steps", "limit_train", "max_epochs", "batch_size", "warmup")))
     budget = ", ".join(w for w in (stop, budget) if w)
@@ -167,18 +171,18 @@ def shared_device_note(df: pl.DataFrame) -> list[str]:
     """A warning when runs shared the device (`pipeline.sweep --parallel`), a note when they ran
     at once on GPUs of their own (`--gpus 0,1`)."""
     shared = sorted({int(p) for p in df["parallel"].to_list() if p and int(p) > 1})
-    alone = df.filter(pl.col("parallel") == "1") if "concurrent" in df.columns else df.clear()
-    side = sorted({int(c) for c in alone["concurrent"].to_list() if c and int(c) > 1})
+    alone = df.filter(pl.col("parallel") == "1") if "concurrent" in df.columns else None  # older runs.csv
+    side = [] if alone is None else sorted({int(c) for c in alone["concurrent"].to_list() if c and int(c) > 1})
     lines = [] if not side else [
         "", f"{alone.filter(pl.col('concurrent') != '1').height} runs had a GPU to themselves while up to "
             f"{max(side)} runs went at once on different GPUs of one host (`pipeline.sweep --gpus`), each "
             "pinned to its own share of the CPU cores."]
-    if not shared:
-        return lines
-    return [*lines, "", f"**{df.filter(pl.col('parallel') != '1').height} of these runs shared the GPU with other runs "
-                f"(`--parallel {', '.join(map(str, shared))}`): their throughput and wall time are not "
-                "comparable with runs that had the device alone; peak memory is per process and accuracy "
-                "does not depend on it.**"]
+    if shared:
+        lines += ["", f"**{df.filter(pl.col('parallel') != '1').height} of these runs shared the GPU with other runs "
+                  f"(`--parallel {', '.join(map(str, shared))}`): their throughput and wall time are not "
+                  "comparable with runs that had the device alone; peak memory is per process and accuracy "
+                  "does not depend on it.**"]
+    return lines
 
 
 def ratio_section(rat: dict[str, dict[str, list]], x: str) -> list[str]:
@@ -215,14 +219,17 @@ def with_whole_window(oracle: dict | None, longest: int | None) -> dict | None:
     return {f"auc_recent_{int(longest)}": oracle["auc"], **oracle, "longest_history": int(longest)}
 
 
+def _holds_longest(oracle: dict, k) -> bool:
+    """Whether the last k items hold the split's longest history (the oracle then sees every item)."""
+    longest = oracle.get("longest_history")
+    return longest is not None and str(k).isdigit() and int(k) >= longest
+
+
 def oracle_at(oracle: dict, k) -> float | None:
     """The oracle's AUC from the last k items: meta.json's figure, or the full history's where k
     is at least the longest history."""
     value = oracle.get(f"auc_recent_{k}")
-    longest = oracle.get("longest_history")
-    if value is None and longest is not None and str(k).isdigit() and int(k) >= longest:
-        value = oracle.get("auc")
-    return value
+    return oracle.get("auc") if value is None and _holds_longest(oracle, k) else value
 
 
 def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = ()) -> list[str]:
@@ -235,8 +242,8 @@ def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (
         lines.append("| " + " | ".join([*(str(row[s]) for s in series), str(row[x]),
                                         runs_.fmt(row.get("test/auc"), ".4f"),
                                         runs_.fmt(oracle_at(oracle, row[x]), ".4f")]) + " |")
-    longest = oracle.get("longest_history")
-    if longest is not None and any(str(k).isdigit() and int(k) >= longest for k in df[x].to_list()):
+    if any(_holds_longest(oracle, k) for k in df[x].to_list()):
+        longest = oracle["longest_history"]
         lines += ["", f"The longest test history has {longest} items: from the last {longest} or more, the "
                   "oracle sees every item, and its AUC is the full history's."]
     return lines
@@ -253,13 +260,9 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
              "", "| point | measured | target | result |", "|---|---|---|---|"]
     for t in targets:
         at = {a: str(v) for a, v in (t.get("at") or {}).items()}
-        rows = {}
-        for value in (base, str(t["vs"])):
-            hit = df.filter(pl.col(ser) == value)
-            for a, v in at.items():
-                hit = hit.filter(pl.col(a) == v)
-            rows[value] = _mean_row(hit) if seeds else hit.row(0, named=True) if hit.height else None
-        b, o = rows[base], rows[str(t["vs"])]
+        hits = [df.filter(pl.col(ser) == value, *(pl.col(a) == v for a, v in at.items()))
+                for value in (base, str(t["vs"]))]
+        b, o = (_mean_row(hit) if seeds else hit.row(0, named=True) if hit.height else None for hit in hits)
         where = ", ".join(f"{a}={v}" for a, v in at.items())
         point = f"{where}: {base} vs {t['vs']}" if where else f"{base} vs {t['vs']}"
         if b is None or o is None or b["status"] != "OK" or o["status"] != "OK":
@@ -312,8 +315,7 @@ def recovery_section(df: pl.DataFrame, x: str, spec: dict, mem: str, out: Path |
         ok = (share is not None and share >= rec["min_share"] and cost is not None and memory is not None
               and cost < rec["max_cost_ratio"] and memory < rec["max_cost_ratio"])
         lines.append(f"| {name} | {c['test/auc']:.4f} | {c['test/auc'] - low['test/auc']:+.4f} | {runs_.fmt(share, '.2f')} | "
-                     f"{runs_.fmt(cost, '.2f')}x | "
-                     f"{runs_.fmt(memory, '.2f')}x | {'PASS' if ok else 'MISS'} |")
+                     f"{runs_.fmt(cost, '.2f')}x | {runs_.fmt(memory, '.2f')}x | {'PASS' if ok else 'MISS'} |")
     if gain <= 0:
         lines += ["", f"No gain from `{rec['low']}` to `{rec['high']}` at this budget: no share to recover."]
     encoder = out / "encoder.json" if out is not None else None
@@ -331,8 +333,7 @@ def _mean_row(runs: pl.DataFrame) -> dict | None:
     """One row standing for several seeds of a point: metric means; status OK only if all are."""
     if runs.height == 0:
         return None
-    bad = [s for s in runs["status"].to_list() if s != "OK"]
-    row = {"status": bad[0] if bad else "OK"}
+    row = {"status": next((s for s in runs["status"].to_list() if s != "OK"), "OK")}
     for col in (THROUGHPUT, "test/auc", "mem/train_peak_allocated_mb", "mem/peak_rss_mb"):
         row[col] = runs[col].mean() if col in runs.columns and runs[col].null_count() < runs.height else None
     return row
@@ -440,9 +441,10 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     x = spec.get("x") or names[-1]
     series = [a for a in names if a != x]
     order = axes.get(x, [])
-    out = out_root / parent.data.tags.get("sweep.name", parent.info.run_name)
+    name = parent.data.tags.get("sweep.name", parent.info.run_name)
+    out = out_root / name
     out.mkdir(parents=True, exist_ok=True)
-    mem, mem_label = memory_metric(df)
+    mem, mem_label = runs_.memory_metric(df)
     header, rows = runs_.summary_rows(df, names)
     stop = early_stopping_words(parent)
     lines = [*header_lines(parent, df, commit, stop), "", "## Runs", "", runs_.markdown_table(header, rows)]
@@ -462,7 +464,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
         if x not in (ser, seeds):  # no x to draw the ratios against: the series alone, or seeds (table only)
             made.append(plots.ratio_plot(rat, x, order, f"{base} against the other {ser} values",
                                          out / "speedup.png", baseline=base, subtitle=sub))
-    lines += seeds_section(df, spec.get("seeds"), names)
+    lines += seeds_section(df, seeds, names)
     lines += convergence_section(client, df, names, float(spec.get("converged_within", 0.002)))
     lines += targets_section(df, spec, mem)
     lines += recovery_section(df, x, spec, mem, out)
@@ -483,7 +485,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     if log:
         for path in [out / "report.md", out / "runs.csv", *made]:
             client.log_artifact(parent.info.run_id, str(path), artifact_path="report")
-        title = f"{parent.data.tags.get('sweep.name', parent.info.run_name)}: {parent.data.tags.get('sweep.description', '')}"
+        title = f"{name}: {parent.data.tags.get('sweep.description', '')}"
         log_comparison(client, parent, df, names, ser if ser in names else None, rat,
                        [a for a in ratio_axes if a != ser], (header, rows), title.strip().rstrip(":"))
     return out

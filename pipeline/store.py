@@ -45,7 +45,8 @@ def shown(uri: str) -> str:
 def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
     """Raise ConfigError, saying what to do, if runs cannot be recorded at `uri`."""
     if uri.startswith(("http://", "https://")):
-        bound_http_requests()
+        for key, value in HTTP_BOUNDS.items():
+            os.environ.setdefault(key, value)
         _check_server(uri.rstrip("/"), timeout_s)
     elif uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
@@ -61,11 +62,6 @@ def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
         )
     else:
         open_store(uri)
-
-
-def bound_http_requests() -> None:
-    for key, value in HTTP_BOUNDS.items():
-        os.environ.setdefault(key, value)
 
 
 def open_store(uri: str) -> None:

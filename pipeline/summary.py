@@ -27,6 +27,7 @@ import json
 import math
 import re
 import sys
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def current_targets(name: str, runs_csv: Path) -> list[list[str]] | None:
     """The ablation file's targets as they stand now, judged on the committed runs.csv by the
     report's own function (so a target changed since the report was written is judged as the file
     states it); None where runs.csv lacks what they need (the report's table is quoted then)."""
-    from pipeline.report import memory_metric, targets_section
+    from pipeline._sweep_runs import memory_metric
+    from pipeline.report import targets_section
 
     spec = yaml.safe_load((ABLATIONS / f"{name}.yaml").read_text()) or {}
     rep = spec.get("report") or {}
@@ -118,19 +120,16 @@ def current_targets(name: str, runs_csv: Path) -> list[list[str]] | None:
 def ablation_status(results: Path) -> list[dict]:
     out = []
     for name in EXPECTED + BEYOND:
-        report = results / name / "report.md"
-        if not report.is_file() and name in BEYOND:
-            continue
+        report, csv = results / name / "report.md", results / name / "runs.csv"
         if not report.is_file():
-            out.append({"name": name, "ran": False})
+            if name not in BEYOND:
+                out.append({"name": name, "ran": False})
             continue
         md = report.read_text()
-        runs = pl.read_csv(results / name / "runs.csv", infer_schema_length=0) if (results / name / "runs.csv").is_file() \
-            else pl.DataFrame({"status": []})
-        statuses = runs["status"].to_list()
-        counts = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(
-            "OK" if s == "OK" else s.split(":")[0] for s in statuses))
-        written, now = _table_rows(md, "Targets"), current_targets(name, results / name / "runs.csv")
+        runs = pl.read_csv(csv, infer_schema_length=0) if csv.is_file() else pl.DataFrame({"status": []})
+        statuses = Counter(s.split(":")[0] for s in runs["status"].to_list())  # "FAILED: why" counts as FAILED
+        counts = ", ".join(f"{n} {s}" for s, n in statuses.items())
+        written, now = _table_rows(md, "Targets"), current_targets(name, csv)
         out.append({"name": name, "ran": True, "device": (_header_value(md, "device") or "?").split(";")[0].strip("`"),
                     "commit": _header_value(md, "git commit") or "?", "points": counts or "none",
                     "budget": budget_state(name, md), "targets": written if now is None else now,

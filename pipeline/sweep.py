@@ -42,6 +42,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -299,8 +300,9 @@ class Sweep:
         previous = self.previous()
         print(f"ablation {self.abl.name}: {len(self.abl.points)} points, parent "
               f"{self.parent.info.run_id if self.parent else '(new)'}, tracking {tracking_uri()}")
-        invalid = self.invalid_points(self.selected())
-        for i, point in enumerate(self.selected()):
+        points = self.selected()
+        invalid = self.invalid_points(points)
+        for i, point in enumerate(points):
             digest = point.dataset.digest()
             h = self.abl.config_hash(point, digest)
             done = self.done_status(previous.get(h, []))
@@ -317,12 +319,8 @@ class Sweep:
         """Point name -> why `pipeline fit` would refuse its arguments (a value's type, a key)."""
         from pipeline.argcheck import fit_args_error
 
-        out = {}
-        for point in points:
-            error = fit_args_error(fit_command(self.abl, point, "<parent>")[len(FIT_COMMAND):])
-            if error:
-                out[point.name] = error
-        return out
+        errors = {p.name: fit_args_error(fit_command(self.abl, p, "<parent>")[len(FIT_COMMAND):]) for p in points}
+        return {name: error for name, error in errors.items() if error}
 
     def run(self) -> int:
         invalid = self.invalid_points(self.selected())
@@ -364,8 +362,7 @@ class Sweep:
             with self._lock:  # two points may share a data set: generate it once
                 digest = point.dataset.ensure()
         except ConfigError as err:
-            h = self.abl.config_hash(point, None)
-            self.hashes[point.name] = h
+            h = self.hashes[point.name] = self.abl.config_hash(point, None)
             print(f"{head}: FAILED before starting: {err}", file=sys.stderr)
             self.record(point, h, None, "FAILED", str(err), str(err), None)
             return "FAILED"
@@ -404,19 +401,18 @@ class Sweep:
         self.client.log_text(parent_id, runs_.markdown_table(header, rows) + "\n", "summary.md")
         self.client.log_text(parent_id, "\n".join(",".join(f'"{c}"' for c in r) for r in [header, *rows]) + "\n",
                              "summary.csv")
-        counts = {s: list(results.values()).count(s) for s in dict.fromkeys(results.values())}
+        counts = Counter(results.values())
         bad = any(s not in ("OK", "OOM") for s in results.values())
         self.client.set_terminated(parent_id, "KILLED" if "NOT RUN" in counts else "FAILED" if bad else "FINISHED")
         compare = self.compare_url = comparison_on_parent(self.client, parent_id,
                                                           [r[-1] for r in rows if len(r[-1]) == 32])
-        if self.quiet:
-            return 1 if bad else 0
-        print(f"\n{runs_.text_table(header, rows)}\n")
-        print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
-        print(f"MLflow: {tracking_uri()}, experiment '{self.abl.experiment}', parent run {parent_id}")
-        print(f"  in `make ui`: http://127.0.0.1:5000/{parent_url(self.experiment_id, parent_id)} (the comparison), "
-              f"http://127.0.0.1:5000/{compare} (side by side)")
-        print(f"report: python -m pipeline.report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
+        if not self.quiet:
+            print(f"\n{runs_.text_table(header, rows)}\n")
+            print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+            print(f"MLflow: {tracking_uri()}, experiment '{self.abl.experiment}', parent run {parent_id}")
+            print(f"  in `make ui`: http://127.0.0.1:5000/{parent_url(self.experiment_id, parent_id)} "
+                  f"(the comparison), http://127.0.0.1:5000/{compare} (side by side)")
+            print(f"report: python -m pipeline.report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
         return 1 if bad else 0
 
     def summary(self, parent_id: str) -> tuple[list[str], list[list[str]]]:
@@ -426,11 +422,8 @@ class Sweep:
         df = runs_.best_per_point(df.filter(df["config_hash"].is_in(list(self.hashes.values()))))
         header, rows = runs_.summary_rows(runs_.sort_by_grid(df, runs_.parent_axes(self.parent)), self.abl.axes)
         by_point = {tuple(r[: len(self.abl.axes)]): r for r in rows}
-        out = []
-        for point in self.abl.points:
-            key = tuple(point.labels[a] for a in self.abl.axes)
-            out.append(by_point.get(key) or [*key, "not run", *("-" for _ in header[len(key) + 1:])])
-        return header, out
+        keys = [tuple(point.labels[a] for a in self.abl.axes) for point in self.abl.points]
+        return header, [by_point.get(key) or [*key, "not run", *("-" for _ in header[len(key) + 1:])] for key in keys]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

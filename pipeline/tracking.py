@@ -172,13 +172,12 @@ def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: boo
     A resumed run keeps its original params (MLflow forbids changing them); the config it was
     resumed with is added as ``config_resumed.yaml``.
     """
-    params = flatten(config)
     with tempfile.TemporaryDirectory() as tmp:
         name = "config_resumed.yaml" if resumed else "config.yaml"
         (Path(tmp) / name).write_text(config_yaml)
         mlflow.log_artifact(str(Path(tmp) / name))
     if not resumed:
-        items = list(params.items())
+        items = list(flatten(config).items())
         for i in range(0, len(items), 100):
             mlflow.log_params({k: v[:6000] for k, v in items[i : i + 100]})
         mlflow.log_artifact(str(meta_path), artifact_path="data")

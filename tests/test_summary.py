@@ -164,3 +164,12 @@ def test_history_and_architecture_sections_read_their_reports(tmp_path):
     assert "highest at max_seq_len 1024 (0.7300), +0.0300 over 64; at 4096 it is -0.0050 against that" in text
     assert "(the oracle's own gain there: +0.0100)" in text
     assert "| layers_0 | OK | 0.7600 | +0.0100 |" in text and "| dim_256 | FAILED | - | - |" in text
+
+
+def test_the_points_column_counts_failed_runs_whatever_their_reason(tmp_path):
+    current = __import__("yaml").safe_load((summary.ABLATIONS / "batch_size.yaml").read_text())["set"]
+    root = _results(tmp_path, current)
+    (root / "batch_size" / "runs.csv").write_text(
+        "status,batch_size,attention\nOK,512,jagged\nFAILED: exit 1,512,sdpa\nFAILED: killed,512,dense\n")
+    (row,) = [r for r in summary.ablation_status(root) if r["name"] == "batch_size"]
+    assert row["points"] == "1 OK, 2 FAILED"

@@ -172,6 +172,7 @@ def test_excluded_points_are_not_run(tmp_path):
     ({"exclude": {"max_seq_len": "16"}}, "must be a list"),
     ({"exclude": [{"max_seq_len": "999"}]}, r"exclude\[0\]: max_seq_len=\['999'\] is not on the grid"),
     ({"exclude": [{"nope": "16"}]}, "is not on the grid"),
+    ({"exclude": [{"max_seq_len": ["16", "32"]}]}, "`exclude` leaves no point of the grid to run"),
 ])
 def test_bad_ablation_files(tmp_path, change, message):
     spec = {**yaml.safe_load((ABLATIONS / "smoke.yaml").read_text()), **change}
@@ -492,3 +493,14 @@ def test_gpus_give_each_concurrent_run_its_device_and_cores(smoke, tmp_path, mon
     df = runs_.runs_frame(kids, ["attention", "max_seq_len"])
     note = " ".join(shared_device_note(df))
     assert "on different GPUs" in note and "shared the GPU" not in note
+
+
+def test_a_runs_table_from_before_the_concurrent_column_still_gets_the_shared_gpu_warning():
+    import polars as pl
+
+    from pipeline.report import shared_device_note
+
+    old = pl.DataFrame({"status": ["OK", "OK"], "parallel": ["2", "2"]})  # a runs.csv written before --gpus
+    (note,) = [ln for ln in shared_device_note(old) if ln]
+    assert "2 of these runs shared the GPU" in note and "--parallel 2" in note
+    assert shared_device_note(old.with_columns(parallel=pl.lit("1"))) == []
