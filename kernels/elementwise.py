@@ -2,8 +2,8 @@
 
 Layers: torch references (forward and backward), Triton kernels in
 ``kernels._elementwise_triton``, the ops (custom ops ``jagged::jagged_dense_elementwise_add``,
-``..._mul`` and ``..._backward`` for tracing, with fakes and a "promote" autocast rule; an
-autograd.Function each), public functions. A recorded backward (``create_graph=True``, double
+``..._mul`` and ``..._backward`` for tracing, with fakes and a "promote" autocast rule; one
+autograd.Function for both), public functions. A recorded backward (``create_graph=True``, double
 backward) is the reference's, in differentiable torch ops, on either backend.
 """
 
@@ -101,43 +101,34 @@ def _(grad, offsets, values, dense, max_seq_len, backend):
     return torch.empty_like(grad, memory_format=torch.contiguous_format), grad.new_empty((B, max_seq_len, D))
 
 
-def _backward(ctx, grad):
-    offsets, *operands = ctx.saved_tensors
-    values, dense = operands if operands else (None, None)
-    if torch.is_grad_enabled():  # create_graph=True: the reference's backward, differentiable
-        grad_values, grad_dense = jagged_dense_elementwise_backward_reference(grad, offsets, values, dense,
-                                                                              ctx.max_seq_len)
-    else:
-        grad_values, grad_dense = run(_bwd_op, _BWD, grad, offsets, values, dense, ctx.max_seq_len, ctx.backend)
-    return grad_values, None, grad_dense, None
+class _Elementwise(torch.autograd.Function):
+    """add (is_mul False) or mul: the forward custom op of its own, one backward op for both."""
 
-
-class _Add(torch.autograd.Function):
     @staticmethod
-    def forward(values, offsets, dense, backend):
-        return run(_add_op, _ADD, values, offsets, dense, backend)
+    def forward(values, offsets, dense, is_mul, backend):
+        return run(_mul_op, _MUL, values, offsets, dense, backend) if is_mul else \
+            run(_add_op, _ADD, values, offsets, dense, backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, offsets, dense, backend = inputs
-        ctx.save_for_backward(offsets)
+        values, offsets, dense, is_mul, backend = inputs
+        if is_mul:
+            ctx.save_for_backward(offsets, values, dense)
+        else:  # add's backward needs neither operand
+            ctx.save_for_backward(offsets)
         ctx.max_seq_len, ctx.backend = dense.shape[1], backend
 
-    backward = staticmethod(_backward)
-
-
-class _Mul(torch.autograd.Function):
     @staticmethod
-    def forward(values, offsets, dense, backend):
-        return run(_mul_op, _MUL, values, offsets, dense, backend)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        values, offsets, dense, backend = inputs
-        ctx.save_for_backward(offsets, values, dense)
-        ctx.max_seq_len, ctx.backend = dense.shape[1], backend
-
-    backward = staticmethod(_backward)
+    def backward(ctx, grad):
+        offsets, *operands = ctx.saved_tensors
+        values, dense = operands if operands else (None, None)
+        if torch.is_grad_enabled():  # create_graph=True: the reference's backward, differentiable
+            grad_values, grad_dense = jagged_dense_elementwise_backward_reference(grad, offsets, values, dense,
+                                                                                  ctx.max_seq_len)
+        else:
+            grad_values, grad_dense = run(_bwd_op, _BWD, grad, offsets, values, dense, ctx.max_seq_len,
+                                          ctx.backend)
+        return grad_values, None, grad_dense, None, None
 
 
 # ---- 3. public functions --------------------------------------------------------------------
@@ -185,7 +176,7 @@ def jagged_dense_elementwise_add(
         Backward: ``grad_values = grad`` (kept rows), ``grad_dense = jagged_to_padded(grad, N)``.
     """
     be = _checked(values, offsets, dense, max_seq_len, backend)
-    return apply(_Add, *autocast_cast("promote", values, offsets, dense), be)
+    return apply(_Elementwise, *autocast_cast("promote", values, offsets, dense), False, be)
 
 
 def jagged_dense_elementwise_mul(
@@ -201,4 +192,4 @@ def jagged_dense_elementwise_mul(
     :func:`jagged_dense_elementwise_add`. Backward: ``grad_values = grad * dense[b, n]``,
     ``grad_dense[b, n] = grad * values``."""
     be = _checked(values, offsets, dense, max_seq_len, backend)
-    return apply(_Mul, *autocast_cast("promote", values, offsets, dense), be)
+    return apply(_Elementwise, *autocast_cast("promote", values, offsets, dense), True, be)
