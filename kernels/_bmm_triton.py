@@ -29,9 +29,9 @@ DENSE_BMM_CONFIGS = {
     2: {"BLOCK_T": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     4: {"BLOCK_T": 64, "BLOCK_M": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
 }
-JAGGED_BMM_CONFIGS = {
-    2: {"BLOCK_K": 128, "BLOCK_M": 128, "BLOCK_T": 64, "num_warps": 8, "num_stages": 3},
-    4: {"BLOCK_K": 64, "BLOCK_M": 64, "BLOCK_T": 32, "num_warps": 4, "num_stages": 3},
+JAGGED_BMM_CONFIGS = {  # T_SPLITS > 1: split-T (see the kernel); off in the hand rules, not yet timed
+    2: {"BLOCK_K": 128, "BLOCK_M": 128, "BLOCK_T": 64, "T_SPLITS": 1, "num_warps": 8, "num_stages": 3},
+    4: {"BLOCK_K": 64, "BLOCK_M": 64, "BLOCK_T": 32, "T_SPLITS": 1, "num_warps": 4, "num_stages": 3},
 }
 
 
@@ -97,31 +97,43 @@ def _jagged_dense_bmm_kernel(
 
 
 # jagged [T, K]^T @ jagged [T, M] -> dense [B, K, M]. Grid: B x row blocks of K x column blocks
-# of M, flattened with b slowest (the programs that read one sequence run side by side, so its
-# rows come from L2 after the first). One program owns a [BLOCK_K, BLOCK_M] tile of C_b and
-# reduces over the first min(len_b, N) rows of the sequence, so no atomics; an empty sequence
-# stores zeros.
+# of M x T_SPLITS, flattened with b slowest (the programs that read one sequence run side by side,
+# so its rows come from L2 after the first). With T_SPLITS = 1 one program owns a [BLOCK_K,
+# BLOCK_M] tile of C_b and reduces over the first min(len_b, N) rows of the sequence, so no
+# atomics; an empty sequence stores zeros. With T_SPLITS = S > 1 (split-T, for few long
+# sequences: B x tiles programs leave SMs idle and the longest sequence's serial loop sets the
+# time) the rows are cut in S chunks of whole BLOCK_T steps, and each program adds its partial
+# tile into a zero-initialised fp32 output with relaxed atomics; a program whose chunk is empty
+# returns at once (its zeros are already there).
 @triton.jit(do_not_specialize=["N"])
 def _jagged_jagged_bmm_kernel(
     a_ptr, c_ptr, out_ptr, offsets_ptr, N, K, M,
     stride_at, stride_ak, stride_ct, stride_cm, stride_ob, stride_ok, stride_om,
-    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, T_SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     n_kb, n_mb = tl.cdiv(K, BLOCK_K), tl.cdiv(M, BLOCK_M)
     pid = tl.program_id(0)
+    split = pid % T_SPLITS
+    pid = pid // T_SPLITS
     b = (pid // (n_kb * n_mb)).to(tl.int64)
     tile = pid % (n_kb * n_mb)
+    begin = tl.load(offsets_ptr + b).to(tl.int64)
+    length = tl.minimum(tl.load(offsets_ptr + b + 1).to(tl.int64) - begin, N)
+    chunk = tl.cdiv(tl.cdiv(length, T_SPLITS), BLOCK_T) * BLOCK_T  # whole BLOCK_T steps
+    t_begin = split * chunk
+    t_end = tl.minimum(length, t_begin + chunk)
+    if T_SPLITS > 1:
+        if t_begin >= t_end:
+            return
     ks = (tile // n_mb) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = (tile % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
     k_ok = ks < K
     col_ok = cols < M
-    begin = tl.load(offsets_ptr + b).to(tl.int64)
-    length = tl.minimum(tl.load(offsets_ptr + b + 1).to(tl.int64) - begin, N)
     ts = tl.arange(0, BLOCK_T)
     acc = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)
-    for t in range(0, length, BLOCK_T):
-        t_ok = (t + ts) < length
+    for t in range(t_begin, t_end, BLOCK_T):
+        t_ok = (t + ts) < t_end
         rows = begin + t + ts
         a_t = tl.load(a_ptr + ks[:, None] * stride_ak + rows[None, :] * stride_at,
                       mask=k_ok[:, None] & t_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_T]
@@ -129,7 +141,10 @@ def _jagged_jagged_bmm_kernel(
                     mask=t_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_M]
         acc = tl.dot(a_t, c, acc, input_precision=PRECISION)
     out_ptrs = out_ptr + b * stride_ob + ks[:, None] * stride_ok + cols[None, :] * stride_om
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
+    if T_SPLITS > 1:
+        tl.atomic_add(out_ptrs, acc, mask=k_ok[:, None] & col_ok[None, :], sem="relaxed")
+    else:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & col_ok[None, :])
 
 
 def jagged_dense_bmm_triton(
@@ -157,15 +172,18 @@ def jagged_jagged_bmm_triton(
 ) -> torch.Tensor:
     """a [T, K]^T @ c [T, M] per sequence -> [B, K, M]; any strides."""
     B, K, M = offsets.numel() - 1, a.shape[1], c.shape[1]
-    out = new_output((B, K, M), a)  # [B, K, M]
-    if out.numel() == 0:
-        return out
+    if B * K * M == 0:
+        return new_output((B, K, M), a)
     kw = bmm_config("jagged", K, M, a.dtype, B, max_seq_len, a.shape[0])
-    grid = (B * triton.cdiv(K, kw["BLOCK_K"]) * triton.cdiv(M, kw["BLOCK_M"]),)
+    if kw["T_SPLITS"] > 1 and torch.are_deterministic_algorithms_enabled():  # atomics add in arrival order
+        kw = dict(kw, T_SPLITS=1)
+    split = kw["T_SPLITS"] > 1  # the chunks' fp32 atomic sums, cast once at the end
+    out = torch.zeros((B, K, M), dtype=torch.float32, device=a.device) if split else new_output((B, K, M), a)
+    grid = (B * triton.cdiv(K, kw["BLOCK_K"]) * triton.cdiv(M, kw["BLOCK_M"]) * kw["T_SPLITS"],)
     with device_guard(a):
         _jagged_jagged_bmm_kernel[grid](
             a, c, out, offsets, max_seq_len, K, M,
             a.stride(0), a.stride(1), c.stride(0), c.stride(1),
             out.stride(0), out.stride(1), out.stride(2), **kw,
         )
-    return out
+    return out.to(a.dtype) if split else out

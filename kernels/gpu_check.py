@@ -104,10 +104,10 @@ def _ptxas_report(ptx: str, arch: int) -> str:
             f"spill={spill.group(1) + '/' + spill.group(2) if spill else '?'}")
 
 
-def _split_dq(run):
+def _forced(family: str, config: dict, run):
     from kernels import _launch_configs
 
-    with _launch_configs.forced("dense_bwd", {"SPLIT_DQ": 1}):
+    with _launch_configs.forced(family, config):
         return run()
 
 
@@ -135,7 +135,7 @@ def _workloads(dtype, D):
             dense_attention_fwd(qd, k, v, off, N, b, 0.1),
             dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, b is not None))
     for b in (None, bias):  # SPLIT_DQ forced on, the fp32 and bias cases too
-        yield f"dense split_dq bias={b is not None}", lambda b=b: _split_dq(
+        yield f"dense split_dq bias={b is not None}", lambda b=b: _forced("dense_bwd", {"SPLIT_DQ": 1},
             lambda: dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, False))
     yield from _row_wise_workloads(dtype, D)
     lse2 = torch.empty(T, H, device="meta", dtype=torch.float32)
@@ -166,6 +166,8 @@ def _row_wise_workloads(dtype, D):
             jagged_dense_elementwise_fwd_triton(x, off, dense, mul),
             jagged_dense_elementwise_bwd_triton(x, off, x if mul else None, dense if mul else None, N))
     yield "bmm", lambda: (jagged_dense_bmm_triton(x, off, w, N), jagged_jagged_bmm_triton(x, x, off, N))
+    yield "bmm split-T", lambda: _forced("jagged_jagged_bmm", {"T_SPLITS": 4},
+                                         lambda: jagged_jagged_bmm_triton(x, x, off, N))
 
 
 def main(argv=None) -> int:

@@ -286,6 +286,24 @@ def test_small_tiles_every_path(op_name, case, device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_jagged_jagged_bmm_split_t(splits, device, monkeypatch):
+    """T_SPLITS > 1 (split-T): each sequence's rows cut in chunks of whole BLOCK_T steps whose
+    partial products are added atomically in fp32: empty sequences, chunks past a short
+    sequence's end, truncated tails and uneven chunks; forward and both gradients (the backward
+    runs jagged_dense_bmm and jagged_jagged_bmm too)."""
+    from kernels import _bmm_triton
+
+    _small_tiles(monkeypatch)
+    for cfg in _bmm_triton.JAGGED_BMM_CONFIGS.values():
+        monkeypatch.setitem(cfg, "T_SPLITS", splits)
+    case = Case("split_t", (0, 1, 16, 17, 70, 5, 0, 90), N=80, D=24, M=40)
+    off = make_offsets(case.lengths, device)
+    for dtype in (torch.float32, torch.bfloat16):
+        check_op(OPS["jagged_jagged_bmm"](case, off, dtype, device))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_softmax_default_tiles_long_and_short(device):
     # the shipped tile sizes: one batch with sequences at both edges of every rung of the tile
     # ladder (small, 2 * small, ..., big rows) and streamed ones
@@ -413,3 +431,25 @@ def test_no_grad_triton_calls_match_the_reference():
     with torch.no_grad():
         for name, call in calls.items():
             torch.testing.assert_close(call("triton"), call("torch"), rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_split_t_is_off_under_deterministic_algorithms(monkeypatch):
+    """Split-T adds fp32 partial products in arrival order: with torch asked for deterministic
+    algorithms the launcher runs one program per output tile instead."""
+    from kernels import _bmm_triton, gpu_check
+
+    for cfg in _bmm_triton.JAGGED_BMM_CONFIGS.values():
+        monkeypatch.setitem(cfg, "T_SPLITS", 4)
+    a = torch.empty(64, 32, device="meta", dtype=torch.bfloat16)
+    off = torch.empty(3, device="meta", dtype=torch.int64)
+
+    def splits() -> int:
+        (call,) = gpu_check._record(lambda: _bmm_triton.jagged_jagged_bmm_triton(a, a, off, 32))
+        return call[2]["T_SPLITS"]
+
+    assert splits() == 4
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert splits() == 1
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -14,8 +14,10 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
   shapes and 232 configs to small, 8 shapes and 464 configs to medium (not yet timed on a GPU).
   Lengths are drawn as in the benchmark harness
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
+  Now (with softmax's tile-ladder rung SMALL_N 32 and jagged_jagged_bmm's split-T, T_SPLITS 1 or
+  4, in the space): small 55 shapes / 974 configs, medium 112 / 2,352.
 - ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
-  ``FLAGS``: dense_bwd's SPLIT_DQ, both settings), with the
+  ``FLAGS``: dense_bwd's SPLIT_DQ, both settings; jagged_jagged_bmm's T_SPLITS), with the
   combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
   and the hand rule's config always included.
 - ``hand_config(family, shape)``: the hand rule's config, computed by the very function the
@@ -50,7 +52,7 @@ TUNABLE = {
     "softmax_fwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps"),
     "softmax_bwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps"),
     "jagged_dense_bmm": ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages"),
-    "jagged_jagged_bmm": ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages"),
+    "jagged_jagged_bmm": ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages", "T_SPLITS"),
     "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
     "s2_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
     "s2_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages"),
@@ -161,7 +163,7 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
             "softmax_fwd": _product(k, [32], [16, 32], [16], [4]),
             "softmax_bwd": _product(k, [32], [16, 32], [16], [4]),
             "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
-            "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1]),
+            "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1], [1, 2]),
             "padded_to_jagged": _product(k, [16, 32], [16], [4]),
             "s2_fwd": _product(k, [16, 32], [16], [4], [1]),
             "s2_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)]],
@@ -180,11 +182,13 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
                 for (m, n), w, st, sp in itertools.product(tiles, warps, stages, [0, 1])]
     if family.startswith("softmax"):  # medium: 64 columns a program too (128-byte rows at fill 0.1)
         block_h = [8, 16, 32, 64] if full else [16, 64] if level == "medium" else [16]
-        return _product(k, [256, 512, 1024], [64, 128, 256] if full else [64, 128], block_h, warps)
+        small_n = [16, 32, 64, 128, 256] if full else [32, 64, 128]  # the tile ladder's first rung
+        return _product(k, [256, 512, 1024], small_n, block_h, warps)
     if family == "jagged_dense_bmm":
         return _product(k, [64, 128], [64, 128], [32, 64, 128] if full else [32, 64], warps, stages)
     if family == "jagged_jagged_bmm":
-        return _product(k, [64, 128], [64, 128], [32, 64] + ([128] if full else []), warps, stages)
+        return _product(k, [64, 128], [64, 128], [32, 64] + ([128] if full else []), warps, stages,
+                        [1, 2, 4, 8] if full else [1, 4])
     if family == "s2_fwd":
         return _product(k, [32, 64, 128], [16, 32, 64], warps, stages)
     if family == "s2_bwd":  # dQ (query tile, key chunk) x dK/dV (query step, key tile)
@@ -265,7 +269,7 @@ AUTOTUNE = {  # a plausible @triton.autotune list per family (subsets of the sma
     "softmax_fwd": _product(TUNABLE["softmax_fwd"], [512, 1024], [128], [16], [4, 8]),
     "softmax_bwd": _product(TUNABLE["softmax_bwd"], [512, 1024], [128], [16], [4, 8]),
     "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
-    "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
+    "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3], [1]),
     "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),
     "s2_fwd": _product(TUNABLE["s2_fwd"], [64, 128], [32, 64], [4, 8], [3]),
     "s2_bwd": [dict(zip(TUNABLE["s2_bwd"], v)) for v in

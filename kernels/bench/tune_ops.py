@@ -45,7 +45,7 @@ ES = 2  # bf16 element size: the bmm config tables are keyed by it
 P2J = ("BLOCK_N", "BLOCK_D", "num_warps")
 SOFT = ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps")
 DBMM = ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
-JBMM = ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages")
+JBMM = ("BLOCK_K", "BLOCK_M", "BLOCK_T", "T_SPLITS", "num_warps", "num_stages")
 ROW_TILES = [(64, 128, 4), (32, 128, 4), (128, 128, 4), (128, 128, 8)]
 CANDIDATES = {
     "padded_to_jagged": (_conversions_triton.P2J_CONFIG, P2J, [(128, 128, 8), (64, 128, 4), (32, 128, 4),
@@ -60,8 +60,8 @@ CANDIDATES = {
                          [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 128, 8, 1),
                           (64, 64, 32, 4, 3)]),  # the last: the old tiles, on the new slot grid
     "jagged_jagged_bmm": (_bmm_triton.JAGGED_BMM_CONFIGS[ES], JBMM,
-                          [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 32, 8, 4),
-                           (64, 64, 32, 4, 2)]),  # the last: the old tiles and grid
+                          [(128, 128, 64, 1, 8, 3), (64, 128, 64, 1, 4, 3), (128, 128, 64, 4, 8, 3),
+                           (128, 128, 64, 8, 8, 3)]),  # the last two: split-T over 4 and 8 chunks
 }
 CANDIDATES["jagged_softmax_bwd"] = CANDIDATES["jagged_softmax"]
 
