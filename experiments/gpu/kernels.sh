@@ -11,8 +11,10 @@
 # $OUT/hand: the run a launch table's is set against, `python -m kernels.bench.compare`),
 # target_ab (target attention on the paper suite against varlen_attn, call and CUDA-graph times,
 # with SPLIT_DQ as shipped into $OUT/bench and forced off into $OUT/nosplit: whether the Tq 1/16
-# fwd+bwd rows' 0.5 ms over the H100 run of 9940400 is host or kernel time, and SPLIT_DQ's share);
-# default all but tune_ops, graph_paper, bench_paper_hand and target_ab. One 10-minute
+# fwd+bwd rows' 0.5 ms over the H100 run of 9940400 is host or kernel time, and SPLIT_DQ's share),
+# split_ab (the ops on the long suite, as shipped into $OUT/long and with jagged_jagged_bmm's
+# split-T forced to 4 chunks into $OUT/split, graph times too);
+# default all but tune_ops, graph_paper, bench_paper_hand, target_ab and split_ab. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
 # workers; now one per core, at most 16 (TEST_WORKERS to change). GRAPH_MS=1: bench_paper and
 # bench_paper_hand also time every row as a CUDA-graph replay (the kernels' own time, what a launch
@@ -61,6 +63,14 @@ if [[ $PARTS == *" target_ab "* ]]; then
     python3 -m kernels.bench dense_attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/$variant" \
       --commit "$GIT_COMMIT" "${force[@]}" --deadline-s "${AB_DEADLINE:-120}" >> "$log" 2>&1
     echo "bench target_ab $variant rc=$?" | tee -a "$log"
+  done
+fi
+if [[ $PARTS == *" split_ab "* ]]; then
+  for variant in long split; do
+    force=(); [ $variant = split ] && force=(--force jagged_jagged_bmm:T_SPLITS=4)
+    python3 -m kernels.bench ops --suite long --graph-ms --out "$OUT/$variant" --commit "$GIT_COMMIT" "${force[@]}" \
+      --deadline-s "${AB_DEADLINE:-120}" >> "$log" 2>&1
+    echo "bench split_ab $variant rc=$?" | tee -a "$log"
   done
 fi
 if [[ $PARTS == *" bench_recsys_long "* ]]; then
