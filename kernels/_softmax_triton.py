@@ -7,7 +7,7 @@ that fits in one tile (the common case) is loaded once and kept in registers, in
 tile of the ladder SMALL_N, 2 * SMALL_N, ..., BLOCK_N rows that holds it: every lane of a tile
 costs instructions whether or not it holds a row, and the per-program cost (the reductions'
 shuffles, the cross-warp exchange) is paid once per tile, so short sequences take short tiles.
-A longer one is streamed twice in BLOCK_N-row tiles. Statistics in fp32; exp as exp2 of
+A longer one is streamed twice in STREAM_N-row tiles. Statistics in fp32; exp as exp2 of
 (x - max) * log2(e), the normalisation as one reciprocal per column.
 """
 
@@ -22,12 +22,22 @@ from kernels._jagged_common import device_guard, new_output
 from kernels._triton_common import LOG2E_C, zero_rows, col_block
 
 # Launch parameters (module level, so a tuning script can override them), forward and backward:
-# BLOCK_N rows of the largest single tile and of the streamed tiles, SMALL_N (<= BLOCK_N, both
-# powers of two) rows of the smallest single tile, BLOCK_H the widest column block, warps.
-# BLOCK_N, BLOCK_H and warps: the fastest single config over the cost-model sweep's five softmax
-# shapes (kernels/TUNING.md, "First GPU sweep"); SMALL_N 32: the tile ladder (kernels/TUNING.md,
-# "Softmax instruction counts").
-SOFTMAX_CONFIG = {"BLOCK_N": 256, "SMALL_N": 32, "BLOCK_H": 16, "num_warps": 4}
+# BLOCK_N rows of the largest single tile, SMALL_N (<= BLOCK_N, both powers of two) rows of the
+# smallest, STREAM_N rows of the tiles a longer sequence is streamed in, BLOCK_H the widest
+# column block, warps. BLOCK_N, BLOCK_H and warps: the fastest single config over the cost-model
+# sweep's five softmax shapes (kernels/TUNING.md, "First GPU sweep"); SMALL_N 32 and STREAM_N 64:
+# kernels/TUNING.md, "Softmax instruction counts" (a kernel's registers are those of its largest
+# path, so the streamed path, rare where the mean length fits a single tile, keeps a small tile;
+# `softmax_config` gives it BLOCK_N rows where most sequences stream).
+SOFTMAX_CONFIG = {"BLOCK_N": 256, "SMALL_N": 32, "STREAM_N": 64, "BLOCK_H": 16, "num_warps": 4}
+
+
+def softmax_config(B: int, T: int) -> dict:
+    """The hand rule for B sequences of T rows in all: SOFTMAX_CONFIG, with streamed tiles of
+    BLOCK_N rows where the mean length is longer than BLOCK_N (most sequences stream then)."""
+    if T // max(B, 1) > SOFTMAX_CONFIG["BLOCK_N"]:
+        return dict(SOFTMAX_CONFIG, STREAM_N=SOFTMAX_CONFIG["BLOCK_N"])
+    return SOFTMAX_CONFIG
 
 
 @triton.jit
@@ -76,11 +86,11 @@ def _softmax_fwd_tile(x_ptr, y_ptr, begin, length, cols, col_ok,
 @triton.jit
 def _softmax_fwd_stream(x_ptr, y_ptr, begin, length, cols, col_ok,
                         stride_xt, stride_xh, stride_yt, stride_yh,
-                        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
-    rows0 = tl.arange(0, BLOCK_N)
+                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows0 = tl.arange(0, ROWS)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_H], tl.float32)
-    for start in range(0, length, BLOCK_N):
+    for start in range(0, length, ROWS):
         mask = ((start + rows0) < length)[:, None] & col_ok[None, :]
         rows = begin + start + rows0
         x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh,
@@ -91,7 +101,7 @@ def _softmax_fwd_stream(x_ptr, y_ptr, begin, length, cols, col_ok,
         m = m_new
     shift = tl.where(m == float("-inf"), 0.0, m)
     inv = 1.0 / tl.where(s > 0.0, s, 1.0)
-    for start in range(0, length, BLOCK_N):
+    for start in range(0, length, ROWS):
         mask = ((start + rows0) < length)[:, None] & col_ok[None, :]
         rows = begin + start + rows0
         x = tl.load(x_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh,
@@ -106,7 +116,8 @@ def _softmax_fwd_stream(x_ptr, y_ptr, begin, length, cols, col_ok,
 def _jagged_softmax_fwd_kernel(
     x_ptr, offsets_ptr, y_ptr, N, H,
     stride_xt, stride_xh, stride_yt, stride_yh,
-    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, RUNGS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, RUNGS: tl.constexpr, STREAM_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     begin, end, length, cols, col_ok = _seq_cols(offsets_ptr, N, H, BLOCK_H)
     args = (x_ptr, y_ptr, begin, length, cols, col_ok, stride_xt, stride_xh, stride_yt, stride_yh)
@@ -114,7 +125,7 @@ def _jagged_softmax_fwd_kernel(
         if _on_rung(length, SMALL_N, k):
             _softmax_fwd_tile(*args, SMALL_N << k)
     if length > BLOCK_N:
-        _softmax_fwd_stream(*args, BLOCK_N, BLOCK_H)
+        _softmax_fwd_stream(*args, STREAM_N, BLOCK_H)
     zero_rows(y_ptr, stride_yt, stride_yh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
 
@@ -139,16 +150,16 @@ def _softmax_bwd_tile(g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
 @triton.jit
 def _softmax_bwd_stream(g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
                         stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh,
-                        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
-    rows0 = tl.arange(0, BLOCK_N)
+                        ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows0 = tl.arange(0, ROWS)
     dot = tl.zeros([BLOCK_H], tl.float32)
-    for start in range(0, length, BLOCK_N):
+    for start in range(0, length, ROWS):
         mask = ((start + rows0) < length)[:, None] & col_ok[None, :]
         rows = begin + start + rows0
         g = tl.load(g_ptr + rows[:, None] * stride_gt + cols[None, :] * stride_gh, mask=mask, other=0.0)
         y = tl.load(y_ptr + rows[:, None] * stride_yt + cols[None, :] * stride_yh, mask=mask, other=0.0)
         dot += tl.sum(g.to(tl.float32) * y.to(tl.float32), axis=0)
-    for start in range(0, length, BLOCK_N):
+    for start in range(0, length, ROWS):
         mask = ((start + rows0) < length)[:, None] & col_ok[None, :]
         rows = begin + start + rows0
         g = tl.load(g_ptr + rows[:, None] * stride_gt + cols[None, :] * stride_gh, mask=mask, other=0.0)
@@ -163,7 +174,8 @@ def _softmax_bwd_stream(g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
 def _jagged_softmax_bwd_kernel(
     g_ptr, y_ptr, offsets_ptr, gx_ptr, N, H,
     stride_gt, stride_gh, stride_yt, stride_yh, stride_xt, stride_xh,
-    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, RUNGS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, SMALL_N: tl.constexpr, RUNGS: tl.constexpr, STREAM_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     begin, end, length, cols, col_ok = _seq_cols(offsets_ptr, N, H, BLOCK_H)
     args = (g_ptr, y_ptr, gx_ptr, begin, length, cols, col_ok,
@@ -172,20 +184,20 @@ def _jagged_softmax_bwd_kernel(
         if _on_rung(length, SMALL_N, k):
             _softmax_bwd_tile(*args, SMALL_N << k)
     if length > BLOCK_N:
-        _softmax_bwd_stream(*args, BLOCK_N, BLOCK_H)
+        _softmax_bwd_stream(*args, STREAM_N, BLOCK_H)
     zero_rows(gx_ptr, stride_xt, stride_xh, begin + N, end, cols, col_ok, 0, 1, BLOCK_N, BLOCK_H)
 
 
 def _launch(H: int, B: int, family: str, N: int, T: int, dtype: torch.dtype) -> tuple[tuple[int], dict]:
     """(grid, launch keywords) from SOFTMAX_CONFIG (or the launch table's pick for this shape,
     kernels/_launch_configs.py): B x column blocks programs, flattened."""
-    cfg = SOFTMAX_CONFIG
+    cfg = softmax_config(B, T)
     if _lc.active():
         cfg = _lc.tuned(family, _lc.bucket(B, N, T, H, dtype), cfg)
     block_h = col_block(H, lo=min(16, cfg["BLOCK_H"]), hi=cfg["BLOCK_H"])
     small = min(cfg["SMALL_N"], cfg["BLOCK_N"])
-    kw = dict(BLOCK_N=cfg["BLOCK_N"], SMALL_N=small, RUNGS=(cfg["BLOCK_N"] // small).bit_length(), BLOCK_H=block_h,
-              num_warps=cfg["num_warps"])
+    kw = dict(BLOCK_N=cfg["BLOCK_N"], SMALL_N=small, RUNGS=(cfg["BLOCK_N"] // small).bit_length(),
+              STREAM_N=cfg["STREAM_N"], BLOCK_H=block_h, num_warps=cfg["num_warps"])
     return (B * triton.cdiv(H, block_h),), kw
 
 

@@ -262,6 +262,7 @@ def _small_tiles(monkeypatch) -> None:
     monkeypatch.setitem(_elementwise_triton.FWD_CONFIG, "BLOCK_N", 16)
     monkeypatch.setitem(_softmax_triton.SOFTMAX_CONFIG, "BLOCK_N", 32)
     monkeypatch.setitem(_softmax_triton.SOFTMAX_CONFIG, "SMALL_N", 16)
+    monkeypatch.setitem(_softmax_triton.SOFTMAX_CONFIG, "STREAM_N", 16)
     for table in (_bmm_triton.DENSE_BMM_CONFIGS, _bmm_triton.JAGGED_BMM_CONFIGS):
         for cfg in table.values():
             monkeypatch.setitem(cfg, "BLOCK_T", 16)
@@ -453,3 +454,12 @@ def test_split_t_is_off_under_deterministic_algorithms(monkeypatch):
         assert splits() == 1
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_softmax_hand_rule_streams_in_large_tiles_only_where_most_sequences_stream():
+    from kernels._softmax_triton import SOFTMAX_CONFIG, softmax_config
+
+    big = SOFTMAX_CONFIG["BLOCK_N"]
+    assert softmax_config(B=10, T=10 * big)["STREAM_N"] == SOFTMAX_CONFIG["STREAM_N"] < big  # mean fits one tile
+    assert softmax_config(B=10, T=10 * big + 10)["STREAM_N"] == big  # mean longer than the largest tile
+    assert softmax_config(B=0, T=0) is SOFTMAX_CONFIG

@@ -14,8 +14,9 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
   shapes and 232 configs to small, 8 shapes and 464 configs to medium (not yet timed on a GPU).
   Lengths are drawn as in the benchmark harness
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
-  Now (with softmax's tile-ladder rung SMALL_N 32 and jagged_jagged_bmm's split-T, T_SPLITS 1 or
-  4, in the space): small 55 shapes / 974 configs, medium 112 / 2,352.
+  Now (with softmax's tile-ladder rung SMALL_N 32 and streamed tile STREAM_N 64 / 256, and
+  jagged_jagged_bmm's split-T, T_SPLITS 1 or 4, in the space): small 55 shapes / 1,034
+  configs, medium 112 / 2,592.
 - ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
   ``FLAGS``: dense_bwd's SPLIT_DQ, both settings; jagged_jagged_bmm's T_SPLITS), with the
   combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
@@ -49,8 +50,8 @@ TUNABLE = {
     "flash_bwd": ("BLOCK_N1", "BLOCK_M1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"),
     "dense_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
     "dense_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages", "SPLIT_DQ"),
-    "softmax_fwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps"),
-    "softmax_bwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps"),
+    "softmax_fwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps", "STREAM_N"),
+    "softmax_bwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps", "STREAM_N"),
     "jagged_dense_bmm": ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages"),
     "jagged_jagged_bmm": ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages", "T_SPLITS"),
     "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
@@ -160,8 +161,8 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
             "dense_fwd": _product(k, [16], [16, 32], [4], [1]),
             "dense_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1, 0), (16, 32, 16, 32, 4, 1, 0),
                                                     (16, 16, 16, 16, 4, 1, 1)]],
-            "softmax_fwd": _product(k, [32], [16, 32], [16], [4]),
-            "softmax_bwd": _product(k, [32], [16, 32], [16], [4]),
+            "softmax_fwd": _product(k, [32], [16, 32], [16], [4], [16, 32]),
+            "softmax_bwd": _product(k, [32], [16, 32], [16], [4], [16, 32]),
             "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
             "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1], [1, 2]),
             "padded_to_jagged": _product(k, [16, 32], [16], [4]),
@@ -182,8 +183,8 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
                 for (m, n), w, st, sp in itertools.product(tiles, warps, stages, [0, 1])]
     if family.startswith("softmax"):  # medium: 64 columns a program too (128-byte rows at fill 0.1)
         block_h = [8, 16, 32, 64] if full else [16, 64] if level == "medium" else [16]
-        small_n = [16, 32, 64, 128, 256] if full else [32, 64, 128]  # the tile ladder's first rung
-        return _product(k, [256, 512, 1024], small_n, block_h, warps)
+        small_n = [16, 32, 64, 128, 256] if full else [32, 128]  # the tile ladder's first rung
+        return _product(k, [256, 512, 1024], small_n, block_h, warps, [64, 128, 256, 512] if full else [64, 256])
     if family == "jagged_dense_bmm":
         return _product(k, [64, 128], [64, 128], [32, 64, 128] if full else [32, 64], warps, stages)
     if family == "jagged_jagged_bmm":
@@ -246,7 +247,9 @@ def hand_config(family: str, s: SweepShape) -> dict:
     elif family in ("dense_fwd", "dense_bwd"):
         cfg = dense_config(s.D, s.Tq, dt, backward=family == "dense_bwd")
     elif family.startswith("softmax"):
-        cfg = _softmax_triton.SOFTMAX_CONFIG
+        from kernels.bench.suites import make_lengths
+
+        cfg = _softmax_triton.softmax_config(s.B, int(make_lengths(s.B, s.N, s.fill, 0).sum()))  # make_case's T
     elif family == "padded_to_jagged":
         cfg = _conversions_triton.P2J_CONFIG
     elif family.startswith("s2"):
@@ -266,8 +269,8 @@ AUTOTUNE = {  # a plausible @triton.autotune list per family (subsets of the sma
     "dense_bwd": [dict(zip(TUNABLE["dense_bwd"], (*v, sp))) for v, sp in itertools.product(  # both dQ schemes
                   [(16, 64, 16, 64, 4, 2), (64, 64, 64, 64, 8, 2), (32, 32, 32, 32, 4, 3), (64, 32, 64, 32, 4, 2)],
                   [0, 1])],
-    "softmax_fwd": _product(TUNABLE["softmax_fwd"], [512, 1024], [128], [16], [4, 8]),
-    "softmax_bwd": _product(TUNABLE["softmax_bwd"], [512, 1024], [128], [16], [4, 8]),
+    "softmax_fwd": _product(TUNABLE["softmax_fwd"], [512, 1024], [128], [16], [4, 8], [512]),
+    "softmax_bwd": _product(TUNABLE["softmax_bwd"], [512, 1024], [128], [16], [4, 8], [512]),
     "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
     "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3], [1]),
     "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),

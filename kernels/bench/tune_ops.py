@@ -17,7 +17,9 @@ Memory-bound ops: GB/s of the bench's byte count and % of the copy bandwidth mea
 the bench measures it. bmm: TFLOP/s of real tokens, GB/s of the minimal traffic
 (T*K + T*M + B*K*M elements), and the padded torch.bmm peer's time (speedup = torch / ours).
 jagged_softmax_bwd (the launcher, not in the bench) is timed after the forward ops if time is
-left. The run stops starting new work when --budget-s is spent.
+left. The run stops starting new work when --budget-s is spent. Softmax's STREAM_N takes effect
+where the mean length fits BLOCK_N: longer, the hand rule (`_softmax_triton.softmax_config`)
+streams in BLOCK_N-row tiles whatever the candidate says.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ ES = 2  # bf16 element size: the bmm config tables are keyed by it
 # op -> (the module dict its launcher reads, its keys, candidate values); the first candidate of
 # each list is the shipped default.
 P2J = ("BLOCK_N", "BLOCK_D", "num_warps")
-SOFT = ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps")
+SOFT = ("BLOCK_N", "SMALL_N", "BLOCK_H", "STREAM_N", "num_warps")
 DBMM = ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages")
 JBMM = ("BLOCK_K", "BLOCK_M", "BLOCK_T", "T_SPLITS", "num_warps", "num_stages")
 ROW_TILES = [(64, 128, 4), (32, 128, 4), (128, 128, 4), (128, 128, 8)]
@@ -52,10 +54,11 @@ CANDIDATES = {
                                                                 (256, 128, 8)]),
     "jagged_dense_elementwise_add": (_elementwise_triton.FWD_CONFIG, P2J, ROW_TILES),
     "jagged_dense_elementwise_mul": (_elementwise_triton.FWD_CONFIG, P2J, ROW_TILES),
-    # softmax: the shipped ladder (32-256 rows), the two-tile config it replaced (128, 256 rows),
-    # and wider column blocks with smaller tiles for short sequences
+    # softmax: the shipped ladder (32-256 rows, 64-row streamed tiles), the two-tile config it
+    # replaced (128 and 256 rows, 256-row streamed tiles), and wider column blocks with smaller
+    # tiles for short sequences
     "jagged_softmax": (_softmax_triton.SOFTMAX_CONFIG, SOFT,
-                       [(256, 32, 16, 4), (256, 128, 16, 4), (128, 16, 32, 4), (64, 16, 64, 4)]),
+                       [(256, 32, 16, 64, 4), (256, 128, 16, 256, 4), (128, 16, 32, 64, 4), (64, 16, 64, 32, 4)]),
     "jagged_dense_bmm": (_bmm_triton.DENSE_BMM_CONFIGS[ES], DBMM,
                          [(128, 128, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 128, 8, 1),
                           (64, 64, 32, 4, 3)]),  # the last: the old tiles, on the new slot grid
