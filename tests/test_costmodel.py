@@ -572,3 +572,22 @@ def test_nvml_board_is_torchs_device_by_uuid_never_another_visible_index(monkeyp
     assert power._handle(NV(), 0) is None  # board 0 of NVML is not torch's device 0 here
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert power._handle(NV(), 0) == ("index", 0)
+
+
+def test_rows_of_an_older_sweep_get_the_keys_added_since_as_their_kernel_ran():
+    """The committed H200 sweep predates softmax's STREAM_N and jagged_jagged_bmm's T_SPLITS: its
+    rows load with the values those kernels ran with then (streamed tiles of BLOCK_N rows, no
+    split), so every row has every key its family has today and the model can be fitted."""
+    from pathlib import Path
+
+    from kernels.bench.costmodel import load
+    from kernels.bench.sweep_families import TUNABLE, complete
+
+    assert complete("softmax_fwd", {"BLOCK_N": 512, "SMALL_N": 64}) == {"BLOCK_N": 512, "SMALL_N": 64, "STREAM_N": 512}
+    assert complete("jagged_jagged_bmm", {"BLOCK_K": 64})["T_SPLITS"] == 1
+    recorded = {"BLOCK_N": 256, "STREAM_N": 64}
+    assert complete("softmax_bwd", recorded) is recorded  # a key the row has is kept
+    rows = load(Path(__file__).resolve().parents[1] / "experiments" / "results" / "costmodel-sweep-h200.parquet")
+    assert {r["family"] for r in rows} >= {"softmax_fwd", "jagged_jagged_bmm"}
+    for r in rows:
+        assert set(TUNABLE[r["family"]]) <= set(r["cfg"]), (r["family"], r["cfg"])

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels.bench.sweep_families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, SweepShape, hand_config,
-                                         valid)
+from kernels.bench.sweep_families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, SweepShape, complete,
+                                         hand_config, valid)
 
 SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
 
@@ -66,7 +66,7 @@ def load(path: str | Path) -> list[dict]:
         raise SystemExit(f"error: {path}: no such sweep file (run python -m kernels.bench.sweep first)")
     rows = pl.read_parquet(path).to_dicts()
     for r in rows:
-        r["cfg"] = json.loads(r["config"])
+        r["cfg"] = complete(r.get("family", ""), json.loads(r["config"]))
         if r.get("energy_src") != "counter":  # sampled power x time (sweeps before the energy counter): not used
             r["energy_j"] = math.nan
     return rows

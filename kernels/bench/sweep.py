@@ -55,8 +55,8 @@ from kernels._launch_configs import FAMILIES, forced
 from kernels.bench.measure import CHECK_TOL, bench_ms, free_memory, rel_err, sync
 from kernels.bench.power import EnergyMeter, PowerSampler
 from kernels.bench.stamp import make_stamp
-from kernels.bench.sweep_families import (DTYPES, ENERGY_SLACK, LEVELS, SweepShape, grid, hand_config, make_case,
-                                         space)
+from kernels.bench.sweep_families import (DTYPES, ENERGY_SLACK, LEVELS, SweepShape, complete, grid, hand_config,
+                                         make_case, space)
 
 KEY = ("family", "shape_id", "config_id")
 _KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
@@ -189,7 +189,7 @@ def measure_energy(family: str, fn, rows: list[dict], device: torch.device, mete
         chunk = max(1, min(1000, math.ceil(args.energy_s * 1e3 / r["ms"] / 20)))  # ~20 checks of the clock
         calls = 0
         try:
-            with forced(family, json.loads(r["config"])):
+            with forced(family, complete(family, json.loads(r["config"]))):
                 fn()
                 sync(device)
                 e0, t0 = meter.read_j(), time.perf_counter()

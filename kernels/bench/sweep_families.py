@@ -147,6 +147,22 @@ def grid(family: str, level: str) -> list[SweepShape]:
     return list({"tiny": _TINY, "small": _SMALL, "medium": _MEDIUM, "full": _FULL}[level][_KIND[family]])
 
 
+# keys a family gained after sweeps were recorded -> the value its kernel ran with before them
+# (softmax streamed in BLOCK_N-row tiles; jagged_jagged_bmm had no split-T)
+_ADDED_KEYS: dict[str, dict[str, Callable[[dict], int]]] = {
+    "softmax_fwd": {"STREAM_N": lambda c: c["BLOCK_N"]},
+    "softmax_bwd": {"STREAM_N": lambda c: c["BLOCK_N"]},
+    "jagged_jagged_bmm": {"T_SPLITS": lambda c: 1},
+}
+
+
+def complete(family: str, cfg: dict) -> dict:
+    """A config as a sweep recorded it, with the keys added to its family since then set to what
+    the kernel ran with at the time (an older sweep's rows stay comparable and replayable)."""
+    added = {k: rule(cfg) for k, rule in _ADDED_KEYS.get(family, {}).items() if k not in cfg}
+    return {**cfg, **added} if added else cfg
+
+
 def _product(keys: tuple, *values) -> list[dict]:
     return [dict(zip(keys, v)) for v in itertools.product(*values)]
 
