@@ -146,6 +146,7 @@ def test_autocast_under_compile():
     torch.testing.assert_close(compiled, eager)
 
 
+@pytest.mark.slow  # about 45 s on 2 cores with a cold Triton cache (127 kernels through ptxas)
 def test_every_kernel_compiles_for_sm90_without_a_gpu():
     """`python -m kernels.gpu_check`: the launchers' real configurations (attention and row-wise
     kernels) through Triton's compiler to a Hopper cubin on this CPU machine (outside the
