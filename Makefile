@@ -25,7 +25,7 @@ export MLFLOW_TRACKING_URI
 export PYTHONUNBUFFERED := 1
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast test-gpu data user-embeddings data-validate data-report experiment ui \
+.PHONY: help setup test test-fast test-gpu gpu-check data user-embeddings data-validate data-report experiment ui \
         bench config-sweep costmodel sweep report summary reproduce profile clean
 
 help: ## list every target with one line each
@@ -59,6 +59,10 @@ test-fast: setup ## the CPU suite without the tests marked slow (multi-process D
 
 test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA device)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+GPU_CHECK_ARGS ?= --dtypes bf16,fp32 --dims 64,128
+gpu-check: setup ## compile every Triton kernel for sm_90 here, no GPU needed: errors, registers, spills (GPU_CHECK_ARGS)
+	env -u TRITON_INTERPRET $(PY) -m kernels.gpu_check --ptxas $(GPU_CHECK_ARGS)
 
 data: setup ## generate the PRESET data set (tiny|small|paper|long|timeline_tiny|timeline) under data/PRESET if absent
 	@if [ -f $(DATA)/meta.json ]; then echo "$(DATA) exists (delete it to regenerate)"; \
