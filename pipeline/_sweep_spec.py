@@ -204,10 +204,11 @@ def _axes(grid: Any) -> list[tuple[str, list[tuple[str, dict[str, Any]]]]]:
             points = [(_label(v), {str(key): v}) for v in values]
         elif isinstance(values, dict):  # a named axis
             axis = str(key)
+            points = []
             for label, over in values.items():
                 if not isinstance(over, dict):
                     raise ConfigError(f"grid.{key}.{label}: a named value is a mapping of overrides, got {over!r}")
-            points = [(_label(label), dict(over)) for label, over in values.items()]
+                points.append((_label(label), dict(over)))
         else:
             raise ConfigError(f"grid.{key}: a list of values or a mapping label -> overrides, got {values!r}")
         if not points:
