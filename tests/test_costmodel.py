@@ -232,6 +232,53 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
     assert pl.read_parquet(out).height == expected  # the file untouched
 
 
+def test_warm_up_workers_compile_what_the_timing_pass_then_times(tmp_path, capsys):
+    """--compile-workers: spawned processes run each config once over its shapes before the timing
+    pass; the rows are the same, and their compile_s is the worker's first call (the timing
+    pass's own first call kept as cached_call_s). A spent budget leaves the rest to the timing pass."""
+    out = tmp_path / "s.parquet"
+    argv = ["--grid", "tiny", "--device", "cpu", "--families", "softmax_fwd,jagged_jagged_bmm", "--out", str(out),
+            "--warmup-ms", "0", "--rep-ms", "1", "--commit", "abc123", "--compile-workers", "2"]
+    assert sweep.main(argv) == 0
+    from kernels.bench.sweep_families import grid, space
+
+    calls = sum(len(space(f, s, "tiny")) for f in ("softmax_fwd", "jagged_jagged_bmm") for s in grid(f, "tiny"))
+    said = capsys.readouterr().out
+    assert f"{calls} calls, 2 processes" in said and f"{calls} calls compiled and ran" in said
+    df = pl.read_parquet(out)
+    assert df.height == calls and set(df["status"]) == {"ok"} and (df["rel_err"] <= 1e-3).all()
+    assert (df["compile_s"] > 0).all() and (df["cached_call_s"] > 0).all()
+    # resumed with nothing left: no warm-up at all
+    assert sweep.main(argv) == 0
+    assert "warming" not in capsys.readouterr().out
+    # a budget spent before any config compiled: every row is still timed, compiled by the timing pass
+    out.unlink()
+    assert sweep.main([*argv, "--compile-budget-s", "1e-6"]) == 0
+    assert "warm-up budget spent" in capsys.readouterr().out
+    df = pl.read_parquet(out)
+    assert df.height == calls and set(df["status"]) == {"ok"}
+    assert df["cached_call_s"].is_nan().sum() >= 1  # compiled while timing, where no worker got to it
+
+
+def test_warm_up_counts_each_config_once_over_the_shapes_left():
+    from kernels.bench.sweep import config_id, warm_up_todo
+    from kernels.bench.sweep_families import grid, space
+
+    order = [("softmax_fwd", s) for s in grid("softmax_fwd", "tiny")]
+    first = order[0][1]
+    done = {("softmax_fwd", first.id, config_id(c)) for c in space("softmax_fwd", first, "tiny")}
+    todo = warm_up_todo(order, done, "tiny")["softmax_fwd"]
+    assert sorted(todo) == sorted({config_id(c) for c in space("softmax_fwd", order[1][1], "tiny")})
+    assert all(shapes == [order[1][1]] for _, shapes in todo.values())  # the timed shape left out
+
+
+def test_sweep_rejects_a_negative_worker_count(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--compile-workers", "-1", "--device", "cpu"])
+    assert "--compile-workers must be 0 or more" in capsys.readouterr().err
+
+
 def test_rows_of_other_kernel_code_are_set_aside_and_timed_again(tmp_path, capsys):
     """A kernel edited (or another torch/triton) since a sweep makes its timings stale: a resume
     times every config again and keeps the old rows in a .stale.parquet beside the sweep."""

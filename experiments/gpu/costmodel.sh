@@ -16,6 +16,9 @@
 # Shapes timed before the energy pass get their energy-counter readings when resumed.
 # FAMILIES=a,b sweeps only those kernel families (default all; e.g. the S2 ones alone:
 # FAMILIES=s2_fwd,s2_bwd). MLFLOW=1 also logs the sweep as an MLflow run (Parquet as artifact) into ./mlflow.db.
+# COMPILE_WORKERS=N: processes compiling the configs before the timing pass (the sweep's default:
+# cores less 2, at most 12); ENERGY_S: seconds per energy reading (default 1). MODEL=0 stops after
+# the sweep (eval, report and export need no GPU: run them where the Parquet comes back).
 # Where the machine returns few files per command, end with `bash experiments/gpu/pack.sh`. E.g.
 #   GIT_COMMIT=$(git rev-parse HEAD) bash experiments/gpu/costmodel.sh; bash experiments/gpu/pack.sh
 set -uo pipefail
@@ -31,11 +34,13 @@ if [ -n "$RESUME" ]; then cp "$RESUME" "$data" && chmod u+w "$data" && echo "res
 deadline=${SWEEP_DEADLINE:-400}
 timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-medium}" \
   --families "${FAMILIES:-all}" --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} \
+  ${COMPILE_WORKERS:+--compile-workers "$COMPILE_WORKERS"} ${ENERGY_S:+--energy-s "$ENERGY_S"} \
   > "$OUT/sweep.log" 2>&1
 rc=$?
 echo "sweep rc=$rc" | tee -a "$log"
 tail -4 "$OUT/sweep.log" | tee -a "$log"
 if [ "$rc" = 2 ]; then echo "the sweep refused its input (another GPU's rows?): no model, report or table" | tee -a "$log"; exit 2; fi
+if [ "${MODEL:-1}" = 0 ]; then exit "$rc"; fi
 # the hand rules were retuned on the small grid's shapes: beyond it, judge on the other shapes only
 judge=${JUDGE_ON:-$([ "${GRID:-medium}" = small ] && echo all || echo new)}
 timeout 120 python3 -m kernels.bench.costmodel eval --data "$data" --out "$OUT/eval-$slug.json" --judge-on "$judge" >> "$log" 2>&1

@@ -11,14 +11,20 @@ kept for reference), ``energy_j`` the energy per call from the board's energy co
 least ``--energy-s`` of back-to-back calls (``energy_src`` = counter; measured for the up to 3
 fastest configs within 5% of the shape's fastest and the hand rule's, NaN for the others and
 without NVML),
-``compile_s`` the first call's wall seconds (Triton compile), ``bench_s``
+``compile_s`` the first call's wall seconds (Triton compile; with ``--compile-workers``, the
+warm-up worker's first call, where the compile happened: ``cached_call_s`` is then the timing
+pass's first call, a load from Triton's disk cache), ``bench_s``
 the wall seconds the timing took (what an autotuner spends on this candidate), ``rel_err`` of
 the outputs against the hand-rule config's outputs, ``spills`` (registers spilled, where Triton
 reports it). ``status``: ok, mismatch (rel_err over the bench's tolerance), out_of_resources,
 compile_error, error. Configs go through the real launchers (``kernels._launch_configs.forced``).
 
 The run is resumable (rows already in --out are skipped) and bounded (--deadline-s: no new
-config is started after it). Shapes are visited round-robin over the families, so a cut run
+config is started after it). Compiling is most of a sweep's time (about 3/4 of the first H200
+sweep's) and needs no quiet GPU: ``--compile-workers N`` first runs every config to be timed once
+in N spawned processes (a config over all its family's shapes, untimed), filling Triton's disk
+cache, for at most ``--compile-budget-s`` (default: half the deadline); the timing pass then runs
+alone on the GPU and loads the kernels from the cache. Shapes are visited round-robin over the families, so a cut run
 holds the first shapes of every family. The Parquet is rewritten after every shape; columns
 also carry the GPU, torch/triton/CUDA versions and the git commit (``--commit``, else
 $GIT_COMMIT, else HEAD). Families, grids and config spaces: ``kernels.bench.sweep_families``.
@@ -119,6 +125,64 @@ def _sticky(exc: BaseException) -> bool:
     """A CUDA error that poisons the context (every later launch would fail)."""
     msg = str(exc).lower()
     return "illegal memory access" in msg or "unspecified launch failure" in msg or "device-side assert" in msg
+
+
+_WORKER_POISONED = False  # a warm-up worker whose CUDA context a config broke runs nothing more
+
+
+def warm_config(task: tuple) -> list[tuple]:
+    """In a warm-up worker: run one config of a family once on each of the given shapes (Triton
+    compiles it, and its disk cache keeps it); [(family, shape_id, config_id, first call's wall s
+    or None where it failed)]."""
+    global _WORKER_POISONED
+    family, cfg, shapes, device_name, seed = task
+    device, out = torch.device(device_name), []
+    for s in shapes:
+        secs = None
+        if not _WORKER_POISONED:
+            try:
+                fn, _ = make_case(family, s, device, seed)
+                with forced(family, cfg):
+                    t0 = time.perf_counter()
+                    fn()
+                    sync(device)
+                    secs = time.perf_counter() - t0
+                del fn
+            except Exception as exc:  # noqa: BLE001 - the timing pass records what fails
+                _WORKER_POISONED = _sticky(exc)
+        out.append((family, s.id, config_id(cfg), secs))
+    return out
+
+
+def warm_cache(todo: dict[str, dict[str, tuple[dict, list[SweepShape]]]], device: torch.device, args) -> dict:
+    """Compile every config of `todo` ({family: {config_id: (config, shapes)}}) in
+    args.compile_workers spawned processes, for at most args.compile_budget_s; {(family, shape_id,
+    config_id): the worker's first-call seconds} of the calls that ran."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    tasks = [(f, cfg, shapes, str(device), args.seed) for f, by_id in todo.items() for cfg, shapes in by_id.values()]
+    if not tasks or args.compile_workers <= 0:
+        return {}
+    t0, warm = time.monotonic(), {}
+    print(f"warming Triton's cache: {len(tasks)} configs, {sum(len(t[2]) for t in tasks)} calls, "
+          f"{args.compile_workers} processes, at most {args.compile_budget_s:g} s", flush=True)
+    from kernels.bench import sweep as this  # by its module's name: under `python -m` this file is __main__
+
+    pool = cf.ProcessPoolExecutor(args.compile_workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = [pool.submit(this.warm_config, t) for t in tasks]
+    budget = None if math.isinf(args.compile_budget_s) else args.compile_budget_s
+    try:
+        for fut in cf.as_completed(futures, timeout=budget):
+            warm.update({(f, sid, cid): secs for f, sid, cid, secs in fut.result() if secs is not None})
+    except cf.TimeoutError:
+        print("  warm-up budget spent: the configs left compile in the timing pass", flush=True)
+    except cf.process.BrokenProcessPool as exc:  # a worker died (a crash, not an exception)
+        print(f"  a warm-up process died ({exc}): the configs left compile in the timing pass", flush=True)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # nothing of the warm-up may run beside the timing
+    print(f"  {len(warm)} calls compiled and ran in {time.monotonic() - t0:.0f} s", flush=True)
+    return warm
 
 
 def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device,
@@ -258,10 +322,11 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device, stamp: dict,
                 sampler: PowerSampler, meter: EnergyMeter, args, out_of_time,
-                prior: list[dict] = ()) -> tuple[list[dict], bool]:
+                prior: list[dict] = (), warm: dict | None = None) -> tuple[list[dict], bool]:
     """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen). Once every config
     of the shape is timed, the energy pass runs over these and the shape's `prior` rows (a resumed
-    sweep's: updated in place)."""
+    sweep's: updated in place). `warm`: `warm_cache`'s first-call seconds, the compile times of the
+    configs it compiled."""
     fn, info = make_case(family, s, device, args.seed)
     dtype = DTYPES[s.dtype]
     with forced(family, hand):
@@ -273,6 +338,9 @@ def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device
             break
         m = time_config(family, fn, cfg, ref, dtype, device, sampler, args)
         sticky = bool(m.pop("sticky", False))
+        m["cached_call_s"] = math.nan
+        if (family, s.id, config_id(cfg)) in (warm or {}):  # compiled by a warm-up worker
+            m["cached_call_s"], m["compile_s"] = m["compile_s"], warm[(family, s.id, config_id(cfg))]
         rows.append({**_shape_cols(family, s, info), "config_id": config_id(cfg), "config": json.dumps(cfg),
                      "is_hand": config_id(cfg) == config_id(hand), **m, "warmup_ms": args.warmup_ms,
                      "rep_ms": args.rep_ms, "grid": args.grid, **{k: stamp[k] for k in STAMP_COLS}})
@@ -299,6 +367,16 @@ def _progress(family: str, s: SweepShape, rows: list[dict], n_left: int, elapsed
           f"{n_left} shapes left, {elapsed:.0f} s", flush=True)
 
 
+def warm_up_todo(order: list[tuple[str, SweepShape]], done: set, level: str) -> dict:
+    """{family: {config_id: (config, [the shapes, in sweep order, where it is still to be timed])}}."""
+    todo: dict[str, dict[str, tuple[dict, list]]] = {}
+    for family, s in order:
+        for cfg in space(family, s, level):
+            if (family, s.id, config_id(cfg)) not in done:
+                todo.setdefault(family, {}).setdefault(config_id(cfg), (cfg, []))[1].append(s)
+    return todo
+
+
 def run(args) -> int:
     device = torch.device(args.device)
     stamp = make_stamp(device, args.commit)
@@ -322,6 +400,7 @@ def run(args) -> int:
           f"{stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, commit {stamp['commit']}; "
           f"power {'NVML' if sampler.available else 'absent'}, energy counter "
           f"{'NVML' if meter.available else 'absent (energy NaN)'}", flush=True)
+    warm = warm_cache(warm_up_todo(order, done, args.grid), device, args) if args.compile_workers > 0 else {}
     n_new = 0
     for i, (family, s) in enumerate(order):
         hand = hand_config(family, s)
@@ -335,7 +414,8 @@ def run(args) -> int:
         if out_of_time():
             print(f"deadline ({args.deadline_s:g} s) reached: {len(order) - i} shapes not finished", flush=True)
             break
-        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, sampler, meter, args, out_of_time, prior)
+        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, sampler, meter, args, out_of_time, prior,
+                                  warm)
         rows += new
         n_new += len(new)
         write_rows(out, rows)
@@ -379,6 +459,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time, ms")
     p.add_argument("--energy-s", type=float, default=1.0,
                    help="seconds of back-to-back calls per energy reading (0: no energy pass)")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="processes that compile the configs before the timing pass (default: on CUDA, the "
+                        "CPU cores less 2, at most 12; 0 on the CPU interpreter, or to compile while timing)")
+    p.add_argument("--compile-budget-s", type=float, default=None,
+                   help="seconds the warm-up may take (default: half of --deadline-s, else unbounded)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--commit", default=None, help="git commit to record (default $GIT_COMMIT, else HEAD)")
     p.add_argument("--seed", type=int, default=0)
@@ -398,6 +483,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
     if args.deadline_s is not None and args.deadline_s <= 0:
         p.error("--deadline-s must be positive")
+    if args.compile_workers is None:
+        args.compile_workers = min(12, max(0, (os.cpu_count() or 1) - 2)) if args.device == "cuda" else 0
+    if args.compile_workers < 0:
+        p.error("--compile-workers must be 0 or more")
+    if args.compile_budget_s is None:
+        args.compile_budget_s = args.deadline_s / 2 if args.deadline_s is not None else math.inf
+    if args.compile_budget_s <= 0:
+        p.error("--compile-budget-s must be positive")
     return args
 
 
