@@ -272,6 +272,14 @@ def test_warm_up_counts_each_config_once_over_the_shapes_left():
     assert all(shapes == [order[1][1]] for _, shapes in todo.values())  # the timed shape left out
 
 
+def test_graph_timing_needs_cuda(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert sweep.parse_args(["--device", "cpu"]).timing == "call"
+    with pytest.raises(SystemExit):
+        sweep.parse_args(["--timing", "graph", "--device", "cpu"])
+    assert "--timing graph replays CUDA graphs" in capsys.readouterr().err
+
+
 def test_sweep_rejects_a_negative_worker_count(capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(SystemExit):
@@ -302,6 +310,16 @@ def test_rows_of_other_kernel_code_are_set_aside_and_timed_again(tmp_path, capsy
     assert again.height == n and set(again["kernel_code"]) == {kernel_code()}
     archived = pl.read_parquet(tmp_path / "s.stale.parquet")
     assert archived.height == stale_n and set(archived["kernel_code"]) == {"old"}
+    # rows of another timing (a sweep that timed whole calls, or from before the column) are stale too
+    again.with_columns(timing=pl.when(pl.col("shape_id") == df["shape_id"][0]).then(pl.lit("graph"))
+                       .otherwise(pl.lit(None))).write_parquet(out)
+    capsys.readouterr()
+    assert sweep.main(argv) == 0
+    said = capsys.readouterr().out
+    assert f"{stale_n} of {n} rows were timed with other kernel code than today's ({kernel_code()}) or not by call" in said
+    again = pl.read_parquet(out)  # the graph-timed rows timed again; rows without the column timed calls: kept
+    assert again.height == n and set(again.filter(pl.col("shape_id") == df["shape_id"][0])["timing"]) == {"call"}
+    assert again.filter(pl.col("shape_id") != df["shape_id"][0])["timing"].is_null().all()
 
 
 class _CountingMeter:
@@ -319,7 +337,7 @@ def _tiny_shape_args():
     from kernels.bench.sweep_families import grid, hand_config, space
 
     s = grid("flash_fwd", "tiny")[0]
-    args = SimpleNamespace(warmup_ms=0, rep_ms=1, grid="tiny", seed=0, energy_s=0.001)
+    args = SimpleNamespace(warmup_ms=0, rep_ms=1, grid="tiny", seed=0, energy_s=0.001, timing="call")
     stamp = {k: "x" for k in sweep.STAMP_COLS}
     return s, space("flash_fwd", s, "tiny"), hand_config("flash_fwd", s), args, stamp
 

@@ -17,7 +17,8 @@
 # FAMILIES=a,b sweeps only those kernel families (default all; e.g. the S2 ones alone:
 # FAMILIES=s2_fwd,s2_bwd). MLFLOW=1 also logs the sweep as an MLflow run (Parquet as artifact) into ./mlflow.db.
 # COMPILE_WORKERS=N: processes compiling the configs before the timing pass (the sweep's default:
-# cores less 2, at most 12); ENERGY_S: seconds per energy reading (default 1). MODEL=0 stops after
+# cores less 2, at most 12); ENERGY_S: seconds per energy reading (default 1); TIMING=graph|call
+# (default graph: the kernels alone); REP_MS: timing repetitions, ms (default 40). MODEL=0 stops after
 # the sweep (eval, report and export need no GPU: run them where the Parquet comes back).
 # Where the machine returns few files per command, end with `bash experiments/gpu/pack.sh`. E.g.
 #   GIT_COMMIT=$(git rev-parse HEAD) bash experiments/gpu/costmodel.sh; bash experiments/gpu/pack.sh
@@ -35,6 +36,7 @@ deadline=${SWEEP_DEADLINE:-400}
 timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-medium}" \
   --families "${FAMILIES:-all}" --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} \
   ${COMPILE_WORKERS:+--compile-workers "$COMPILE_WORKERS"} ${ENERGY_S:+--energy-s "$ENERGY_S"} \
+  ${TIMING:+--timing "$TIMING"} ${REP_MS:+--rep-ms "$REP_MS"} \
   > "$OUT/sweep.log" 2>&1
 rc=$?
 echo "sweep rc=$rc" | tee -a "$log"

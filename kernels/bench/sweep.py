@@ -4,8 +4,15 @@ timed with the harness's rules and with board power sampled through NVML; one Pa
     python -m kernels.bench.sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400] [--energy-s 1]
                                   [--out runs/costmodel/sweep-<gpu>.parquet] [--mlflow]
 
-What is measured per (family, shape, config): ``ms`` the do_bench median (CUDA events, L2 flushed,
-after warm-up; ``kernels.bench.measure.bench_ms``; a host clock on the CPU), ``power_w`` the mean
+What is measured per (family, shape, config): ``ms`` the median time of a call, by default
+(``--timing graph``) of the kernels alone, calls replayed as a CUDA graph
+(``kernels.bench.measure.graph_ms``, the kernel benchmark's "kernels" column): a launch config
+changes the kernels, not the host's launch path, and many swept calls are shorter than their
+launch, so timing whole calls ranked configs by host noise (the first H200 sweeps: the hand
+target-attention forward at 0.077 ms a call where its kernel takes 0.043 ms). ``--timing call``:
+the do_bench median of whole calls (CUDA events, L2 flushed, after warm-up;
+``kernels.bench.measure.bench_ms``); the CPU interpreter always times calls with a host clock.
+Column ``timing`` says which; a resume re-times rows of another timing. ``power_w`` the mean
 sampled board power during that timing (``kernels.bench.power``; too coarse for a 40 ms window,
 kept for reference), ``energy_j`` the energy per call from the board's energy counter over at
 least ``--energy-s`` of back-to-back calls (``energy_src`` = counter; measured for the up to 3
@@ -58,7 +65,7 @@ from pathlib import Path
 import torch
 
 from kernels._launch_configs import FAMILIES, forced
-from kernels.bench.measure import CHECK_TOL, bench_ms, free_memory, rel_err, sync
+from kernels.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms, rel_err, sync
 from kernels.bench.power import EnergyMeter, PowerSampler
 from kernels.bench.stamp import make_stamp
 from kernels.bench.sweep_families import (DTYPES, ENERGY_SLACK, LEVELS, SweepShape, complete, grid, hand_config,
@@ -211,8 +218,15 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
                 row["status"] = "mismatch"
         del outs
         t1 = time.perf_counter()
-        with sampler:
-            row["ms"] = bench_ms(fn, device, args.warmup_ms, args.rep_ms)
+        try:
+            with sampler:
+                row["ms"] = graph_ms(fn, device, args.rep_ms) if args.timing == "graph" else \
+                    bench_ms(fn, device, args.warmup_ms, args.rep_ms)
+        except Exception as exc:  # noqa: BLE001 - a call that cannot be captured (or timed) is a row
+            row.update(status="error", error=f"timing: {type(exc).__name__}: {str(exc)[:190]}")
+            if _sticky(exc):
+                row["sticky"] = True
+            return row
         row["bench_s"] = time.perf_counter() - t1
         row["power_w"], row["n_power"] = sampler.mean_w, len(sampler.samples)
     return row
@@ -295,18 +309,22 @@ def refresh(rows: list[dict]) -> None:
             r["energy_j"] = math.nan
 
 
-def set_aside_stale(path: Path, rows: list[dict], code: str) -> list[dict]:
-    """The rows timed with today's kernel code (stamp's `kernel_code`); the others (another kernel
-    source, torch or triton, or a sweep from before the code was recorded) are timed again, and
-    kept, appended to <path stem>.stale.parquet beside the sweep, not mixed into its model."""
-    stale = [r for r in rows if r.get("kernel_code") != code]
+def set_aside_stale(path: Path, rows: list[dict], code: str, timing: str) -> list[dict]:
+    """The rows timed with today's kernel code (stamp's `kernel_code`) and `timing`; the others
+    (another kernel source, torch or triton, a sweep from before the code was recorded, or one that
+    timed the other way: rows without a timing timed whole calls) are timed again, and kept,
+    appended to <path stem>.stale.parquet beside the sweep, not mixed into its model."""
+    def current(r: dict) -> bool:
+        return r.get("kernel_code") == code and (r.get("timing") or "call") == timing
+
+    stale = [r for r in rows if not current(r)]
     if not stale:
         return rows
     archive = path.with_name(path.stem + ".stale.parquet")
     write_rows(archive, [*load_rows(archive), *stale])
-    print(f"{len(stale)} of {len(rows)} rows were timed with other kernel code than today's ({code}): they "
-          f"are timed again (the old rows: {archive})", flush=True)
-    fresh = [r for r in rows if r.get("kernel_code") == code]
+    print(f"{len(stale)} of {len(rows)} rows were timed with other kernel code than today's ({code}) or not by "
+          f"{timing} timing: they are timed again (the old rows: {archive})", flush=True)
+    fresh = [r for r in rows if current(r)]
     write_rows(path, fresh)
     return fresh
 
@@ -343,7 +361,8 @@ def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device
             m["cached_call_s"], m["compile_s"] = m["compile_s"], warm[(family, s.id, config_id(cfg))]
         rows.append({**_shape_cols(family, s, info), "config_id": config_id(cfg), "config": json.dumps(cfg),
                      "is_hand": config_id(cfg) == config_id(hand), **m, "warmup_ms": args.warmup_ms,
-                     "rep_ms": args.rep_ms, "grid": args.grid, **{k: stamp[k] for k in STAMP_COLS}})
+                     "rep_ms": args.rep_ms, "timing": args.timing, "grid": args.grid,
+                     **{k: stamp[k] for k in STAMP_COLS}})
         if sticky:
             break
     if complete and not sticky:  # a shape cut by the deadline: its fastest configs may be still untimed
@@ -387,7 +406,7 @@ def run(args) -> int:
         print(f"error: {out} holds rows timed on {', '.join(other)}, not on this {stamp['gpu']}: resume a sweep "
               "only on the GPU it ran on (another --out starts afresh)", file=sys.stderr)
         return 2
-    rows = set_aside_stale(out, rows, stamp["kernel_code"])
+    rows = set_aside_stale(out, rows, stamp["kernel_code"], args.timing)
     refresh(rows)
     done = {tuple(r[k] for k in KEY) for r in rows}
     t0 = time.monotonic()
@@ -440,7 +459,8 @@ def log_mlflow(path: Path, rows: list[dict], n_new: int, stamp: dict, args) -> s
     with mlflow.start_run(run_name=f"sweep-{stamp['gpu_slug']}-{args.grid}") as run:
         mlflow.set_tags({f"stamp.{k}": str(stamp[k]) for k in STAMP_COLS} | {"kind": "config-sweep"})
         mlflow.log_params({"grid": args.grid, "families": ",".join(args.families), "deadline_s": args.deadline_s,
-                           "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "seed": args.seed})
+                           "timing": args.timing, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+                           "seed": args.seed})
         mlflow.log_metrics({"rows": len(rows), "new_rows": n_new,
                             "ok_rows": sum(r["status"] == "ok" for r in rows)})
         mlflow.log_artifact(str(path))
@@ -455,8 +475,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--families", default="all", help=f"comma-separated, of: {', '.join(FAMILIES)}")
     p.add_argument("--out", default="runs/costmodel/sweep-<gpu>.parquet", help="Parquet file (<gpu>: the GPU's slug)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no new config after this many seconds")
-    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up, ms")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up, ms (call timing)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time, ms")
+    p.add_argument("--timing", choices=("graph", "call"), default=None,
+                   help="graph: the kernels alone, calls replayed as a CUDA graph (default on CUDA); call: whole "
+                        "calls, host included (always on the CPU)")
     p.add_argument("--energy-s", type=float, default=1.0,
                    help="seconds of back-to-back calls per energy reading (0: no energy pass)")
     p.add_argument("--compile-workers", type=int, default=None,
@@ -483,6 +506,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
     if args.deadline_s is not None and args.deadline_s <= 0:
         p.error("--deadline-s must be positive")
+    if args.timing is None:
+        args.timing = "graph" if args.device == "cuda" else "call"
+    if args.timing == "graph" and args.device != "cuda":
+        p.error("--timing graph replays CUDA graphs: it needs --device cuda")
     if args.compile_workers is None:
         args.compile_workers = min(12, max(0, (os.cpu_count() or 1) - 2)) if args.device == "cuda" else 0
     if args.compile_workers < 0:
