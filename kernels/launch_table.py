@@ -11,8 +11,9 @@ shape)::
                   "config": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
                   "source": "measured" | "predicted" | "hand", "pred_ms": 0.2}, ...]}
 
-("hand": the shape keeps its hand rule's config, the measured or predicted gain of any other
-being within the export's switch margins, kernels/bench/costmodel.py.)
+("hand": the shape keeps its hand rule, the measured or predicted gain of any other config being
+within the export's switch margins, kernels/bench/costmodel.py; the launchers then run the hand
+rule of the shape at hand, also where such an entry is only the nearest one.)
 
 Shape features: B sequences, N = max_seq_len (tokens), L = mean length T / B (tokens), H heads
 (or columns), Tq dense queries; these are compared in log2 space. Every other feature (D, K, M,

@@ -102,6 +102,21 @@ def test_tuned_with_table_replaces_known_keys_only(tmp_path, monkeypatch):
             pass
 
 
+def test_a_hand_entry_means_the_hand_rule_of_the_shape_at_hand(tmp_path, monkeypatch):
+    """An entry of source 'hand' gives every shape it is looked up for (exactly or as the nearest)
+    that shape's own hand rule, not the config the rule gave the entry's shape."""
+    shape = dict(B=256, N=4096, L=416, H=4, D=128, Tq=16, dtype="bfloat16")
+    entries = [dict(_entry("dense_fwd", {"BLOCK_M": 16, "BLOCK_N": 64}, **shape), source="hand"),
+               dict(_entry("dense_bwd", {"BLOCK_M": 16, "BLOCK_N": 64}, **shape), source="predicted")]
+    monkeypatch.setenv("JFA_LAUNCH_TABLE", str(write_table(tmp_path / "t.json", entries, {"gpu": "test"})))
+    lc.use_table("env")
+    rule_tq32 = {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    near = (512, 4096, 512, 1, 128, 32, torch.bfloat16)  # no exact entry: the Tq 16 one is the nearest
+    assert lc.tuned("dense_fwd", near, rule_tq32) is rule_tq32
+    assert lc.tuned("dense_fwd", (256, 4096, 416, 4, 128, 16, torch.bfloat16), rule_tq32) is rule_tq32
+    assert lc.tuned("dense_bwd", near, rule_tq32)["BLOCK_M"] == 16  # a predicted pick is laid over the rule
+
+
 # ---- the launchers under a table that picks other (valid) configs ---------------------------
 
 OTHER = {  # every family: a config unlike the interpreter's hand rule

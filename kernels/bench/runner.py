@@ -74,8 +74,9 @@ def _graph_time(fn, cfg: RunConfig, grads: list) -> dict:
     try:
         return {"gpu_ms": graph_ms(fn, cfg.device, min(cfg.rep_ms, 50.0), grad_to_none=grads)}
     except Exception as exc:  # noqa: BLE001 - the row's call time stands
-        free_memory(cfg.device)
         return {"gpu_ms": None, "gpu_ms_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    finally:  # a freed graph's memory pool stays cached until emptied: kept, the pools of the
+        free_memory(cfg.device)  # earlier rows filled the H200 and later rows' graphs ran out of memory
 
 
 def run_provider(prov: Provider, j: Jagged, ref: torch.Tensor, cfg: RunConfig, modes, base: dict) -> list[dict]:
