@@ -12,6 +12,8 @@ products unless torch allows TF32 (``torch.set_float32_matmul_precision``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -29,10 +31,27 @@ DENSE_BMM_CONFIGS = {
     2: {"BLOCK_T": 128, "BLOCK_M": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     4: {"BLOCK_T": 64, "BLOCK_M": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
 }
-JAGGED_BMM_CONFIGS = {  # T_SPLITS > 1: split-T (see the kernel); off in the hand rules, not yet timed
+JAGGED_BMM_CONFIGS = {  # T_SPLITS > 1: split-T (see the kernel), set by `split_t` where it pays
     2: {"BLOCK_K": 128, "BLOCK_M": 128, "BLOCK_T": 64, "T_SPLITS": 1, "num_warps": 8, "num_stages": 3},
     4: {"BLOCK_K": 64, "BLOCK_M": 64, "BLOCK_T": 32, "T_SPLITS": 1, "num_warps": 4, "num_stages": 3},
 }
+# split-T in the hand rule: where the output tiles leave at least half the SMs idle and sequences
+# are long, SPLITS programs share each tile's reduction (kernels/TUNING.md, "Split-T")
+SPLIT_T_MIN_MEAN_LEN, SPLIT_T_SPLITS = 2048, 4
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_t(B: int, T: int, K: int, M: int, cfg: dict, sms: int) -> int:
+    """The hand rule's T_SPLITS: SPLIT_T_SPLITS when B x the output tiles fill at most half of
+    `sms` SMs and the mean length T / B is at least SPLIT_T_MIN_MEAN_LEN, else 1 (also where the
+    SM count is unknown, sms = 0: the interpreter)."""
+    programs = B * triton.cdiv(K, cfg["BLOCK_K"]) * triton.cdiv(M, cfg["BLOCK_M"])
+    few = 0 < 2 * programs <= sms
+    return SPLIT_T_SPLITS if few and T // max(B, 1) >= SPLIT_T_MIN_MEAN_LEN else 1
 
 
 def bmm_base_config(op: str, dtype: torch.dtype) -> dict:
@@ -41,16 +60,21 @@ def bmm_base_config(op: str, dtype: torch.dtype) -> dict:
     return table[4 if dtype.itemsize >= 4 else 2]
 
 
-def bmm_config(op: str, K: int, M: int, dtype: torch.dtype, B: int, N: int, T: int) -> dict:
+def bmm_config(op: str, K: int, M: int, dtype: torch.dtype, B: int, N: int, T: int, sms: int = 0) -> dict:
     """Launch keywords of op ("dense" or "jagged") for a [*, K] x [*, M] product in dtype: the
-    hand rule or the launch table's pick (kernels/_launch_configs.py), clamped to the operands."""
-    cfg = bmm_base_config(op, dtype)
+    hand rule or the launch table's pick (kernels/_launch_configs.py), clamped to the operands.
+    `sms`: the device's SM count, for the hand rule's split-T (0: none)."""
+    base = bmm_base_config(op, dtype)
+    cfg = base
     if _lc.active():
         family = "jagged_dense_bmm" if op == "dense" else "jagged_jagged_bmm"
         cfg = _lc.tuned(family, _lc.bucket(B, N, T, K, M, dtype), cfg)
+    hand = cfg is base
     cfg = dict(cfg)
     cfg["BLOCK_K"] = col_block(K, hi=cfg["BLOCK_K"])
     cfg["BLOCK_M"] = col_block(M, hi=cfg["BLOCK_M"])
+    if op == "jagged" and hand:
+        cfg["T_SPLITS"] = split_t(B, T, K, M, cfg, sms)
     cfg.update(PRECISION=dot_precision(dtype))
     return cfg
 
@@ -174,7 +198,9 @@ def jagged_jagged_bmm_triton(
     B, K, M = offsets.numel() - 1, a.shape[1], c.shape[1]
     if B * K * M == 0:
         return new_output((B, K, M), a)
-    kw = bmm_config("jagged", K, M, a.dtype, B, max_seq_len, a.shape[0])
+    kw = bmm_config("jagged", K, M, a.dtype, B, max_seq_len, a.shape[0],
+                    sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
+                    if a.is_cuda else 0)
     if kw["T_SPLITS"] > 1 and torch.are_deterministic_algorithms_enabled():  # atomics add in arrival order
         kw = dict(kw, T_SPLITS=1)
     split = kw["T_SPLITS"] > 1  # the chunks' fp32 atomic sums, cast once at the end
