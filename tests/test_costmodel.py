@@ -19,7 +19,7 @@ from kernels import (S2Shards, jagged_dense_attention, jagged_dense_bmm, jagged_
                      jagged_softmax, offsets_from_lengths, padded_to_jagged)
 from kernels._flash_attention_triton import _FWD_KW, _fwd_kw, fwd_config
 from kernels.bench import costmodel, sweep
-from kernels.launch_table import LaunchTable, table_path, write_table
+from kernels.launch_table import CONFIG_DIR, LaunchTable, table_path, write_table
 
 F32 = "float32"
 
@@ -57,6 +57,28 @@ def test_lookup_exact_nearest_none(tmp_path):
     assert t.lookup("flash_fwd", dict(exact, D=96)) is None  # D must match
     assert t.lookup("flash_fwd", dict(exact, dtype="float16")) is None  # so must the dtype
     assert t.lookup("flash_bwd", exact) is None  # no entry of the family
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_committed_table_is_one_the_launchers_can_use(path):
+    """A table in kernels/configs/ is read by the launchers of its GPU: it loads, names the GPU its
+    file is named for, and every entry sets exactly its family's tunable keys to launchable values."""
+    from kernels.bench.sweep_families import FLAGS, TUNABLE
+    from kernels.runenv import device_slug
+
+    t = LaunchTable.load(path)
+    assert device_slug(t.meta["gpu"]) == path.stem and len(t) > 0
+    for e in t.exact.values():
+        assert e["source"] in ("measured", "predicted", "hand"), e
+        assert set(e["config"]) == set(TUNABLE[e["family"]]), e
+        for k, v in e["config"].items():
+            if k in FLAGS:
+                assert v in (0, 1), (k, v)
+            elif k == "num_stages":
+                assert 1 <= v <= 4, (k, v)
+            else:  # tiles, warps, splits
+                assert v >= 1 and v & (v - 1) == 0, (k, v)
+        assert set(e["shape"]) == set(lc.FAMILIES[e["family"]]), e
 
 
 def test_table_path_and_bad_files(tmp_path, monkeypatch):

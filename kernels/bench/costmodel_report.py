@@ -126,8 +126,10 @@ def _energy_note(rows: list[dict]) -> str:
         return ("Energy: no row has a reading of the board's energy counter (a sweep from before the energy pass, or "
                 "no NVML), so the energy columns are empty; sampled power over a 40 ms timing is not used "
                 "(kernels/bench/power.py says why).")
+    windows = [r["energy_window_s"] for r in rows if r.get("energy_src") == "counter" and r.get("energy_window_s")]
+    least = f"{min(windows):.2g} s or more" if windows else "a window"
     return (f"Energy: {counted} rows (up to 3 configs within 5% of each shape's fastest, and the hand rule's) have the "
-            "energy per call from the board's energy counter over a second or more of back-to-back calls.")
+            f"energy per call from the board's energy counter over {least} of back-to-back calls.")
 
 
 def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
