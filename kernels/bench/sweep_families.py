@@ -3,13 +3,11 @@
 A family is one launcher of kernels/_*_triton.py whose launch dict goes through
 ``kernels._launch_configs.tuned`` (the same names as ``_launch_configs.FAMILIES``). For each:
 
-- ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small`` (21 shapes, 608
-  configs timed in 231 s on an H200), ``medium`` (small's shapes and config space, softmax also
-  with 64-column programs, and 22 more shapes spread over the full grid's ranges: held-out
-  shapes the model has neighbours for; about 1,500 configs, 880 of them new: about 340 s of
-  timing on an H200 plus the energy pass, so two calls on top of a resumed small sweep) or
-  ``full`` (every shape and a
-  larger config space: several resumed calls). The S2 families (s2_fwd, s2_bwd: S2 attention in
+- ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small``, ``medium``
+  (small's shapes and config space, softmax also with 64-column programs, and more shapes spread
+  over the full grid's ranges: held-out shapes the model has neighbours for; on an H200 the whole
+  medium grid took two calls of about 8 minutes, compile warm-up, kernel timing and 0.5 s energy
+  readings included) or ``full`` (every shape and a larger config space: several resumed calls). The S2 families (s2_fwd, s2_bwd: S2 attention in
   the layout of kernels.bench.s2 and the s2 ablation, block 64, 4 local blocks, stride 8) add 4
   shapes and 232 configs to small, 8 shapes and 464 configs to medium (not yet timed on a GPU).
   Lengths are drawn as in the benchmark harness
