@@ -213,6 +213,26 @@ def test_target_attention_is_judged_against_sdpa_and_varlen_at_every_tq():
     sdpa = next(v for k, v in res.items() if k.startswith("dense_attention fwd_bwd: >= 3x faster than sdpa_padded_mask"))
     varlen = next(v for k, v in res.items() if k.startswith("dense_attention fwd_bwd: >= 1.5x faster than varlen_attn"))
     assert sdpa["status"] == "PASS" and varlen["status"] == "MISS" and "Tq=16 1.49x" in varlen["detail"]
+    by_kernels = {k: v for k, v in res.items() if k.endswith("(by the kernels' own time, CUDA-graph replay)")}
+    assert len(by_kernels) == 2 and {v["status"] for v in by_kernels.values()} == {"N/A"}  # no --graph-ms
+    for r in rows:  # host-bound calls: ours' kernels take a third of its call, the peers' all of theirs
+        r["gpu_ms"] = r["ms"] / 3 if r["provider"] == "jagged" else r["ms"]
+    res = {t["target"]: t for t in targets.evaluate(rows)}
+    varlen_k = next(v for k, v in res.items() if k.startswith("dense_attention fwd_bwd: >= 1.5x faster than varlen_attn")
+                    and k.endswith("CUDA-graph replay)"))
+    assert varlen_k["status"] == "PASS" and "Tq=16 4.47x" in varlen_k["detail"]
+
+
+def test_floor_table_sets_the_kernels_alone_beside_the_call():
+    from kernels.bench import floors
+
+    shape = {"B": 2, "N": 8, "H": 1, "D": 4, "Tq": 1}
+    row = {"kind": "dense_attention", "suite": "paper", "shape_id": "S", "provider": "jagged", "status": "ok",
+           "shape": shape, "tokens": 10, "mode": "fwd_bwd", "flops": 560, "ms": 0.003, "gpu_ms": 0.0012}
+    ceilings = {"copy_gbps": 1.0, "matmul_tflops": 1.0}  # floor: 592 bytes at 1 GB/s = 0.000592 ms
+    lines = floors.floor_table([row, dict(row, shape_id="T", gpu_ms=None)], ceilings, "bf16")
+    assert "| dense_attention | paper | S | fwd+bwd | 0.003 | 0.000592 | bytes | 5.07x | 0.0012 | 2.03x |" in lines
+    assert "| dense_attention | paper | T | fwd+bwd | 0.003 | 0.000592 | bytes | 5.07x | - | - |" in lines
 
 
 def test_attention_floor_is_the_larger_of_bytes_and_flops_per_pass():

@@ -148,8 +148,13 @@ def _headline(rows, peer: str, speed: float, mem: float, mem_text: str) -> list[
     return out
 
 
-def _dense_attention(rows, peer: str, speed: float) -> dict:
+def _dense_attention(rows, peer: str, speed: float, key: str = "ms") -> dict:
+    """The target-attention target, by call time (`key` 'ms') or, as a second row beside it, by
+    the kernels' own time ('gpu_ms', --graph-ms: these fwd+bwd calls are host-bound, and the
+    ranker's training step replays them as a CUDA graph)."""
     name = f"dense_attention fwd_bwd: >= {speed:g}x faster than {peer} at B1024 N1024 H2 D64 d0.25, Tq 1/16/64"
+    if key == "gpu_ms":
+        name += " (by the kernels' own time, CUDA-graph replay)"
     parts, ok_all, seen = [], True, 0
     for tq in (1, 16, 64):
         sid = f"{HEADLINE}-Tq{tq}"
@@ -158,9 +163,13 @@ def _dense_attention(rows, peer: str, speed: float) -> dict:
             parts.append(f"Tq={tq} not measured")
             ok_all = False
             continue
-        seen += 1
         r, o = ps[0]
-        sp = None if o is None else r["ms"] / o["ms"]
+        if key != "ms" and not r.get(key):
+            parts.append(f"Tq={tq} not measured")
+            ok_all = False
+            continue
+        seen += 1
+        sp = None if o is None or not o.get(key) else r[key] / o[key]
         ok_all &= sp is not None and sp >= speed
         parts.append(f"Tq={tq} {'ours failed' if sp is None else f'{sp:.2f}x'}")
     status = "N/A" if seen == 0 else ("PASS" if ok_all else ("MISS" if seen == 3 else "INCOMPLETE"))
@@ -202,6 +211,7 @@ def evaluate(rows: list[dict], ceilings: dict | None = None) -> list[dict]:
     results = [_every_shape(rows, "fwd_bwd"), _every_shape(rows, "fwd"), _geomean_target(rows), _memory_vs_strongest(rows)]
     results += _headline(rows, "dense_torch", 9.0, 22.0, "22x less memory")
     results += _headline(rows, "sdpa_padded_mask", 3.0, 1.0 / 0.47, "53% less memory")
-    results += [_dense_attention(rows, "sdpa_padded_mask", 3.0), _dense_attention(rows, "varlen_attn", 1.5)]
+    results += [_dense_attention(rows, peer, speed, key) for key in ("ms", "gpu_ms")
+                for peer, speed in (("sdpa_padded_mask", 3.0), ("varlen_attn", 1.5))]
     results += _ops(rows, ceilings)
     return results
