@@ -16,9 +16,10 @@
 # split-T forced to 4 chunks into $OUT/split, graph times too);
 # default all but tune_ops, graph_paper, bench_paper_hand, target_ab and split_ab. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
-# workers; now one per core, at most 16 (TEST_WORKERS to change). GRAPH_MS=1: bench_paper and
-# bench_paper_hand also time every row as a CUDA-graph replay (the kernels' own time, what a launch
-# table changes; host-bound call times move 0.6-1.5x between runs). E.g.
+# workers; 438 tests took 119 s with 16 on 2026-11-26 (TEST_WORKERS to change). GRAPH_MS=1:
+# bench_paper, bench_paper_hand and bench_recsys_long also time every row as a CUDA-graph replay
+# (the kernels' own time, what a launch table changes; host-bound call times moved 0.49-2.60x
+# between two runs of the same code). E.g.
 #   PARTS="tests bench_paper" bash experiments/gpu/kernels.sh
 #   GRAPH_MS=1 PARTS="bench_paper bench_paper_hand" bash experiments/gpu/kernels.sh   # table vs hand rules
 set -uo pipefail
@@ -74,7 +75,7 @@ if [[ $PARTS == *" split_ab "* ]]; then
   done
 fi
 if [[ $PARTS == *" bench_recsys_long "* ]]; then
-  python3 -m kernels.bench all --suite recsys,long --out "$OUT/bench" --commit "$GIT_COMMIT" \
+  python3 -m kernels.bench all --suite recsys,long --out "$OUT/bench" --commit "$GIT_COMMIT" "${graph[@]}" \
     --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${RL_DEADLINE:-240}" >> "$log" 2>&1
   echo "bench recsys,long rc=$?" | tee -a "$log"
 fi
