@@ -269,6 +269,7 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
     assert pl.read_parquet(out).height == expected  # the file untouched
 
 
+@pytest.mark.slow  # spawns warm-up processes (torch imported in each)
 def test_warm_up_workers_compile_what_the_timing_pass_then_times(tmp_path, capsys):
     """--compile-workers: spawned processes run each config once over its shapes before the timing
     pass; the rows are the same, and their compile_s is the worker's first call (the timing
