@@ -16,8 +16,11 @@ import importlib.metadata
 import json
 import os
 import platform
+import signal
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlflow
@@ -101,9 +104,12 @@ class MLflowRun(pl.Callback):
         return {"run_id": self.run_id}
 
     def start(self, tags: dict[str, str]) -> str:
-        """Start (or resume) the run in this process; returns its id."""
+        """Start (or resume) the run in this process; returns its id. SIGTERM and SIGINT wait until
+        the run is the active one: arriving inside `mlflow.start_run`, after the store has the run
+        and before it is active, they left it RUNNING for ever (nothing could end it)."""
         try:
-            return self._start(tags)
+            with interrupts_deferred():
+                return self._start(tags)
         except mlflow.exceptions.MlflowException as err:
             raise ConfigError(f"cannot start an MLflow run at {shown(tracking_uri())}: {first_line(err)}") from None
 
@@ -131,6 +137,20 @@ class MLflowRun(pl.Callback):
         if fail_active_run(status) is not None:
             print(f"MLflow run {self.run_id} marked {status} ({type(exception).__name__}: {exception})",
                   file=sys.stderr)
+
+
+@contextmanager
+def interrupts_deferred():
+    """SIGTERM and SIGINT held back while the block runs and delivered when it ends (their handlers
+    then run in the main thread as usual); a no-op off the main thread or without pthread_sigmask."""
+    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def is_interrupt(exception: BaseException) -> bool:

@@ -136,3 +136,43 @@ def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_fac
     assert arts == {"comparison/comparison.md", "comparison/comparison.html"}
     report = {f.path for f in client.list_artifacts(parent.info.run_id, "report")}
     assert {"report/report.md", "report/throughput.png", "report/memory.png"} <= report
+
+
+def test_a_sigterm_while_the_run_starts_waits_until_the_run_can_be_ended(tmp_path, tmp_path_factory, monkeypatch):
+    """A sweep killed while its fit starts the MLflow run: SIGTERM arriving after the store has
+    the run and before it is the active one left it RUNNING for ever. It is now held back until
+    the run is active, so the handler's exit path ends the run KILLED."""
+    import signal
+
+    import mlflow
+
+    from pipeline.tracking import MLflowRun, fail_active_run
+
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    real_create = MlflowClient.create_run
+
+    def create_then_killed(self, *args, **kwargs):
+        run = real_create(self, *args, **kwargs)  # the store has the run, still RUNNING
+        os.kill(os.getpid(), signal.SIGTERM)
+        return run
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stopped()
+
+    monkeypatch.setattr(MlflowClient, "create_run", create_then_killed)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with pytest.raises(Stopped):
+            MLflowRun(experiment_name="sigterm", system_metrics=False).start({"t": "1"})
+        assert mlflow.active_run() is not None  # the signal landed once the run was active
+        fail_active_run("KILLED")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+    (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("sigterm").experiment_id])
+    assert run.info.status == "KILLED"
