@@ -141,16 +141,25 @@ class MLflowRun(pl.Callback):
 
 @contextmanager
 def interrupts_deferred():
-    """SIGTERM and SIGINT held back while the block runs and delivered when it ends (their handlers
-    then run in the main thread as usual); a no-op off the main thread or without pthread_sigmask."""
-    if not hasattr(signal, "pthread_sigmask") or threading.current_thread() is not threading.main_thread():
+    """SIGTERM and SIGINT that arrive while the block runs are held and raised again once it ends,
+    to the handlers from before. Python-level (their handlers run in the main thread whichever
+    thread the kernel delivers to; a signal mask would not hold them in a process with threads).
+    A no-op off the main thread, and for a signal whose handler was not set from Python."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    caught: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous = {s: h for s, h in previous.items() if h is not None}
+    for s in previous:
+        signal.signal(s, lambda signum, frame: caught.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(caught):
+            signal.raise_signal(s)
 
 
 def is_interrupt(exception: BaseException) -> bool:

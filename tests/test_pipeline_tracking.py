@@ -143,6 +143,7 @@ def test_a_sigterm_while_the_run_starts_waits_until_the_run_can_be_ended(tmp_pat
     the run and before it is the active one left it RUNNING for ever. It is now held back until
     the run is active, so the handler's exit path ends the run KILLED."""
     import signal
+    import threading
 
     import mlflow
 
@@ -165,12 +166,16 @@ def test_a_sigterm_while_the_run_starts_waits_until_the_run_can_be_ended(tmp_pat
 
     monkeypatch.setattr(MlflowClient, "create_run", create_then_killed)
     previous = signal.signal(signal.SIGTERM, stop)
+    idle = threading.Event()  # a fit has threads (loaders, MLflow's): the kernel may hand them the signal
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
     try:
         with pytest.raises(Stopped):
             MLflowRun(experiment_name="sigterm", system_metrics=False).start({"t": "1"})
         assert mlflow.active_run() is not None  # the signal landed once the run was active
         fail_active_run("KILLED")
     finally:
+        idle.set()
         signal.signal(signal.SIGTERM, previous)
         if mlflow.active_run() is not None:
             mlflow.end_run()
