@@ -36,13 +36,13 @@ JAGGED_BMM_CONFIGS = {  # T_SPLITS > 1: split-T (see the kernel), set by `split_
     4: {"BLOCK_K": 64, "BLOCK_M": 64, "BLOCK_T": 32, "T_SPLITS": 1, "num_warps": 4, "num_stages": 3},
 }
 # split-T in the hand rule: where the output tiles leave at least half the SMs idle and sequences
-# are long, SPLITS programs share each tile's reduction (kernels/TUNING.md, "Split-T")
+# are long, SPLITS programs share each tile's reduction (kernels/TUNING.md, "jagged_jagged_bmm split-T")
 SPLIT_T_MIN_MEAN_LEN, SPLIT_T_SPLITS = 2048, 4
 
 
 @functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def split_t(B: int, T: int, K: int, M: int, cfg: dict, sms: int) -> int:
@@ -199,8 +199,7 @@ def jagged_jagged_bmm_triton(
     if B * K * M == 0:
         return new_output((B, K, M), a)
     kw = bmm_config("jagged", K, M, a.dtype, B, max_seq_len, a.shape[0],
-                    sm_count(a.device.index if a.device.index is not None else torch.cuda.current_device())
-                    if a.is_cuda else 0)
+                    sm_count(a.device) if a.is_cuda else 0)
     if kw["T_SPLITS"] > 1 and torch.are_deterministic_algorithms_enabled():  # atomics add in arrival order
         kw = dict(kw, T_SPLITS=1)
     split = kw["T_SPLITS"] > 1  # the chunks' fp32 atomic sums, cast once at the end

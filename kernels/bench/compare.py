@@ -60,16 +60,16 @@ def compare(base: dict, new: dict, noise: float) -> tuple[list[str], bool]:
              f"- new: {new['_file']}: {stamp_line(new['stamp'])}", "",
              "| kind | suite | op | shape | mode | base ms | new ms | new / base | kernels new / base |",
              "|---|---|---|---|---|---:|---:|---:|---:|"]
-    slower, call_slower, by_kernels = [], [], 0
+    slower, call_slower, kernel_ratios = [], [], []
     for k in both:
         rb, rn = b[k], n[k]
         ratio = rn["ms"] / rb["ms"]
         kernels = rn["gpu_ms"] / rb["gpu_ms"] if rb.get("gpu_ms") and rn.get("gpu_ms") else None
-        by_kernels += kernels is not None
+        kernel_ratios += [kernels] if kernels is not None else []
         call_slower += [k] if ratio > 1 + noise else []
-        judged = kernels if kernels is not None else ratio
-        slower += [k] if judged > 1 + noise else []
-        flag = " **slower**" if judged > 1 + noise else ""
+        is_slower = (kernels if kernels is not None else ratio) > 1 + noise
+        slower += [k] if is_slower else []
+        flag = " **slower**" if is_slower else ""
         call_cell, kernel_cell = (f"{ratio:.3f}", f"{kernels:.3f}{flag}") if kernels is not None else \
             (f"{ratio:.3f}{flag}", "-")
         lines.append(f"| {' | '.join(map(str, k))} | {rb['ms']:.4g} | {rn['ms']:.4g} | {call_cell} | {kernel_cell} |")
@@ -78,10 +78,10 @@ def compare(base: dict, new: dict, noise: float) -> tuple[list[str], bool]:
     kb, kn = varlen_geomean(base, suites, "gpu_ms"), varlen_geomean(new, suites, "gpu_ms")
     ok_rows = not slower
     ok_varlen = gb is None or (gn is not None and gn >= gb)
-    kernel_mean = geomean([n[k]["gpu_ms"] / b[k]["gpu_ms"] for k in both if b[k].get("gpu_ms") and n[k].get("gpu_ms")])
     lines += ["", "| verdict | measured | result |", "|---|---|---|",
               f"| no row slower than before by more than {noise:.0%} | {len(slower)} of {len(both)} rows slower "
-              f"({by_kernels} judged by the kernels' time, geometric mean new / base {_r(kernel_mean)}; the others "
+              f"({len(kernel_ratios)} judged by the kernels' time, geometric mean new / base "
+              f"{_r(geomean(kernel_ratios))}; the others "
               f"by the call's; by the call's time alone {len(call_slower)} rows, geometric mean "
               f"{geomean([n[k]['ms'] / b[k]['ms'] for k in both]):.3f}) | {'PASS' if ok_rows else 'MISS'} |",
               f"| attention fwd+bwd geomean over varlen_attn not lower ({', '.join(sorted(suites)) or '-'}) | "

@@ -169,7 +169,7 @@ def warm_cache(todo: dict[str, dict[str, tuple[dict, list[SweepShape]]]], device
     import multiprocessing
 
     tasks = [(f, cfg, shapes, str(device), args.seed) for f, by_id in todo.items() for cfg, shapes in by_id.values()]
-    if not tasks or args.compile_workers <= 0:
+    if not tasks:
         return {}
     t0, warm = time.monotonic(), {}
     print(f"warming Triton's cache: {len(tasks)} configs, {sum(len(t[2]) for t in tasks)} calls, "
@@ -356,11 +356,12 @@ def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device
             break
         m = time_config(family, fn, cfg, ref, dtype, device, sampler, args)
         sticky = bool(m.pop("sticky", False))
+        cid = config_id(cfg)
         m["cached_call_s"] = math.nan
-        if (family, s.id, config_id(cfg)) in (warm or {}):  # compiled by a warm-up worker
-            m["cached_call_s"], m["compile_s"] = m["compile_s"], warm[(family, s.id, config_id(cfg))]
-        rows.append({**_shape_cols(family, s, info), "config_id": config_id(cfg), "config": json.dumps(cfg),
-                     "is_hand": config_id(cfg) == config_id(hand), **m, "warmup_ms": args.warmup_ms,
+        if (family, s.id, cid) in (warm or {}):  # compiled by a warm-up worker
+            m["cached_call_s"], m["compile_s"] = m["compile_s"], warm[(family, s.id, cid)]
+        rows.append({**_shape_cols(family, s, info), "config_id": cid, "config": json.dumps(cfg),
+                     "is_hand": cid == config_id(hand), **m, "warmup_ms": args.warmup_ms,
                      "rep_ms": args.rep_ms, "timing": args.timing, "grid": args.grid,
                      **{k: stamp[k] for k in STAMP_COLS}})
         if sticky:

@@ -158,13 +158,9 @@ def _dense_attention(rows, peer: str, speed: float, key: str = "ms") -> dict:
     parts, ok_all, seen = [], True, 0
     for tq in (1, 16, 64):
         sid = f"{HEADLINE}-Tq{tq}"
-        ps = [(r, o) for r, o in pairs(rows, "dense_attention", peer, "fwd_bwd") if r["shape_id"] == sid]
-        if not ps:
-            parts.append(f"Tq={tq} not measured")
-            ok_all = False
-            continue
-        r, o = ps[0]
-        if key != "ms" and not r.get(key):
+        r, o = next(((r, o) for r, o in pairs(rows, "dense_attention", peer, "fwd_bwd") if r["shape_id"] == sid),
+                    (None, None))
+        if r is None or not r.get(key):  # the peer has no time (by `key`) at this Tq
             parts.append(f"Tq={tq} not measured")
             ok_all = False
             continue
