@@ -283,6 +283,16 @@ def test_kernel_time_beside_call_time(monkeypatch):
     monkeypatch.setattr(runner, "graph_ms", uncapturable)
     runner._graph_time(lambda: None, RunConfig(device=torch.device("cpu"), graph_ms=True), [])
     assert freed == [torch.device("cpu")] * 2
+    # a failed capture keeps its pool for the rest of the process: calls that cannot be captured
+    # (a host sync) or that could exhaust memory are never tried
+    assert runner.too_large_to_capture(1 << 30, 100 << 30) is None and runner.too_large_to_capture(None, 0) is None
+    assert runner.too_large_to_capture(40 << 30, 99 << 30).startswith("not captured: one call needs 40.0 GiB, 99.0 GiB")
+    prep = Prepared(lambda: torch.ones(3), [], [], lambda o: o)
+    row = runner._time_mode(prep, "fwd", RunConfig(device=torch.device("cpu"), graph_ms=True, warmup_ms=0, rep_ms=1),
+                            no_graph="not captured: a host sync")
+    assert row["status"] == "ok" and row["gpu_ms"] is None and row["gpu_ms_error"] == "not captured: a host sync"
+    njt = next(p for p in runner.ATTENTION_PROVIDERS if p.name == "njt_sdpa")
+    assert njt.no_graph and all(p.no_graph is None for p in runner.ATTENTION_PROVIDERS if p is not njt)
 
 
 def test_tune_ops_machinery_on_cpu(capsys):

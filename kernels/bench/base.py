@@ -57,6 +57,7 @@ class Provider:
     prepare: Callable[[Jagged, RunConfig], Prepared]
     skip: Callable[[Jagged, RunConfig], str | None] = lambda j, cfg: None
     backward: bool = True
+    no_graph: str | None = None  # why its calls are never captured in a CUDA graph (--graph-ms)
 
 
 def op_kwargs(fn: Callable, n_positional: int, **kwargs) -> dict:

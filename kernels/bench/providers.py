@@ -95,6 +95,11 @@ def _njt(j: Jagged, cfg: RunConfig) -> Prepared:
     return Prepared(fwd, [q, k, v], [q, k, v, offsets], lambda o: o)
 
 
+# A capture that fails keeps its memory pool, and the allocator stops releasing cached blocks,
+# for the rest of the process (pytorch/pytorch#190348, torch 2.11): one such row per shape filled
+# the H200 and every later row's capture ran out of memory. So no capture is tried.
+NO_GRAPH_HOST_SYNC = "not captured: SDPA on nested tensors reads the lengths on the host"
+
 _FLEX = {}
 
 
@@ -148,6 +153,6 @@ ATTENTION_PROVIDERS = [
     Provider("dense_torch", _dense_torch),
     Provider("sdpa_padded_mask", _sdpa_padded),
     Provider("varlen_attn", _varlen, varlen_skip),
-    Provider("njt_sdpa", _njt),
+    Provider("njt_sdpa", _njt, no_graph=NO_GRAPH_HOST_SYNC),
     Provider("flex_packed", _flex, _flex_skip),
 ]

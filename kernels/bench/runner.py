@@ -41,7 +41,7 @@ def _status_of(exc: BaseException) -> str:
     return "OOM" if is_oom(exc) else f"error: {type(exc).__name__}"
 
 
-def _time_mode(prep: Prepared, mode: str, cfg: RunConfig) -> dict:
+def _time_mode(prep: Prepared, mode: str, cfg: RunConfig, no_graph: str | None = None) -> dict:
     if mode == "fwd":
 
         def fn():
@@ -64,14 +64,33 @@ def _time_mode(prep: Prepared, mode: str, cfg: RunConfig) -> dict:
     peak = None if extra is None else in_bytes + extra
     row = {"status": "ok", "ms": ms, "input_bytes": in_bytes, "extra_bytes": extra, "peak_bytes": peak}
     if cfg.graph_ms:
-        row.update(_graph_time(fn, cfg, grads))
+        row.update({"gpu_ms": None, "gpu_ms_error": no_graph} if no_graph else _graph_time(fn, cfg, grads, extra))
     return row
 
 
-def _graph_time(fn, cfg: RunConfig, grads: list) -> dict:
+# A capture holds one call's memory in its own pool beside the warm-up's cached blocks; one that
+# runs out of memory midway keeps its pool for the rest of the process (pytorch/pytorch#190348,
+# torch 2.11), and every later row's capture would fail too. So a call this large is not captured.
+GRAPH_MEMORY_FACTOR = 2.5
+
+
+def too_large_to_capture(extra_bytes: int | None, free_bytes: int) -> str | None:
+    if extra_bytes and GRAPH_MEMORY_FACTOR * extra_bytes > free_bytes:
+        return (f"not captured: one call needs {extra_bytes / 2**30:.1f} GiB, {free_bytes / 2**30:.1f} GiB free "
+                "(a capture that runs out of memory keeps its pool)")
+    return None
+
+
+def _graph_time(fn, cfg: RunConfig, grads: list, extra_bytes: int | None = None) -> dict:
     """gpu_ms of the row (the kernels alone), or why not: a peer whose call cannot be captured in a
-    CUDA graph (a host sync, a CPU tensor) gets gpu_ms None and the reason, not a failed row."""
+    CUDA graph (a host sync, a CPU tensor), or too large to capture safely, gets gpu_ms None and
+    the reason, not a failed row."""
     try:
+        if extra_bytes and cfg.device.type == "cuda":
+            free_memory(cfg.device)
+            reason = too_large_to_capture(extra_bytes, torch.cuda.mem_get_info(cfg.device)[0])
+            if reason:
+                return {"gpu_ms": None, "gpu_ms_error": reason}
         return {"gpu_ms": graph_ms(fn, cfg.device, min(cfg.rep_ms, 50.0), grad_to_none=grads)}
     except Exception as exc:  # noqa: BLE001 - the row's call time stands
         return {"gpu_ms": None, "gpu_ms_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
@@ -111,7 +130,7 @@ def run_provider(prov: Provider, j: Jagged, ref: torch.Tensor, cfg: RunConfig, m
                 rows[m]["status"] = "n/a (forward only)"
                 continue
             try:
-                rows[m].update(_time_mode(prep, m, cfg))
+                rows[m].update(_time_mode(prep, m, cfg, prov.no_graph))
             except Exception as exc:  # noqa: BLE001 - a provider's failure is a row, not a crash
                 rows[m].update(status=_status_of(exc), error=str(exc)[:400])
                 free_memory(cfg.device)
