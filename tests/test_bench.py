@@ -161,6 +161,20 @@ def test_smoke_end_to_end_on_cpu(tmp_path):
     assert "def5678later" in text and "abc1234test" not in text  # the first file gives no row any more
 
 
+def test_merged_results_drop_a_deadline_placeholder_another_file_measured():
+    from kernels.bench import report
+
+    skipped = dict(_row("*", "*", None, None), status="skipped (deadline)")
+    other = dict(skipped, shape_id="B8-N128-H2-D64-d0.25")
+    first = {"rows": [_row("jagged", "fwd", 2.0, 100, shape_id=other["shape_id"]), skipped]}
+    second = {"rows": [_row("jagged", "fwd", 1.0, 100), _row("varlen_attn", "fwd", 1.5, 100), other]}
+    merged = report.merge_rows([first, second])
+    assert sorted((r["shape_id"], r["provider"], r["ms"]) for r in merged) == [
+        ("B8-N128-H2-D64-d0.25", "jagged", 2.0), ("B8-N64-H2-D64-d0.25", "jagged", 1.0),
+        ("B8-N64-H2-D64-d0.25", "varlen_attn", 1.5)]
+    assert report.merge_rows([first]) == first["rows"]  # a shape no file measured keeps its placeholder
+
+
 def _row(provider, mode, ms, peak, shape_id="B8-N64-H2-D64-d0.25", suite="paper", kind="attention"):
     return {"kind": kind, "suite": suite, "op": None, "shape_id": shape_id, "shape": {"density": 0.25, "tags": []},
             "provider": provider, "mode": mode, "status": "ok", "ms": ms, "peak_bytes": peak}
@@ -213,14 +227,40 @@ def test_target_attention_is_judged_against_sdpa_and_varlen_at_every_tq():
     sdpa = next(v for k, v in res.items() if k.startswith("dense_attention fwd_bwd: >= 3x faster than sdpa_padded_mask"))
     varlen = next(v for k, v in res.items() if k.startswith("dense_attention fwd_bwd: >= 1.5x faster than varlen_attn"))
     assert sdpa["status"] == "PASS" and varlen["status"] == "MISS" and "Tq=16 1.49x" in varlen["detail"]
-    by_kernels = {k: v for k, v in res.items() if k.endswith("(by the kernels' own time, CUDA-graph replay)")}
-    assert len(by_kernels) == 2 and {v["status"] for v in by_kernels.values()} == {"N/A"}  # no --graph-ms
+    by_kernels = {k: v for k, v in res.items() if k.endswith(targets.BY_KERNELS)}
+    assert {v["status"] for v in by_kernels.values()} == {"N/A"}  # no --graph-ms
+    assert sum(k.startswith("dense_attention") for k in by_kernels) == 2
     for r in rows:  # host-bound calls: ours' kernels take a third of its call, the peers' all of theirs
         r["gpu_ms"] = r["ms"] / 3 if r["provider"] == "jagged" else r["ms"]
     res = {t["target"]: t for t in targets.evaluate(rows)}
     varlen_k = next(v for k, v in res.items() if k.startswith("dense_attention fwd_bwd: >= 1.5x faster than varlen_attn")
                     and k.endswith("CUDA-graph replay)"))
     assert varlen_k["status"] == "PASS" and "Tq=16 4.47x" in varlen_k["detail"]
+
+
+def test_self_attention_and_bmm_targets_also_judged_by_the_kernels_alone():
+    """Each call-time target has a twin by the kernels' time; neither relaxes the other, and a
+    shape ours has no kernel time for is a miss, not a pass."""
+    rows = [_row("jagged", "fwd_bwd", 1.0, 10, shape_id="A"), _row("varlen_attn", "fwd_bwd", 0.9, 10, shape_id="A"),
+            _row("jagged", "fwd_bwd", 1.0, 10, shape_id="B", suite="recsys"),
+            _row("varlen_attn", "fwd_bwd", 2.0, 10, shape_id="B", suite="recsys")]
+    for r, g in zip(rows, (0.5, 0.9, 0.5, 1.2)):
+        r["gpu_ms"] = g
+    res = {t["target"]: t for t in targets.evaluate(rows)}
+    every = "attention fwd_bwd: ours at least as fast as varlen_attn on every shape"
+    assert res[every]["status"] == "MISS" and res[every + targets.BY_KERNELS]["status"] == "PASS"
+    geo = "attention fwd_bwd: geomean speedup over varlen_attn >= 1.5x over paper + recsys"
+    assert res[geo]["status"] == "MISS" and res[geo + targets.BY_KERNELS]["detail"].startswith("2.078x over 2 shapes")
+    rows[0]["gpu_ms"] = None  # ours without a kernel time where the peer has one
+    res = {t["target"]: t for t in targets.evaluate(rows)}
+    assert res[every + targets.BY_KERNELS]["status"] == "MISS" and "paper/A ours failed" in res[every + targets.BY_KERNELS]["detail"]
+    bmm = [dict(_row(p, "fwd", ms, 1, shape_id=f"S{d}", kind="ops"), op="jagged_jagged_bmm", gpu_ms=g,
+                shape={"density": d, "tags": []})
+           for d in (0.1, 0.5) for p, ms, g in (("jagged", 0.1 if d < 0.5 else 0.15, 0.05), ("torch_padded", 0.12, 0.06))]
+    res = {t["target"]: t for t in targets.evaluate(bmm)}
+    name = "ops jagged_jagged_bmm: >= padded torch.bmm at every density, faster below 0.5"
+    assert res[name]["status"] == "MISS" and res[name]["detail"].endswith("short at paper/S0.5")
+    assert res[name + targets.BY_KERNELS]["status"] == "PASS"
 
 
 def test_floor_table_sets_the_kernels_alone_beside_the_call():
@@ -345,7 +385,12 @@ def test_compare_two_runs_of_ours(tmp_path, capsys):
     assert compare.main([str(paths["base"]), str(paths["same"]), "--out", str(tmp_path / "c.md")]) == 0
     md = (tmp_path / "c.md").read_text()
     assert "launch table none (hand rules)" in md and "launch table x.json: 9 entries" in md
-    assert "| 0 of 2 rows slower" in md and "base 1.500x, new 1.509x (by the kernels' time: base -, new -) | PASS |" in md
+    assert "| 0 of 2 rows slower" in md and "(paper; 2 shapes timed in both) | base 1.500x, new 1.509x " \
+        "(by the kernels' time: base -, new -) | PASS |" in md
+    # a shape one run did not reach stays out of both geomeans (a deadline cut one run short)
+    longer = doc([1.0, 2.0, 1.0], [1.5, 3.0, 9.0], "none (hand rules)")
+    lines, ok = compare.compare(dict(longer, _file="b"), compare._load(str(paths["same"])), 0.05)
+    assert ok and "(paper; 2 shapes timed in both) | base 1.500x, new 1.509x" in lines[-1]
     lines, ok = compare.compare(compare._load(str(paths["base"])), compare._load(str(paths["slow"])), 0.05)
     assert not ok and "| attention | paper |  | S0 | fwd_bwd | 1 | 1.2 | 1.200 **slower** | - |" in lines
     # where both runs timed the kernels alone, a row is judged by them: host time moves, kernels do not
@@ -361,6 +406,11 @@ def test_compare_two_runs_of_ours(tmp_path, capsys):
     assert "| attention | paper |  | S1 | fwd_bwd | 2 | 1.5 | 0.750 | 1.200 **slower** |" in lines
     assert any("| 1 of 2 rows slower (2 judged by the kernels' time, geometric mean new / base 1.095" in x
                for x in lines)
+    ops_only = compare._load(str(paths["base"]))  # no attention row: the geomean verdict does not apply
+    for r in ops_only["rows"]:
+        r["kind"] = "ops"
+    lines, ok = compare.compare(ops_only, ops_only, 0.05)
+    assert ok and lines[-1].endswith("(-; 0 shapes timed in both) | base -, new - (by the kernels' time: base -, new -) | N/A |")
     other = json.loads(paths["same"].read_text())
     other["stamp"]["gpu_slug"] = "y"
     paths["same"].write_text(json.dumps(other))

@@ -51,12 +51,14 @@ def load_docs(folder: str, slug: str | None = None) -> list[dict]:
 
 
 def merge_rows(docs: list[dict]) -> list[dict]:
-    """Newest row wins per (kind, suite, shape, op, provider, mode); docs come oldest first."""
+    """Newest row wins per (kind, suite, shape, op, provider, mode); docs come oldest first. A
+    shape's placeholder (provider "*": a run's deadline skipped it) goes where a file measured it."""
     merged: dict[tuple, dict] = {}
     for doc in docs:
         for r in doc["rows"]:
             merged[_row_key(r)] = r
-    return list(merged.values())
+    measured = {_row_key(r)[:3] for r in merged.values() if r["provider"] != "*"}
+    return [r for r in merged.values() if r["provider"] != "*" or _row_key(r)[:3] not in measured]
 
 
 def _row_key(r: dict) -> tuple:
