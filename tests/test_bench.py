@@ -173,6 +173,14 @@ def test_merged_results_drop_a_deadline_placeholder_another_file_measured():
         ("B8-N128-H2-D64-d0.25", "jagged", 2.0), ("B8-N64-H2-D64-d0.25", "jagged", 1.0),
         ("B8-N64-H2-D64-d0.25", "varlen_attn", 1.5)]
     assert report.merge_rows([first]) == first["rows"]  # a shape no file measured keeps its placeholder
+    # each merged row is set against the copy bandwidth of its own run, not the newest file's
+    op_row = dict(_row("jagged", "fwd", 1.0, 100, kind="ops"), op="jagged_softmax", gbps=700.0,
+                  shape={"density": 0.1, "tags": ["large"]})
+    older, newer = {"ceilings": {"copy_gbps": 1000.0}, "rows": [op_row]}, {"ceilings": {"copy_gbps": 2000.0}, "rows": []}
+    merged = report.merge_rows([older, newer])
+    res = {t["target"]: t for t in targets.evaluate(merged, newer["ceilings"])}
+    softmax = res["ops jagged_softmax: >= 70% of the measured copy bandwidth on large inputs"]
+    assert softmax["status"] == "PASS" and softmax["detail"].startswith("worst 70% at") and "(copy 1000 GB/s)" in softmax["detail"]
 
 
 def _row(provider, mode, ms, peak, shape_id="B8-N64-H2-D64-d0.25", suite="paper", kind="attention"):

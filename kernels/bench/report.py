@@ -52,11 +52,12 @@ def load_docs(folder: str, slug: str | None = None) -> list[dict]:
 
 def merge_rows(docs: list[dict]) -> list[dict]:
     """Newest row wins per (kind, suite, shape, op, provider, mode); docs come oldest first. A
-    shape's placeholder (provider "*": a run's deadline skipped it) goes where a file measured it."""
+    shape's placeholder (provider "*": a run's deadline skipped it) goes where a file measured it.
+    A row carries its file's ceilings (``ceilings``), against which its rates are set."""
     merged: dict[tuple, dict] = {}
     for doc in docs:
-        for r in doc["rows"]:
-            merged[_row_key(r)] = r
+        for r in doc["rows"]:  # each row keeps the ceilings measured in its own run
+            merged[_row_key(r)] = dict(r, ceilings=doc["ceilings"]) if doc.get("ceilings") and "ceilings" not in r else r
     measured = {_row_key(r)[:3] for r in merged.values() if r["provider"] != "*"}
     return [r for r in merged.values() if r["provider"] != "*" or _row_key(r)[:3] not in measured]
 
@@ -85,6 +86,7 @@ def _cell(r: dict | None, notes: dict, ceilings: dict) -> str:
     if r.get("peak_bytes") is not None:
         parts.append(f"{r['peak_bytes'] / MiB:.0f} MiB")
     if r["provider"] == OURS:
+        ceilings = r.get("ceilings") or ceilings
         if r.get("tflops"):
             frac = f" ({r['tflops'] / ceilings['matmul_tflops']:.0%} mm)" if r.get("op") and ceilings.get("matmul_tflops") else ""
             parts.append(f"{r['tflops']:.0f} TF/s{frac}")
@@ -136,8 +138,9 @@ def _table(rows: list[dict], kind: str, suite: str, ceilings: dict) -> list[str]
 def _legend(ceilings: dict | None) -> list[str]:
     c = ceilings or {}
     ceil = (
-        f"Ceilings measured in the same run: device copy {c['copy_gbps']:.0f} GB/s (bytes read + written), "
-        f"{c.get('matmul_dtype', '')} matmul {c['matmul_tflops']:.0f} TFLOP/s ({'x'.join(map(str, c.get('matmul_shape', [])))})."
+        f"Ceilings measured in the newest run: device copy {c['copy_gbps']:.0f} GB/s (bytes read + written), "
+        f"{c.get('matmul_dtype', '')} matmul {c['matmul_tflops']:.0f} TFLOP/s ({'x'.join(map(str, c.get('matmul_shape', [])))}); "
+        "every rate below is set against the ceilings measured in its own run."
         if c.get("copy_gbps")
         else "Ceilings: not measured."
     )

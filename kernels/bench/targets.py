@@ -182,6 +182,11 @@ def _dense_attention(rows, peer: str, speed: float, key: str = "ms") -> dict:
     return _result(name, status, ", ".join(parts))
 
 
+def _copy_of(row: dict, default: float) -> float:
+    """The copy bandwidth measured in the row's own run (merged reports), else `default`."""
+    return (row.get("ceilings") or {}).get("copy_gbps") or default
+
+
 def _ops(rows, ceilings: dict | None) -> list[dict]:
     out = []
     copy = (ceilings or {}).get("copy_gbps")
@@ -192,10 +197,10 @@ def _ops(rows, ceilings: dict | None) -> list[dict]:
         if not large or not copy:
             out.append(_result(name, "N/A", "no large ops shapes measured on a GPU"))
             continue
-        fr = [(r["gbps"] / copy if r.get("gbps") else 0.0, r["shape_id"]) for r in large]
+        fr = [(r["gbps"] / _copy_of(r, copy) if r.get("gbps") else 0.0, r["shape_id"], _copy_of(r, copy)) for r in large]
         worst = min(fr)
         status = "PASS" if worst[0] >= 0.7 else "MISS"
-        out.append(_result(name, status, f"worst {worst[0] * 100:.0f}% at {worst[1]} (copy {copy:.0f} GB/s)"))
+        out.append(_result(name, status, f"worst {worst[0] * 100:.0f}% at {worst[1]} (copy {worst[2]:.0f} GB/s)"))
     for op in BMM_OPS:
         out += [_bmm(rows, op, key) for key in ("ms", "gpu_ms")]
     return out
