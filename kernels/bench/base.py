@@ -60,6 +60,12 @@ class Provider:
     no_graph: str | None = None  # why its calls are never captured in a CUDA graph (--graph-ms)
 
 
+def ceilings_of(row: dict, default: dict | None) -> dict:
+    """The ceilings (copy bandwidth, matmul rate) measured in the row's own run, which rows merged
+    from several result files carry (``report.merge_rows``), else `default`."""
+    return row.get("ceilings") or default or {}
+
+
 def op_kwargs(fn: Callable, n_positional: int, **kwargs) -> dict:
     """The keywords of `kwargs` that `fn` accepts and that its first positionals do not bind.
 

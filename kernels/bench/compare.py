@@ -48,10 +48,11 @@ def varlen_speedups(doc: dict, key: str = "ms") -> dict[tuple[str, str], float]:
             if o is not None and r.get(key) and o.get(key)}
 
 
-def _common_geomeans(base: dict, new: dict, key: str) -> tuple[float | None, float | None]:
+def _common_geomeans(base: dict, new: dict, key: str) -> tuple[set, float | None, float | None]:
+    """(the shapes both runs timed by `key`, base's and new's geomean over varlen_attn on them)."""
     sb, sn = varlen_speedups(base, key), varlen_speedups(new, key)
     both = sb.keys() & sn.keys()
-    return geomean([sb[s] for s in both]), geomean([sn[s] for s in both])
+    return both, geomean([sb[s] for s in both]), geomean([sn[s] for s in both])
 
 
 def compare(base: dict, new: dict, noise: float) -> tuple[list[str], bool]:
@@ -79,9 +80,8 @@ def compare(base: dict, new: dict, noise: float) -> tuple[list[str], bool]:
         call_cell, kernel_cell = (f"{ratio:.3f}", f"{kernels:.3f}{flag}") if kernels is not None else \
             (f"{ratio:.3f}{flag}", "-")
         lines.append(f"| {' | '.join(map(str, k))} | {rb['ms']:.4g} | {rn['ms']:.4g} | {call_cell} | {kernel_cell} |")
-    shapes = varlen_speedups(base).keys() & varlen_speedups(new).keys()  # the geomeans over the same shapes
+    (shapes, gb, gn), (_, kb, kn) = _common_geomeans(base, new, "ms"), _common_geomeans(base, new, "gpu_ms")
     suites = {suite for suite, _ in shapes}
-    (gb, gn), (kb, kn) = _common_geomeans(base, new, "ms"), _common_geomeans(base, new, "gpu_ms")
     ok_rows = not slower
     ok_varlen = gb is None or (gn is not None and gn >= gb)
     lines += ["", "| verdict | measured | result |", "|---|---|---|",

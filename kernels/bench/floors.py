@@ -21,7 +21,7 @@ after truncation to N.
 
 from __future__ import annotations
 
-from kernels.bench.base import OURS
+from kernels.bench.base import OURS, ceilings_of
 from kernels.bench.suites import BWD_FLOP_FACTOR
 
 ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -71,7 +71,7 @@ def floor_table(rows: list[dict], ceilings: dict, dtype: str) -> list[str]:
              "| kind | suite | shape | mode | ours ms | floor ms | bound | ours / floor | kernels ms | kernels / floor |",
              "|---|---|---|---|---:|---:|---|---:|---:|---:|"]
     for r in sorted(mine, key=lambda r: (KINDS.index(r["kind"]), r["suite"], r["shape_id"], r["mode"])):
-        f = floor_ms(r, r.get("ceilings") or ceilings, elem)
+        f = floor_ms(r, ceilings_of(r, ceilings), elem)
         if f is None:
             continue
         mode = "fwd+bwd" if r["mode"] == "fwd_bwd" else r["mode"]

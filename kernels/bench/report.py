@@ -12,7 +12,7 @@ import json
 import os
 from collections import defaultdict
 
-from kernels.bench.base import OURS
+from kernels.bench.base import OURS, ceilings_of
 from kernels.bench.floors import floor_table
 from kernels.bench.stamp import stamp_line
 from kernels.bench.targets import evaluate, geomean_table
@@ -86,7 +86,7 @@ def _cell(r: dict | None, notes: dict, ceilings: dict) -> str:
     if r.get("peak_bytes") is not None:
         parts.append(f"{r['peak_bytes'] / MiB:.0f} MiB")
     if r["provider"] == OURS:
-        ceilings = r.get("ceilings") or ceilings
+        ceilings = ceilings_of(r, ceilings)
         if r.get("tflops"):
             frac = f" ({r['tflops'] / ceilings['matmul_tflops']:.0%} mm)" if r.get("op") and ceilings.get("matmul_tflops") else ""
             parts.append(f"{r['tflops']:.0f} TF/s{frac}")

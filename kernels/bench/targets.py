@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 
-from kernels.bench.base import OURS
+from kernels.bench.base import OURS, ceilings_of
 from kernels.bench.providers_ops import BMM_OPS, MEMORY_BOUND_OPS
 
 HEADLINE = "B1024-N1024-H2-D64-d0.25"
@@ -61,6 +61,11 @@ def _result(name: str, status: str, detail: str) -> dict:
 BY_KERNELS = " (by the kernels' own time, CUDA-graph replay)"
 
 
+def _titled(name: str, key: str) -> str:
+    """A target's name; its twin judged by the kernels' time ('gpu_ms') says so."""
+    return name + (BY_KERNELS if key == "gpu_ms" else "")
+
+
 def _timed_pairs(rows, kind: str, peer: str, mode: str, key: str, **kw) -> list[tuple[dict, dict | None]]:
     """`pairs` where the peer has a time by `key` ('ms' the call, 'gpu_ms' the kernels); ours
     without one counts as None (a miss)."""
@@ -68,7 +73,7 @@ def _timed_pairs(rows, kind: str, peer: str, mode: str, key: str, **kw) -> list[
 
 
 def _every_shape(rows, mode: str, key: str = "ms") -> dict:
-    name = f"attention {mode}: ours at least as fast as varlen_attn on every shape" + (BY_KERNELS if key == "gpu_ms" else "")
+    name = _titled(f"attention {mode}: ours at least as fast as varlen_attn on every shape", key)
     ps = _timed_pairs(rows, "attention", "varlen_attn", mode, key)
     if not ps:
         return _result(name, "N/A", "no varlen_attn rows with a time")
@@ -87,8 +92,8 @@ GEOMEAN_VS_VARLEN = 1.5  # self-attention fwd+bwd over varlen_attn, geometric me
 
 
 def _geomean_target(rows, key: str = "ms") -> dict:
-    name = f"attention fwd_bwd: geomean speedup over varlen_attn >= {GEOMEAN_VS_VARLEN:g}x over paper + recsys"
-    name += BY_KERNELS if key == "gpu_ms" else ""
+    name = _titled(f"attention fwd_bwd: geomean speedup over varlen_attn >= {GEOMEAN_VS_VARLEN:g}x over paper + recsys",
+                   key)
     ps = _timed_pairs(rows, "attention", "varlen_attn", "fwd_bwd", key, suites=("paper", "recsys"))
     suites = sorted({r["suite"] for r, _ in ps})
     xs = [r[key] / o[key] for r, o in ps if o is not None]
@@ -162,9 +167,8 @@ def _dense_attention(rows, peer: str, speed: float, key: str = "ms") -> dict:
     """The target-attention target, by call time (`key` 'ms') or, as a second row beside it, by
     the kernels' own time ('gpu_ms', --graph-ms: these fwd+bwd calls are host-bound, and the
     ranker's training step replays them as a CUDA graph)."""
-    name = f"dense_attention fwd_bwd: >= {speed:g}x faster than {peer} at B1024 N1024 H2 D64 d0.25, Tq 1/16/64"
-    if key == "gpu_ms":
-        name += " (by the kernels' own time, CUDA-graph replay)"
+    name = _titled(f"dense_attention fwd_bwd: >= {speed:g}x faster than {peer} at B1024 N1024 H2 D64 d0.25, Tq 1/16/64",
+                   key)
     parts, ok_all, seen = [], True, 0
     for tq in (1, 16, 64):
         sid = f"{HEADLINE}-Tq{tq}"
@@ -182,11 +186,6 @@ def _dense_attention(rows, peer: str, speed: float, key: str = "ms") -> dict:
     return _result(name, status, ", ".join(parts))
 
 
-def _copy_of(row: dict, default: float) -> float:
-    """The copy bandwidth measured in the row's own run (merged reports), else `default`."""
-    return (row.get("ceilings") or {}).get("copy_gbps") or default
-
-
 def _ops(rows, ceilings: dict | None) -> list[dict]:
     out = []
     copy = (ceilings or {}).get("copy_gbps")
@@ -197,7 +196,8 @@ def _ops(rows, ceilings: dict | None) -> list[dict]:
         if not large or not copy:
             out.append(_result(name, "N/A", "no large ops shapes measured on a GPU"))
             continue
-        fr = [(r["gbps"] / _copy_of(r, copy) if r.get("gbps") else 0.0, r["shape_id"], _copy_of(r, copy)) for r in large]
+        own = [(r, ceilings_of(r, ceilings).get("copy_gbps") or copy) for r in large]
+        fr = [(r["gbps"] / c if r.get("gbps") else 0.0, r["shape_id"], c) for r, c in own]
         worst = min(fr)
         status = "PASS" if worst[0] >= 0.7 else "MISS"
         out.append(_result(name, status, f"worst {worst[0] * 100:.0f}% at {worst[1]} (copy {worst[2]:.0f} GB/s)"))
@@ -207,7 +207,7 @@ def _ops(rows, ceilings: dict | None) -> list[dict]:
 
 
 def _bmm(rows, op: str, key: str) -> dict:
-    name = f"ops {op}: >= padded torch.bmm at every density, faster below 0.5" + (BY_KERNELS if key == "gpu_ms" else "")
+    name = _titled(f"ops {op}: >= padded torch.bmm at every density, faster below 0.5", key)
     ps = _timed_pairs(rows, "ops", "torch_padded", "fwd", key, op=op)
     if not ps:
         return _result(name, "N/A", "no torch_padded rows" + (" with kernel times" if key == "gpu_ms" else ""))
