@@ -360,6 +360,53 @@ def test_rows_of_other_kernel_code_are_set_aside_and_timed_again(tmp_path, capsy
     assert again.filter(pl.col("shape_id") != df["shape_id"][0])["timing"].is_null().all()
 
 
+def test_a_sweep_of_some_families_keeps_the_other_families_rows_and_stamps(tmp_path, capsys):
+    """Only the swept families' rows are judged stale: another family's rows of another kernel code
+    stay, with their stamps (the cost model fits each family on its own rows)."""
+    from kernels.runenv import kernel_code
+
+    out = tmp_path / "s.parquet"
+    base = ["--grid", "tiny", "--device", "cpu", "--out", str(out), "--warmup-ms", "0", "--rep-ms", "1"]
+    assert sweep.main([*base, "--families", "softmax_fwd,padded_to_jagged", "--commit", "old1"]) == 0
+    df = pl.read_parquet(out).with_columns(kernel_code=pl.lit("old"))
+    df.write_parquet(out)
+    n_p2j = df.filter(pl.col("family") == "padded_to_jagged").height
+    capsys.readouterr()
+    assert sweep.main([*base, "--families", "softmax_fwd", "--commit", "new1"]) == 0
+    said = capsys.readouterr().out
+    n_soft = df.height - n_p2j
+    assert f"{n_soft} of {df.height} rows were timed with other kernel code" in said
+    again = pl.read_parquet(out)
+    kept = again.filter(pl.col("family") == "padded_to_jagged")
+    assert kept.height == n_p2j and set(kept["kernel_code"]) == {"old"} and set(kept["commit"]) == {"old1"}
+    soft = again.filter(pl.col("family") == "softmax_fwd")
+    assert soft.height == n_soft and set(soft["kernel_code"]) == {kernel_code()} and set(soft["commit"]) == {"new1"}
+    assert pl.read_parquet(tmp_path / "s.stale.parquet")["family"].unique().to_list() == ["softmax_fwd"]
+
+
+def test_no_launch_key_value_is_carried_by_the_hand_config_alone():
+    """Every value the hand config has on a key is also swept with other values of the other keys,
+    so a model cannot learn the hand rule's wins or losses as that value's effect."""
+    from kernels.bench.sweep_families import FAMILIES, grid, hand_config, space
+
+    for level in ("small", "medium"):
+        for f in FAMILIES:
+            for s in grid(f, level):
+                hand, configs = hand_config(f, s), space(f, s, level)
+                others = [c for c in configs if c != hand]
+                if not others:
+                    continue
+                for k, v in hand.items():
+                    assert any(c[k] == v for c in others), (level, f, s.id, k, v)
+    # the hand value is swept with the others: dense_fwd's hand stages (2 on a GPU at D 64, 1 in the
+    # interpreter) on every valid tile the space's 3 stages run at N 4096
+    s = next(s for s in grid("dense_fwd", "medium") if s.N == 4096 and s.Tq == 64)
+    tiles = lambda st: {(c["BLOCK_M"], c["BLOCK_N"], c["num_warps"])  # noqa: E731
+                        for c in space("dense_fwd", s, "medium") if c["num_stages"] == st}
+    hand_stages = hand_config("dense_fwd", s)["num_stages"]
+    assert hand_stages != 3 and tiles(hand_stages) == tiles(3) and len(tiles(3)) > 1
+
+
 class _CountingMeter:
     """An energy counter that gains 0.5 J between two readings."""
 
@@ -635,6 +682,23 @@ def test_judge_on_new_counts_only_the_shapes_outside_the_small_grid(monkeypatch)
     assert costmodel.parse_args(["eval", "--data", __file__, "--judge-on", "new"]).judge_on == "new"
 
 
+def test_default_evaluation_holds_out_one_shape_at_a_time():
+    """folds 0 (the default): one fold per shape, each shape judged by a model fitted on all the
+    others; its verdicts can differ from 5 folds', which hold out several shapes at once."""
+    rows = synthetic_rows()
+    hand = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    loso = costmodel.eval_family("flash_fwd", [r for r in rows if r["family"] == "flash_fwd"],
+                                 hand_fn=lambda fam, s: hand)
+    shapes = {r["shape_id"] for r in rows if r["family"] == "flash_fwd"}
+    assert {s["shape_id"] for s in loso["shapes"]} == shapes and len(loso["predictions"]) == sum(
+        r["status"] == "ok" for r in rows if r["family"] == "flash_fwd")
+    assert costmodel.parse_args(["eval", "--data", __file__]).folds == 0
+    for bad in ("1", "-2"):
+        with pytest.raises(SystemExit) as e:
+            costmodel.parse_args(["eval", "--data", __file__, "--folds", bad])
+        assert e.value.code == 2
+
+
 def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_path):
     """The report on the synthetic sweep: the markdown names every family and plot; the energy plot
     and columns come only from rows read off the energy counter."""
@@ -647,6 +711,7 @@ def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_
                                                "costmodel-energy-synthetic.png"]
     md = Path(counted[0]).read_text()
     assert "| flash_fwd | 14 |" in md and f"Energy: {len(rows)} rows" in md
+    assert "7 folds" in md and "model, 5 folds" in md  # the verdicts' folds and the 5-fold column beside
     assert all(f"]({Path(p).name})" in md for p in counted[1:])
     sampled = write_report([dict(r, energy_j=math.nan) for r in rows], str(tmp_path / "b"), folds=7)
     assert len(sampled) == 4 and "costmodel-energy" not in " ".join(sampled)

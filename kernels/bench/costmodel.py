@@ -1,7 +1,7 @@
 """A measured cost model of launch configs: fit, held-out-shape evaluation, export.
 
     python -m kernels.bench.costmodel fit    --data sweep.parquet [--model costmodel.pkl]
-    python -m kernels.bench.costmodel eval   --data sweep.parquet [--out eval.json] [--folds 5]
+    python -m kernels.bench.costmodel eval   --data sweep.parquet [--out eval.json] [--folds 0]
     python -m kernels.bench.costmodel export --data sweep.parquet [--out kernels/configs/<gpu>.json]
     python -m kernels.bench.costmodel report --data sweep.parquet [--out experiments/results]
 
@@ -25,7 +25,10 @@ what makes a bad config look best); it needs no tuning of learning rate or depth
 on small data, and its impurity importances come for free. GPPerf (the seed paper on GEMM tile choice) used one too.
 
 Evaluation splits by SHAPE: GroupKFold over whole shapes, so every held-out shape's configs are
-all unseen. Reported per family: R^2 and the median / worst absolute error of log runtime
+all unseen; by default one fold per shape (``--folds 0``, leave one shape out): each shape is
+judged by a model fitted on all the others, as the exported table's picks come from a model fitted
+on every swept shape (5 folds hold out 2-3 of a family's 10-16 shapes at once, often a shape's
+only neighbours; the report gives the 5-fold slowdown beside it). Reported per family: R^2 and the median / worst absolute error of log runtime
 (as a percentage, exp(|err|) - 1), and per held-out shape the slowdown (time / best measured
 time) of (a) the model's pick, (b) the hand rule (``sweep_families.hand_config``, the very
 function the launcher calls), (c) Triton autotune over ``sweep_families.AUTOTUNE`` (it finds the
@@ -188,9 +191,9 @@ def _shape_dict(r: dict) -> dict:
     return {k: r[k] for k in (*SHAPE_COLS, "dtype", "fill")}
 
 
-def eval_family(family: str, rows: list[dict], folds: int = 5, seed: int = 0, hand_fn=hand_config) -> dict:
-    """Leave-shapes-out evaluation of one family (see the module docstring); per-shape records
-    and held-out predictions included for the report."""
+def eval_family(family: str, rows: list[dict], folds: int = 0, seed: int = 0, hand_fn=hand_config) -> dict:
+    """Leave-shapes-out evaluation of one family (see the module docstring; folds 0: one per
+    shape); per-shape records and held-out predictions included for the report."""
     from sklearn.metrics import r2_score
     from sklearn.model_selection import GroupKFold
 
@@ -199,7 +202,7 @@ def eval_family(family: str, rows: list[dict], folds: int = 5, seed: int = 0, ha
         return {"family": family, "n_shapes": len(shapes), "skipped": "fewer than 2 shapes"}
     groups = np.array([r["shape_id"] for r in rows])
     pred_rows, per_shape = [], []
-    for tr, te in GroupKFold(n_splits=min(folds, len(shapes))).split(rows, groups=groups):
+    for tr, te in GroupKFold(n_splits=min(folds, len(shapes)) if folds > 0 else len(shapes)).split(rows, groups=groups):
         model = FamilyModel(family, [rows[i] for i in tr], seed)
         test = [rows[i] for i in te]
         ok = [r for r in test if r["status"] == "ok"]
@@ -308,7 +311,7 @@ def judged_shapes(judge_on: str):
     return lambda family, shape_id: shape_id not in small.get(family, ())
 
 
-def evaluate(rows: list[dict], folds: int = 5, seed: int = 0, hand_fn=hand_config,
+def evaluate(rows: list[dict], folds: int = 0, seed: int = 0, hand_fn=hand_config,
              judge_on: str = "all") -> dict[str, dict]:
     """Leave-shapes-out evaluation of every family; the summaries count the held-out shapes that
     `judge_on` selects (judged_shapes), every shape still trains the folds it is not held out of."""
@@ -316,7 +319,7 @@ def evaluate(rows: list[dict], folds: int = 5, seed: int = 0, hand_fn=hand_confi
     res = {}
     for fam, rs in by_family(rows).items():
         ev = eval_family(fam, rs, folds, seed, hand_fn)
-        ev["judge_on"] = judge_on
+        ev["judge_on"], ev["folds"] = judge_on, folds
         ev["shapes"] = [s for s in ev.get("shapes", []) if judged(fam, s["shape_id"])]
         ev["summary"] = summarize(ev)
         res[fam] = ev
@@ -466,14 +469,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default "
                    "kernels/configs/<gpu>.json); report: folder (default experiments/results)")
     p.add_argument("--families", default=None, help="comma-separated subset of the data's families")
-    p.add_argument("--folds", type=int, default=5, help="eval: GroupKFold splits over shapes (at most #shapes)")
+    p.add_argument("--folds", type=int, default=0,
+                   help="eval, report: GroupKFold splits over shapes (at most #shapes; 0: one per shape)")
     p.add_argument("--judge-on", default="all", choices=("all", "new"),
                    help="eval, report: the held-out shapes the slowdowns count: all, or, for the families whose hand "
                    "rules were retuned on the small grid, only those outside it")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    if args.folds < 2:
-        p.error("--folds must be at least 2")
+    if args.folds == 1 or args.folds < 0:
+        p.error("--folds must be 0 (one per shape) or at least 2")
     if not Path(args.data).is_file():
         p.error(f"--data {args.data}: no such file (run python -m kernels.bench.sweep first)")
     return args

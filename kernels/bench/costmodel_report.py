@@ -27,10 +27,13 @@ from kernels.bench.sweep_families import RETUNED_ON_SMALL  # noqa: E402
 
 def _stamp(rows: list[dict]) -> str:
     """GPU and versions of the first row; every commit the rows were timed at (a resumed sweep's
-    rows may span several: each commit's share is named)."""
+    rows may span several, and a sweep of some families re-times only theirs: each commit's share
+    and families are named)."""
     r = rows[0]
     counts = Counter(str(x["commit"]) for x in rows)
-    commits = ", ".join(f"{c} ({n} rows)" for c, n in counts.items()) if len(counts) > 1 else r["commit"]
+    fams = {c: sorted({x["family"] for x in rows if str(x["commit"]) == c}) for c in counts}
+    commits = (", ".join(f"{c} ({n} rows: {', '.join(fams[c])})" for c, n in counts.items())
+               if len(counts) > 1 else r["commit"])
     return f"{r['gpu']} · torch {r['torch']} · triton {r['triton']} · CUDA {r['cuda']} · commit {commits}"
 
 
@@ -132,14 +135,22 @@ def _energy_note(rows: list[dict]) -> str:
             f"energy per call from the board's energy counter over {least} of back-to-back calls.")
 
 
-def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
+def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None = None, k: int = 5) -> str:
+    """The report; `res` the evaluation the verdicts come from, `res_k` (optional) the same with
+    `k` folds, whose model slowdowns are shown beside."""
     ok = sum(r["status"] == "ok" for r in rows)
     lines = [f"# Launch-config cost model on {rows[0]['gpu']}", "", f"_{_stamp(rows)}_", "",
              f"Sweep: {len(rows)} rows ({ok} ok), {len({r['shape_id'] for r in rows})} shapes, grid "
              f"{rows[0].get('grid', '?')}. Model, per family, on log time (and log energy): a power law in the shape "
              "for the scale plus a RandomForestRegressor (200 trees) on the residual, which alone ranks the configs "
              "of a shape; a forest averages measured leaves, so it never ranks a config by an extrapolation "
-             "(kernels/bench/costmodel.py says more). Evaluation: GroupKFold over whole shapes.", "",
+             "(kernels/bench/costmodel.py says more). Evaluation: GroupKFold over whole shapes, "
+             + ("one fold per shape (leave one shape out: each shape judged by a model fitted on all the others, "
+                "as the table's picks come from a model fitted on every swept shape)"
+                if next(iter(res.values()), {}).get("folds", 0) <= 0 else
+                f"{next(iter(res.values()))['folds']} folds")
+             + (f"; column 'model, {k} folds': the model's slowdowns with {k} folds (2-3 of a family's shapes held "
+                "out at once)" if res_k else "") + ".", "",
              _energy_note(rows), "",
              "Slowdown = time of the chosen config / best measured time on a held-out shape (median / worst). "
              "Target: model within 1.05 median and 1.15 worst, better than the hand rule on average. "
@@ -150,15 +161,19 @@ def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
                 "Counted (column 'judged'): for the families whose hand rules were retuned on the small grid's "
                 f"shapes ({', '.join(RETUNED_ON_SMALL)}), only the held-out shapes outside it; every shape still "
                 "trains the folds it is not held out of."), "",
-             "| family | shapes | judged | R² log time | err median | err worst | R² log energy | model | table | hand "
+             "| family | shapes | judged | R² log time | err median | err worst | R² log energy | model "
+             + (f"| model, {k} folds " if res_k else "") + "| table | hand "
              "| autotune | autotune cost (s/shape) | energy saved within 5% | target |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|---|---|---:|---:|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|---|" + ("---|" if res_k else "") + "---|---|---|---:|---:|---|"]
     for fam, ev in res.items():
         s = ev["summary"]
         mm = lambda m: f"{_fmt(s[m]['median'])} / {_fmt(s[m]['worst'])}"  # noqa: E731
         lines.append(f"| {fam} | {ev['n_shapes']} | {s['model']['n']} | {_fmt(ev.get('r2_log_ms', math.nan))} | "
                      f"{_pct(ev.get('median_err_pct', math.nan))} | {_pct(ev.get('worst_err_pct', math.nan))} | "
-                     f"{_fmt(ev.get('r2_log_energy', math.nan))} | {mm('model')} | {mm('table')} | {mm('hand')} | "
+                     f"{_fmt(ev.get('r2_log_energy', math.nan))} | {mm('model')} | "
+                     + (f"{_fmt(res_k[fam]['summary']['model']['median'])} / "
+                        f"{_fmt(res_k[fam]['summary']['model']['worst'])} | " if res_k else "")
+                     + f"{mm('table')} | {mm('hand')} | "
                      f"{mm('autotune')} | "
                      f"{_fmt(s['autotune_cost_s_per_shape'], '.1f')} | {_pct(s['energy_saving_pct'])} | "
                      f"{s['verdict']} |")
@@ -177,12 +192,13 @@ def markdown(rows: list[dict], res: dict, plots: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_report(rows: list[dict], out: str, folds: int = 5, seed: int = 0, judge_on: str = "all") -> list[str]:
+def write_report(rows: list[dict], out: str, folds: int = 0, seed: int = 0, judge_on: str = "all") -> list[str]:
     """Evaluate, fit on all rows, write costmodel-<gpu>.md and its plots into `out`."""
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     slug, stamp = rows[0]["gpu_slug"], _stamp(rows)
     res = evaluate(rows, folds, seed, judge_on=judge_on)
+    res_k = evaluate(rows, 5, seed, judge_on=judge_on) if folds != 5 else None
     models = fit(rows, seed)
     plots = [plot_pred(res, folder / f"costmodel-pred-{slug}.png", stamp),
              plot_slowdown(res, folder / f"costmodel-slowdown-{slug}.png", stamp),
@@ -190,5 +206,5 @@ def write_report(rows: list[dict], out: str, folds: int = 5, seed: int = 0, judg
     if any(r.get("energy_src") == "counter" for r in rows):  # else _energy_note says why there is none
         plots.append(plot_energy(rows, folder / f"costmodel-energy-{slug}.png", stamp))
     md = folder / f"costmodel-{slug}.md"
-    md.write_text(markdown(rows, res, plots))
+    md.write_text(markdown(rows, res, plots, res_k))
     return [str(md), *plots]

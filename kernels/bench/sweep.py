@@ -309,13 +309,16 @@ def refresh(rows: list[dict]) -> None:
             r["energy_j"] = math.nan
 
 
-def set_aside_stale(path: Path, rows: list[dict], code: str, timing: str) -> list[dict]:
+def set_aside_stale(path: Path, rows: list[dict], code: str, timing: str, families=None) -> list[dict]:
     """The rows timed with today's kernel code (stamp's `kernel_code`) and `timing`; the others
     (another kernel source, torch or triton, a sweep from before the code was recorded, or one that
     timed the other way: rows without a timing timed whole calls) are timed again, and kept,
-    appended to <path stem>.stale.parquet beside the sweep, not mixed into its model."""
+    appended to <path stem>.stale.parquet beside the sweep, not mixed into its model. Only the
+    rows of `families` (the families this run sweeps; default all) are judged: the others keep
+    their rows and stamps, and the cost model fits each family on its own rows."""
     def current(r: dict) -> bool:
-        return r.get("kernel_code") == code and (r.get("timing") or "call") == timing
+        return ((families is not None and r.get("family") not in families)
+                or (r.get("kernel_code") == code and (r.get("timing") or "call") == timing))
 
     stale = [r for r in rows if not current(r)]
     if not stale:
@@ -407,7 +410,7 @@ def run(args) -> int:
         print(f"error: {out} holds rows timed on {', '.join(other)}, not on this {stamp['gpu']}: resume a sweep "
               "only on the GPU it ran on (another --out starts afresh)", file=sys.stderr)
         return 2
-    rows = set_aside_stale(out, rows, stamp["kernel_code"], args.timing)
+    rows = set_aside_stale(out, rows, stamp["kernel_code"], args.timing, set(args.families))
     refresh(rows)
     done = {tuple(r[k] for k in KEY) for r in rows}
     t0 = time.monotonic()

@@ -13,8 +13,8 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
   Lengths are drawn as in the benchmark harness
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
   Now (with softmax's tile-ladder rung SMALL_N 32 and streamed tile STREAM_N 64 / 256, and
-  jagged_jagged_bmm's split-T, T_SPLITS 1 or 4, in the space): small 55 shapes / 1,034
-  configs, medium 112 / 2,592.
+  jagged_jagged_bmm's split-T, T_SPLITS 1 or 4, and dense_fwd's hand num_stages 2 beside the
+  3s, ``_with_hand_values``, in the space): small 55 shapes / 1,078 configs, medium 122 / 2,862.
 - ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
   ``FLAGS``: dense_bwd's SPLIT_DQ, both settings; jagged_jagged_bmm's T_SPLITS), with the
   combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
@@ -110,7 +110,10 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
         (4096, 0.5, 4, 128)]],
     "dense": _SMALL["dense"] + [SweepShape((1 << 20) // N, N, f, H, D, Tq=tq) for N, f, H, D, tq in [
         (256, 0.25, 4, 128, 64), (256, 0.5, 2, 64, 16), (1024, 0.1, 2, 64, 4), (1024, 0.5, 4, 128, 1),
-        (4096, 0.1, 2, 64, 16), (4096, 0.25, 2, 64, 64)]],
+        (4096, 0.1, 2, 64, 16), (4096, 0.25, 2, 64, 64),
+        # long histories, where the kernel's key loop is long (pipelining: num_stages matters most)
+        (2048, 0.5, 2, 64, 64), (4096, 0.5, 4, 128, 16), (2048, 0.1, 2, 64, 1), (8192, 0.25, 2, 64, 4),
+        (512, 0.25, 4, 128, 64)]],
     "softmax": _SMALL["softmax"] + [SweepShape((1 << 20) // N, N, f, H) for N, f, H in [
         (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32)]],
     "ops": _SMALL["ops"] + [SweepShape((1 << 20) // N, N, f, 1, D) for N, f, D in [
@@ -238,10 +241,25 @@ def _key(cfg: dict) -> tuple:
     return tuple(sorted(cfg.items()))
 
 
+def _with_hand_values(raw: list[dict], hand: dict) -> list[dict]:
+    """`raw` and, for every key on which the hand config's value is not in the raw space, each raw
+    config with that key set to the hand's value: a value no other config carries would make the
+    hand config the only row with it, and a model would learn the hand rule's wins (or losses) as
+    that value's (dense_fwd's num_stages 2 beside a space of 3s: the H200 model kept 2 at N 4096,
+    where 3 is 1.2x faster)."""
+    out = list(raw)
+    for k, v in hand.items():
+        if raw and v not in {c[k] for c in raw}:
+            out += [{**c, k: v} for c in out]
+    return out
+
+
 def space(family: str, s: SweepShape, level: str) -> list[dict]:
-    """The configs to time for (family, shape): valid combinations, hand config first."""
-    out = {_key(hand_config(family, s)): hand_config(family, s)}
-    for cfg in _raw_space(family, s, level):
+    """The configs to time for (family, shape): valid combinations (the hand rule's value of every
+    key swept with the others, _with_hand_values), hand config first."""
+    hand = hand_config(family, s)
+    out = {_key(hand): hand}
+    for cfg in _with_hand_values(_raw_space(family, s, level), hand):
         if valid(family, cfg, s):
             out.setdefault(_key(cfg), cfg)
     return list(out.values())
