@@ -14,7 +14,7 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
   Now (with softmax's tile-ladder rung SMALL_N 32 and streamed tile STREAM_N 64 / 256, and
   jagged_jagged_bmm's split-T, T_SPLITS 1 or 4, and dense_fwd's hand num_stages 2 beside the
-  3s, ``_with_hand_values``, in the space): small 55 shapes / 1,078 configs, medium 122 / 2,862.
+  3s, ``_with_hand_values``, in the space): small 55 shapes / 1,078 configs, medium 147 / 3,612.
 - ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
   ``FLAGS``: dense_bwd's SPLIT_DQ, both settings; jagged_jagged_bmm's T_SPLITS), with the
   combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
@@ -115,9 +115,11 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
         (2048, 0.5, 2, 64, 64), (4096, 0.5, 4, 128, 16), (2048, 0.1, 2, 64, 1), (8192, 0.25, 2, 64, 4),
         (512, 0.25, 4, 128, 64)]],
     "softmax": _SMALL["softmax"] + [SweepShape((1 << 20) // N, N, f, H) for N, f, H in [
-        (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32)]],
+        (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32),
+        (1024, 0.25, 32), (4096, 0.5, 32), (512, 0.25, 64), (2048, 0.75, 128), (256, 0.1, 256)]],
     "ops": _SMALL["ops"] + [SweepShape((1 << 20) // N, N, f, 1, D) for N, f, D in [
-        (256, 0.5, 128), (512, 0.75, 64), (1024, 0.25, 256), (2048, 0.1, 256), (2048, 0.5, 64)]],
+        (256, 0.5, 128), (512, 0.75, 64), (1024, 0.25, 256), (2048, 0.1, 256), (2048, 0.5, 64),
+        (1024, 0.5, 64), (4096, 0.1, 64), (256, 0.75, 64), (2048, 0.75, 128), (256, 0.25, 256)]],
     "s2": _SMALL["s2"] + [SweepShape((1 << 18) // N, N, f, H, D) for N, f, H, D in [
         (2048, 0.5, 8, 64), (8192, 0.25, 8, 64), (16384, 0.75, 8, 64), (4096, 0.5, 4, 128)]],
 }
