@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from kernels._attention_reference import (
-    reference_dtype,
     dense_attention_reference,
     dense_attention_reference_bwd,
     flash_attention_reference,
     flash_attention_reference_bwd,
 )
+from kernels._jagged_common import compute_dtype
 from kernels._segments import Group, by_seq, gather_groups, length_groups, scatter_groups
 
 _NEG_INF = float("-inf")
@@ -74,7 +74,7 @@ def flash_attention_torch_fwd(q, k, v, offsets, max_seq_len, causal, scale):
             out, lse = flash_attention_reference(q, k, v, offsets, max_seq_len, causal, scale)
         return out, lse.to(torch.float32)
     T = q.shape[0]
-    cdt = reference_dtype(q.dtype, True)
+    cdt = compute_dtype(q.dtype)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         groups = length_groups(offsets, max_seq_len) if T and max_seq_len else []
         qc, kc, vc = (t.to(cdt) for t in (q, k, v))
@@ -121,7 +121,7 @@ def dense_attention_torch_fwd(q, k, v, offsets, max_seq_len, bias, scale):
             out, lse = dense_attention_reference(q, k, v, offsets, max_seq_len, bias, scale)
         return out, lse.to(torch.float32)
     B, Tq, H, D = q.shape
-    cdt = reference_dtype(q.dtype, True)
+    cdt = compute_dtype(q.dtype)
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         groups = _dense_groups(q, k, offsets, max_seq_len)
         qc, kc, vc = (t.to(cdt) for t in (q, k, v))

@@ -24,15 +24,10 @@ import math
 
 import torch
 
+from kernels._jagged_common import compute_dtype
 from kernels._segments import by_seq, gather_groups, keep_in_graph, length_groups, scatter_groups
 
 _LN_INF = float("-inf")
-
-
-def reference_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
-    if dtype == torch.float64:
-        return torch.float64
-    return torch.float32 if upcast else dtype
 
 
 def padded_attention(
@@ -107,20 +102,13 @@ def _flash_groups(q, offsets, max_seq_len, cdt, *tensors):
 
 
 def flash_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    max_seq_len: int,
-    causal: bool = False,
-    scale: float | None = None,
-    upcast: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
+    causal: bool = False, scale: float | None = None, upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Jagged self-attention. q, k, v [T, H, D] -> (out [T, H, D] in q's dtype, lse [H, T])."""
     T, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    cdt = reference_dtype(q.dtype, upcast)
-    lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(q.dtype) if upcast else q.dtype
     with torch.autocast(q.device.type, enabled=False):
         groups, blocks = _flash_groups(q, offsets, int(max_seq_len), cdt, q, k, v)
         outs, lses = [], []
@@ -132,7 +120,7 @@ def flash_attention_reference(
         lse = scatter_groups(lses, groups, T, _like(q[:, :, 0], cdt), fill=_LN_INF)  # [T, H]
         if not groups:
             out = out + keep_in_graph(q, k, v)
-        return out.to(q.dtype), lse.to(lse_dt).t().contiguous()
+        return out.to(q.dtype), lse.to(compute_dtype(q.dtype)).t().contiguous()
 
 
 def flash_attention_reference_bwd(
@@ -141,7 +129,7 @@ def flash_attention_reference_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash_attention_reference: dout [T, H, D], dlse [H, T] or None."""
     T = q.shape[0]
-    cdt = reference_dtype(q.dtype, True)
+    cdt = compute_dtype(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         dlse_t = None if dlse is None else dlse.t()  # [T, H]
         # padding rows of dout (and dlse) are zeros: they carry no gradient
@@ -171,14 +159,8 @@ def _dense_groups(q, k, v, offsets, max_seq_len, bias, cdt):
 
 
 def dense_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    offsets: torch.Tensor,
-    max_seq_len: int,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    upcast: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
+    bias: torch.Tensor | None = None, scale: float | None = None, upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense queries over jagged keys. q [B, Tq, H, D], k, v [T, H, D], bias [B, H, Tq, N].
 
@@ -186,8 +168,7 @@ def dense_attention_reference(
     """
     B, Tq, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    cdt = reference_dtype(q.dtype, upcast)
-    lse_dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cdt = compute_dtype(q.dtype) if upcast else q.dtype
     with torch.autocast(q.device.type, enabled=False):
         groups, blocks = _dense_groups(q, k, v, offsets, int(max_seq_len), bias, cdt)
         outs, lses = [], []
@@ -199,7 +180,7 @@ def dense_attention_reference(
         lse = by_seq(lses, groups, (B, H, Tq), _like(q, cdt), fill=_LN_INF)
         if not groups:
             out = out + keep_in_graph(q, k, v, bias)
-        return out.to(q.dtype), lse.permute(1, 0, 2).to(lse_dt).contiguous()
+        return out.to(q.dtype), lse.permute(1, 0, 2).to(compute_dtype(q.dtype)).contiguous()
 
 
 def dense_attention_reference_bwd(
@@ -208,24 +189,22 @@ def dense_attention_reference_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients of dense_attention_reference: dq, dk, dv and dbias (None without bias)."""
     T = k.shape[0]
-    cdt = reference_dtype(q.dtype, True)
+    cdt = compute_dtype(q.dtype)
     with torch.autocast(q.device.type, enabled=False):
         groups, blocks = _dense_groups(q, k, v, offsets, int(max_seq_len), bias, cdt)
         doc = dout.to(cdt)
         # columns past a sequence's length (and past its group's L) keep a zero gradient
         dbias = None if bias is None else bias.new_zeros(bias.shape, dtype=cdt)
-        dqs, dks, dvs = [], [], []
+        parts: tuple[list, list, list] = ([], [], [])
         for g, (qp, kp, vp, bp) in zip(groups, blocks):
             _, p, _ = padded_attention(qp, kp, vp, g.valid[:, None, None, :], bp, scale)
-            dop = doc.index_select(0, g.seqs)
-            dq, dk, dv, ds = padded_attention_bwd(qp, kp, vp, p, dop, None, scale)
-            dqs.append(dq)
-            dks.append(dk)
-            dvs.append(dv)
+            *grads, ds = padded_attention_bwd(qp, kp, vp, p, doc.index_select(0, g.seqs), None, scale)
+            for acc, grad in zip(parts, grads):
+                acc.append(grad)
             if dbias is not None:
                 dbias[g.seqs, :, :, : g.rows.shape[1]] = ds
-        dq = by_seq(dqs, groups, tuple(q.shape), _like(q, cdt))
-        dk, dv = (scatter_groups(d, groups, T, _like(k, cdt)) for d in (dks, dvs))
+        dq = by_seq(parts[0], groups, tuple(q.shape), _like(q, cdt))
+        dk, dv = (scatter_groups(d, groups, T, _like(k, cdt)) for d in parts[1:])
         if not groups:
             zero = keep_in_graph(dout, q, k, v, bias)
             dq, dk, dv = dq + zero, dk + zero, dv + zero

@@ -65,17 +65,12 @@ def bmm_config(op: str, K: int, M: int, dtype: torch.dtype, B: int, N: int, T: i
     hand rule or the launch table's pick (kernels/_launch_configs.py), clamped to the operands.
     `sms`: the device's SM count, for the hand rule's split-T (0: none)."""
     base = bmm_base_config(op, dtype)
-    cfg = base
-    if _lc.active():
-        family = "jagged_dense_bmm" if op == "dense" else "jagged_jagged_bmm"
-        cfg = _lc.tuned(family, _lc.bucket(B, N, T, K, M, dtype), cfg)
+    cfg = _lc.tuned(f"jagged_{op}_bmm", _lc.bucket(B, N, T, K, M, dtype), base) if _lc.active() else base
     hand = cfg is base
-    cfg = dict(cfg)
-    cfg["BLOCK_K"] = col_block(K, hi=cfg["BLOCK_K"])
-    cfg["BLOCK_M"] = col_block(M, hi=cfg["BLOCK_M"])
+    cfg = dict(cfg, BLOCK_K=col_block(K, hi=cfg["BLOCK_K"]), BLOCK_M=col_block(M, hi=cfg["BLOCK_M"]),
+               PRECISION=dot_precision(dtype))
     if op == "jagged" and hand:
         cfg["T_SPLITS"] = split_t(B, T, K, M, cfg, sms)
-    cfg.update(PRECISION=dot_precision(dtype))
     return cfg
 
 

@@ -2,8 +2,8 @@
 
 Layout: q, out [B, Tq, H, D] (last dim contiguous, other strides free); k, v [T, H, D] jagged
 by offsets [B+1]; bias [B, H, Tq, N] (any strides: an expanded bias costs nothing), N =
-max_seq_len; lse [H, B, Tq] fp32. Sequence b's keys are its first
-L_b = min(len_b, N) rows; key rows past N get zero gradients, as do the bias columns >= L_b.
+max_seq_len; lse [H, B, Tq] fp32. Sequence b's keys are its first L_b = min(len_b, N) rows;
+key rows past N get zero gradients, as do the bias columns >= L_b.
 
 Work partitioning: the forward and the dQ(+dBias) programs run one per (query block, sequence,
 head) looping over the sequence's key blocks; the dK/dV programs one per (key block, sequence,
@@ -15,13 +15,14 @@ dQ under SPLIT_DQ). dBias is dS itself (the bias enters the scores unscaled), so
 store it on the way.
 
 SPLIT_DQ (a launch key, on in the 16-bit hand rules up to D = 128, off under
-torch.use_deterministic_algorithms): the dQ programs read all of
-their sequence's K and V again after the dK/dV programs have, which for few queries is most of
-the backward's bytes. With SPLIT_DQ there are no dQ programs: each dK/dV program also computes,
-per query step, its key block's share dS @ K (the dS it has for dK) and adds it, times the scale,
-into a zero-initialised fp32 [B, Tq, H, D] buffer with fp32 atomics (relaxed: nothing reads the
-buffer before the launch ends); the launcher then casts it to q's dtype (FlashAttention-2's dQ
-scheme). Queries of empty sequences keep the zeros; key rows past max_seq_len take no part.
+torch.use_deterministic_algorithms; its cost per call: kernels/TUNING.md, "Target attention:
+SPLIT_DQ"): the dQ programs read all of their sequence's K and V again after the dK/dV programs
+have, which for few queries is most of the backward's bytes. With SPLIT_DQ there are no dQ
+programs: each dK/dV program also computes, per query step, its key block's share dS @ K (the dS
+it has for dK) and adds it, times the scale, into a zero-initialised fp32 [B, Tq, H, D] buffer
+with fp32 atomics (relaxed: nothing reads the buffer before the launch ends); the launcher then
+casts it to q's dtype (FlashAttention-2's dQ scheme). Queries of empty sequences keep the zeros;
+key rows past max_seq_len take no part.
 Why atomics rather than a deterministic reduction (fp32 partials per key slot, summed in slot
 order, e.g. by the last-arriving program of each (sequence, head)): the partials take
 slots x H x Tq x D x 4 bytes, written and read back; at B1024 N1024 H2 D64 fill 0.25 (5.1k slots
@@ -29,12 +30,6 @@ of 64 keys) that is 2.6 MB per query, 167 MB at Tq = 64, more than the 134 MB of
 re-reads it saves. The atomics' buffer is B x Tq x H x D x 4 bytes whatever the lengths. The
 price: the fp32 sums are added in arrival order, so dQ is not bit-deterministic run to run on a
 GPU (dK, dV: the same computation as without SPLIT_DQ, bit-identical in the CPU tests).
-Per call, against the default launch:
-- launches 1 -> 2 in fp32 (zero fill, kernel), 1 -> 3 in fp16/bf16 (and the cast);
-- bytes: K and V read once, not twice (the dQ programs read cdiv(Tq, BLOCK_M) x T x H x D
-  elements of each), nor q, dO, O by the dQ programs (3 elements per dQ element); plus 8 bytes
-  per dQ element (zero fill 4, cast 4 + 2, less the 2 the dQ programs wrote); plus Tq x D fp32
-  atomic adds per (key block, head), resolved in L2.
 Not with a bias gradient (the launcher keeps the dQ programs, which write dBias = dS and its zero
 tail: B x H x Tq x N elements, then the larger stream), nor when no sequence has a key.
 
@@ -293,31 +288,26 @@ def _dense_bwd_kernel(
 
 
 def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype, backward: bool = False) -> dict:
-    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim. 4 warps up to
-    D = 128, 3 stages and SPLIT_DQ in the 16-bit backward (2 stages in the forward below D = 128):
-    the cost-model sweep's fastest on every one of its target-attention shapes (kernels/TUNING.md,
-    "First GPU sweep"). The launcher drops SPLIT_DQ under torch.use_deterministic_algorithms (its
-    fp32 atomics add dQ in arrival order). fp32 and D > 128 were not swept: they keep the earlier
-    rule (8 warps from D = 128 in fp32 and above D = 128 in 16 bits, 1 stage in fp32, 2 in 16
-    bits above D = 128, no SPLIT_DQ)."""
+    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim. The 16-bit rule up
+    to D = 128 is the cost-model sweep's fastest on every one of its target-attention shapes
+    (kernels/TUNING.md, "First GPU sweep"); fp32 and D > 128 were not swept and keep the rule from
+    before it. The launcher drops SPLIT_DQ under torch.use_deterministic_algorithms."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, SPLIT_DQ=0, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
     bm = max(16, min(64 if bd <= 128 else 32, triton.next_power_of_2(num_queries)))
     bn = 64 if bd <= 128 else 32
-    if dtype == torch.float32:  # not swept: the rule from before the sweep
+    if dtype == torch.float32:
         bm, bn = max(bm // 2, 16), (32 if bd <= 64 else 16)
         warps, stages, split = (8 if bd >= 128 else 4), 1, 0
-    elif bd > 128:  # not swept: the rule from before the sweep
+    elif bd > 128:
         warps, stages, split = 8, 2, 0
     else:
         warps, stages, split = 4, (3 if backward or bd == 128 else 2), int(backward)
     return dict(BLOCK_M=bm, BLOCK_N=bn, M_KV=bm, N_KV=bn, SPLIT_DQ=split, num_warps=warps, num_stages=stages)
 
 
-# block sizes and constexprs per (head dim, Tq, dtype, direction, and the shape bucket when a
-# launch table is in use: kernels/_launch_configs.py): built once (fp32's DOT_PREC follows a
-# torch setting, so fp32 is not cached)
+# launch keywords per (head dim, Tq, dtype, direction, shape bucket): built once but in fp32
 _KW: dict = _lc.register_cache({})
 
 
@@ -331,7 +321,7 @@ def _dense_kw(D: int, Tq: int, dtype: torch.dtype, family: str, B: int, N: int, 
         if bucket:
             cfg = _lc.tuned(family, (*bucket, D, Tq, dtype), cfg)
         kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), DOT_PREC=dot_precision(dtype))
-        if dtype != torch.float32:
+        if dtype != torch.float32:  # fp32's DOT_PREC follows a torch setting
             _KW[key] = kw
     return kw
 
@@ -350,10 +340,8 @@ def _bias_args(bias: torch.Tensor | None, fallback: torch.Tensor) -> tuple:
 # ---- launchers ----------------------------------------------------------------------------
 
 
-def dense_attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
-    bias: torch.Tensor | None, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
+                        bias: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """out [B, Tq, H, D] (q's dtype), lse [H, B, Tq] fp32. Inputs already validated."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
@@ -401,14 +389,11 @@ def dense_attention_bwd(
     kw = _dense_kw(D, Tq, q.dtype, "dense_bwd", B, max_seq_len, T, H)
     # split-K dQ (module docstring): not with dBias (the dQ programs write it), nor without keys, nor
     # where torch is asked for deterministic results (the atomics add in arrival order)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    split = 1 if kw["SPLIT_DQ"] and not store_dbias and T > 0 and not deterministic else 0
+    split = int(bool(kw["SPLIT_DQ"]) and not store_dbias and T > 0 and not torch.are_deterministic_algorithms_enabled())
     if split != kw["SPLIT_DQ"]:
         kw = dict(kw, SPLIT_DQ=split)
-    if split:  # fp32 sums of the key blocks' atomic adds; queries without keys keep the zeros
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    else:
-        dq = new_output(q.shape, q)
+    # split: fp32 sums of the key blocks' atomic adds; queries without keys keep the zeros
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if split else new_output(q.shape, q)
     n_dq = 0 if split else triton.cdiv(Tq, kw["BLOCK_M"]) * B * H
     n_kv = num_slots(T, B, kw["N_KV"]) * H if T > 0 else 0
     qs, ks, vs, dos, dqs = q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride()

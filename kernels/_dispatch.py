@@ -14,18 +14,14 @@ import torch
 BACKENDS = ("torch", "triton", "auto")
 
 
-def _import_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the machine
-        return False
-    return True
-
-
 # Decided once at import: a plain bool is free to read under torch.compile, where a cached
 # function call makes Dynamo warn.
-_TRITON_AVAILABLE = _import_triton()
+try:
+    import triton.language  # noqa: F401
+
+    _TRITON_AVAILABLE = True
+except Exception:  # pragma: no cover - depends on the machine
+    _TRITON_AVAILABLE = False
 
 
 def triton_available() -> bool:

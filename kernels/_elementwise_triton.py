@@ -87,11 +87,6 @@ def _jagged_dense_elementwise_bwd_kernel(
                pid_n, tl.num_programs(1), BLOCK_N, BLOCK_D)
 
 
-def _bwd_grid(B: int, N: int, D: int) -> tuple[tuple[int, int, int], int]:
-    block_d = col_block(D, hi=BWD_CONFIG["BLOCK_D"])
-    return (B, max(1, triton.cdiv(N, BWD_CONFIG["BLOCK_N"])), triton.cdiv(D, block_d)), block_d
-
-
 def jagged_dense_elementwise_fwd_triton(
     values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, is_mul: bool
 ) -> torch.Tensor:
@@ -113,11 +108,7 @@ def jagged_dense_elementwise_fwd_triton(
 
 
 def jagged_dense_elementwise_bwd_triton(
-    grad: torch.Tensor,
-    offsets: torch.Tensor,
-    values: torch.Tensor | None,
-    dense: torch.Tensor | None,
-    max_seq_len: int,
+    grad: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor | None, dense: torch.Tensor | None, max_seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_values [T, D], grad_dense [B, N, D]); values and dense are given for mul only."""
     (T, D), B, N = grad.shape, offsets.numel() - 1, max_seq_len
@@ -127,7 +118,8 @@ def jagged_dense_elementwise_bwd_triton(
         return grad_values, grad_dense
     is_mul = values is not None
     x, d = (values, dense) if is_mul else (grad, grad_dense)  # unused placeholders for add
-    grid, block_d = _bwd_grid(B, N, D)
+    block_d = col_block(D, hi=BWD_CONFIG["BLOCK_D"])
+    grid = (B, max(1, triton.cdiv(N, BWD_CONFIG["BLOCK_N"])), triton.cdiv(D, block_d))
     with device_guard(grad):
         _jagged_dense_elementwise_bwd_kernel[grid](
             grad, x, d, grad_values, grad_dense, offsets, N, D,

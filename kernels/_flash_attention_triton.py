@@ -4,14 +4,10 @@ Layout: q, k, v, out [T, H, D] (last dim contiguous, any row/head strides); offs
 lse and delta [H, T] fp32. Sequence b is rows offsets[b]:offsets[b+1]; only its first
 L_b = min(len_b, max_seq_len) rows take part, the others get zeros (lse -inf).
 
-Work: a flat list of (block of rows, sequence) slots, times H heads (head fastest: the heads of
-one token sit side by side in memory). Sequence b owns the slots [s(b), s(b+1)) with
-s(b) = offsets[b] // BLOCK + b, at least cdiv(len_b, BLOCK) of them and one spare at most, so
-the grid, s(B) = T // BLOCK + B slots, is sized on the host without reading offsets (no sync)
-and wastes at most one program per sequence (a grid over cdiv(max_seq_len, BLOCK) blocks per
-sequence wastes most of its programs on long-tailed lengths). A program finds its sequence by a
-two-level search over offsets (`_locate`, shared in _triton_common). A slot past its sequence's
-blocks zeroes its share of the truncated tail (rows past max_seq_len, usually none) and exits.
+Work: the flat list of (block of rows, sequence) work slots of _triton_common (the grid sized on
+the host without reading offsets, at most one spare program per sequence), times H heads (head
+fastest: the heads of one token sit side by side in memory). A slot past its sequence's blocks
+zeroes its share of the truncated tail (rows past max_seq_len, usually none) and exits.
 
 Forward: one program per (query block, head) against all its keys (causal: the heaviest,
 last, blocks of a sequence first). Backward: a pre-pass computes delta = rowsum(dO * O) (minus
@@ -356,48 +352,39 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
                 num_stages=stages)
 
 
-# launch keywords (constexprs and options) per (head dim, dtype, causal, length class, and the
-# shape bucket (_lc.bucket; () when no table or forced config is in use, the hand rules depending
-# on none of it): kernels/_launch_configs.py): built once
+# launch keywords (constexprs and options) per (head dim, dtype, causal, [length class,] shape
+# bucket: _lc.bucket, () when no table or forced config is in use): built once
 _FWD_KW: dict = _lc.register_cache({})
 _BWD_KW: dict = _lc.register_cache({})
 
 
 def _fwd_kw(D: int, dtype: torch.dtype, causal: bool, short: bool, bucket: tuple = ()) -> dict:
     key = (D, dtype, causal, short, bucket)
-    kw = _FWD_KW.get(key)
-    if kw is None:
-        cfg = fwd_config(D, dtype, short)
-        if bucket:
-            cfg = _lc.tuned("flash_fwd", (*bucket, D, dtype, int(causal)), cfg)
-        kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
-                  CAUSAL=causal, DOT_PREC=dot_precision(dtype))
-        if dtype != torch.float32:  # fp32's DOT_PREC follows a torch setting: not cached
-            _FWD_KW[key] = kw
-    return kw
+    return _FWD_KW.get(key) or _build_kw(_FWD_KW, key, "flash_fwd", fwd_config(D, dtype, short), bucket)
 
 
 def _bwd_kw(D: int, dtype: torch.dtype, causal: bool, bucket: tuple = ()) -> dict:
     key = (D, dtype, causal, bucket)
-    kw = _BWD_KW.get(key)
-    if kw is None:
-        cfg = bwd_config(D, dtype)
-        if bucket:
-            cfg = _lc.tuned("flash_bwd", (*bucket, D, dtype, int(causal)), cfg)
-        kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D),
-                  CAUSAL=causal, DOT_PREC=dot_precision(dtype))
-        if dtype != torch.float32:
-            _BWD_KW[key] = kw
+    return _BWD_KW.get(key) or _build_kw(_BWD_KW, key, "flash_bwd", bwd_config(D, dtype), bucket)
+
+
+def _build_kw(cache: dict, key: tuple, family: str, cfg: dict, bucket: tuple) -> dict:
+    """The hand rule `cfg` (or the launch table's pick for `bucket`) with the constexprs, kept in
+    `cache` at `key` (D, dtype, causal first) but in fp32, whose DOT_PREC follows a torch setting."""
+    D, dtype, causal = key[:3]
+    if bucket:
+        cfg = _lc.tuned(family, (*bucket, D, dtype, int(causal)), cfg)
+    kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal, DOT_PREC=dot_precision(dtype))
+    if dtype != torch.float32:
+        cache[key] = kw
     return kw
 
 
 # ---- launchers ----------------------------------------------------------------------------
 
 
-def flash_attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-    max_seq_len: int, causal: bool, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
+                        causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """out [T, H, D] (q's dtype), lse [H, T] fp32. Inputs already validated by the caller."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
@@ -418,9 +405,7 @@ def flash_attention_fwd(
     return out, lse
 
 
-def attention_bwd_delta(
-    out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None
-) -> torch.Tensor:
+def attention_bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tensor | None) -> torch.Tensor:
     """delta [H, R] fp32 = rowsum(dout * out) - dlse; out, dout [R, H, D], last dim contiguous."""
     R, H, D = out.shape
     delta = torch.empty((H, R), dtype=torch.float32, device=out.device)

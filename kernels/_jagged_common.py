@@ -91,11 +91,9 @@ def run(op, impls: dict[str, Callable], *args):
     if traced():
         return op(*args)
     backend, inputs = args[-1], args[:-1]
-    if backend == "torch":  # torch ops inside (a Triton kernel is not autocast's business)
-        dev = inputs[0].device.type
-        if dev in _AUTOCAST_KEYS and torch.is_autocast_enabled(dev):
-            with torch.autocast(dev, enabled=False):
-                return impls[backend](*inputs)
+    if backend == "torch" and autocast_on(inputs[0]):  # torch ops inside; a Triton kernel is not autocast's
+        with torch.autocast(inputs[0].device.type, enabled=False):
+            return impls[backend](*inputs)
     return impls[backend](*inputs)
 
 
@@ -103,10 +101,8 @@ def apply(fn: type[torch.autograd.Function], *args):
     """``fn.apply(*args)`` where autograd would record it, else its forward alone (no graph
     node to build: the inference and no-grad calls)."""
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        if not traced():
-            # autograd's own entry point: Function.apply binds the arguments to forward's
-            # signature first (inspect.signature: TUNING.md, "One route per op") for defaults these
-            # forwards do not have
+        if not traced():  # autograd's own entry point: Function.apply first binds the arguments to
+            # forward's signature, for defaults these forwards lack (TUNING.md, "One route per op")
             return super(torch.autograd.Function, fn).apply(*args)
         # Dynamo refuses one tensor given twice (k is v): the second becomes a view of it
         args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and any(a is b for b in args[:i]) else a
@@ -115,18 +111,17 @@ def apply(fn: type[torch.autograd.Function], *args):
     return fn.forward(*args)
 
 
-def autocast_lowp(*ts: torch.Tensor | None) -> tuple:
-    """Under autocast on the first tensor's device (CPU or CUDA), the inputs as the op's "lowp"
-    autocast rule casts them; unchanged outside autocast. None entries pass through."""
-    return autocast_cast("lowp", *ts)
+def autocast_on(t: torch.Tensor) -> bool:
+    """Autocast is on for `t`'s device (CPU or CUDA)."""
+    return t.device.type in _AUTOCAST_KEYS and torch.is_autocast_enabled(t.device.type)
 
 
 def autocast_cast(policy: str, *ts: object) -> tuple:
     """The inputs as autocast `policy` ("lowp" or "promote") casts them under autocast on the
-    first tensor's device; outside autocast, unchanged. Non-tensors pass through."""
-    dev = ts[0].device.type
-    if dev not in _AUTOCAST_KEYS or not torch.is_autocast_enabled(dev):
+    first tensor's device; outside autocast, unchanged. Non-tensors (None) pass through."""
+    if not autocast_on(ts[0]):
         return ts
+    dev = ts[0].device.type
     floats = [t for t in ts if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type == dev]
     if policy == "lowp":  # every float input but float64 in the autocast dtype, like torch.bmm
         target = torch.get_autocast_dtype(dev)
@@ -176,8 +171,6 @@ def _autocast_kernel(op: Callable, device_type: str, policy: str) -> Callable:
 
 def register_autocast(name: str, policy: str) -> None:
     """Autocast rule for `jagged::<name>` on CPU and CUDA: policy "lowp" or "promote"."""
-    if policy not in ("lowp", "promote"):
-        raise ValueError(f"unknown autocast policy {policy!r}")
     op = getattr(torch.ops.jagged, name).default
     for device_type, key in _AUTOCAST_KEYS.items():
         _AUTOCAST_LIB.impl(name, _autocast_kernel(op, device_type, policy), key)

@@ -3,23 +3,21 @@
 Work follows the visible key blocks, never n^2: a forward (or dQ) program takes BLOCK_M queries
 of one (sequence, head) and walks only the S2 blocks its head sees, never loading another; the
 list of blocks is arithmetic on (n, block, local_blocks, stride, the head's offset), no layout
-tensor. A dK/dV program takes BLOCK_N keys (inside one S2
-block in causal mode: BLOCK_N divides the block) and returns zeros at once when its head sees
-none of them; otherwise it walks only the queries that see them. (Non-causal blocks count from
-the sequence's end, so a dK/dV chunk may straddle a seen and an unseen block: it loads the
-unseen rows and masks them, products included, so whatever they hold stays out.)
+tensor. A dK/dV program takes BLOCK_N keys (inside one S2 block in causal mode: BLOCK_N divides
+the block) and returns zeros at once when its head sees none of them; otherwise it walks only the
+queries that see them. (Non-causal blocks count from the sequence's end, so a dK/dV chunk may
+straddle a seen and an unseen block: it loads the unseen rows and masks them, products included,
+so whatever they hold stays out.)
 
 One program per (query tile, sequence, head) over max_seq_len (idle programs exit at once).
 A forward or dQ program walks its visible blocks as one flat loop over their key chunks (the
 strided run, then the local run: two arithmetic progressions of blocks, `_visible_blocks`), so
 there is no branch per block and no nested loop for the compiler's software pipelining to stop
 at. Tiles follow the dense kernels' (`s2_tiles`), or a launch table's (families s2_fwd and
-s2_bwd of kernels/_launch_configs.py). The first version walked every block with an `if seen`
-and 16-row key chunks: on the H100 it reached only 0.29-0.41 of the ideal speed-up
-(kernels.bench.s2 at 863ba9b). The work list of the dense kernels
-(kernels/_flash_attention_triton.py) is not used here yet. Softmax in base 2 (scores scaled by
-scale * log2(e)); lse stored in base 2 for the backward; delta = rowsum(dO * O) computed by
-torch before the backward launch.
+s2_bwd of kernels/_launch_configs.py); measurements: kernels/TUNING.md, "S2 attention". The work
+list of the dense kernels (kernels/_flash_attention_triton.py) is not used here yet. Softmax in
+base 2 (scores scaled by scale * log2(e)); lse stored in base 2 for the backward; delta =
+rowsum(dO * O) computed by torch before the backward launch.
 """
 
 from __future__ import annotations
@@ -299,14 +297,10 @@ def _head_offsets(shards, num_heads: int, device) -> torch.Tensor:
     return heads
 
 
-def _contiguous(*ts: torch.Tensor) -> list[torch.Tensor]:
-    return [t.contiguous() for t in ts]
-
-
 @torch.compiler.disable
 def s2_attention_fwd(q, k, v, offsets, max_seq_len: int, shards, causal: bool, scale: float):
     """(out [T, H, D] in q's dtype, lse2 [T, H] fp32 in base 2, +inf for rows that see nothing)."""
-    q, k, v = _contiguous(q, k, v)
+    q, k, v = (t.contiguous() for t in (q, k, v))
     T, H, _ = q.shape
     B = offsets.numel() - 1
     out = torch.zeros_like(q)
@@ -322,7 +316,7 @@ def s2_attention_fwd(q, k, v, offsets, max_seq_len: int, shards, causal: bool, s
 @torch.compiler.disable
 def s2_attention_bwd(dout, q, k, v, out, lse2, offsets, max_seq_len: int, shards, causal: bool, scale: float):
     """dq, dk, dv of s2_attention_fwd."""
-    q, k, v, out, dout = _contiguous(q, k, v, out, dout)
+    q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
     T, H, _ = q.shape
     B = offsets.numel() - 1
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

@@ -26,11 +26,6 @@ def debug_checks_enabled() -> bool:
     return _debug_checks
 
 
-def _is_tracing() -> bool:
-    # Value-dependent checks are impossible on fake/meta tensors under torch.compile.
-    return torch.compiler.is_compiling()
-
-
 def check_offsets(offsets: torch.Tensor, name: str = "offsets", total: int | None = None) -> None:
     """Validate a jagged offsets tensor: 1-D, integer, length >= 1, starts at 0, non-decreasing.
 
@@ -44,7 +39,8 @@ def check_offsets(offsets: torch.Tensor, name: str = "offsets", total: int | Non
         raise TypeError(f"{name} must be int64 or int32, got {offsets.dtype}")
     if offsets.numel() < 1:
         raise ValueError(f"{name} must have at least one element (B+1 >= 1), got 0")
-    if _is_tracing() or (offsets.is_cuda and not _debug_checks) or offsets.device.type == "meta":
+    # value checks: not on fake/meta tensors (torch.compile), nor on CUDA ones without debug checks
+    if torch.compiler.is_compiling() or (offsets.is_cuda and not _debug_checks) or offsets.device.type == "meta":
         return
     off = offsets.detach()
     if int(off[0]) != 0:

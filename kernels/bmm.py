@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._jagged_common import apply, autocast_lowp, compute_dtype, lazy, pick_backend, register_autocast, run
+from kernels._jagged_common import apply, autocast_cast, autocast_on, compute_dtype, lazy, pick_backend, run
+from kernels._jagged_common import register_autocast
 from kernels._segments import by_seq, gather_groups, keep_in_graph, length_groups, scatter_groups
 from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device, check_same
 from kernels._validation import check_size
@@ -48,7 +49,6 @@ def jagged_jagged_bmm_reference(
 
 
 # ---- 2. the ops: custom ops for tracing, one autograd.Function each (_jagged_common.run) ---
-# Each backward is made of the two products (so a recorded backward is differentiable).
 
 _JD = {"torch": jagged_dense_bmm_reference, "triton": lazy("kernels._bmm_triton", "jagged_dense_bmm_triton")}
 _JJ = {"torch": jagged_jagged_bmm_reference, "triton": lazy("kernels._bmm_triton", "jagged_jagged_bmm_triton")}
@@ -60,21 +60,13 @@ def _jd_op(values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, max
     return _JD[backend](values, offsets, dense, max_seq_len)
 
 
-@_jd_op.register_fake
-def _(values, offsets, dense, max_seq_len, backend):
-    return values.new_empty((values.shape[0], dense.shape[2]))
-
-
 @torch.library.custom_op("jagged::jagged_jagged_bmm", mutates_args=())
 def _jj_op(a: torch.Tensor, c: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backend: str) -> torch.Tensor:
     return _JJ[backend](a, c, offsets, max_seq_len)
 
 
-@_jj_op.register_fake
-def _(a, c, offsets, max_seq_len, backend):
-    return a.new_empty((offsets.shape[0] - 1, a.shape[1], c.shape[1]))
-
-
+_jd_op.register_fake(lambda values, offsets, dense, *_: values.new_empty((values.shape[0], dense.shape[2])))
+_jj_op.register_fake(lambda a, c, offsets, *_: a.new_empty((offsets.shape[0] - 1, a.shape[1], c.shape[1])))
 register_autocast("jagged_dense_bmm", "lowp")
 register_autocast("jagged_jagged_bmm", "lowp")
 
@@ -127,12 +119,7 @@ class _JaggedJagged(torch.autograd.Function):
 
 
 def jagged_dense_bmm(
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    dense: torch.Tensor,
-    max_seq_len: int,
-    *,
-    backend: str = "auto",
+    values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, max_seq_len: int, *, backend: str = "auto"
 ) -> torch.Tensor:
     """Multiply each sequence's rows by its own dense matrix.
 
@@ -154,23 +141,18 @@ def jagged_dense_bmm(
     """
     check_float(values, "values", ndim=2)
     check_float(dense, "dense", ndim=3)
-    check_same({"values": values, "dense": dense}, dtype=not _autocast_on(values))
+    check_same({"values": values, "dense": dense}, dtype=not autocast_on(values))  # autocast casts mixed dtypes
     check_offsets(offsets, total=values.shape[0])
     check_offsets_device(offsets, values)
     check_size(dense, "dense", 0, offsets.shape[0] - 1, "B = len(offsets) - 1")
     check_size(dense, "dense", 1, values.shape[1], "K = values.shape[1]")
     max_seq_len = check_max_seq_len(max_seq_len)
-    values, dense = autocast_lowp(values, dense)
+    values, dense = autocast_cast("lowp", values, dense)
     return apply(_JaggedDense, values, offsets, dense, max_seq_len, pick_backend(backend, values))
 
 
 def jagged_jagged_bmm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    offsets: torch.Tensor,
-    max_seq_len: int,
-    *,
-    backend: str = "auto",
+    a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, *, backend: str = "auto"
 ) -> torch.Tensor:
     """Sum over each sequence of the outer products of its rows of ``a`` and ``b``.
 
@@ -190,15 +172,10 @@ def jagged_jagged_bmm(
     """
     check_float(a, "a", ndim=2)
     check_float(b, "b", ndim=2)
-    check_same({"a": a, "b": b}, dtype=not _autocast_on(a))
+    check_same({"a": a, "b": b}, dtype=not autocast_on(a))
     check_size(b, "b", 0, a.shape[0], "T = a.shape[0]")
     check_offsets(offsets, total=a.shape[0])
     check_offsets_device(offsets, a)
     max_seq_len = check_max_seq_len(max_seq_len)
-    a, b = autocast_lowp(a, b)
+    a, b = autocast_cast("lowp", a, b)
     return apply(_JaggedJagged, a, b, offsets, max_seq_len, pick_backend(backend, a))
-
-
-def _autocast_on(t: torch.Tensor) -> bool:
-    # Inside an autocast region mixed float dtypes are fine: the autocast kernel casts them.
-    return t.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(t.device.type)

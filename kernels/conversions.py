@@ -33,7 +33,6 @@ def padded_to_jagged_reference(
 
 
 # ---- 2. the ops: custom ops for tracing, one autograd.Function each (_jagged_common.run) ---
-# Each conversion's backward is the other conversion (so a recorded backward is differentiable).
 
 _TO_PADDED = {"torch": jagged_to_padded_reference,
               "triton": lazy("kernels._conversions_triton", "jagged_to_padded_triton")}
@@ -48,14 +47,13 @@ def _to_padded_op(
     return _TO_PADDED[backend](values, offsets, max_seq_len, padding_value)
 
 
-@_to_padded_op.register_fake
-def _(values, offsets, max_seq_len, padding_value, backend):
-    return values.new_empty((offsets.shape[0] - 1, max_seq_len, values.shape[1]))
-
-
 @torch.library.custom_op("jagged::padded_to_jagged", mutates_args=())
 def _to_jagged_op(padded: torch.Tensor, offsets: torch.Tensor, total: int | None, backend: str) -> torch.Tensor:
     return _TO_JAGGED[backend](padded, offsets, int(offsets[-1]) if total is None else total)
+
+
+_to_padded_op.register_fake(lambda values, offsets, max_seq_len, *_:
+                            values.new_empty((offsets.shape[0] - 1, max_seq_len, values.shape[1])))
 
 
 @_to_jagged_op.register_fake
@@ -103,12 +101,7 @@ class _ToJagged(torch.autograd.Function):
 
 
 def jagged_to_padded(
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    max_seq_len: int,
-    padding_value: float = 0.0,
-    *,
-    backend: str = "auto",
+    values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, padding_value: float = 0.0, *, backend: str = "auto"
 ) -> torch.Tensor:
     """Scatter a jagged tensor into a padded one.
 
@@ -134,11 +127,7 @@ def jagged_to_padded(
 
 
 def padded_to_jagged(
-    padded: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    total: int | None = None,
-    backend: str = "auto",
+    padded: torch.Tensor, offsets: torch.Tensor, *, total: int | None = None, backend: str = "auto"
 ) -> torch.Tensor:
     """Gather the real rows of a padded tensor into a jagged one.
 

@@ -16,10 +16,10 @@ import torch
 
 from kernels._attention_cpu import dense_attention_torch_bwd, dense_attention_torch_fwd
 from kernels._attention_reference import dense_attention_reference_bwd
-from kernels._jagged_common import apply, autocast_lowp, lazy, pick_backend, register_autocast
+from kernels._jagged_common import apply, autocast_cast, lazy, pick_backend, register_autocast
 from kernels._jagged_common import register_no_double_backward, run
 from kernels._validation import check_float, check_head_dim, check_max_seq_len, check_offsets, check_offsets_device
-from kernels._validation import check_same, debug_checks_enabled
+from kernels._validation import _FLOAT_DTYPES, check_same, debug_checks_enabled
 
 Tensor = torch.Tensor
 
@@ -32,10 +32,8 @@ _BWD = {"torch": lambda *args: dense_attention_torch_bwd(*args[:-1]),  # it give
 
 
 @torch.library.custom_op("jagged::dense_attention_fwd", mutates_args=())
-def _fwd_op(
-    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, bias: Tensor | None,
-    scale: float, backend: str,
-) -> tuple[Tensor, Tensor]:
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, bias: Tensor | None, scale: float,
+            backend: str) -> tuple[Tensor, Tensor]:
     return _FWD[backend](q, k, v, offsets, max_seq_len, bias, scale)
 
 
@@ -46,10 +44,8 @@ def _(q, k, v, offsets, max_seq_len, bias, scale, backend):
 
 
 @torch.library.custom_op("jagged::dense_attention_bwd", mutates_args=())
-def _bwd_op(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, offsets: Tensor,
-    max_seq_len: int, bias: Tensor | None, scale: float, need_dbias: bool, backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, offsets: Tensor, max_seq_len: int,
+            bias: Tensor | None, scale: float, need_dbias: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """dq, dk, dv and dbias (an empty [0] tensor when there is no bias gradient to give)."""
     dq, dk, dv, dbias = _BWD[backend](dout, q, k, v, out, lse, offsets, max_seq_len, bias, scale, need_dbias)
     return dq, dk, dv, (dbias if need_dbias else q.new_empty(0))
@@ -98,22 +94,19 @@ class _DenseAttention(torch.autograd.Function):
 
 # ---- public function ----------------------------------------------------------------------
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
 def _inputs_ok(q, k, v, offsets, max_seq_len, bias) -> bool:
     """True only when every check of _check_inputs passes: a fast accept for the common case;
     anything else goes through the full checks and their messages."""
     try:
         B, Tq, H, D = q.shape
-        return (q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        return (q.dtype in _FLOAT_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
                 and k.dim() == 3 and v.dim() == 3 and k.shape[1] == H and k.shape[2] == D
                 and v.shape == k.shape and H >= 1 and 16 <= D <= 256 and D % 8 == 0
                 and type(max_seq_len) is int and max_seq_len >= 0
                 and offsets.dim() == 1 and offsets.dtype in (torch.int64, torch.int32)
                 and offsets.shape[0] == B + 1 and offsets.is_cuda and not debug_checks_enabled()
                 and q.device == k.device == v.device == offsets.device
-                and (bias is None or (bias.dtype in _KERNEL_DTYPES and bias.device == q.device
+                and (bias is None or (bias.dtype in _FLOAT_DTYPES and bias.device == q.device
                                       and bias.shape == (B, H, Tq, max_seq_len))))
     except (AttributeError, IndexError, TypeError, ValueError):
         return False
@@ -182,11 +175,11 @@ def jagged_dense_attention(
         ``out[b, i] = sum_j softmax_j(scale * q[b, i] . k[j] + bias[b, :, i, j]) v[j]`` over user
         b's keys j; a query with no key (empty sequence, or all keys masked) gives zeros.
     """
-    q, k, v = autocast_lowp(q, k, v)
+    q, k, v = autocast_cast("lowp", q, k, v)
     if not _inputs_ok(q, k, v, offsets, max_seq_len, bias):
         _check_inputs(q, k, v, offsets, max_seq_len, bias)
     scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
     if bias is not None:  # as the op's autocast rule casts it
-        (bias,) = autocast_lowp(bias)
+        (bias,) = autocast_cast("lowp", bias)
     return apply(_DenseAttention, q, k, v, offsets, max_seq_len, bias, scale, resolved)[0]

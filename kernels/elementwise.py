@@ -9,11 +9,10 @@ backward) is the reference's, in differentiable torch ops, on either backend.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from kernels._jagged_common import apply, autocast_cast, compute_dtype, lazy, pick_backend, register_autocast, run
+from kernels._jagged_common import apply, autocast_cast, autocast_on, compute_dtype, lazy, pick_backend, run
+from kernels._jagged_common import register_autocast
 from kernels._segments import row_index, scatter_rows
 from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device, check_same
 from kernels._validation import check_size
@@ -32,11 +31,7 @@ def jagged_dense_elementwise_reference(
 
 
 def jagged_dense_elementwise_backward_reference(
-    grad: torch.Tensor,
-    offsets: torch.Tensor,
-    values: torch.Tensor | None,
-    dense: torch.Tensor | None,
-    max_seq_len: int,
+    grad: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor | None, dense: torch.Tensor | None, max_seq_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_values [T, D], grad_dense [B, N, D]); values and dense are given for mul only."""
     cdt = compute_dtype(grad.dtype)
@@ -74,14 +69,8 @@ def _mul_op(values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, ba
 
 
 @torch.library.custom_op("jagged::jagged_dense_elementwise_backward", mutates_args=())
-def _bwd_op(
-    grad: torch.Tensor,
-    offsets: torch.Tensor,
-    values: Optional[torch.Tensor],
-    dense: Optional[torch.Tensor],
-    max_seq_len: int,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _bwd_op(grad: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor | None, dense: torch.Tensor | None,
+            max_seq_len: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     return _BWD[backend](grad, offsets, values, dense, max_seq_len)
 
 
@@ -137,8 +126,7 @@ class _Elementwise(torch.autograd.Function):
 def _checked(values, offsets, dense, max_seq_len, backend):
     check_float(values, "values", ndim=2)
     check_float(dense, "dense", ndim=3)
-    on_autocast = values.device.type in ("cpu", "cuda") and torch.is_autocast_enabled(values.device.type)
-    check_same({"values": values, "dense": dense}, dtype=not on_autocast)
+    check_same({"values": values, "dense": dense}, dtype=not autocast_on(values))  # autocast casts mixed dtypes
     check_offsets(offsets, total=values.shape[0])
     check_offsets_device(offsets, values)
     check_size(dense, "dense", 0, offsets.shape[0] - 1, "B = len(offsets) - 1")
@@ -149,11 +137,7 @@ def _checked(values, offsets, dense, max_seq_len, backend):
 
 
 def jagged_dense_elementwise_add(
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    dense: torch.Tensor,
-    max_seq_len: int | None = None,
-    *,
+    values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, max_seq_len: int | None = None, *,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Add a padded dense tensor to a jagged one: ``out[offsets[b] + n] = values[offsets[b] + n]
@@ -180,11 +164,7 @@ def jagged_dense_elementwise_add(
 
 
 def jagged_dense_elementwise_mul(
-    values: torch.Tensor,
-    offsets: torch.Tensor,
-    dense: torch.Tensor,
-    max_seq_len: int | None = None,
-    *,
+    values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, max_seq_len: int | None = None, *,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Multiply a jagged tensor by a padded dense one: ``out[offsets[b] + n] = values[offsets[b] + n]

@@ -15,15 +15,16 @@ differentiating its result raises a RuntimeError that says so (never a detached 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from kernels._attention_cpu import flash_attention_torch_bwd, flash_attention_torch_fwd
 from kernels._attention_reference import flash_attention_reference_bwd
-from kernels._jagged_common import apply, autocast_lowp, lazy, pick_backend, register_autocast
+from kernels._jagged_common import apply, autocast_cast, lazy, pick_backend, register_autocast
 from kernels._jagged_common import register_no_double_backward, run
 from kernels._validation import check_float, check_head_dim, check_max_seq_len, check_offsets, check_offsets_device
-from kernels._validation import check_same, debug_checks_enabled
+from kernels._validation import _FLOAT_DTYPES, check_same, debug_checks_enabled
 from kernels.s2 import S2Shards, s2_attention_reference
 
 Tensor = torch.Tensor
@@ -36,10 +37,8 @@ _BWD = {"torch": flash_attention_torch_bwd, "triton": lazy("kernels._flash_atten
 
 
 @torch.library.custom_op("jagged::flash_attention_fwd", mutates_args=())
-def _fwd_op(
-    q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, causal: bool,
-    scale: float, backend: str,
-) -> tuple[Tensor, Tensor]:
+def _fwd_op(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, causal: bool, scale: float,
+            backend: str) -> tuple[Tensor, Tensor]:
     return _FWD[backend](q, k, v, offsets, max_seq_len, causal, scale)
 
 
@@ -50,18 +49,13 @@ def _(q, k, v, offsets, max_seq_len, causal, scale, backend):
 
 
 @torch.library.custom_op("jagged::flash_attention_bwd", mutates_args=())
-def _bwd_op(
-    dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    offsets: Tensor, max_seq_len: int, causal: bool, scale: float, backend: str,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_op(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+            offsets: Tensor, max_seq_len: int, causal: bool, scale: float,
+            backend: str) -> tuple[Tensor, Tensor, Tensor]:
     return _BWD[backend](dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale)
 
 
-@_bwd_op.register_fake
-def _(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
+_bwd_op.register_fake(lambda dout, dlse, q, k, v, *_: tuple(t.new_empty(t.shape) for t in (q, k, v)))
 register_no_double_backward(_bwd_op, "jagged_flash_attention")
 # Under autocast the op runs in the autocast dtype, like torch's own attention.
 register_autocast("flash_attention_fwd", "lowp")
@@ -99,15 +93,12 @@ class _FlashAttention(torch.autograd.Function):
 
 # ---- public function ----------------------------------------------------------------------
 
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
 def _inputs_ok(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int) -> bool:
     """True only when every check of _check_inputs passes: a fast accept (a few microseconds)
     for the common case; anything else goes through the full checks and their messages."""
     try:
         D = q.shape[2]
-        return (q.dim() == 3 and q.dtype in _KERNEL_DTYPES and k.dtype == q.dtype
+        return (q.dim() == 3 and q.dtype in _FLOAT_DTYPES and k.dtype == q.dtype
                 and v.dtype == q.dtype and k.shape == q.shape and v.shape == q.shape
                 and q.shape[1] >= 1 and 16 <= D <= 256 and D % 8 == 0
                 and type(max_seq_len) is int and max_seq_len >= 0
@@ -178,7 +169,7 @@ def jagged_flash_attention(
     if q.dtype != torch.float64:
         # under autocast the registered rule casts inside the op; casting here too keeps the
         # checks below (same dtype for q, k, v) meaningful for mixed inputs under autocast
-        q, k, v = autocast_lowp(q, k, v)
+        q, k, v = autocast_cast("lowp", q, k, v)
     if not _inputs_ok(q, k, v, offsets, max_seq_len):
         _check_inputs(q, k, v, offsets, max_seq_len)
     if not isinstance(causal, bool):
@@ -206,22 +197,18 @@ def _s2(q, k, v, offsets, max_seq_len, causal, scale, return_lse, resolved, shar
 # ---- S2 on Triton: the same route, the layout passed as ints (a custom op takes no S2Shards) ----
 
 
-def _s2_fwd_triton(q, k, v, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale):
-    from kernels._s2_attention_triton import s2_attention_fwd
+def _s2_triton(name: str) -> Callable:
+    """The S2 launcher `name` of kernels._s2_attention_triton, given the layout as its ints."""
+    launcher = lazy("kernels._s2_attention_triton", name)
 
-    return s2_attention_fwd(q, k, v, offsets, max_seq_len, S2Shards(block, local_blocks, stride, tuple(heads)),
-                            causal, scale)
+    def call(*args):
+        *tensors, max_seq_len, block, local_blocks, stride, heads, causal, scale = args
+        return launcher(*tensors, max_seq_len, S2Shards(block, local_blocks, stride, tuple(heads)), causal, scale)
 
-
-def _s2_bwd_triton(dout, q, k, v, out, lse2, offsets, max_seq_len, block, local_blocks, stride, heads, causal,
-                   scale):
-    from kernels._s2_attention_triton import s2_attention_bwd
-
-    return s2_attention_bwd(dout, q, k, v, out, lse2, offsets, max_seq_len,
-                            S2Shards(block, local_blocks, stride, tuple(heads)), causal, scale)
+    return call
 
 
-_S2_FWD, _S2_BWD = {"triton": _s2_fwd_triton}, {"triton": _s2_bwd_triton}
+_S2_FWD, _S2_BWD = {"triton": _s2_triton("s2_attention_fwd")}, {"triton": _s2_triton("s2_attention_bwd")}
 
 
 @torch.library.custom_op("jagged::s2_attention_fwd", mutates_args=())
@@ -230,11 +217,6 @@ def _s2_fwd_op(
     stride: int, heads: list[int], causal: bool, scale: float, backend: str,
 ) -> tuple[Tensor, Tensor]:
     return _S2_FWD[backend](q, k, v, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale)
-
-
-@_s2_fwd_op.register_fake
-def _(q, k, v, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale, backend):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 @torch.library.custom_op("jagged::s2_attention_bwd", mutates_args=())
@@ -246,11 +228,8 @@ def _s2_bwd_op(
                            causal, scale)
 
 
-@_s2_bwd_op.register_fake
-def _(dout, q, k, v, out, lse2, offsets, max_seq_len, block, local_blocks, stride, heads, causal, scale, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-
-
+_s2_fwd_op.register_fake(lambda q, *_: (q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)))
+_s2_bwd_op.register_fake(lambda dout, q, k, v, *_: tuple(t.new_empty(t.shape) for t in (q, k, v)))
 register_no_double_backward(_s2_bwd_op, "jagged_flash_attention (shards)")
 register_autocast("s2_attention_fwd", "lowp")
 

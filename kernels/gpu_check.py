@@ -112,10 +112,15 @@ def _forced(family: str, config: dict, run):
 
 
 def _workloads(dtype, D):
-    """(label, thunk) pairs that call every launcher once on meta tensors."""
+    """(label, thunk) pairs that call every launcher once on meta tensors; D is the head dim, or
+    the row-wise ops' feature width (softmax: the number of columns)."""
+    from kernels._bmm_triton import jagged_dense_bmm_triton, jagged_jagged_bmm_triton
+    from kernels._conversions_triton import jagged_to_padded_triton, padded_to_jagged_triton
     from kernels._dense_attention_triton import dense_attention_bwd, dense_attention_fwd
+    from kernels._elementwise_triton import jagged_dense_elementwise_bwd_triton, jagged_dense_elementwise_fwd_triton
     from kernels._flash_attention_triton import flash_attention_bwd, flash_attention_fwd
     from kernels._s2_attention_triton import s2_attention_bwd, s2_attention_fwd
+    from kernels._softmax_triton import jagged_softmax_bwd_triton, jagged_softmax_fwd_triton
     from kernels.s2 import S2Shards
 
     T, H, B, N, Tq = 64, 2, 2, 32, 8
@@ -137,28 +142,7 @@ def _workloads(dtype, D):
     for b in (None, bias):  # SPLIT_DQ forced on, the fp32 and bias cases too
         yield f"dense split_dq bias={b is not None}", lambda b=b: _forced("dense_bwd", {"SPLIT_DQ": 1},
             lambda: dense_attention_bwd(qd, qd, k, v, qd, lse_d, off, N, b, 0.1, False))
-    yield from _row_wise_workloads(dtype, D)
-    lse2 = torch.empty(T, H, device="meta", dtype=torch.float32)
-    for block in (64, 48):
-        for causal in (False, True):
-            shards = S2Shards(block, 1, 4)
-            yield f"s2 block={block} causal={causal}", lambda c=causal, s=shards: (
-                s2_attention_fwd(q, k, v, off, N, s, c, 0.1),
-                s2_attention_bwd(q, q, k, v, q, lse2, off, N, s, c, 0.1))
-
-
-def _row_wise_workloads(dtype, D):
-    """(label, thunk) pairs for the row-wise ops' launchers: D is the feature width (softmax:
-    the number of columns)."""
-    from kernels._bmm_triton import jagged_dense_bmm_triton, jagged_jagged_bmm_triton
-    from kernels._conversions_triton import jagged_to_padded_triton, padded_to_jagged_triton
-    from kernels._elementwise_triton import jagged_dense_elementwise_bwd_triton, jagged_dense_elementwise_fwd_triton
-    from kernels._softmax_triton import jagged_softmax_bwd_triton, jagged_softmax_fwd_triton
-
-    T, B, N = 64, 2, 32
-    m = dict(device="meta", dtype=dtype)
-    x, off = torch.empty(T, D, **m), torch.empty(B + 1, device="meta", dtype=torch.int64)
-    dense, w = torch.empty(B, N, D, **m), torch.empty(B, D, D, **m)
+    x, dense, w = torch.empty(T, D, **m), torch.empty(B, N, D, **m), torch.empty(B, D, D, **m)
     yield "softmax", lambda: (jagged_softmax_fwd_triton(x, off, N), jagged_softmax_bwd_triton(x, x, off, N))
     yield "conversions", lambda: (jagged_to_padded_triton(x, off, N, 0.0), padded_to_jagged_triton(dense, off, T))
     for is_mul in (False, True):
@@ -168,6 +152,13 @@ def _row_wise_workloads(dtype, D):
     yield "bmm", lambda: (jagged_dense_bmm_triton(x, off, w, N), jagged_jagged_bmm_triton(x, x, off, N))
     yield "bmm split-T", lambda: _forced("jagged_jagged_bmm", {"T_SPLITS": 4},
                                          lambda: jagged_jagged_bmm_triton(x, x, off, N))
+    lse2 = torch.empty(T, H, device="meta", dtype=torch.float32)
+    for block in (64, 48):
+        for causal in (False, True):
+            shards = S2Shards(block, 1, 4)
+            yield f"s2 block={block} causal={causal}", lambda c=causal, s=shards: (
+                s2_attention_fwd(q, k, v, off, N, s, c, 0.1),
+                s2_attention_bwd(q, q, k, v, q, lse2, off, N, s, c, 0.1))
 
 
 def main(argv=None) -> int:

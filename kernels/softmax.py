@@ -54,19 +54,13 @@ def _fwd_op(values: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backe
     return _FWD[backend](values, offsets, max_seq_len)
 
 
-@_fwd_op.register_fake
-def _(values, offsets, max_seq_len, backend):
-    return torch.empty_like(values, memory_format=torch.contiguous_format)
-
-
 @torch.library.custom_op("jagged::jagged_softmax_backward", mutates_args=())
 def _bwd_op(grad: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, backend: str) -> torch.Tensor:
     return _BWD[backend](grad, out, offsets, max_seq_len)
 
 
-@_bwd_op.register_fake
-def _(grad, out, offsets, max_seq_len, backend):
-    return torch.empty_like(out, memory_format=torch.contiguous_format)
+_fwd_op.register_fake(lambda values, *_: torch.empty_like(values, memory_format=torch.contiguous_format))
+_bwd_op.register_fake(lambda grad, out, *_: torch.empty_like(out, memory_format=torch.contiguous_format))
 
 
 class _Softmax(torch.autograd.Function):

@@ -13,7 +13,10 @@
 # with SPLIT_DQ as shipped into $OUT/bench and forced off into $OUT/nosplit: whether the Tq 1/16
 # fwd+bwd rows' 0.5 ms over the H100 run of 9940400 is host or kernel time, and SPLIT_DQ's share),
 # split_ab (the ops on the long suite, as shipped into $OUT/long and with jagged_jagged_bmm's
-# split-T forced to 4 chunks into $OUT/split, graph times too);
+# split-T forced to 4 chunks into $OUT/split, graph times too), table_ab (each kind of AB_KINDS,
+# default "dense_attention ops", on AB_SUITE, default paper: ours and varlen_attn with the launch
+# table into $OUT/table, then with the hand rules into $OUT/hand, CUDA-graph times too, and
+# `kernels.bench.compare` of the two into $OUT/compare-<kind>.md);
 # default all but tune_ops, graph_paper, bench_paper_hand, target_ab and split_ab. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
 # workers; 438 tests took 119 s with 16 on 2026-11-26 (TEST_WORKERS to change). GRAPH_MS=1:
@@ -72,6 +75,19 @@ if [[ $PARTS == *" split_ab "* ]]; then
     python3 -m kernels.bench ops --suite long --graph-ms --out "$OUT/$variant" --commit "$GIT_COMMIT" "${force[@]}" \
       --deadline-s "${AB_DEADLINE:-120}" >> "$log" 2>&1
     echo "bench split_ab $variant rc=$?" | tee -a "$log"
+  done
+fi
+if [[ $PARTS == *" table_ab "* ]]; then  # the launch table against the hand rules, kind by kind, on one machine
+  for kind in ${AB_KINDS:-dense_attention ops}; do
+    for variant in table hand; do
+      off=(); [ $variant = hand ] && off=(JFA_LAUNCH_TABLE=off)
+      env "${off[@]}" python3 -m kernels.bench "$kind" --suite "${AB_SUITE:-paper}" --providers varlen_attn --graph-ms \
+        --out "$OUT/$variant" --commit "$GIT_COMMIT" --deadline-s "${AB_DEADLINE:-120}" --no-report >> "$log" 2>&1
+      echo "bench table_ab $kind $variant rc=$?" | tee -a "$log"
+    done
+    base=$(ls -t "$OUT"/hand/*-"$kind"-*.json 2>/dev/null | head -1); new=$(ls -t "$OUT"/table/*-"$kind"-*.json 2>/dev/null | head -1)
+    [ -n "$base" ] && [ -n "$new" ] && python3 -m kernels.bench.compare "$base" "$new" --out "$OUT/compare-$kind.md" \
+      | grep -E "PASS|MISS|slower|geomean" | tee -a "$log"
   done
 fi
 if [[ $PARTS == *" bench_recsys_long "* ]]; then
