@@ -70,9 +70,8 @@ def series_groups(df: pl.DataFrame, series: list[str]) -> dict[str, pl.DataFrame
     return {"/".join(key): df.filter(pl.all_horizontal([pl.col(s) == v for s, v in zip(series, key)])) for key in keys}
 
 
-def _finish(fig, ax_or_axes, title: str, subtitle: str, path: Path) -> Path:
-    axes = ax_or_axes if isinstance(ax_or_axes, (list, tuple)) else [ax_or_axes]
-    for ax in axes:
+def _finish(fig, title: str, subtitle: str, path: Path) -> Path:
+    for ax in fig.axes:
         handles, labels = ax.get_legend_handles_labels()
         if handles and labels != [ONE_SERIES]:  # outside the axes: a legend never covers a point; none for one series
             ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
@@ -115,18 +114,18 @@ def _points(rows: pl.DataFrame, x: str, order: list[str], metric: str, seeds: st
 
 
 def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], metric: str, ylabel: str,
-              title: str, path: Path, extra=None, extra_ticks: tuple[float, ...] = (),
-              logy: bool = False, subtitle: str = "", seeds: str | None = None) -> Path | None:
+              title: str, path: Path, extra=None, extra_ticks: tuple[float, ...] = (), subtitle: str = "",
+              seeds: str | None = None) -> Path | None:
     """`metric` vs `x` per series (the `seeds` axis, if any, averaged: error bars from min to max).
     With the seeds axis as x, a line across seeds would mean nothing: see :func:`seed_spread_plot`."""
     if metric not in df.columns or df[metric].is_null().all():
         return None
+    series = [s for s in series if s != seeds]
     if seeds and x == seeds:
-        return seed_spread_plot(df, seeds, [s for s in series if s != seeds], metric, ylabel, title, path,
-                                subtitle)
+        return seed_spread_plot(df, seeds, series, metric, ylabel, title, path, subtitle)
     fig, ax = plt.subplots(figsize=(8, 4.6))
     style = _categories_first(ax, order)
-    for name, rows in series_groups(df, [s for s in series if s != seeds]).items():
+    for name, rows in series_groups(df, series).items():
         have, missing = _points(rows, x, order, metric, seeds)
         xs = _xs([h[0] for h in have], order)
         means = [h[1] for h in have]
@@ -141,10 +140,8 @@ def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], met
     if extra is not None:
         extra(ax)
     _style_x(ax, x, order, extra_ticks)
-    if logy:
-        ax.set_yscale("log")
     ax.set_ylabel(ylabel)
-    return _finish(fig, ax, title, subtitle, path)
+    return _finish(fig, title, subtitle, path)
 
 
 def seed_spread_plot(df: pl.DataFrame, seeds: str, series: list[str], metric: str, ylabel: str, title: str,
@@ -171,7 +168,7 @@ def seed_spread_plot(df: pl.DataFrame, seeds: str, series: list[str], metric: st
     ax.set_xlabel("/".join(series) or "runs")
     ax.set_ylabel(ylabel)
     ax.grid(True, axis="y", alpha=0.3)
-    return _finish(fig, ax, f"{title} over {seeds}", subtitle, path)
+    return _finish(fig, f"{title} over {seeds}", subtitle, path)
 
 
 def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], title: str, path: Path,
@@ -197,7 +194,7 @@ def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], tit
         ax.axhline(1.0, color="grey", lw=0.8)
         _style_x(ax, x, order)
         ax.set_ylabel(ylabel)
-    return _finish(fig, list(axes), title, subtitle, path)
+    return _finish(fig, title, subtitle, path)
 
 
 def oracle_ks(oracle: dict) -> list[int]:
@@ -260,4 +257,4 @@ def pareto_plot(df: pl.DataFrame, x: str, series: list[str], speed: str, path: P
     ax.set_xscale("log")
     ax.set_xlabel("training examples/s (steady steps, log scale)")
     ax.set_ylabel("test AUC")
-    return _finish(fig, ax, "Accuracy against speed", subtitle, path)
+    return _finish(fig, "Accuracy against speed", subtitle, path)

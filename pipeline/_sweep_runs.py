@@ -84,6 +84,12 @@ def child_runs(parent: Run) -> list[Run]:
     )
 
 
+def new_run(client: MlflowClient, experiment_ids: list[str], filter_string: str, known: set[str]) -> Run | None:
+    """The newest run matching `filter_string` that is not in `known`: the one a child process created."""
+    found = client.search_runs(experiment_ids, filter_string, order_by=["attributes.start_time DESC"])
+    return next((r for r in found if r.info.run_id not in known), None)
+
+
 def run_status(run: Run) -> str:
     return run.data.tags.get("status") or ("OK" if run.info.status == "FINISHED" else run.info.status)
 
@@ -111,17 +117,17 @@ def runs_frame(runs: list[Run], axes: list[str]) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=schema)
 
 
-def best_per_point(df: pl.DataFrame, key: str = "config_hash") -> pl.DataFrame:
-    """One row per `key`: a finished run if any, else an OOM record, else the newest attempt."""
+def grid_frame(parent: Run, hashes: list[str] | None) -> pl.DataFrame:
+    """One row per point of the parent's grid, in grid order (axes and labels in file order): its
+    finished run if any, else its OOM record, else its newest attempt; only the runs of the config
+    hashes `hashes` (None: every child)."""
+    axes = parent_axes(parent)
+    df = runs_frame(child_runs(parent), list(axes))
+    if hashes is not None:
+        df = df.filter(pl.col("config_hash").is_in(hashes))
     order = pl.col("status").replace_strict(_STATUS_ORDER, default=2, return_dtype=pl.Int64)
-    return (df.with_columns(_pref=order)
-              .sort(["_pref", "start_ms"], descending=[False, True])
-              .unique(subset=[key], keep="first", maintain_order=True)
-              .drop("_pref"))
-
-
-def sort_by_grid(df: pl.DataFrame, axes: dict[str, list[str]]) -> pl.DataFrame:
-    """Rows in grid order (axes in file order, values in file order)."""
+    df = (df.with_columns(_pref=order).sort(["_pref", "start_ms"], descending=[False, True])
+            .unique(subset=["config_hash"], keep="first", maintain_order=True).drop("_pref"))
     keys = [pl.col(axis).replace_strict({label: i for i, label in enumerate(labels)}, default=len(labels),
                                         return_dtype=pl.Int64)
             for axis, labels in axes.items() if axis in df.columns]
@@ -152,10 +158,14 @@ def summary_rows(df: pl.DataFrame, axes: list[str]) -> tuple[list[str], list[lis
     return header, rows
 
 
+def table_lines(header: list[str], rows) -> list[str]:
+    """A markdown table's lines, its cells as they are (:func:`markdown_table` escapes them)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(map(str, r)) + " |" for r in rows)]
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    esc = [[str(c).replace("|", "\\|") for c in r] for r in rows]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in esc])
+    return "\n".join(table_lines(header, [[str(c).replace("|", "\\|") for c in r] for r in rows]))
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> str:

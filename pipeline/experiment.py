@@ -160,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = extra
     args.data = args.data or f"data/{args.preset}"
     args.data_dir = str(Path(args.data).resolve())
-    return run(args, _preflight(args))
+    return run(args)
 
 
-def _preflight(args) -> dict:
+def run(args) -> int:
     if not (CONFIGS / f"{args.preset}.yaml").is_file():
         presets = sorted(f.stem for f in CONFIGS.glob("*.yaml") if f.stem not in ("base", *ATTENTIONS))
         raise ConfigError(f"no config for preset {args.preset!r} in {CONFIGS}; one of {presets}")
@@ -171,12 +171,8 @@ def _preflight(args) -> dict:
     if not meta_path.is_file():
         raise ConfigError(f"no data set at {args.data}: run `make data PRESET={args.preset}` first")
     check_tracking(tracking_uri())
-    return json.loads(meta_path.read_text())
-
-
-def run(args, meta: dict) -> int:
-    abl = main_ablation(args)
-    job = sweep.Sweep(abl, sweep.parse_args([str(MAIN), "--data", args.data_dir, "--new"]))
+    meta = json.loads(meta_path.read_text())
+    job = sweep.Sweep(main_ablation(args), sweep.parse_args([str(MAIN), "--data", args.data_dir, "--new"]))
     job.quiet, job.command = True, "python -m pipeline.experiment " + " ".join(sys.argv[1:])
     env = environment_tags()
     t_start = time.perf_counter()

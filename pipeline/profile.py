@@ -42,7 +42,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from kernels.runenv import device_name, device_slug, git_commit
 from models.config import ATTENTIONS
 from pipeline.cli import RankerCLI
-from pipeline.errors import ConfigError, command
+from pipeline._sweep_runs import fmt
+from pipeline.errors import command
 from pipeline.graphs import GraphedTrainStep, token_capacities
 from pipeline.module import autocast_dtype
 
@@ -54,30 +55,8 @@ _BACKWARD_SCOPE = 1  # at::RecordScope::BACKWARD_FUNCTION
 class _BuildCLI(RankerCLI):
     """The training CLI's parser and classes without a trainer or an MLflow run."""
 
-    def before_instantiate_classes(self) -> None:
-        threads = self.config.torch_num_threads
-        if threads is not None:
-            if threads <= 0:
-                raise ConfigError(f"torch_num_threads must be > 0, got {threads}")
-            torch.set_num_threads(threads)
-
     def instantiate_trainer(self, **kwargs):
         return None
-
-
-def first_batch(dm) -> dict:
-    """The first training batch of epoch 0, as the training loader yields it."""
-    dm.setup("fit")
-    return next(iter(dm.train_dataloader()))
-
-
-def autocast_for(precision, device: torch.device):
-    p = str(precision)
-    if p.startswith("bf16") and "mixed" in p:
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    if p.startswith("16") and "mixed" in p:
-        return torch.autocast(device.type, dtype=torch.float16)
-    return nullcontext()
 
 
 def _sync(device: torch.device) -> None:
@@ -175,15 +154,17 @@ def profile_layout(attention: str, configs: list[str], extra: list[str], steps: 
     accel = str(cfg.trainer.accelerator)
     device = torch.device("cuda" if torch.cuda.is_available() and accel in ("auto", "gpu", "cuda") else "cpu")
     key = (str(dm.data_dir), dm.batch_size, dm.max_seq_len, dm.seed)
-    if key not in batches:  # every layout reads the same batch
-        batches[key] = first_batch(dm)
+    if key not in batches:  # every layout reads the same batch: the first of epoch 0
+        dm.setup("fit")
+        batches[key] = next(iter(dm.train_dataloader()))
     batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batches[key].items()}
     module = module.to(device).train()
     if module.compile_model:  # record_function ranges do not survive torch.compile
         print(f"note: {attention}: model.compile_model is ignored; the eager step is profiled", file=sys.stderr)
         module.compile_model = False
     opt = module.configure_optimizers()
-    amp = autocast_for(cfg.trainer.precision, device)
+    dtype = autocast_dtype(cfg.trainer.precision)
+    amp = torch.autocast(device.type, dtype=dtype) if dtype else nullcontext()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -241,10 +222,6 @@ def profile_layout(attention: str, configs: list[str], extra: list[str], steps: 
     }
 
 
-def _f(x, spec: str = ".2f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def markdown(results: list[dict], args, extra: list[str]) -> str:
     try:
         import triton
@@ -254,6 +231,12 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
     r0 = results[0]
     cuda = r0["device"].startswith("cuda")
     unit = "GPU kernel time" if cuda else "CPU wall time"
+    columns = [("step ms", "step_ms"), ("back-to-back step ms", "chained_step_ms"), ("host ms", "host_ms"),
+               ("profiled step ms", "prof_step_ms"),
+               *([("GPU busy ms", "gpu_ms"), ("CUDA-graph step ms", "graph_step_ms")] if cuda else []),
+               ("attn fwd self ms", "attn_fwd_self_ms"), ("attn fwd target ms", "attn_fwd_target_ms"),
+               ("attn bwd ms", "attn_bwd_ms"), ("attn ms", "attn_ms"), ("attn share", "share"),
+               *([("peak GB", "peak_mem_gb")] if cuda else [])]
     lines = [
         "# One-step profile per attention layout: the share of attention in step time",
         "",
@@ -265,23 +248,10 @@ def markdown(results: list[dict], args, extra: list[str]) -> str:
         f"items (fill {r0['n_tokens'] / (r0['batch_size'] * r0['max_seq_len']):.2f}); precision {r0['precision'] if r0['precision'] != 'None' else '32 (default)'}; "
         f"{args.warmup} warm-up steps, {args.steps} timed and {args.steps} profiled steps on the same batch",
         "",
-        "| attention | step ms | back-to-back step ms | host ms | profiled step ms | "
-        + ("GPU busy ms | CUDA-graph step ms | " if cuda else "")
-        + "attn fwd self ms | attn fwd target ms | attn bwd ms | attn ms | attn share | "
-        + ("peak GB | " if cuda else ""),
-        "|---|---:|---:|---:|---:|" + ("---:|---:|" if cuda else "") + "---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""),
-    ]
-    for r in results:
-        row = [r["attention"], _f(r["step_ms"]), _f(r["chained_step_ms"]), _f(r["host_ms"]), _f(r["prof_step_ms"])]
-        if cuda:
-            row += [_f(r["gpu_ms"]), _f(r.get("graph_step_ms"))]
-        row += [_f(r["attn_fwd_self_ms"]), _f(r["attn_fwd_target_ms"]), _f(r["attn_bwd_ms"]), _f(r["attn_ms"]),
-                _f(r["share"], ".3f")]
-        if cuda:
-            row.append(_f(r["peak_mem_gb"]))
-        lines.append("| " + " | ".join(row) + " |")
-    lines[-len(results) - 2] = lines[-len(results) - 2].rstrip()
-    lines += [
+        "| attention | " + " | ".join(title for title, _ in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+        *("| " + " | ".join([r["attention"], *(fmt(r.get(key), ".3f" if key == "share" else ".2f")
+                                              for _, key in columns)]) + " |" for r in results),
         "",
         f"What was measured: step ms is the median wall time of a training step (forward, BCE loss, "
         f"backward, AdamW step; synchronised) without the profiler; back-to-back step ms is the mean "
@@ -334,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps({  # for pipeline.report's profile section
         "device": device_name(), "commit": git_commit(), "torch": torch.__version__, "configs": args.config,
-        "overrides": extra,
-        "results": results}, indent=1, default=str) + "\n")
+        "overrides": extra, "results": results}, indent=1, default=str) + "\n")
     print(f"written {out} and {out.with_suffix('.json').name}", file=sys.stderr)
     return 0
 

@@ -46,16 +46,6 @@ from pipeline.tracking import REPO_ROOT, check_tracking, tracking_uri
 THROUGHPUT = "perf/train_examples_per_s"
 
 
-def load_frame(parent: Run) -> tuple[pl.DataFrame, dict[str, list[str]]]:
-    """(one row per current grid point in grid order, axes -> labels)."""
-    axes = runs_.parent_axes(parent)
-    df = runs_.runs_frame(runs_.child_runs(parent), list(axes))
-    hashes = json.loads(parent.data.tags.get("sweep.hashes") or "[]")
-    if hashes:
-        df = df.filter(pl.col("config_hash").is_in(hashes))
-    return runs_.sort_by_grid(runs_.best_per_point(df), axes), axes
-
-
 def ratios(df: pl.DataFrame, axes: list[str], series: str, baseline: str, mem: str) -> dict[str, dict[str, list]]:
     """Baseline over each other series value, matched on every other axis: throughput and memory."""
     others = [a for a in axes if a != series]
@@ -188,13 +178,10 @@ def shared_device_note(df: pl.DataFrame) -> list[str]:
 def ratio_section(rat: dict[str, dict[str, list]], x: str) -> list[str]:
     if not any(r["x"] for r in rat.values()):  # only the baseline series ran (a --where subset): nothing to set against
         return []
-    lines = ["", "## Speed-up and memory saving of the baseline over the other series", "",
-             "| series | " + x + " | train ex/s ratio | peak memory ratio (other / baseline) | note |",
-             "|---|---|---|---|---|"]
-    for name, r in rat.items():
-        for xv, t, m, note in zip(r["x"], r["throughput"], r["memory"], r["note"]):
-            lines.append(f"| {name} | {xv} | {runs_.fmt(t, '.2f')}x | {runs_.fmt(m, '.2f')}x | {note} |")
-    return lines
+    rows = [[name, xv, f"{runs_.fmt(t, '.2f')}x", f"{runs_.fmt(m, '.2f')}x", note] for name, r in rat.items()
+            for xv, t, m, note in zip(r["x"], r["throughput"], r["memory"], r["note"])]
+    return ["", "## Speed-up and memory saving of the baseline over the other series", "",
+            *runs_.table_lines(["series", x, "train ex/s ratio", "peak memory ratio (other / baseline)", "note"], rows)]
 
 
 def oracle_of(client: MlflowClient, df: pl.DataFrame) -> dict | None:
@@ -236,12 +223,9 @@ def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (
     lines = ["", "## Test AUC against the oracle (the planted label model, meta.json)", "",
              f"Oracle: full history {oracle.get('auc', float('nan')):.4f}, no history "
              f"{oracle.get('auc_recent_0', float('nan')):.4f}.", "",
-             "| " + " | ".join([*series, x, "model test AUC", f"oracle AUC from the last {x} items"]) + " |",
-             "|" + "---|" * (len(series) + 3)]
-    for row in df.iter_rows(named=True):
-        lines.append("| " + " | ".join([*(str(row[s]) for s in series), str(row[x]),
-                                        runs_.fmt(row.get("test/auc"), ".4f"),
-                                        runs_.fmt(oracle_at(oracle, row[x]), ".4f")]) + " |")
+             *runs_.table_lines([*series, x, "model test AUC", f"oracle AUC from the last {x} items"],
+                                [[*(row[s] for s in series), row[x], runs_.fmt(row.get("test/auc"), ".4f"),
+                                  runs_.fmt(oracle_at(oracle, row[x]), ".4f")] for row in df.iter_rows(named=True)])]
     if any(_holds_longest(oracle, k) for k in df[x].to_list()):
         longest = oracle["longest_history"]
         lines += ["", f"The longest test history has {longest} items: from the last {longest} or more, the "
@@ -269,15 +253,12 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
             status = "missing" if b is None or o is None else f"{base} {b['status']}, {t['vs']} {o['status']}"
             lines.append(f"| {point} | - | - | NOT MEASURED ({status}) |")
             continue
-        checks = []
-        if "min_speedup" in t:
-            checks.append(("train ex/s ratio", _div(b.get(THROUGHPUT), o.get(THROUGHPUT)), ">=", t["min_speedup"], "x"))
-        if "max_memory_ratio" in t:
-            checks.append(("peak memory ratio", _div(b.get(mem), o.get(mem)), "<=", t["max_memory_ratio"], "x"))
-        if "max_auc_diff" in t:
-            diff = None if b.get("test/auc") is None or o.get("test/auc") is None else abs(b["test/auc"] - o["test/auc"])
-            checks.append(("test AUC absolute difference", diff, "<=", t["max_auc_diff"], ""))
-        for name, value, op, limit, unit in checks:
+        diff = None if b.get("test/auc") is None or o.get("test/auc") is None else abs(b["test/auc"] - o["test/auc"])
+        checks = [("min_speedup", "train ex/s ratio", _div(b.get(THROUGHPUT), o.get(THROUGHPUT)), ">=", "x"),
+                  ("max_memory_ratio", "peak memory ratio", _div(b.get(mem), o.get(mem)), "<=", "x"),
+                  ("max_auc_diff", "test AUC absolute difference", diff, "<=", "")]
+        for key, name, value, op, unit in (c for c in checks if c[0] in t):
+            limit = t[key]
             ok = value is not None and (value >= limit if op == ">=" else value <= limit)
             lines.append(f"| {point} | {name} {runs_.fmt(value, '.4f' if not unit else '.2f')}{unit} | "
                          f"{op} {limit}{unit} | {'PASS' if ok else 'MISS'} |")
@@ -346,16 +327,14 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
         return []
     ok = df.filter(pl.col("status") == "OK")
     keys = [a for a in series if a != seeds]
-    lines = ["", f"## Test AUC over seeds (`{seeds}`)", "",
-             "| " + " | ".join([*keys, "runs", "mean", "std", "min", "max"]) + " |", "|" + "---|" * (len(keys) + 5)]
+    rows = []
     for key in dict.fromkeys(tuple(r[k] for k in keys) for r in ok.iter_rows(named=True)):
         auc = ok.filter(pl.all_horizontal([pl.col(k) == v for k, v in zip(keys, key)]) if keys else pl.lit(True))["test/auc"]
         auc = auc.drop_nulls()
         std = auc.std() if auc.len() > 1 else None
-        lines.append("| " + " | ".join([*map(str, key), str(auc.len()), runs_.fmt(auc.mean(), ".4f"),
-                                        runs_.fmt(std, ".4f"), runs_.fmt(auc.min(), ".4f"),
-                                        runs_.fmt(auc.max(), ".4f")]) + " |")
-    return lines
+        rows.append([*key, auc.len(), *(runs_.fmt(v, ".4f") for v in (auc.mean(), std, auc.min(), auc.max()))])
+    return ["", f"## Test AUC over seeds (`{seeds}`)", "",
+            *runs_.table_lines([*keys, "runs", "mean", "std", "min", "max"], rows)]
 
 
 def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[str]:
@@ -388,9 +367,8 @@ def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str],
             f"run kept one, named by its optimizer step; Lightning logs a validation at its own batch count, "
             f"which can be one less; `-`: the final weights of a run that did not log it): {done} of {len(rows)} "
             f"runs did.", "",
-            "| " + " | ".join([*axes, "last interval (steps)", "val AUC (last checks)", "change", "tested at step",
-                               "verdict"]) + " |",
-            "|" + "---|" * (len(axes) + 5), *("| " + " | ".join(row) + " |" for row in rows)]
+            *runs_.table_lines([*axes, "last interval (steps)", "val AUC (last checks)", "change", "tested at step",
+                                "verdict"], rows)]
 
 
 def profile_section(out_root: Path, pattern: str | None) -> list[str]:
@@ -433,7 +411,8 @@ def profile_section(out_root: Path, pattern: str | None) -> list[str]:
 def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bool = True) -> Path:
     """Write report.md, runs.csv and the plots under out_root/<ablation>/; returns that folder."""
     client = MlflowClient(tracking_uri())
-    df, axes = load_frame(parent)
+    axes = runs_.parent_axes(parent)
+    df = runs_.grid_frame(parent, json.loads(parent.data.tags.get("sweep.hashes") or "[]") or None)
     if df.height == 0:
         raise ConfigError(f"parent run {parent.info.run_id} has no child runs of its current grid")
     spec = json.loads(parent.data.tags.get("sweep.report") or "{}")

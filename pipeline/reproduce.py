@@ -119,12 +119,10 @@ def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
     query = f"tags.reproduces = {runs_.quote(run_id)}"
     known = {r.info.run_id for r in client.search_runs(experiments, query)}
     rc, output, _ = _proc.stream(cmd, _proc.child_env({"reproduces": run_id}), None)
-    found = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()], query,
-                                           order_by=["attributes.start_time DESC"]) if r.info.run_id not in known]
-    if rc != 0 or not found or found[0].info.status != "FINISHED":
+    new = runs_.new_run(client, [e.experiment_id for e in client.search_experiments()], query, known)
+    if rc != 0 or new is None or new.info.status != "FINISHED":
         print(f"error: the rerun failed ({_proc.error_line(output)})", file=sys.stderr)
         return 1
-    new = found[0]
     rows, ok, worst = compare(run.data.metrics, new.data.metrics, rtol)
     print("\n" + runs_.text_table(["metric", "original", "reproduced", "rel. diff", ""], rows))
     print(f"original {run_id} ({run.data.tags.get('device')}), reproduction {new.info.run_id} "

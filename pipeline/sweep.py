@@ -211,14 +211,9 @@ class Sweep:
 
     def find_child(self, config_hash: str, known: set[str]) -> Run | None:
         """The run the child process created: the newest with this hash that was not there before."""
-        found = self.client.search_runs(
-            [self.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = {runs_.quote(self.parent.info.run_id)} and "
-                          f"tags.`sweep.config_hash` = {runs_.quote(config_hash)}",
-            order_by=["attributes.start_time DESC"],
-        )
-        fresh = [r for r in found if r.info.run_id not in known]
-        return fresh[0] if fresh else None
+        return runs_.new_run(self.client, [self.experiment_id],
+                             f"tags.mlflow.parentRunId = {runs_.quote(self.parent.info.run_id)} and "
+                             f"tags.`sweep.config_hash` = {runs_.quote(config_hash)}", known)
 
     def record(self, point: Point, config_hash: str, child: Run | None, status: str, output: str,
                error: str | None, wall_s: float | None, tags: dict[str, str] | None = None) -> str:
@@ -418,9 +413,7 @@ class Sweep:
     def summary(self, parent_id: str) -> tuple[list[str], list[list[str]]]:
         """Every point of the grid: its best run, or a row saying it has not run."""
         self.parent = self.client.get_run(parent_id)
-        df = runs_.runs_frame(runs_.child_runs(self.parent), self.abl.axes)
-        df = runs_.best_per_point(df.filter(df["config_hash"].is_in(list(self.hashes.values()))))
-        header, rows = runs_.summary_rows(runs_.sort_by_grid(df, runs_.parent_axes(self.parent)), self.abl.axes)
+        header, rows = runs_.summary_rows(runs_.grid_frame(self.parent, list(self.hashes.values())), self.abl.axes)
         by_point = {tuple(r[: len(self.abl.axes)]): r for r in rows}
         keys = [tuple(point.labels[a] for a in self.abl.axes) for point in self.abl.points]
         return header, [by_point.get(key) or [*key, "not run", *("-" for _ in header[len(key) + 1:])] for key in keys]
