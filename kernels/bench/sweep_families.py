@@ -14,7 +14,7 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
   Now (with softmax's tile-ladder rung SMALL_N 32 and streamed tile STREAM_N 64 / 256, and
   jagged_jagged_bmm's split-T, T_SPLITS 1 or 4, and dense_fwd's hand num_stages 2 beside the
-  3s, ``_with_hand_values``, in the space): small 55 shapes / 1,078 configs, medium 147 / 3,612.
+  3s, ``_with_hand_values``, in the space): small 55 shapes / 1,078 configs, medium 155 / 3,726.
 - ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
   ``FLAGS``: dense_bwd's SPLIT_DQ, both settings; jagged_jagged_bmm's T_SPLITS), with the
   combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
@@ -113,7 +113,9 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
         (4096, 0.1, 2, 64, 16), (4096, 0.25, 2, 64, 64),
         # long histories, where the kernel's key loop is long (pipelining: num_stages matters most)
         (2048, 0.5, 2, 64, 64), (4096, 0.5, 4, 128, 16), (2048, 0.1, 2, 64, 1), (8192, 0.25, 2, 64, 4),
-        (512, 0.25, 4, 128, 64)]],
+        (512, 0.25, 4, 128, 64),
+        # one head, as in three of the paper suite's target-attention shapes (two of them exactly)
+        (256, 0.3, 1, 64, 1), (1024, 0.25, 1, 64, 16), (4096, 0.1, 1, 128, 32), (512, 0.5, 1, 64, 4)]],
     "softmax": _SMALL["softmax"] + [SweepShape((1 << 20) // N, N, f, H) for N, f, H in [
         (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32),
         (1024, 0.25, 32), (4096, 0.5, 32), (512, 0.25, 64), (2048, 0.75, 128), (256, 0.1, 256)]],
