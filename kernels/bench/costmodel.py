@@ -360,11 +360,19 @@ def dense_grid(family: str, rows: list[dict]) -> list[dict]:
 
 
 def table_shape(family: str, shape: dict) -> dict:
-    """The features the launchers look up (kernels._launch_configs.FAMILIES) for a shape."""
-    from kernels._launch_configs import FAMILIES
+    """The features the launchers look up (kernels._launch_configs.FAMILIES) for a shape, with B, N
+    and the mean length L in the launchers' power-of-two buckets (``_launch_configs.bucket``): an
+    entry keyed by the exact L (78) is never the launchers' exact match (they ask for 64), and a
+    nearer predicted entry would win over it."""
+    from kernels._launch_configs import FAMILIES, p2
 
-    vals = dict(shape, L=max(1, round(shape["L"])), K=shape["D"], M=shape["D"], causal=0)
+    vals = dict(shape, B=p2(int(shape["B"])), N=p2(int(shape["N"])), L=p2(max(1, int(shape["L"]))),
+                K=shape["D"], M=shape["D"], causal=0)
     return {k: (vals[k] if k == "dtype" else int(vals[k])) for k in FAMILIES[family]}
+
+
+def _geomean(xs) -> float:
+    return float(math.exp(np.mean(np.log(list(xs)))))
 
 
 MIN_EXPORT_SHAPES = 3  # fewer swept shapes: the family keeps its hand rule (no entries at all)
@@ -383,11 +391,35 @@ def keeps_hand(hand_ms: float, other_ms: float, margin: float) -> bool:
     return hand_ms <= margin * other_ms
 
 
+def _measured_entry(family: str, shape: dict, group: list[list[dict]], hand_fn) -> dict:
+    """The entry of one table key from the swept shapes in its bucket (each a list of its rows):
+    the config with the least geometric-mean time over them (each time against its shape's best),
+    or 'hand' (each shape's own hand rule) where the hand configs' geometric mean is within
+    SWITCH_MEASURED of it. ms, best_ms, hand_ms: geometric means over the shapes."""
+    times = [{r["config_id"]: r["ms"] for r in rows} for rows in group]
+    best = [min(t.values()) for t in times]
+    common = set.intersection(*(set(t) for t in times))
+    score = {c: _geomean(t[c] / b for t, b in zip(times, best)) for c in common}
+    pick = min(score, key=score.get)
+    hand_ids = [config_id(hand_fn(family, shape_of(rows[0]))) for rows in group]
+    has_hand = all(h in t for h, t in zip(hand_ids, times))
+    hand_score = _geomean(t[h] / b for h, t, b in zip(hand_ids, times, best)) if has_hand else math.inf
+    keep = has_hand and keeps_hand(hand_score, score[pick], SWITCH_MEASURED)
+    chosen = hand_ids if keep else [pick] * len(group)
+    cfg = next(r["cfg"] for r in group[0] if r["config_id"] == chosen[0])
+    entry = {"family": family, "shape": shape, "config": cfg, "source": "hand" if keep else "measured",
+             "ms": round(_geomean(t[c] for t, c in zip(times, chosen)), 5), "best_ms": round(_geomean(best), 5),
+             "hand_ms": round(_geomean(t[h] for h, t in zip(hand_ids, times)), 5) if has_hand else None}
+    if len(group) > 1:
+        entry["swept_shapes"] = sorted(rows[0]["shape_id"] for rows in group)
+    return entry
+
+
 def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: bool = True,
                    hand_fn=hand_config) -> list[dict]:
-    """Measured best per swept shape ('measured', or 'hand' where the hand rule's config is within
-    SWITCH_MEASURED of it), then the model's pick for the dense grid's shapes that no swept shape
-    already covers ('predicted', or 'hand' within SWITCH_PREDICTED). A family swept on fewer than
+    """Measured best per table key of the swept shapes ('measured', or 'hand' where the hand rule's
+    config is within SWITCH_MEASURED of it; _measured_entry), then the model's pick for the dense
+    grid's shapes that no swept shape already covers ('predicted', or 'hand' within SWITCH_PREDICTED). A family swept on fewer than
     MIN_EXPORT_SHAPES shapes gets no entry: the table's nearest-entry fallback would hand one
     shape's best config to every shape of the family, where the hand rule is the safer guess."""
     entries, seen = [], set()
@@ -398,18 +430,14 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
             print(f"  {fam}: {len(shape_ids)} swept shape(s), under {MIN_EXPORT_SHAPES}: "
                   "not in the table (hand rule)", flush=True)
             continue
+        buckets: dict[str, list[list[dict]]] = {}  # swept shapes by the table key the launchers ask for
         for sid in shape_ids:
             on_shape = [r for r in ok if r["shape_id"] == sid]
-            best = min(on_shape, key=lambda r: r["ms"])
-            hand_id = config_id(hand_fn(fam, shape_of(best)))
-            hand = min((r for r in on_shape if r["config_id"] == hand_id), key=lambda r: r["ms"], default=None)
-            keep = hand is not None and keeps_hand(hand["ms"], best["ms"], SWITCH_MEASURED)
-            shape = table_shape(fam, _shape_dict(best))
-            entries.append({"family": fam, "shape": shape, "config": (hand if keep else best)["cfg"],
-                            "source": "hand" if keep else "measured", "ms": round((hand if keep else best)["ms"], 5),
-                            "best_ms": round(best["ms"], 5),
-                            "hand_ms": round(hand["ms"], 5) if hand is not None else None})
-            seen.add(json.dumps([fam, shape], sort_keys=True))
+            buckets.setdefault(json.dumps([fam, table_shape(fam, _shape_dict(on_shape[0]))], sort_keys=True),
+                               []).append(on_shape)
+        for k, group in buckets.items():
+            entries.append(_measured_entry(fam, json.loads(k)[1], group, hand_fn))
+            seen.add(k)
         if not unseen or fam not in models:
             continue
         todo = []  # (table shape, shape, candidates and last the hand rule's config)
