@@ -12,7 +12,7 @@ import os
 
 import torch
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _debug_checks = os.environ.get("JAGGED_DEBUG", "0") not in ("", "0", "false", "False")
 
 
@@ -72,7 +72,7 @@ def check_max_seq_len(max_seq_len: int, name: str = "max_seq_len") -> int:
 def check_float(t: torch.Tensor, name: str, ndim: int | tuple[int, ...] | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
     if ndim is not None:
         dims = (ndim,) if isinstance(ndim, int) else ndim

@@ -19,7 +19,7 @@ from kernels._attention_reference import dense_attention_reference_bwd
 from kernels._jagged_common import apply, autocast_cast, lazy, pick_backend, register_autocast
 from kernels._jagged_common import register_no_double_backward, run
 from kernels._validation import check_float, check_head_dim, check_max_seq_len, check_offsets, check_offsets_device
-from kernels._validation import _FLOAT_DTYPES, check_same, debug_checks_enabled
+from kernels._validation import FLOAT_DTYPES, check_same, debug_checks_enabled
 
 Tensor = torch.Tensor
 
@@ -99,14 +99,14 @@ def _inputs_ok(q, k, v, offsets, max_seq_len, bias) -> bool:
     anything else goes through the full checks and their messages."""
     try:
         B, Tq, H, D = q.shape
-        return (q.dtype in _FLOAT_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
+        return (q.dtype in FLOAT_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
                 and k.dim() == 3 and v.dim() == 3 and k.shape[1] == H and k.shape[2] == D
                 and v.shape == k.shape and H >= 1 and 16 <= D <= 256 and D % 8 == 0
                 and type(max_seq_len) is int and max_seq_len >= 0
                 and offsets.dim() == 1 and offsets.dtype in (torch.int64, torch.int32)
                 and offsets.shape[0] == B + 1 and offsets.is_cuda and not debug_checks_enabled()
                 and q.device == k.device == v.device == offsets.device
-                and (bias is None or (bias.dtype in _FLOAT_DTYPES and bias.device == q.device
+                and (bias is None or (bias.dtype in FLOAT_DTYPES and bias.device == q.device
                                       and bias.shape == (B, H, Tq, max_seq_len))))
     except (AttributeError, IndexError, TypeError, ValueError):
         return False

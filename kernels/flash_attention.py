@@ -24,7 +24,7 @@ from kernels._attention_reference import flash_attention_reference_bwd
 from kernels._jagged_common import apply, autocast_cast, lazy, pick_backend, register_autocast
 from kernels._jagged_common import register_no_double_backward, run
 from kernels._validation import check_float, check_head_dim, check_max_seq_len, check_offsets, check_offsets_device
-from kernels._validation import _FLOAT_DTYPES, check_same, debug_checks_enabled
+from kernels._validation import FLOAT_DTYPES, check_same, debug_checks_enabled
 from kernels.s2 import S2Shards, s2_attention_reference
 
 Tensor = torch.Tensor
@@ -98,7 +98,7 @@ def _inputs_ok(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: in
     for the common case; anything else goes through the full checks and their messages."""
     try:
         D = q.shape[2]
-        return (q.dim() == 3 and q.dtype in _FLOAT_DTYPES and k.dtype == q.dtype
+        return (q.dim() == 3 and q.dtype in FLOAT_DTYPES and k.dtype == q.dtype
                 and v.dtype == q.dtype and k.shape == q.shape and v.shape == q.shape
                 and q.shape[1] >= 1 and 16 <= D <= 256 and D % 8 == 0
                 and type(max_seq_len) is int and max_seq_len >= 0

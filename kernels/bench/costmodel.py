@@ -27,9 +27,9 @@ on small data, and its impurity importances come for free. GPPerf (the seed pape
 Evaluation splits by SHAPE: GroupKFold over whole shapes, so every held-out shape's configs are
 all unseen; by default one fold per shape (``--folds 0``, leave one shape out): each shape is
 judged by a model fitted on all the others, as the exported table's picks come from a model fitted
-on every swept shape (5 folds hold out 2-3 of a family's 10-16 shapes at once, often a shape's
-only neighbours; the report gives the 5-fold slowdown beside it). Reported per family: R^2 and the median / worst absolute error of log runtime
-(as a percentage, exp(|err|) - 1), and per held-out shape the slowdown (time / best measured
+on every swept shape (5 folds hold out 1-4 of a family's 8-20 shapes at once, often a shape's
+only neighbours; the report gives the 5-fold slowdown beside it). Reported per family: R^2 and
+the median / worst absolute error of log runtime (as a percentage, exp(|err|) - 1), and per held-out shape the slowdown (time / best measured
 time) of (a) the model's pick, (b) the hand rule (``sweep_families.hand_config``, the very
 function the launcher calls), (c) Triton autotune over ``sweep_families.AUTOTUNE`` (it finds the
 best of its candidates, at the cost of timing each: the sum of their compile + timing seconds).
@@ -202,7 +202,8 @@ def eval_family(family: str, rows: list[dict], folds: int = 0, seed: int = 0, ha
         return {"family": family, "n_shapes": len(shapes), "skipped": "fewer than 2 shapes"}
     groups = np.array([r["shape_id"] for r in rows])
     pred_rows, per_shape = [], []
-    for tr, te in GroupKFold(n_splits=min(folds, len(shapes)) if folds > 0 else len(shapes)).split(rows, groups=groups):
+    n_splits = min(folds, len(shapes)) if folds > 0 else len(shapes)
+    for tr, te in GroupKFold(n_splits=n_splits).split(rows, groups=groups):
         model = FamilyModel(family, [rows[i] for i in tr], seed)
         test = [rows[i] for i in te]
         ok = [r for r in test if r["status"] == "ok"]
@@ -419,8 +420,8 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
                    hand_fn=hand_config) -> list[dict]:
     """Measured best per table key of the swept shapes ('measured', or 'hand' where the hand rule's
     config is within SWITCH_MEASURED of it; _measured_entry), then the model's pick for the dense
-    grid's shapes that no swept shape already covers ('predicted', or 'hand' within SWITCH_PREDICTED). A family swept on fewer than
-    MIN_EXPORT_SHAPES shapes gets no entry: the table's nearest-entry fallback would hand one
+    grid's shapes that no swept shape already covers ('predicted', or 'hand' within
+    SWITCH_PREDICTED). A family swept on fewer than MIN_EXPORT_SHAPES shapes gets no entry: the table's nearest-entry fallback would hand one
     shape's best config to every shape of the family, where the hand rule is the safer guess."""
     entries, seen = [], set()
     for fam, rs in by_family(rows).items():

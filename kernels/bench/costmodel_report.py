@@ -135,10 +135,12 @@ def _energy_note(rows: list[dict]) -> str:
             f"energy per call from the board's energy counter over {least} of back-to-back calls.")
 
 
-def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None = None, k: int = 5) -> str:
-    """The report; `res` the evaluation the verdicts come from, `res_k` (optional) the same with
-    `k` folds, whose model slowdowns are shown beside."""
+def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None = None) -> str:
+    """The report; `res` the evaluation the verdicts come from, `res_k` (optional) another one
+    with other folds, whose model slowdowns are shown beside."""
     ok = sum(r["status"] == "ok" for r in rows)
+    first = next(iter(res.values()), {})
+    k = next(iter(res_k.values()))["folds"] if res_k else None
     lines = [f"# Launch-config cost model on {rows[0]['gpu']}", "", f"_{_stamp(rows)}_", "",
              f"Sweep: {len(rows)} rows ({ok} ok), {len({r['shape_id'] for r in rows})} shapes, grid "
              f"{rows[0].get('grid', '?')}. Model, per family, on log time (and log energy): a power law in the shape "
@@ -147,8 +149,7 @@ def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None =
              "(kernels/bench/costmodel.py says more). Evaluation: GroupKFold over whole shapes, "
              + ("one fold per shape (leave one shape out: each shape judged by a model fitted on all the others, "
                 "as the table's picks come from a model fitted on every swept shape)"
-                if next(iter(res.values()), {}).get("folds", 0) <= 0 else
-                f"{next(iter(res.values()))['folds']} folds")
+                if first.get("folds", 0) <= 0 else f"{first['folds']} folds")
              + (f"; column 'model, {k} folds': the model's slowdowns with {k} folds (2-3 of a family's shapes held "
                 "out at once)" if res_k else "") + ".", "",
              _energy_note(rows), "",
@@ -157,7 +158,7 @@ def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None =
              "'table' is what the exported launch table gives a shape it has not swept: the model's pick where "
              "the model predicts the hand rule's config more than "
              f"{round(100 * (SWITCH_PREDICTED - 1))}% slower, else the hand rule's. "
-             + ("Counted: every held-out shape." if next(iter(res.values()), {}).get("judge_on", "all") == "all" else
+             + ("Counted: every held-out shape." if first.get("judge_on", "all") == "all" else
                 "Counted (column 'judged'): for the families whose hand rules were retuned on the small grid's "
                 f"shapes ({', '.join(RETUNED_ON_SMALL)}), only the held-out shapes outside it; every shape still "
                 "trains the folds it is not held out of."), "",

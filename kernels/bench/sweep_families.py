@@ -7,10 +7,10 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
   (small's shapes and config space, softmax also with 64-column programs, and more shapes spread
   over the full grid's ranges: held-out shapes the model has neighbours for; on an H200 the whole
   medium grid took two calls of about 8 minutes, compile warm-up, kernel timing and 0.5 s energy
-  readings included) or ``full`` (every shape and a larger config space: several resumed calls). The S2 families (s2_fwd, s2_bwd: S2 attention in
-  the layout of kernels.bench.s2 and the s2 ablation, block 64, 4 local blocks, stride 8) add 4
-  shapes and 232 configs to small, 8 shapes and 464 configs to medium (not yet timed on a GPU).
-  Lengths are drawn as in the benchmark harness
+  readings included) or ``full`` (every shape and a larger config space: several resumed calls).
+  The S2 families (s2_fwd, s2_bwd: S2 attention in the layout of kernels.bench.s2 and the s2
+  ablation, block 64, 4 local blocks, stride 8) add 4 shapes and 232 configs to small, 8 shapes
+  and 464 configs to medium. Lengths are drawn as in the benchmark harness
   (``kernels.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
   Now (with softmax's tile-ladder rung SMALL_N 32 and streamed tile STREAM_N 64 / 256, and
   jagged_jagged_bmm's split-T, T_SPLITS 1 or 4, and dense_fwd's hand num_stages 2 beside the
