@@ -62,7 +62,7 @@ test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA devi
 
 GPU_CHECK_ARGS ?= --dtypes bf16,fp32 --dims 64,128
 gpu-check: setup ## compile every Triton kernel for sm_90 here, no GPU needed: errors, registers, spills (GPU_CHECK_ARGS)
-	env -u TRITON_INTERPRET $(PY) -m kernels.gpu_check --ptxas $(GPU_CHECK_ARGS)
+	env -u TRITON_INTERPRET $(PY) -m kernels.bench.gpu_check --ptxas $(GPU_CHECK_ARGS)
 
 data: setup ## generate the PRESET data set (tiny|small|paper|long|timeline_tiny|timeline) under data/PRESET if absent
 	@if [ -f $(DATA)/meta.json ]; then echo "$(DATA) exists (delete it to regenerate)"; \

@@ -243,7 +243,8 @@ def s2_tiles(dtype: torch.dtype, head_dim: int, block: int) -> tuple[dict, dict]
                 dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, num_warps=4, num_stages=1))
     bm = 64 if block % 64 == 0 else 32 if block % 32 == 0 else 16
     step = min(bm, 32 if head_dim <= 64 else 16)
-    warps = 4 if head_dim <= 64 or bm == 16 else 8  # 64-row tiles spill with 4 warps at D = 128 (gpu_check --ptxas)
+    # 64-row tiles spill with 4 warps at D = 128 (kernels.bench.gpu_check --ptxas)
+    warps = 4 if head_dim <= 64 or bm == 16 else 8
     return (dict(BLOCK_M=bm, BLOCK_N=step, num_warps=warps, num_stages=3),
             dict(BLOCK_M=bm, BLOCK_N=step, M_KV=step, N_KV=bm, num_warps=warps, num_stages=3))
 

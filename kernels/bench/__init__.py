@@ -8,5 +8,7 @@ the rows as JSON and regenerates ``experiments/results/kernels-<gpu>.md`` with t
 
 Modules: ``suites`` (shapes, lengths, FLOP formulas), ``layouts`` (inputs, padding,
 fp32 references), ``providers*`` (ours and the peers, each in its own layout), ``measure``
-(timing, memory, ceilings), ``runner`` (the loop), ``targets``, ``report``, ``plots``, ``stamp``.
+(timing, memory, ceilings), ``runner`` (the loop), ``targets``, ``report``, ``plots``, ``stamp``;
+``sweep`` and ``costmodel`` (launch configs); ``gpu_check`` (every kernel compiled for a GPU
+target, no GPU needed).
 """

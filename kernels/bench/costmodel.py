@@ -13,16 +13,22 @@ tile key, log2(L / tile) (tiles per sequence: where shape and config interact). 
 runtime (ms per call) and log energy (J per call, from the board's energy counter: rows with
 ``energy_src`` = counter; the sweep measures it for the configs near each shape's fastest).
 
-Model (``LogModel``): a least-squares power law in the shape for the scale of the runtime (it
-extrapolates to shapes outside the sweep, which a forest cannot), plus scikit-learn's
-RandomForestRegressor (200 trees, all features per split) on the residual: within one shape the
-power law is a constant, so the choice of config rests on the forest. Why a forest and not
-gradient boosting: a few hundred rows per family, strongly interacting features (a tile that
-wins at D=64 loses at D=128), and the picks must be safe on shapes never timed. A forest's
-prediction is an average of measured leaves, so it never extrapolates to a runtime below
-anything measured (boosting's additive corrections can, and such an optimistic error is exactly
-what makes a bad config look best); it needs no tuning of learning rate or depth to be decent
-on small data, and its impurity importances come for free. GPPerf (the seed paper on GEMM tile choice) used one too.
+Model (``LogModel``), per family, in two parts that answer two questions. How fast can this
+shape go: a least-squares power law in the shape features for the log of the shape's best
+measured time (it extrapolates the scale to shapes outside the sweep, which a forest cannot).
+Which config gets there: scikit-learn's RandomForestRegressor (200 trees, all features per split)
+on each row's log slowdown against its shape's best, log(ms / best ms). The pick rests on the
+forest alone (within one shape the power law is a constant), and the forest learns the quantity
+the pick needs, free of the shape-to-shape scale (a forest on the power law's residual spent its
+splits on the scale the power law misses: held out one shape at a time, its picks were up to
+1.12x slower on flash_bwd, 1.02x now). Why a forest and not gradient boosting: a few hundred rows
+per family, strongly interacting features (a tile that wins at D=64 loses at D=128), and the
+picks must be safe on shapes never timed. A forest's prediction is an average of measured
+leaves, so it never predicts a slowdown below anything measured (boosting's additive corrections
+can, and such an optimistic error is exactly what makes a bad config look best); it needs no
+tuning of learning rate or depth to be decent on small data, and its impurity importances come
+for free. GPPerf (the seed paper on GEMM tile choice) used one too. Energy: the same two parts
+on log J per call.
 
 Evaluation splits by SHAPE: GroupKFold over whole shapes, so every held-out shape's configs are
 all unseen; by default one fold per shape (``--folds 0``, leave one shape out): each shape is
@@ -98,9 +104,10 @@ N_SHAPE_FEATURES = len(SHAPE_COLS) + 2  # the leading columns of features(): sha
 
 
 class LogModel:
-    """log target = a power law in the shape (least squares on the log shape features: it
-    extrapolates the scale to shapes outside the sweep) + a random forest on the residual over
-    all features (the config effects; within one shape the picks depend on the forest only)."""
+    """log target = a power law in the shape for the log of the shape's best measured value
+    (least squares on the log shape features) + a random forest over all features for each
+    row's log ratio to that best (the config effects; within one shape the picks depend on the
+    forest only). `groups` names each row's shape."""
 
     def __init__(self, seed: int = 0):
         from sklearn.ensemble import RandomForestRegressor
@@ -110,9 +117,13 @@ class LogModel:
         self.forest = RandomForestRegressor(n_estimators=200, min_samples_leaf=1, max_features=1.0,
                                             random_state=seed, n_jobs=-1)
 
-    def fit(self, X: np.ndarray, y: np.ndarray) -> "LogModel":
-        self.lin.fit(X[:, :N_SHAPE_FEATURES], y)
-        self.forest.fit(X, y - self.lin.predict(X[:, :N_SHAPE_FEATURES]))
+    def fit(self, X: np.ndarray, y: np.ndarray, groups: list) -> "LogModel":
+        best: dict = {}
+        for g, v in zip(groups, y):
+            best[g] = min(best.get(g, math.inf), v)
+        y_best = np.array([best[g] for g in groups])
+        self.lin.fit(X[:, :N_SHAPE_FEATURES], y_best)
+        self.forest.fit(X, y - y_best)
         return self
 
     def predict(self, X: np.ndarray) -> np.ndarray:
@@ -121,10 +132,6 @@ class LogModel:
     @property
     def feature_importances_(self) -> np.ndarray:
         return self.forest.feature_importances_
-
-
-def _forest(seed: int = 0) -> LogModel:
-    return LogModel(seed)
 
 
 class FamilyModel:
@@ -136,12 +143,13 @@ class FamilyModel:
             raise ValueError(f"{family}: no ok rows to fit")
         self.family = family
         X = np.array([features(family, r, r["cfg"]) for r in ok])
-        self.time = _forest(seed).fit(X, np.log(np.array([r["ms"] for r in ok])))
+        self.time = LogModel(seed).fit(X, np.log(np.array([r["ms"] for r in ok])), [r["shape_id"] for r in ok])
         en = [r for r in ok if r.get("energy_j") is not None and math.isfinite(r["energy_j"]) and r["energy_j"] > 0]
         self.energy = None
         if len(en) >= 4:
             Xe = np.array([features(family, r, r["cfg"]) for r in en])
-            self.energy = _forest(seed).fit(Xe, np.log(np.array([r["energy_j"] for r in en])))
+            self.energy = LogModel(seed).fit(Xe, np.log(np.array([r["energy_j"] for r in en])),
+                                             [r["shape_id"] for r in en])
         self.configs = {config_id(r["cfg"]): r["cfg"] for r in ok}
         # a config that failed (out of resources, mismatch) at some D and dtype stays out there
         self.banned = {(r["D"], r["dtype"], config_id(r["cfg"])) for r in rows if r["status"] != "ok"}
@@ -466,7 +474,8 @@ def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None, ha
     r0 = rows[0]
     meta = {k: r0[k] for k in ("gpu", "gpu_slug", "torch", "triton", "cuda")}
     meta["commit"] = ", ".join(sorted({str(r["commit"]) for r in rows}))  # the sweep's rows may span commits
-    meta["model"] = "power law + RandomForestRegressor(200) residual on log ms, per family (kernels/bench/costmodel.py)"
+    meta["model"] = ("power law for the shape's best + RandomForestRegressor(200) on log(ms / best), per family "
+                     "(kernels/bench/costmodel.py)")
     path = Path(out.replace("<gpu>", r0["gpu_slug"])) if out else CONFIG_DIR / f"{r0['gpu_slug']}.json"
     entries = export_entries(rows, models, hand_fn=hand_fn)
     write_table(path, entries, meta)

@@ -144,8 +144,9 @@ def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None =
     lines = [f"# Launch-config cost model on {rows[0]['gpu']}", "", f"_{_stamp(rows)}_", "",
              f"Sweep: {len(rows)} rows ({ok} ok), {len({r['shape_id'] for r in rows})} shapes, grid "
              f"{rows[0].get('grid', '?')}. Model, per family, on log time (and log energy): a power law in the shape "
-             "for the scale plus a RandomForestRegressor (200 trees) on the residual, which alone ranks the configs "
-             "of a shape; a forest averages measured leaves, so it never ranks a config by an extrapolation "
+             "for the shape's best plus a RandomForestRegressor (200 trees) on each config's slowdown against it, "
+             "which alone ranks the configs of a shape; a forest averages measured leaves, so it never ranks a "
+             "config by an extrapolation "
              "(kernels/bench/costmodel.py says more). Evaluation: GroupKFold over whole shapes, "
              + ("one fold per shape (leave one shape out: each shape judged by a model fitted on all the others, "
                 "as the table's picks come from a model fitted on every swept shape)"

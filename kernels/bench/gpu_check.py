@@ -1,7 +1,7 @@
 """Compile every Triton kernel (attention: flash, dense, S2; the row-wise ops: softmax, conversions,
 elementwise, bmm) for a GPU target on any machine, no GPU needed.
 
-    python -m kernels.gpu_check [--arch 90] [--dtypes bf16,fp16,fp32] [--dims 16,48,...] [--ptxas]
+    python -m kernels.bench.gpu_check [--arch 90] [--dtypes bf16,fp16,fp32] [--dims 16,48,...] [--ptxas]
 
 The launchers are run on "meta" tensors with their kernels swapped for recorders, so exactly
 the configurations the launchers would launch (block sizes, warps, stages, constexprs) are then
