@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import polars as pl
 import pytest
 import torch
@@ -578,6 +579,32 @@ def test_costmodel_picks_the_best_config_on_held_out_shapes(capsys):
     saved = [x for x in ev["shapes"] if x["frugal_energy_j"] < 0.9 * x["fastest_energy_j"]]
     assert len(saved) >= 3 and all(x["frugal_ms"] <= 1.05 * x["best_ms"] for x in saved)
     assert any(x["model_frugal_energy_j"] < x["model_energy_j"] for x in saved)  # the model's frugal pick too
+
+
+def test_log_model_splits_a_shapes_best_from_each_configs_slowdown():
+    """LogModel: the power law fits each shape's best log time, the forest each row's log ratio to
+    it; the same config ranking on shapes 1000x apart in scale is learned once, not per scale."""
+    rng = np.random.default_rng(0)
+    shapes = [(b, n) for b in (1.0, 3.0, 5.0, 7.0, 9.0) for n in (2.0, 4.0, 6.0, 8.0)]
+    X, y, groups = [], [], []
+    for i, (b, n) in enumerate(shapes):
+        best = 0.7 * b + 0.5 * n  # log2-scale shape features -> log time of the best config
+        for tile in (4.0, 5.0, 6.0, 7.0):
+            slow = 0.3 * abs(tile - (5.0 if n < 5 else 6.0))  # tile 5 wins on short rows, 6 on long
+            X.append([b, n, *[0.0] * (costmodel.N_SHAPE_FEATURES - 2), tile])
+            y.append(best + slow + rng.normal(0, 0.01))
+            groups.append(i)
+    X, y = np.array(X), np.array(y)
+    m = costmodel.LogModel().fit(X, y, groups)
+    best_of = {g: min(v for v, h in zip(y, groups) if h == g) for g in set(groups)}
+    assert np.allclose(m.lin.predict(X[:, :costmodel.N_SHAPE_FEATURES]), [best_of[g] for g in groups], atol=0.05)
+    assert np.allclose(m.forest.predict(X), y - np.array([best_of[g] for g in groups]), atol=0.05)
+    # an unseen shape between the swept ones: its best tile, and its scale from the power law
+    for n, win in ((3.0, 5.0), (7.0, 6.0)):
+        q = np.array([[8.0, n, *[0.0] * (costmodel.N_SHAPE_FEATURES - 2), t] for t in (4.0, 5.0, 6.0, 7.0)])
+        p = m.predict(q)
+        assert q[int(np.argmin(p)), -1] == win
+        assert abs(p.min() - (0.7 * 8.0 + 0.5 * n)) < 0.1
 
 
 FIXED_HAND = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}  # best where L is near 64

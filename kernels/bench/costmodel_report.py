@@ -10,6 +10,7 @@ config of each family's first shape, with the fastest and the energy-aware pick 
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -39,8 +40,9 @@ def _stamp(rows: list[dict]) -> str:
 
 def _save(fig, path: Path, title: str, stamp: str) -> str:
     fig.suptitle(title, fontsize=11)
-    fig.text(0.5, 0.93, stamp, ha="center", fontsize=8, color="dimgray")
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    lines = textwrap.wrap(stamp, 120)  # a stamp naming several commits is wider than the figure
+    fig.text(0.5, 0.935, "\n".join(lines), ha="center", va="top", fontsize=8, color="dimgray")
+    fig.tight_layout(rect=(0, 0, 1, 0.92 - 0.03 * (len(lines) - 1)))
     return str(save_png(fig, path, dpi=110, metadata={"Title": title, "Description": stamp}, tight=False))
 
 
