@@ -319,6 +319,20 @@ def test_graph_timing_needs_cuda(capsys, monkeypatch):
     assert "--timing graph replays CUDA graphs" in capsys.readouterr().err
 
 
+def test_warm_up_worker_reports_each_calls_failure():
+    """A warm-up call that fails comes back with its error (the warm-up counts and prints them) and
+    does not stop the worker's other calls; a poisoned worker's calls are marked not run."""
+    from kernels.bench.sweep_families import grid, space
+
+    shapes = grid("flash_fwd", "tiny")
+    good = space("flash_fwd", shapes[0], "tiny")[0]
+    bad = dict(good, BLOCK_M=24)  # not a power of two: Triton refuses it
+    rows = [*sweep.warm_config(("flash_fwd", bad, shapes, "cpu", 0)),
+            *sweep.warm_config(("flash_fwd", good, shapes, "cpu", 0))]
+    assert [r[3] is None for r in rows] == [True, True, False, False]
+    assert all("power of 2" in r[4] for r in rows[:2]) and rows[2][4] == rows[3][4] == ""
+
+
 def test_sweep_rejects_a_negative_worker_count(capsys, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(SystemExit):
