@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -175,16 +176,28 @@ def end_run(status: str) -> None:
 
 def fail_active_run(status: str = "FAILED") -> str | None:
     """End the active run with `status` while handling another error: a tracking store that
-    fails now too is reported in one line, not raised over the error being handled."""
+    fails now too is reported in one line, not raised over the error being handled.
+
+    ``mlflow.end_run`` takes the run off the active stack before the store records its status,
+    so anything raised in between (a SIGTERM or SIGINT, a store error) left the run RUNNING with
+    nothing left to end it. Signals wait until the run is ended; a failed end is tried once more
+    by the run's id. The one-line report is dropped where stderr is gone (the parent that read it,
+    a sweep, was killed: that is how a fit gets its SIGTERM)."""
     run = mlflow.active_run()
     if run is None:
         return None
-    try:
-        end_run(status)
-    except (mlflow.exceptions.MlflowException, OSError) as err:
-        print(f"could not mark MLflow run {run.info.run_id} {status} at {shown(tracking_uri())}: "
-              f"{first_line(err)}", file=sys.stderr)
-    return run.info.run_id
+    run_id = run.info.run_id
+    with interrupts_deferred():
+        try:
+            end_run(status)
+        except Exception:  # noqa: BLE001 - whatever failed, the store still says RUNNING: once more by id
+            try:
+                MlflowClient(tracking_uri()).set_terminated(run_id, status)
+            except (mlflow.exceptions.MlflowException, OSError) as err:
+                with contextlib.suppress(OSError):
+                    print(f"could not mark MLflow run {run_id} {status} at {shown(tracking_uri())}: "
+                          f"{first_line(err)}", file=sys.stderr)
+    return run_id
 
 
 def logged_steps(run_id: str) -> dict[str, int]:

@@ -138,6 +138,47 @@ def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_fac
     assert {"report/report.md", "report/throughput.png", "report/memory.png"} <= report
 
 
+def test_a_run_whose_end_is_interrupted_is_still_ended(tmp_path, tmp_path_factory, monkeypatch):
+    """mlflow.end_run takes the run off its stack before the store records the status: a SIGTERM
+    (or a store error) in between left the run RUNNING with nothing left to end it."""
+    import signal
+
+    import mlflow
+
+    from pipeline.tracking import MLflowRun, fail_active_run
+
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    real_terminate = MlflowClient.set_terminated
+    calls = []
+
+    def signalled_then_failing(self, *args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:  # the first try: a SIGTERM arrives, then the store fails
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise mlflow.exceptions.MlflowException("database is locked")
+        return real_terminate(self, *args, **kwargs)
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stopped()
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        run_id = MLflowRun(experiment_name="end", system_metrics=False).start({"t": "1"})
+        monkeypatch.setattr(MlflowClient, "set_terminated", signalled_then_failing)
+        with pytest.raises(Stopped):  # the signal is raised again once the run is ended
+            fail_active_run("KILLED")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        monkeypatch.undo()
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+    assert len(calls) == 2 and MlflowClient(uri).get_run(run_id).info.status == "KILLED"
+
+
 def test_a_sigterm_while_the_run_starts_waits_until_the_run_can_be_ended(tmp_path, tmp_path_factory, monkeypatch):
     """A sweep killed while its fit starts the MLflow run: SIGTERM arriving after the store has
     the run and before it is the active one left it RUNNING for ever. It is now held back until

@@ -443,7 +443,10 @@ def test_a_sweep_killed_outright_takes_its_run_with_it(smoke, tmp_path):
     for p in alive:  # do not leave an orphan behind a failing test
         p.kill()
     assert not alive, "the training process outlived its sweep"
-    assert client.get_run(running[0].info.run_id).info.status == "KILLED"
+    run = client.get_run(running[0].info.run_id)
+    assert run.info.status == "KILLED", (  # where the fit was when it ended, should this fail
+        f"{len(run.data.params)} params, metrics {sorted(run.data.metrics)}, "
+        f"steps {[m.step for m in client.get_metric_history(run.info.run_id, 'train/loss')][-3:]}")
 
 
 def test_gpus_and_parallel_are_exclusive(capsys):
