@@ -141,9 +141,9 @@ def warm_config(task: tuple) -> list[tuple]:
     """In a warm-up worker: run one config of a family once on each of the given shapes (Triton
     compiles it, and its disk cache keeps it); [(family, shape_id, config_id, first call's wall s
     or None where it failed, the error or '')]. The worker hands its allocator's cached blocks
-    back after every call: a dozen workers each keeping the blocks of the largest shape it ran
-    filled an 80 GB card, and every later call of the warm-up failed (the first H100 sweep warmed
-    1,095 of 3,966 calls, none of softmax's; the H200's 141 GB had held them)."""
+    back after every call: the first H100 sweep warmed 1,095 of 3,966 calls, none of softmax's
+    (the H200's warmed all), most likely because a dozen workers each kept the blocks of the
+    largest shape it had run until the 80 GB card was full (not yet confirmed on a GPU)."""
     global _WORKER_POISONED
     family, cfg, shapes, device_name, seed = task
     device, out = torch.device(device_name), []
