@@ -3,12 +3,15 @@ the trainer's MLflow tags, the profile, the DDP reports and the kernel benchmark
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+import io
 import os
 import platform
 import re
 import subprocess
+import tokenize
 from pathlib import Path
 
 import torch
@@ -41,19 +44,48 @@ def files_digest(paths: list[Path], root: Path):
     return h
 
 
-@functools.lru_cache(maxsize=None)
-def kernel_code() -> str:
-    """12 hex digits of the kernels' own source files (kernels/*.py, not the bench) and the torch
-    and triton versions: what a kernel's timing depends on besides the GPU. Unlike a commit id it
-    ignores every other file and is the same on a machine without .git."""
-    h = files_digest(sorted((REPO_ROOT / "kernels").glob("*.py")), REPO_ROOT)
-    try:
-        import triton
+def code_text(source: str) -> str:
+    """Python source without its comments, docstrings, blank lines and trailing spaces: what runs.
+    Positions come from the tokenizer (comments) and the parse tree (docstrings), which agree
+    across Python versions, so two machines give one text for one code."""
+    lines = source.splitlines()
+    cut: list[tuple[int, int, int, int]] = []  # (first line, column, last line, end column), 1-based lines
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            cut.append((*tok.start, *tok.end))
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            d = body[0]
+            cut.append((d.lineno, d.col_offset, d.end_lineno, d.end_col_offset))
+    for l0, c0, l1, c1 in sorted(cut, reverse=True):  # from the end: earlier positions stay valid
+        head, tail = lines[l0 - 1][:c0], lines[l1 - 1][c1:]
+        lines[l0 - 1:l1] = [head + tail]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
 
-        h.update(f"triton {triton.__version__}".encode())
-    except ImportError:
-        pass
-    h.update(f"torch {torch.__version__}".encode())
+
+@functools.lru_cache(maxsize=None)
+def kernel_code(torch_version: str | None = None, triton_version: str | None = None) -> str:
+    """12 hex digits of the kernels' code (kernels/*.py but this module and the bench, as
+    `code_text`: comments and docstrings may change) and the torch and triton versions (default:
+    the installed ones): what a kernel's timing depends on besides the GPU. Unlike a commit id it
+    ignores every other file and is the same on a machine without .git."""
+    h = hashlib.sha256()
+    for path in sorted((REPO_ROOT / "kernels").glob("*.py")):
+        if path.name != "runenv.py":
+            h.update(f"{path.name}\n{code_text(path.read_text())}\n".encode())
+    if triton_version is None:
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = ""
+    if triton_version:
+        h.update(f"triton {triton_version}".encode())
+    h.update(f"torch {torch_version or torch.__version__}".encode())
     return h.hexdigest()[:12]
 
 

@@ -800,3 +800,17 @@ def test_rows_of_an_older_sweep_get_the_keys_added_since_as_their_kernel_ran():
     assert {r["family"] for r in rows} >= {"softmax_fwd", "jagged_jagged_bmm"}
     for r in rows:
         assert set(TUNABLE[r["family"]]) <= set(r["cfg"]), (r["family"], r["cfg"])
+
+
+def test_kernel_code_follows_the_code_not_its_comments_or_docstrings():
+    """A sweep's rows stay current through comment and docstring edits of kernels/, not through a
+    change of what runs (nor of torch or triton)."""
+    from kernels.runenv import code_text, kernel_code
+
+    src = 'def f(x):\n    """Doc."""\n    y = x + 1  # one\n\n    return y  # "#" in a comment\n'
+    edited = 'def f(x):\n    """Another doc,\n    two lines."""\n    # a new comment line\n    y = x + 1\n    return y\n'
+    assert code_text(src) == code_text(edited) == "def f(x):\n    y = x + 1\n    return y"
+    assert code_text(src) != code_text(src.replace("x + 1", "x + 2"))
+    assert code_text('s = "# not a comment"  # a comment\n') == 's = "# not a comment"'
+    assert len(kernel_code()) == 12 and kernel_code() == kernel_code()
+    assert kernel_code("2.11.0", "3.6.0") != kernel_code("2.12.0", "3.6.0") != kernel_code("2.12.0", "3.5.0")
