@@ -20,6 +20,8 @@
 # cores less 2, at most 12); ENERGY_S: seconds per energy reading (default 1); TIMING=graph|call
 # (default graph: the kernels alone); REP_MS: timing repetitions, ms (default 40). MODEL=0 stops after
 # the sweep (eval, report and export need no GPU: run them where the Parquet comes back).
+# EXPECT_KERNEL_CODE=<12 hex>: stop (exit 3) before sweeping unless kernels.runenv.kernel_code() is that
+# (the digest the resumed rows carry), rather than time them all again.
 # Where the machine returns few files per command, end with `bash experiments/gpu/pack.sh`. E.g.
 #   GIT_COMMIT=$(git rev-parse HEAD) bash experiments/gpu/costmodel.sh; bash experiments/gpu/pack.sh
 set -uo pipefail
@@ -28,6 +30,12 @@ export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 log=$OUT/run.log
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv,noheader | tee "$log"
 slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
+code=$(python3 -c "from kernels.runenv import kernel_code; print(kernel_code())")
+echo "kernel code $code" | tee -a "$log"
+if [ -n "${EXPECT_KERNEL_CODE:-}" ] && [ "$code" != "$EXPECT_KERNEL_CODE" ]; then
+  echo "kernel code $code, not EXPECT_KERNEL_CODE=$EXPECT_KERNEL_CODE: every resumed row would be timed again; stopping" | tee -a "$log"
+  exit 3
+fi
 data=$OUT/sweep-$slug.parquet
 # RESUME= (set, empty) starts afresh; unset, the committed Parquet of this GPU where there is one
 RESUME=${RESUME-$( [ -f "experiments/results/costmodel-sweep-$slug.parquet" ] && echo "experiments/results/costmodel-sweep-$slug.parquet")}
