@@ -150,7 +150,7 @@ def tuned(family: str, features: tuple, default: dict) -> dict:
                  for k, v in zip(FAMILIES[family], features)}
         entry = table.lookup(family, shape)  # type: ignore[union-attr]
         # an entry of source 'hand' says "the hand rule": this shape's own, not the config the rule
-        # gave the entry's shape (a nearest entry's Tq 16 query tile on a Tq 32 shape: 1.49x slower)
+        # gave the entry's shape (a nearest entry's Tq 16 query tile on a Tq 32 shape ran slower: TUNING.md)
         keep_rule = entry is None or entry.get("source") == "hand"
         cfg = _entries[key] = None if keep_rule else entry["config"]
     return default if cfg is None else _merge(default, cfg)
