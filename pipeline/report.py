@@ -288,9 +288,8 @@ def recovery_section(df: pl.DataFrame, x: str, spec: dict, mem: str, out: Path |
                      f"{runs_.fmt(cost, '.2f')}x | {runs_.fmt(memory, '.2f')}x | {'PASS' if ok else 'MISS'} |")
     if gain <= 0:
         lines += ["", f"No gain from `{rec['low']}` to `{rec['high']}` at this budget: no share to recover."]
-    encoder = out / "encoder.json" if out is not None else None
-    if encoder is not None and encoder.is_file():
-        e = json.loads(encoder.read_text())
+    if out is not None and (out / "encoder.json").is_file():
+        e = json.loads((out / "encoder.json").read_text())
         r = e["results"]
         lines += ["", f"Encoder ({e['device']}, commit {str(e['commit'])[:12]}): {e['impressions']:,} impressions of "
                   f"days 1-{e['days_trained']}, histories up to {e['config']['max_seq_len']} items; "

@@ -102,6 +102,8 @@ class Sweep:
         self.parent: Run | None = None
         self.hashes: dict[str, str] = {}  # point name -> config hash
         self.slots = device_slots(args.gpus)
+        self.parallel = len(self.slots) or max(1, args.parallel)  # runs at once
+        self.timeout_s = args.timeout or abl.timeout_s  # of one run
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(len(self.slots)):
             self._free.put(i)
@@ -258,10 +260,6 @@ class Sweep:
         self.record(point, config_hash, child, status, output, error, wall, tags)
         return status
 
-    @property
-    def timeout_s(self) -> float | None:
-        return self.args.timeout or self.abl.timeout_s
-
     # --- the whole grid --------------------------------------------------------------------
     def selected(self) -> list[Point]:
         points = self.abl.points
@@ -365,10 +363,6 @@ class Sweep:
         status = self.run_point(point, h)
         print(f"=== {point.name}: {status}", flush=True)
         return status
-
-    @property
-    def parallel(self) -> int:
-        return len(self.slots) or max(1, self.args.parallel)
 
     def finish(self, parent_id: str, results: dict[str, str]) -> int:
         for point in self.abl.points:  # the whole grid, so that the report sees it whatever --where said
