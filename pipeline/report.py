@@ -126,10 +126,8 @@ def plot_subtitle(parent: Run, df: pl.DataFrame, stop: str = "") -> str:
 
 
 def early_stopping_words(parent: Run) -> str:
-    """'until val/auc stops rising (at most 3 epochs)' where the ablation file's configs train
-    until an EarlyStopping callback ends the run (the accuracy ablations' budget); '' otherwise,
-    and where the file is gone. The file as it is now: the report's budget line says whether
-    its runs are of that budget (pipeline.summary)."""
+    """'until val/auc stops rising (at most 3 epochs)' where the ablation file's configs, as they are
+    now, end runs by an EarlyStopping callback (the accuracy ablations' budget); '' otherwise."""
     try:
         configs = _sweep_spec.read(REPO_ROOT / parent.data.tags.get("sweep.file", "")).get("configs") or []
     except ConfigError:

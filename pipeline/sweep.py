@@ -60,9 +60,8 @@ def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
 
 
 class Slot:
-    """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), the number of slots
-    sharing that GPU, and this slot's share of the CPU cores (taskset), so that concurrent runs
-    on different GPUs share neither a device nor a core."""
+    """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), how many slots share it,
+    and this slot's share of the CPU cores (taskset): runs on different GPUs share neither."""
 
     def __init__(self, gpu: str, sharing: int, cores: list[int]):
         self.gpu, self.sharing, self.cores = gpu, sharing, cores
