@@ -45,10 +45,8 @@ def quote(value: str) -> str:
 
 
 def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None = None) -> Run:
-    """A sweep's (or the main job's) parent run by id, or by name (the newest parent of that name).
-
-    A run id of anything else is refused with what to ask for instead: a child run names its
-    parent; a parent recorded before its grid was tagged says to rerun it."""
+    """A sweep's (or the main job's) parent run by id, or by name (the newest parent of that name);
+    the id of any other run is refused with what to ask for instead."""
     if _RUN_ID.match(ref):
         try:
             run = client.get_run(ref)

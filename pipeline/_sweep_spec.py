@@ -62,11 +62,8 @@ CODE_PACKAGES = ("data_gen", "kernels", "models", "pipeline")  # what a fit runs
 
 @functools.lru_cache(maxsize=None)
 def code_version(root: Path = REPO_ROOT) -> str:
-    """sha256 (16 hex digits) over the paths and bytes of the packages' Python files.
-
-    The code a point ran with: unlike a commit id it covers uncommitted edits, is the same on a
-    machine without .git, and does not change with documentation-only commits.
-    """
+    """sha256 (16 hex digits) over the paths and bytes of the packages' Python files: unlike a commit
+    id it covers uncommitted edits, is the same without .git and ignores documentation-only commits."""
     paths = [path for package in CODE_PACKAGES for path in sorted((root / package).rglob("*.py"))]
     return files_digest(paths, root).hexdigest()[:16]
 

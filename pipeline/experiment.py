@@ -3,21 +3,9 @@
     python -m pipeline.experiment --preset small --data data/small --attention dense sdpa jagged
     make experiment [PRESET=paper]                       # the same, after `make data`
 
-The runs are experiments/ablations/main.yaml (the grid over the attention layouts) with the preset's
-config and the given data, run by the sweep driver (:mod:`pipeline.sweep`): each layout trains
-in a fresh process (``python -m pipeline fit --config base.yaml --config <preset>.yaml
---model.ranker.attention <layout>``, so GPU memory statistics and caches never leak from one to
-the next) as a child of a new MLflow parent run. At the end: one comparison table on stdout, the
-same table as markdown in ``runs/main_<preset>_<cpu|cuda>.md`` (``--results-dir
-experiments/results`` updates the committed tables) and on the parent run with the comparison
-(:mod:`pipeline.comparison`), and where to find the runs in MLflow. Extra arguments after ``--``
-go to every ``pipeline fit`` as ``--key value`` pairs (e.g. ``-- --trainer.max_epochs 1``).
-
-The results file is named after the preset only for the preset's own data (``make data``:
-its config, seed 0); other data adds its directory name and digest
-(``main_<preset>_<dir>-<digest[:8]>_<device>.md``). A table whose layouts FINISHED is never
-replaced by one where some of them failed or did not run: that table goes beside it
-(``<name>.failed.md`` or ``<name>.partial.md``) and the kept one is named.
+experiments/ablations/main.yaml run by :mod:`pipeline.sweep` under a new parent run; extra
+arguments after ``--`` go to every ``pipeline fit`` (e.g. ``-- --trainer.max_epochs 1``).
+README.md ("The main job") describes the table, where it is written and when it is kept.
 """
 
 from __future__ import annotations
@@ -77,7 +65,8 @@ def table_rows(results: list[dict], cuda: bool) -> tuple[list[str], list[list[st
 
 
 def results_file(results_dir: str, preset: str, data_dir: str, meta: dict, accelerator: str) -> Path:
-    """Where the table goes: see the module docstring."""
+    """``<dir>/main_<preset>_<device>.md``; data other than the preset's own (its config, seed 0)
+    adds ``_<data dir name>-<digest[:8]>`` after the preset."""
     from data_gen.config import PRESETS, resolve_config
 
     have = meta.get("config") or {}

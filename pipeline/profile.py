@@ -1,24 +1,11 @@
 """``python -m pipeline.profile --config base.yaml --config <preset>.yaml [--attention ...] [--key value]``.
 
-A profile of training steps per attention layout: how much of a step is attention. For each layout it
-builds the ranker, its AdamW and one real training batch through the training CLI's own parser
-and classes (:class:`pipeline.cli.RankerCLI`, :class:`pipeline.module.RankerModule`,
-:class:`pipeline.data.RankerData`; no trainer, no MLflow run), runs ``--warmup`` steps
-(forward, backward, optimizer step: ``RankerModule.training_step``, under the config's autocast
-precision), times ``--steps`` steps without the profiler, then runs them again under
-``torch.profiler`` (CPU and, on a GPU, CUDA activities).
-
-What is measured:
-
-* attention forward: the ``attention/self`` and ``attention/target`` ``record_function`` ranges
-  of :class:`models.attention.Histories` (every self-attention layer and the target attention);
-* attention backward: the autograd nodes that the forward ops inside those ranges created,
-  linked by the profiler's own (``sequence_nr``, forward thread) pairs to their
-  ``autograd::engine::evaluate_function: ...`` events (the link torch uses for backward stacks);
-* on a GPU the time of an op is the GPU kernel time it launched; on CPU, its wall time;
-* the step time is the wall time of a profiled step (synchronised), and the share is
-  (attention forward + backward) / step time. The projections (qkv, out, target q/kv) are not
-  attention here: only the op that mixes the history (scores, mask, softmax, weighted sum).
+A profile of training steps per attention layout: how much of a step is attention. Each layout's
+ranker, AdamW and one real batch are built by the training CLI's parser (no trainer, no MLflow
+run); ``--warmup`` steps, then ``--steps`` timed steps and the same again under ``torch.profiler``.
+Attention is the time inside the ``attention/self`` and ``attention/target`` ``record_function``
+ranges (forward) plus the autograd nodes of their ops (backward): GPU kernel time on a GPU, wall
+time on CPU. README.md ("Ablations and reports") and the written file say more.
 
     python -m pipeline.profile --config experiments/configs/base.yaml \
         --config experiments/configs/paper.yaml --data.data_dir data/paper

@@ -3,19 +3,10 @@
     python -m pipeline.report --parent <run id or name> [--out experiments/results] [--commit SHA]
     make report PARENT=seq_len
 
-Reads the parent's children with ``mlflow.search_runs`` into polars (one row per grid point:
-its finished run, else its OOM record, else its latest attempt; runs of an older grid or
-budget are left out), then writes into ``<out>/<ablation>/``:
-
-- ``report.md``: device, versions, commit and data digest (from the runs' tags), the budget,
-  one row per point (status, test AUC/NE/log loss, examples/s, tokens/s, step time, peak
-  memory, wall time), the ratios of the baseline series (jagged) over every other series
-  (padded layouts) and, for history-length ablations, the oracle AUCs from meta.json;
-- ``runs.csv`` (every column of the frame) and the plots ``throughput.png``, ``memory.png``,
-  ``speedup.png`` (baseline over each other series) and ``auc.png`` (with the oracle lines);
-
-and logs the same files as artifacts of the parent run (``report/``). Peak memory is the
-training phase's ``torch.cuda.max_memory_allocated`` on CUDA and the process's peak RSS on CPU.
+One row per grid point (its finished run, else its OOM record, else its latest attempt; runs of
+an older grid or budget are left out) in ``<out>/<ablation>/report.md``, with ``runs.csv`` and
+the plots beside it, all logged to the parent run (``report/``); README.md ("Ablations and
+reports") lists what the report holds.
 """
 
 from __future__ import annotations
@@ -135,10 +126,8 @@ def plot_subtitle(parent: Run, df: pl.DataFrame, stop: str = "") -> str:
 
 
 def early_stopping_words(parent: Run) -> str:
-    """'until val/auc stops rising (at most 3 epochs)' where the ablation file's configs train
-    until an EarlyStopping callback ends the run (the accuracy ablations' budget); '' otherwise,
-    and where the file is gone. The file as it is now: the report's budget line says whether
-    its runs are of that budget (pipeline.summary)."""
+    """'until val/auc stops rising (at most 3 epochs)' where the ablation file's configs, as they are
+    now, end runs by an EarlyStopping callback (the accuracy ablations' budget); '' otherwise."""
     try:
         configs = _sweep_spec.read(REPO_ROOT / parent.data.tags.get("sweep.file", "")).get("configs") or []
     except ConfigError:
@@ -266,11 +255,9 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
 
 
 def recovery_section(df: pl.DataFrame, x: str, spec: dict, mem: str, out: Path | None = None) -> list[str]:
-    """report.recovery: how much of the AUC gain from point `low` to point `high` of axis x each
-    candidate recovers, (AUC(c) - AUC(low)) / (AUC(high) - AUC(low)), and at what online cost
-    relative to `high` (time per training example: ex/s(high) / ex/s(c); peak memory ratio).
-    PASS when the share is >= min_share and both cost ratios are < max_cost_ratio. The offline
-    encoder's own cost (encoder.json beside the report, from pipeline.user_embeddings) is quoted."""
+    """report.recovery: the share of the AUC gain from `low` to `high` (labels of axis x) that each
+    candidate recovers and its online cost, as the section says, and the offline encoder's cost
+    (encoder.json beside the report)."""
     rec = spec.get("recovery")
     if not rec:
         return []
@@ -299,9 +286,8 @@ def recovery_section(df: pl.DataFrame, x: str, spec: dict, mem: str, out: Path |
                      f"{runs_.fmt(cost, '.2f')}x | {runs_.fmt(memory, '.2f')}x | {'PASS' if ok else 'MISS'} |")
     if gain <= 0:
         lines += ["", f"No gain from `{rec['low']}` to `{rec['high']}` at this budget: no share to recover."]
-    encoder = out / "encoder.json" if out is not None else None
-    if encoder is not None and encoder.is_file():
-        e = json.loads(encoder.read_text())
+    if out is not None and (out / "encoder.json").is_file():
+        e = json.loads((out / "encoder.json").read_text())
         r = e["results"]
         lines += ["", f"Encoder ({e['device']}, commit {str(e['commit'])[:12]}): {e['impressions']:,} impressions of "
                   f"days 1-{e['days_trained']}, histories up to {e['config']['max_seq_len']} items; "
@@ -338,11 +324,8 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
 
 
 def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[str]:
-    """Validation AUC at each check of every finished run that validated more than once. A run has
-    converged when its last check did not raise the best validation AUC so far by more than tol:
-    flat (within tol of that best) or past its peak (below it by more than tol). Early stopping on
-    val/auc ends a run there, and where the checkpoint callback watches val/auc the best checkpoint
-    is the one tested (`test/weights_step`)."""
+    """Validation AUC at each check of every finished run that validated more than once, and
+    whether it converged (the rule: the section's text)."""
     ok = df.filter(pl.col("status") == "OK")
     rows = []
     for r in ok.iter_rows(named=True):

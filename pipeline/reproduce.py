@@ -3,17 +3,10 @@
     python -m pipeline.reproduce --run <run id> [--data DIR] [--rtol R]
     make reproduce RUN=<run id>
 
-The run's ``config.yaml`` artifact (the fully resolved config of ``pipeline fit``) is rerun in
-a fresh process as a new run (not a child of any sweep; tag ``reproduces=<run id>``) on the
-data directory it names (or ``--data``), after checking that the directory's meta.json digest
-is the run's ``data_digest`` tag: a different or missing data set is an error that says how to
-regenerate the original one. Quality metrics (``train/``, ``val/``, ``test/``: last values)
-are compared; speed and memory are printed beside them but never compared.
-
-Tolerance: on CPU the same config, seed and data give bit-identical metrics (``--rtol`` 0, the
-default there). On CUDA the default is ``--rtol 5e-3``: embedding-gradient scatter-adds and
-some kernels accumulate in a nondeterministic order, so floats drift by rounding from the first
-step; the largest relative difference is printed so the tolerance can be judged.
+The rerun is a new run tagged ``reproduces=<run id>``, on data whose meta.json digest must be the
+run's ``data_digest`` (README.md, "Ablations and reports"). Quality metrics (``train/``, ``val/``,
+``test/``) are compared, speed and memory only printed: exactly on CPU, within ``--rtol`` 5e-3 on
+CUDA (nondeterministic accumulation order; the largest relative difference is printed).
 Exit status: 0 when every compared metric matches, 1 when one does not, 2 for bad input.
 """
 

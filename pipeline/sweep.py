@@ -5,29 +5,12 @@
         [--deadline-s S] [--end-s S] [--timeout S] [--parallel N | --gpus 0,1] [--retry-oom] [--new]
     make experiment-seq_len [SWEEP_ARGS="--max-runs 3"]
 
-Every run is ``python -m pipeline fit --config <configs...> --<key> <value> ...`` in its own
-process (GPU memory statistics and caches never leak between runs), recorded in MLflow as a
-child of one parent run named after the ablation. A rerun finds that parent by name and
-skips the points whose child FINISHED with the same config hash (configs, overrides, data
-digest and the code: a hash of the packages' files); a point recorded as out of memory with
-the same hash is skipped too (it is a result; ``--retry-oom`` reruns it). Ctrl-C or SIGTERM
-(``timeout``, ``kill``) stop the run in flight (SIGINT to its process group; recorded KILLED,
-rerun on resume); a sweep killed outright takes its run with it (Linux: SIGTERM from the
-kernel). A run that fails is recorded (tag ``status``: OOM for a CUDA out of memory error,
-FAILED otherwise, KILLED past ``timeout_s``) and the sweep goes on. At the end a summary table
-is printed and logged to the parent (``summary.md``, ``summary.csv``); then ``python -m
-pipeline.report --parent <name>`` writes the tables and plots.
-
-One sweep of an ablation runs at a time (a lock per tracking store, experiment and name,
-held by the sweep and its runs); every point's arguments are checked by the fit's parser
-before any runs (``--dry-run`` marks the refused ones INVALID). Inside a bounded call,
-``--deadline-s`` starts no run after it and ``--end-s`` (when the caller will stop the sweep)
-starts no run that its earlier runs, of any code version, say cannot finish by then.
-
-The file format is described in :mod:`pipeline._sweep_spec` and at the top of every file in
-experiments/ablations/. Exit status: 0 when every point finished (or is a recorded OOM), 1
-when some failed or were not run, 2 for a bad ablation file (a point the fit refuses
-included), data set or tracking URI, or a sweep of the same ablation running already.
+Every run is ``python -m pipeline fit --config <configs...> --<key> <value> ...``, an MLflow child
+of one parent run named after the ablation. README.md ("Ablations and reports") describes resuming,
+the lock, and how failures and interruptions are recorded; :mod:`pipeline._sweep_spec` the file.
+Exit status: 0 when every point finished (or is a recorded OOM), 1 when some failed or were not
+run, 2 for a bad ablation file (a point the fit refuses included), data set or tracking URI, or a
+sweep of the same ablation running already.
 """
 
 from __future__ import annotations
@@ -77,9 +60,8 @@ def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
 
 
 class Slot:
-    """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), the number of slots
-    sharing that GPU, and this slot's share of the CPU cores (taskset), so that concurrent runs
-    on different GPUs share neither a device nor a core."""
+    """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), how many slots share it,
+    and this slot's share of the CPU cores (taskset): runs on different GPUs share neither."""
 
     def __init__(self, gpu: str, sharing: int, cores: list[int]):
         self.gpu, self.sharing, self.cores = gpu, sharing, cores
@@ -119,6 +101,8 @@ class Sweep:
         self.parent: Run | None = None
         self.hashes: dict[str, str] = {}  # point name -> config hash
         self.slots = device_slots(args.gpus)
+        self.parallel = len(self.slots) or max(1, args.parallel)  # runs at once
+        self.timeout_s = args.timeout or abl.timeout_s  # of one run
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(len(self.slots)):
             self._free.put(i)
@@ -275,10 +259,6 @@ class Sweep:
         self.record(point, config_hash, child, status, output, error, wall, tags)
         return status
 
-    @property
-    def timeout_s(self) -> float | None:
-        return self.args.timeout or self.abl.timeout_s
-
     # --- the whole grid --------------------------------------------------------------------
     def selected(self) -> list[Point]:
         points = self.abl.points
@@ -382,10 +362,6 @@ class Sweep:
         status = self.run_point(point, h)
         print(f"=== {point.name}: {status}", flush=True)
         return status
-
-    @property
-    def parallel(self) -> int:
-        return len(self.slots) or max(1, self.args.parallel)
 
     def finish(self, parent_id: str, results: dict[str, str]) -> int:
         for point in self.abl.points:  # the whole grid, so that the report sees it whatever --where said
