@@ -3,6 +3,7 @@ targets and the written report. No timing is asserted (benchmarks, not timed tes
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 
@@ -392,6 +393,11 @@ def test_compare_two_runs_of_ours(tmp_path, capsys):
         paths[name].write_text(json.dumps(d))
     assert compare.main([str(paths["base"]), str(paths["same"]), "--out", str(tmp_path / "c.md")]) == 0
     md = (tmp_path / "c.md").read_text()
+    # a gzipped result file (the committed pairs are) reads as the file itself
+    gz = tmp_path / "same.json.gz"
+    gz.write_bytes(gzip.compress(paths["same"].read_bytes()))
+    assert compare.main([str(paths["base"]), str(gz), "--out", str(tmp_path / "c-gz.md")]) == 0
+    assert (tmp_path / "c-gz.md").read_text() == md.replace("same.json", "same.json.gz")
     assert "launch table none (hand rules)" in md and "launch table x.json: 9 entries" in md
     assert "| 0 of 2 rows slower" in md and "(paper; 2 shapes timed in both) | base 1.500x, new 1.509x " \
         "(by the kernels' time: base -, new -) | PASS |" in md

@@ -2,6 +2,8 @@
 
     python -m kernels.bench.compare BASE.json NEW.json [--noise 0.05] [--out compare.md]
 
+(either file may be gzipped, BASE.json.gz: the committed pairs are, to keep the tree small)
+
 BASE and NEW are result files of ``python -m kernels.bench`` (e.g. one run with
 ``JFA_LAUNCH_TABLE=off``, the hand rules, and one with the table; each in its own --out folder,
 since a report folder keeps only the newest row of each shape). For every row that ours timed
@@ -24,6 +26,7 @@ are refused. Exit status 0 (printed PASS or MISS), 2 for unreadable or incompara
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -107,9 +110,10 @@ def _x(g: float | None) -> str:
 
 def _load(path: str) -> dict:
     try:
-        doc = json.loads(Path(path).read_text())
+        raw = Path(path).read_bytes()
+        doc = json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
         doc["rows"], doc["stamp"]  # noqa: B018 - a result file has both
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a kernels.bench result file ({type(exc).__name__}: {exc})") from None
     doc["_file"] = Path(path).name
     return doc
