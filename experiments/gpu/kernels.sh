@@ -16,7 +16,9 @@
 # split-T forced to 4 chunks into $OUT/split, graph times too), table_ab (each kind of AB_KINDS,
 # default "dense_attention ops", on AB_SUITE, default paper: ours and varlen_attn with the launch
 # table into $OUT/table, then with the hand rules into $OUT/hand, CUDA-graph times too, and
-# `kernels.bench.compare` of the two into $OUT/compare-<kind>.md);
+# `kernels.bench.compare` of the two into $OUT/compare-<kind>.md; AB_ORDER="hand table hand table"
+# alternates processes, the repeats into $OUT/hand-2, $OUT/table-2, ..., all compared together;
+# AB_MODES=fwd_bwd times that mode alone);
 # default all but tune_ops, graph_paper, bench_paper_hand, target_ab and split_ab. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
 # workers; 438 tests took 119 s with 16 on 2026-11-26 (TEST_WORKERS to change). GRAPH_MS=1:
@@ -79,13 +81,17 @@ if [[ $PARTS == *" split_ab "* ]]; then
 fi
 if [[ $PARTS == *" table_ab "* ]]; then  # the launch table against the hand rules, kind by kind, on one machine
   for kind in ${AB_KINDS:-dense_attention ops}; do
-    for variant in table hand; do
+    declare -A seen=()
+    for variant in ${AB_ORDER:-table hand}; do
+      seen[$variant]=$(( ${seen[$variant]:-0} + 1 )); dir=$OUT/$variant; [ "${seen[$variant]}" -gt 1 ] && dir=$dir-${seen[$variant]}
       off=(); [ $variant = hand ] && off=(JFA_LAUNCH_TABLE=off)
       env "${off[@]}" python3 -m kernels.bench "$kind" --suite "${AB_SUITE:-paper}" --providers varlen_attn --graph-ms \
-        --out "$OUT/$variant" --commit "$GIT_COMMIT" --deadline-s "${AB_DEADLINE:-120}" --no-report >> "$log" 2>&1
-      echo "bench table_ab $kind $variant rc=$?" | tee -a "$log"
+        ${AB_MODES:+--modes "$AB_MODES"} --out "$dir" --commit "$GIT_COMMIT" --deadline-s "${AB_DEADLINE:-120}" \
+        --no-report >> "$log" 2>&1
+      echo "bench table_ab $kind $variant ($dir) rc=$?" | tee -a "$log"
     done
-    base=$(ls -t "$OUT"/hand/*-"$kind"-*.json 2>/dev/null | head -1); new=$(ls -t "$OUT"/table/*-"$kind"-*.json 2>/dev/null | head -1)
+    runs() { ls "$OUT"/"$1"{,-*}/*-"$kind"-*.json 2>/dev/null | paste -sd, -; }
+    base=$(runs hand); new=$(runs table)
     [ -n "$base" ] && [ -n "$new" ] && python3 -m kernels.bench.compare "$base" "$new" --out "$OUT/compare-$kind.md" \
       | grep -E "PASS|MISS|slower|geomean" | tee -a "$log"
   done
