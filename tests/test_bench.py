@@ -425,6 +425,17 @@ def test_compare_two_runs_of_ours(tmp_path, capsys):
         r["kind"] = "ops"
     lines, ok = compare.compare(ops_only, ops_only, 0.05)
     assert ok and lines[-1].endswith("(-; 0 shapes timed in both) | base -, new - (by the kernels' time: base -, new -) | N/A |")
+    # several runs a side (comma-separated): each row's times are their median, every run's geomean is printed
+    paths["same2"] = tmp_path / "same2.json"
+    paths["same2"].write_text(json.dumps(doc([1.2, 1.9], [1.5, 3.0], "x.json: 9 entries")))
+    assert compare.main([str(paths["base"]), f"{paths['same']},{paths['same2']},{paths['same']}",
+                         "--out", str(tmp_path / "c3.md")]) == 0
+    md3 = (tmp_path / "c3.md").read_text()
+    assert "- new: 3 runs (same.json, same2.json, same.json)" in md3
+    assert "| attention | paper |  | S0 | fwd_bwd | 1 | 1.04 | 1.040 | - |" in md3  # median of 1.04, 1.2, 1.04
+    assert "Each run's geomean over varlen_attn by call: base 1.500x; new 1.509x, 1.405x, 1.509x" in md3
+    assert compare.main([str(paths["base"]), f"{paths['same']},{paths['base']}"]) == 2  # hand and table mixed
+    assert "must share their GPU and launch table" in capsys.readouterr().err
     other = json.loads(paths["same"].read_text())
     other["stamp"]["gpu_slug"] = "y"
     paths["same"].write_text(json.dumps(other))

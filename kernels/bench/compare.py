@@ -1,8 +1,15 @@
 """Two benchmark runs of ours side by side: did a change (a launch table, a kernel) slow any row?
 
     python -m kernels.bench.compare BASE.json NEW.json [--noise 0.05] [--out compare.md]
+    python -m kernels.bench.compare HAND1.json,HAND2.json TABLE1.json,TABLE2.json   # repeated runs
 
 (either file may be gzipped, BASE.json.gz: the committed pairs are, to keep the tree small)
+
+Either side may be several runs of the same code (comma-separated; alternate the processes,
+hand, table, hand, table): each row's time is then its median over them, and the geometric mean
+over ``varlen_attn`` of every run is printed beside the verdict, so its spread shows. A
+host-bound row's call time moves with the process (two H100 runs of the same code: 0.28 and
+0.49 ms), far more than within one.
 
 BASE and NEW are result files of ``python -m kernels.bench`` (e.g. one run with
 ``JFA_LAUNCH_TABLE=off``, the hand rules, and one with the table; each in its own --out folder,
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -49,6 +57,12 @@ def varlen_speedups(doc: dict, key: str = "ms") -> dict[tuple[str, str], float]:
     ('ms' the call, 'gpu_ms' the kernels: shapes without it left out)."""
     return {(r["suite"], r["shape_id"]): r[key] / o[key] for r, o in pairs(doc["rows"], "attention", "varlen_attn", "fwd_bwd")
             if o is not None and r.get(key) and o.get(key)}
+
+
+def _run_geomeans(doc: dict, shapes: set) -> str:
+    """Each run's geomean over varlen_attn by call on `shapes`, for a side of several runs."""
+    runs = doc.get("_runs", [doc])
+    return ", ".join(_x(geomean([s[k] for k in shapes if k in s])) for s in map(varlen_speedups, runs))
 
 
 def _common_geomeans(base: dict, new: dict, key: str) -> tuple[set, float | None, float | None]:
@@ -97,6 +111,9 @@ def compare(base: dict, new: dict, noise: float) -> tuple[list[str], bool]:
               f"{len(shapes)} shapes timed in both) | "
               f"base {_x(gb)}, new {_x(gn)} (by the kernels' time: base {_x(kb)}, new {_x(kn)}) | "
               f"{'N/A' if gb is None else 'PASS' if ok_varlen else 'MISS'} |"]
+    if gb is not None and ("_runs" in base or "_runs" in new):
+        lines += ["", f"Each run's geomean over varlen_attn by call: base {_run_geomeans(base, shapes)}; "
+                      f"new {_run_geomeans(new, shapes)} (rows above: medians over the runs)."]
     return lines, ok_rows and ok_varlen
 
 
@@ -119,18 +136,40 @@ def _load(path: str) -> dict:
     return doc
 
 
+def _load_runs(paths: str) -> dict:
+    """One result file, or several (comma-separated) merged: each row's times the median over them."""
+    docs = [_load(p) for p in paths.split(",") if p]
+    if len(docs) < 2:
+        return docs[0] if docs else _load(paths)
+    tables = {d["stamp"].get("launch_table") for d in docs}
+    if len({d["stamp"]["gpu_slug"] for d in docs}) > 1 or len(tables) > 1:
+        raise ValueError(f"{paths}: the runs of one side must share their GPU and launch table")
+    times: dict[tuple, dict] = {}
+    for d in docs:
+        for r in d["rows"]:
+            if r["status"] == "ok":
+                t = times.setdefault((*_key(r), r["provider"]), {"row": r, "ms": [], "gpu_ms": []})
+                t["ms"].append(r["ms"])
+                t["gpu_ms"] += [r["gpu_ms"]] if r.get("gpu_ms") else []
+    rows = [dict(t["row"], ms=statistics.median(t["ms"]),
+                 gpu_ms=statistics.median(t["gpu_ms"]) if len(t["gpu_ms"]) == len(t["ms"]) else None)
+            for t in times.values()]
+    return {"rows": rows, "stamp": docs[0]["stamp"], "_runs": docs,
+            "_file": f"{len(docs)} runs ({', '.join(d['_file'] for d in docs)})"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m kernels.bench.compare",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("base", help="the result file before the change")
-    p.add_argument("new", help="the result file after it")
+    p.add_argument("base", help="the result file before the change (or several, comma-separated)")
+    p.add_argument("new", help="the result file after it (or several, comma-separated)")
     p.add_argument("--noise", type=float, default=0.05, help="relative slowdown still counted as noise (0.05: 5%%)")
     p.add_argument("--out", default=None, help="also write the markdown here")
     args = p.parse_args(argv)
     if not 0 <= args.noise < 1:
         p.error("--noise must be in [0, 1)")
     try:
-        lines, _ = compare(_load(args.base), _load(args.new), args.noise)
+        lines, _ = compare(_load_runs(args.base), _load_runs(args.new), args.noise)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
