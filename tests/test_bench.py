@@ -431,7 +431,7 @@ def test_compare_two_runs_of_ours(tmp_path, capsys):
     assert compare.main([str(paths["base"]), f"{paths['same']},{paths['same2']},{paths['same']}",
                          "--out", str(tmp_path / "c3.md")]) == 0
     md3 = (tmp_path / "c3.md").read_text()
-    assert "- new: 3 runs (same.json, same2.json, same.json)" in md3
+    assert f"- new: 3 runs ({tmp_path.name}/same.json, {tmp_path.name}/same2.json, {tmp_path.name}/same.json)" in md3
     assert "| attention | paper |  | S0 | fwd_bwd | 1 | 1.04 | 1.040 | - |" in md3  # median of 1.04, 1.2, 1.04
     assert "Each run's geomean over varlen_attn by call: base 1.500x; new 1.509x, 1.405x, 1.509x" in md3
     assert compare.main([str(paths["base"]), f"{paths['same']},{paths['base']}"]) == 2  # hand and table mixed

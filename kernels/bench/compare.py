@@ -155,7 +155,15 @@ def _load_runs(paths: str) -> dict:
                  gpu_ms=statistics.median(t["gpu_ms"]) if len(t["gpu_ms"]) == len(t["ms"]) else None)
             for t in times.values()]
     return {"rows": rows, "stamp": docs[0]["stamp"], "_runs": docs,
-            "_file": f"{len(docs)} runs ({', '.join(d['_file'] for d in docs)})"}
+            "_file": f"{len(docs)} runs ({', '.join(_run_names(paths.split(',')))})"}
+
+
+def _run_names(paths: list[str]) -> list[str]:
+    """The files' names, or folder/name where names repeat (kernels.sh table_ab: hand/, hand-2/, ...)."""
+    names = [Path(p).name for p in paths if p]
+    if len(set(names)) == len(names):
+        return names
+    return [f"{Path(p).parent.name}/{Path(p).name}" for p in paths if p]
 
 
 def main(argv=None) -> int:
