@@ -422,6 +422,19 @@ def test_no_launch_key_value_is_carried_by_the_hand_config_alone():
     assert hand_stages != 3 and tiles(hand_stages) == tiles(3) and len(tiles(3)) > 1
 
 
+def test_every_autotune_candidate_is_swept():
+    """The autotune baseline is the best of its candidate list by the sweep's own times: every
+    candidate valid for a shape of the small or medium grid is in that shape's space."""
+    from kernels.bench.sweep_families import AUTOTUNE, grid, space, valid
+
+    for family, candidates in AUTOTUNE.items():
+        for level in ("small", "medium"):
+            for s in grid(family, level):
+                swept = space(family, s, level)
+                for c in candidates:
+                    assert not valid(family, c, s) or c in swept, (family, level, s.id, c)
+
+
 class _CountingMeter:
     """An energy counter that gains 0.5 J between two readings."""
 

@@ -12,7 +12,8 @@
 #   configs/<gpu>.json         the launch table (copy to kernels/configs/ to put it in use)
 # The sweep starts no new config after SWEEP_DEADLINE s (default 400) and is resumable: it goes on
 # from RESUME=<path>, by default the committed experiments/results/costmodel-sweep-<gpu>.parquet
-# where one exists for this GPU (commit the returned Parquet there). GRID=small|medium (default)|full.
+# where one exists for this GPU (commit the returned Parquet there); a RESUME it cannot read stops the
+# call (exit 2) rather than start afresh. GRID=small|medium (default)|full.
 # Shapes timed before the energy pass get their energy-counter readings when resumed.
 # FAMILIES=a,b sweeps only those kernel families (default all; e.g. the S2 ones alone:
 # FAMILIES=s2_fwd,s2_bwd). MLFLOW=1 also logs the sweep as an MLflow run (Parquet as artifact) into ./mlflow.db.
@@ -39,7 +40,11 @@ fi
 data=$OUT/sweep-$slug.parquet
 # RESUME= (set, empty) starts afresh; unset, the committed Parquet of this GPU where there is one
 RESUME=${RESUME-$( [ -f "experiments/results/costmodel-sweep-$slug.parquet" ] && echo "experiments/results/costmodel-sweep-$slug.parquet")}
-if [ -n "$RESUME" ]; then cp "$RESUME" "$data" && chmod u+w "$data" && echo "resuming from $RESUME" | tee -a "$log"; fi
+if [ -n "$RESUME" ]; then
+  # a RESUME that is not there must not start afresh: that re-times every committed row
+  cp "$RESUME" "$data" && chmod u+w "$data" || { echo "RESUME=$RESUME: cannot read it; stopping" | tee -a "$log"; exit 2; }
+  echo "resuming from $RESUME" | tee -a "$log"
+fi
 deadline=${SWEEP_DEADLINE:-400}
 timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-medium}" \
   --families "${FAMILIES:-all}" --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} \

@@ -309,22 +309,26 @@ def hand_config(family: str, s: SweepShape) -> dict:
     return {k: cfg[k] for k in TUNABLE[family]}
 
 
-AUTOTUNE = {  # a plausible @triton.autotune list per family (subsets of the small space)
+# a plausible @triton.autotune list per family, inside the small and medium sweeps' spaces, whose
+# times its verdict takes (2-stage configs, in the full space alone, left dense_bwd without one
+# and flash_bwd, dense_fwd and S2's backward with part of theirs; softmax's 512-row stream alike;
+# softmax's has the hand rule's 256-row tile too)
+AUTOTUNE = {
     "flash_fwd": _product(TUNABLE["flash_fwd"], [64, 128], [32, 64], [4, 8], [3]),
     "flash_bwd": [dict(zip(TUNABLE["flash_bwd"], v)) for v in
-                  [(64, 32, 64, 32, 4, 3), (64, 16, 64, 16, 4, 3), (128, 32, 128, 32, 8, 2), (32, 32, 32, 32, 4, 3)]],
-    "dense_fwd": _product(TUNABLE["dense_fwd"], [16, 64], [32, 64], [4, 8], [2]),
+                  [(64, 32, 64, 32, 4, 3), (64, 16, 64, 16, 4, 3), (128, 32, 128, 32, 8, 3), (32, 32, 32, 32, 4, 3)]],
+    "dense_fwd": _product(TUNABLE["dense_fwd"], [16, 64], [32, 64], [4, 8], [3]),
     "dense_bwd": [dict(zip(TUNABLE["dense_bwd"], (*v, sp))) for v, sp in itertools.product(  # both dQ schemes
-                  [(16, 64, 16, 64, 4, 2), (64, 64, 64, 64, 8, 2), (32, 32, 32, 32, 4, 3), (64, 32, 64, 32, 4, 2)],
+                  [(16, 64, 16, 64, 4, 3), (64, 64, 64, 64, 8, 3), (32, 64, 32, 64, 4, 3), (64, 32, 64, 32, 4, 3)],
                   [0, 1])],
-    "softmax_fwd": _product(TUNABLE["softmax_fwd"], [512, 1024], [128], [16], [4, 8], [512]),
-    "softmax_bwd": _product(TUNABLE["softmax_bwd"], [512, 1024], [128], [16], [4, 8], [512]),
+    "softmax_fwd": _product(TUNABLE["softmax_fwd"], [256, 512, 1024], [128], [16], [4, 8], [256]),
+    "softmax_bwd": _product(TUNABLE["softmax_bwd"], [256, 512, 1024], [128], [16], [4, 8], [256]),
     "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
     "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3], [1]),
     "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),
     "s2_fwd": _product(TUNABLE["s2_fwd"], [64, 128], [32, 64], [4, 8], [3]),
     "s2_bwd": [dict(zip(TUNABLE["s2_bwd"], v)) for v in
-               [(64, 32, 32, 64, 4, 3), (128, 32, 32, 128, 8, 3), (64, 16, 16, 64, 4, 3), (128, 64, 64, 64, 8, 2)]],
+               [(64, 32, 32, 64, 4, 3), (128, 32, 32, 128, 8, 3), (64, 16, 16, 64, 4, 3), (128, 64, 64, 64, 8, 3)]],
 }
 
 
