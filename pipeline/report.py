@@ -435,9 +435,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     if oracle:
         lines += oracle_section(df, x, oracle, series)
     made.append(plots.line_plot(df, x, order, series, "test/auc", "test AUC", "Test AUC", out / "auc.png",
-                                extra=plots.oracle_lines(oracle) if oracle else None,
-                                extra_ticks=tuple(plots.oracle_ks(oracle)) if oracle else (), subtitle=sub,
-                                seeds=seeds))
+                                oracle=oracle, subtitle=sub, seeds=seeds))
     if spec.get("pareto"):
         made.append(plots.pareto_plot(df, x, names, THROUGHPUT, out / "pareto.png", oracle, subtitle=sub))
     made = [p for p in made if p is not None]
