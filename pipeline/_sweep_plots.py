@@ -114,10 +114,10 @@ def _points(rows: pl.DataFrame, x: str, order: list[str], metric: str, seeds: st
 
 
 def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], metric: str, ylabel: str,
-              title: str, path: Path, extra=None, extra_ticks: tuple[float, ...] = (), subtitle: str = "",
+              title: str, path: Path, oracle: dict | None = None, subtitle: str = "",
               seeds: str | None = None) -> Path | None:
-    """`metric` vs `x` per series (the `seeds` axis, if any, averaged: error bars from min to max).
-    With the seeds axis as x, a line across seeds would mean nothing: see :func:`seed_spread_plot`."""
+    """`metric` vs `x` per series (the `seeds` axis, if any, averaged: error bars from min to max) and
+    `oracle`'s lines. With the seeds axis as x, a line across seeds means nothing: :func:`seed_spread_plot`."""
     if metric not in df.columns or df[metric].is_null().all():
         return None
     series = [s for s in series if s != seeds]
@@ -137,9 +137,9 @@ def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], met
         else:
             (line,) = ax.plot(xs, means, marker="o", label=name, **style)
         _mark_missing(ax, _xs([m[0] for m in missing], order), [m[1] for m in missing], line.get_color(), name)
-    if extra is not None:
-        extra(ax)
-    _style_x(ax, x, order, extra_ticks)
+    if oracle:
+        oracle_lines(ax, oracle)
+    _style_x(ax, x, order, tuple(oracle_ks(oracle)) if oracle else ())
     ax.set_ylabel(ylabel)
     return _finish(fig, title, subtitle, path)
 
@@ -187,8 +187,7 @@ def ratio_plot(ratios: dict[str, dict[str, list]], x: str, order: list[str], tit
             pts = [(xv, yv) for xv, yv in zip(r["x"], r[key]) if yv is not None]
             (line,) = ax.plot(_xs([p[0] for p in pts], order), [p[1] for p in pts], marker="o", label=f"vs {other}",
                               **style)
-            gaps = [(xv, note or "NOT RUN") for xv, yv, note in zip(r["x"], r[key], r.get("note", [""] * len(r["x"])))
-                    if yv is None]
+            gaps = [(xv, note or "NOT RUN") for xv, yv, note in zip(r["x"], r[key], r["note"]) if yv is None]
             gaps += [(xv, "NOT RUN") for xv in order if xv not in r["x"]]
             _mark_missing(ax, _xs([g[0] for g in gaps], order), [g[1] for g in gaps], line.get_color(), f"vs {other}")
         ax.axhline(1.0, color="grey", lw=0.8)
@@ -202,19 +201,17 @@ def oracle_ks(oracle: dict) -> list[int]:
     return sorted(k for k in (int(key.rsplit("_", 1)[1]) for key in oracle if key.startswith("auc_recent_")) if k > 0)
 
 
-def oracle_lines(oracle: dict):
-    """An `extra` for line_plot: the planted model's AUC, and its AUC from the last k items."""
-    def draw(ax) -> None:
-        pos = oracle_ks(oracle)
-        if pos:
-            ax.plot(pos, [oracle[f"auc_recent_{k}"] for k in pos], ls="--", marker="s", color="black",
-                    label="oracle from the last k items (meta.json)")
-        if "auc" in oracle:
-            ax.axhline(oracle["auc"], color="black", lw=1, label=f"oracle, full history ({oracle['auc']:.4f})")
-        if "auc_recent_0" in oracle:
-            ax.axhline(oracle["auc_recent_0"], color="grey", lw=1, ls=":",
-                       label=f"oracle, no history ({oracle['auc_recent_0']:.4f})")
-    return draw
+def oracle_lines(ax, oracle: dict) -> None:
+    """The planted model's AUC, and its AUC from the last k items."""
+    pos = oracle_ks(oracle)
+    if pos:
+        ax.plot(pos, [oracle[f"auc_recent_{k}"] for k in pos], ls="--", marker="s", color="black",
+                label="oracle from the last k items (meta.json)")
+    if "auc" in oracle:
+        ax.axhline(oracle["auc"], color="black", lw=1, label=f"oracle, full history ({oracle['auc']:.4f})")
+    if "auc_recent_0" in oracle:
+        ax.axhline(oracle["auc_recent_0"], color="grey", lw=1, ls=":",
+                   label=f"oracle, no history ({oracle['auc_recent_0']:.4f})")
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:

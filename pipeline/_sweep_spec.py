@@ -299,7 +299,7 @@ def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | Non
     return Ablation(
         name=str(raw["name"]), path=path.resolve(), description=str(raw.get("description", "")),
         experiment=str(raw.get("experiment", DEFAULT_EXPERIMENT)), configs=configs,
-        timeout_s=raw.get("timeout_s"), report=report, axes=[a for a, _ in axes], points=points, raw=raw,
+        timeout_s=raw.get("timeout_s"), report=report, axes=names, points=points, raw=raw,
     )
 
 

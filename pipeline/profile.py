@@ -187,19 +187,16 @@ def profile_layout(attention: str, configs: list[str], extra: list[str], steps: 
               file=sys.stderr)
     step_us = sum(times["step_wall"]) / max(len(times["step_wall"]), 1)
     attn_us = (times["fwd_self"] + times["fwd_target"] + times["bwd"]) / steps
-    gpu_us = None
-    if cuda:
-        gpu_us = sum(  # every kernel, memcpy and memset once (the device-side events)
-            e.self_device_time_total for e in events
-            if e.device_type.name != "CPU" and not getattr(e, "is_user_annotation", False)
-        ) / steps
+    gpu_ms = sum(  # every kernel, memcpy and memset once (the device-side events)
+        e.self_device_time_total for e in events
+        if e.device_type.name != "CPU" and not getattr(e, "is_user_annotation", False)
+    ) / steps / 1e3 if cuda else None
     return {
         "attention": attention, "device": str(device), "precision": str(cfg.trainer.precision),
         "batch_size": dm.batch_size, "max_seq_len": dm.max_seq_len, "n_tokens": int(batch["n_tokens"]),
         "step_ms": 1e3 * sorted(plain)[len(plain) // 2], "prof_step_ms": step_us / 1e3,
         "chained_step_ms": 1e3 * chained_s, "host_ms": 1e3 * sorted(launch)[len(launch) // 2],
-        "graph_step_ms": graph_ms,
-        "gpu_ms": None if gpu_us is None else gpu_us / 1e3,
+        "graph_step_ms": graph_ms, "gpu_ms": gpu_ms,
         "attn_fwd_self_ms": times["fwd_self"] / steps / 1e3, "attn_fwd_target_ms": times["fwd_target"] / steps / 1e3,
         "attn_bwd_ms": times["bwd"] / steps / 1e3, "attn_ms": attn_us / 1e3,
         "share": attn_us / step_us if step_us > 0 else float("nan"),

@@ -315,8 +315,8 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
     keys = [a for a in series if a != seeds]
     rows = []
     for key in dict.fromkeys(tuple(r[k] for k in keys) for r in ok.iter_rows(named=True)):
-        auc = ok.filter(pl.all_horizontal([pl.col(k) == v for k, v in zip(keys, key)]) if keys else pl.lit(True))["test/auc"]
-        auc = auc.drop_nulls()
+        match = pl.all_horizontal([pl.col(k) == v for k, v in zip(keys, key)]) if keys else pl.lit(True)
+        auc = ok.filter(match)["test/auc"].drop_nulls()
         std = auc.std() if auc.len() > 1 else None
         rows.append([*key, auc.len(), *(runs_.fmt(v, ".4f") for v in (auc.mean(), std, auc.min(), auc.max()))])
     return ["", f"## Test AUC over seeds (`{seeds}`)", "",
@@ -376,18 +376,16 @@ def profile_section(out_root: Path, pattern: str | None) -> list[str]:
                      f"{runs_.fmt(r.get('gpu_ms'), '.2f')} | {r['attn_ms']:.2f} | "
                      f"{r['prof_step_ms'] - r['attn_ms']:.2f} | {r['share']:.3f} |")
     by = {r["attention"]: r for r in rows}
-    if "jagged" in by:
-        j = by["jagged"]
-        for other in (b for b in by if b != "jagged"):
-            o = by[other]
-            lines.append(
-                f"\n- {other} -> jagged: the profiled step goes from {o['prof_step_ms']:.2f} to {j['prof_step_ms']:.2f} ms "
-                f"({_div(o['prof_step_ms'], j['prof_step_ms']):.2f}x); attention from {o['attn_ms']:.2f} to "
-                f"{j['attn_ms']:.2f} ms, the rest of the step (embeddings, projections and FFN on "
-                f"padded rows for {other}, on real rows for jagged; interaction, MLP, optimizer) from "
-                f"{o['prof_step_ms'] - o['attn_ms']:.2f} to {j['prof_step_ms'] - j['attn_ms']:.2f} ms. With attention "
-                f"free, the step could at best be {_div(o['prof_step_ms'], j['prof_step_ms'] - j['attn_ms']):.2f}x "
-                f"faster than {other}'s.")
+    j = by.pop("jagged", None)
+    for other, o in (by.items() if j else []):
+        lines.append(
+            f"\n- {other} -> jagged: the profiled step goes from {o['prof_step_ms']:.2f} to "
+            f"{j['prof_step_ms']:.2f} ms ({_div(o['prof_step_ms'], j['prof_step_ms']):.2f}x); attention from "
+            f"{o['attn_ms']:.2f} to {j['attn_ms']:.2f} ms, the rest of the step (embeddings, projections and FFN on "
+            f"padded rows for {other}, on real rows for jagged; interaction, MLP, optimizer) from "
+            f"{o['prof_step_ms'] - o['attn_ms']:.2f} to {j['prof_step_ms'] - j['attn_ms']:.2f} ms. With attention "
+            f"free, the step could at best be {_div(o['prof_step_ms'], j['prof_step_ms'] - j['attn_ms']):.2f}x "
+            f"faster than {other}'s.")
     return lines
 
 
@@ -435,9 +433,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     if oracle:
         lines += oracle_section(df, x, oracle, series)
     made.append(plots.line_plot(df, x, order, series, "test/auc", "test AUC", "Test AUC", out / "auc.png",
-                                extra=plots.oracle_lines(oracle) if oracle else None,
-                                extra_ticks=tuple(plots.oracle_ks(oracle)) if oracle else (), subtitle=sub,
-                                seeds=seeds))
+                                oracle=oracle, subtitle=sub, seeds=seeds))
     if spec.get("pareto"):
         made.append(plots.pareto_plot(df, x, names, THROUGHPUT, out / "pareto.png", oracle, subtitle=sub))
     made = [p for p in made if p is not None]

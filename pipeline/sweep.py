@@ -103,9 +103,9 @@ class Sweep:
         self.slots = device_slots(args.gpus)
         self.parallel = len(self.slots) or max(1, args.parallel)  # runs at once
         self.timeout_s = args.timeout or abl.timeout_s  # of one run
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(len(self.slots)):
-            self._free.put(i)
+        self._free: queue.Queue[Slot] = queue.Queue()  # the slots no run holds
+        for slot in self.slots:
+            self._free.put(slot)
 
     # --- the parent ------------------------------------------------------------------------
     def existing_parent(self) -> Run | None:
@@ -220,11 +220,11 @@ class Sweep:
     def run_point(self, point: Point, config_hash: str) -> str:
         if not self.slots:
             return self._run_point(point, config_hash, None)
-        index = self._free.get()  # a free device slot: at most len(--gpus) runs at once
+        slot = self._free.get()  # at most len(--gpus) runs at once
         try:
-            return self._run_point(point, config_hash, self.slots[index])
+            return self._run_point(point, config_hash, slot)
         finally:
-            self._free.put(index)
+            self._free.put(slot)
 
     def _run_point(self, point: Point, config_hash: str, slot: Slot | None) -> str:
         cmd = fit_command(self.abl, point, self.parent.info.run_id)
@@ -298,7 +298,8 @@ class Sweep:
         return {name: error for name, error in errors.items() if error}
 
     def run(self) -> int:
-        invalid = self.invalid_points(self.selected())
+        points, results = self.selected(), {}
+        invalid = self.invalid_points(points)
         if invalid:
             name, error = next(iter(invalid.items()))
             raise ConfigError(f"{self.abl.path}: {len(invalid)} point(s) would be refused by `pipeline fit`, "
@@ -307,7 +308,6 @@ class Sweep:
         self._previous, self._executed, self._t_start = self.previous(), 0, time.monotonic()
         self._needs = self.expected_seconds()
         self._lock, self._stop = threading.Lock(), threading.Event()
-        points, results = self.selected(), {}
         jobs = [(f"=== [{i + 1}/{len(points)}] {self.abl.name}: {p.name}", p) for i, p in enumerate(points)]
         try:
             if self.parallel == 1:
