@@ -68,7 +68,7 @@ class AliasTable:
         int32 [P], what a draw of each position returns."""
         table = np.zeros(p.size, dtype=ALIAS_RECORD)
         table["value"] = values
-        for c in range(start.size - 1):  # Python loop: ~1 s per million positions, once
+        for c in range(start.size - 1):  # a Python loop over distributions: once per data set
             lo, hi = int(start[c]), int(start[c + 1])
             q, a = _vose(p[lo:hi])
             table["keep"][lo:hi] = q

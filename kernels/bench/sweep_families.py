@@ -116,16 +116,15 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
         (512, 0.25, 4, 128, 64),
         # one head, as in three of the paper suite's target-attention shapes (two of them exactly)
         (256, 0.3, 1, 64, 1), (1024, 0.25, 1, 64, 16), (4096, 0.1, 1, 128, 32), (512, 0.5, 1, 64, 4),
-        # Tq 32 and 8, between the query tiles: at Tq 32 a 64-row tile (half of it masked) beat the
-        # 32-row one by 1.13x, at Tq 16 a 32-row tile lost to the 16-row one by 1.32x; one Tq 32
-        # shape alone left the model nothing to learn the difference from
+        # Tq 32 and 8, between the query tiles, where the best query tile turns over (kernels/TUNING.md,
+        # the H200 cost model): one Tq 32 shape alone left the model nothing to learn that from
         (1024, 0.25, 2, 64, 32), (256, 0.5, 4, 128, 32), (2048, 0.1, 2, 64, 32), (512, 0.25, 1, 64, 32),
         (1024, 0.5, 2, 64, 8), (4096, 0.25, 4, 128, 8)]],
     "softmax": _SMALL["softmax"] + [SweepShape((1 << 20) // N, N, f, H) for N, f, H in [
         (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32),
         (1024, 0.25, 32), (4096, 0.5, 32), (512, 0.25, 64), (2048, 0.75, 128), (256, 0.1, 256),
-        # ten more over the full grid's product: with 15 shapes and 48 configs a shape, the H100
-        # model's held-out softmax_fwd picks were up to 1.39x the best
+        # ten more over the full grid's product: 15 shapes of 48 configs each were too few for the
+        # H100 model's held-out softmax_fwd picks (kernels/TUNING.md)
         (512, 0.5, 128), (512, 0.75, 32), (1024, 0.1, 64), (1024, 0.75, 64), (2048, 0.1, 128),
         (2048, 0.25, 256), (4096, 0.1, 64), (4096, 0.25, 128), (256, 0.25, 128), (256, 0.75, 32)]],
     "ops": _SMALL["ops"] + [SweepShape((1 << 20) // N, N, f, 1, D) for N, f, D in [
@@ -134,7 +133,7 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
     "s2": _SMALL["s2"] + [SweepShape((1 << 18) // N, N, f, H, D) for N, f, H, D in [
         (2048, 0.5, 8, 64), (8192, 0.25, 8, 64), (16384, 0.75, 8, 64), (4096, 0.5, 4, 128),
         # head dim 128 on more than one shape: with its only one held out, the H100 model's s2_bwd
-        # pick there was 1.39x the best (a 128-row query tile, best at D 64)
+        # pick there was the tile best at D 64 (kernels/TUNING.md)
         (8192, 0.5, 4, 128), (2048, 0.25, 4, 128)]],
 }
 _TINY = {
