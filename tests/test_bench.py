@@ -102,6 +102,7 @@ def test_failing_provider_is_a_row_not_a_crash(monkeypatch):
         assert by[("dense_torch", mode)]["status"] == "ok" and by[("dense_torch", mode)]["ms"] > 0
 
 
+@pytest.mark.slow  # every kind of the smoke suite end to end
 def test_smoke_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "results"
     argv = ["all", "--suite", "smoke", "--device", "cpu", "--out", str(out), "--warmup", "0", "--rep", "1",

@@ -236,6 +236,7 @@ def test_no_table_is_bit_identical_to_the_hand_config():
 # ---- the sweep ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a sweep end to end (Triton interpreter)
 def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
     out = tmp_path / "s.parquet"
     argv = ["--grid", "tiny", "--device", "cpu", "--families", "flash_fwd,softmax_fwd", "--out", str(out),
@@ -340,6 +341,7 @@ def test_sweep_rejects_a_negative_worker_count(capsys, monkeypatch):
     assert "--compile-workers must be 0 or more" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two sweeps end to end
 def test_rows_of_other_kernel_code_are_set_aside_and_timed_again(tmp_path, capsys):
     """A kernel edited (or another torch/triton) since a sweep makes its timings stale: a resume
     times every config again and keeps the old rows in a .stale.parquet beside the sweep."""
@@ -375,6 +377,7 @@ def test_rows_of_other_kernel_code_are_set_aside_and_timed_again(tmp_path, capsy
     assert again.filter(pl.col("shape_id") != df["shape_id"][0])["timing"].is_null().all()
 
 
+@pytest.mark.slow  # two sweeps end to end
 def test_a_sweep_of_some_families_keeps_the_other_families_rows_and_stamps(tmp_path, capsys):
     """Only the swept families' rows are judged stale: another family's rows of another kernel code
     stay, with their stamps (the cost model fits each family on its own rows)."""
@@ -753,6 +756,7 @@ def test_default_evaluation_holds_out_one_shape_at_a_time():
         assert e.value.code == 2
 
 
+@pytest.mark.slow  # the report end to end: every fold's forests and four plots
 def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_path):
     """The report on the synthetic sweep: the markdown names every family and plot; the energy plot
     and columns come only from rows read off the energy counter."""
