@@ -7,9 +7,8 @@
 
 Either side may be several runs of the same code (comma-separated; alternate the processes,
 hand, table, hand, table): each row's time is then its median over them, and the geometric mean
-over ``varlen_attn`` of every run is printed beside the verdict, so its spread shows. A
-host-bound row's call time moves with the process (two H100 runs of the same code: 0.28 and
-0.49 ms), far more than within one.
+over ``varlen_attn`` of every run is printed beside the verdict, so its spread shows: a
+host-bound row's call time moves from process to process (kernels/TUNING.md, the H100 table).
 
 BASE and NEW are result files of ``python -m kernels.bench`` (e.g. one run with
 ``JFA_LAUNCH_TABLE=off``, the hand rules, and one with the table; each in its own --out folder,
@@ -137,10 +136,12 @@ def _load(path: str) -> dict:
 
 
 def _load_runs(paths: str) -> dict:
-    """One result file, or several (comma-separated) merged: each row's times the median over them."""
-    docs = [_load(p) for p in paths.split(",") if p]
-    if len(docs) < 2:
-        return docs[0] if docs else _load(paths)
+    """One result file, or several (comma-separated) merged: each row's ms and gpu_ms the median
+    over them (its other fields the first run's)."""
+    files = [p for p in paths.split(",") if p] or [paths]
+    docs = [_load(p) for p in files]
+    if len(docs) == 1:
+        return docs[0]
     tables = {d["stamp"].get("launch_table") for d in docs}
     if len({d["stamp"]["gpu_slug"] for d in docs}) > 1 or len(tables) > 1:
         raise ValueError(f"{paths}: the runs of one side must share their GPU and launch table")
@@ -155,15 +156,15 @@ def _load_runs(paths: str) -> dict:
                  gpu_ms=statistics.median(t["gpu_ms"]) if len(t["gpu_ms"]) == len(t["ms"]) else None)
             for t in times.values()]
     return {"rows": rows, "stamp": docs[0]["stamp"], "_runs": docs,
-            "_file": f"{len(docs)} runs ({', '.join(_run_names(paths.split(',')))})"}
+            "_file": f"{len(docs)} runs ({', '.join(_run_names(files))})"}
 
 
-def _run_names(paths: list[str]) -> list[str]:
+def _run_names(files: list[str]) -> list[str]:
     """The files' names, or folder/name where names repeat (kernels.sh table_ab: hand/, hand-2/, ...)."""
-    names = [Path(p).name for p in paths if p]
+    names = [Path(p).name for p in files]
     if len(set(names)) == len(names):
         return names
-    return [f"{Path(p).parent.name}/{Path(p).name}" for p in paths if p]
+    return [f"{Path(p).parent.name}/{Path(p).name}" for p in files]
 
 
 def main(argv=None) -> int:
