@@ -18,7 +18,8 @@
 # table into $OUT/table, then with the hand rules into $OUT/hand, CUDA-graph times too, and
 # `kernels.bench.compare` of the two into $OUT/compare-<kind>.md; AB_ORDER="hand table hand table"
 # alternates processes, the repeats into $OUT/hand-2, $OUT/table-2, ..., all compared together;
-# AB_MODES=fwd_bwd times that mode alone);
+# AB_MODES=fwd_bwd times that mode alone; AB_CPUS=0-3 pins each run to those cores, to see whether
+# the host-bound rows' call times move less between processes so);
 # default all but tune_ops, graph_paper, bench_paper_hand, target_ab and split_ab. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
 # workers; 438 tests took 119 s with 16 on 2026-11-26 (TEST_WORKERS to change). GRAPH_MS=1:
@@ -85,7 +86,8 @@ if [[ $PARTS == *" table_ab "* ]]; then  # the launch table against the hand rul
     for variant in ${AB_ORDER:-table hand}; do
       seen[$variant]=$(( ${seen[$variant]:-0} + 1 )); dir=$OUT/$variant; [ "${seen[$variant]}" -gt 1 ] && dir=$dir-${seen[$variant]}
       off=(); [ $variant = hand ] && off=(JFA_LAUNCH_TABLE=off)
-      env "${off[@]}" python3 -m kernels.bench "$kind" --suite "${AB_SUITE:-paper}" --providers varlen_attn --graph-ms \
+      pin=(); [ -n "${AB_CPUS:-}" ] && pin=(taskset -c "$AB_CPUS")
+      env "${off[@]}" "${pin[@]}" python3 -m kernels.bench "$kind" --suite "${AB_SUITE:-paper}" --providers varlen_attn --graph-ms \
         ${AB_MODES:+--modes "$AB_MODES"} --out "$dir" --commit "$GIT_COMMIT" --deadline-s "${AB_DEADLINE:-120}" \
         --no-report >> "$log" 2>&1
       echo "bench table_ab $kind $variant ($dir) rc=$?" | tee -a "$log"
