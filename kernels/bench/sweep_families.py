@@ -126,7 +126,9 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
         # ten more over the full grid's product: 15 shapes of 48 configs each were too few for the
         # H100 model's held-out softmax_fwd picks (kernels/TUNING.md)
         (512, 0.5, 128), (512, 0.75, 32), (1024, 0.1, 64), (1024, 0.75, 64), (2048, 0.1, 128),
-        (2048, 0.25, 256), (4096, 0.1, 64), (4096, 0.25, 128), (256, 0.25, 128), (256, 0.75, 32)]],
+        (2048, 0.25, 256), (4096, 0.1, 64), (4096, 0.25, 128), (256, 0.25, 128), (256, 0.75, 32),
+        # three beside the two worst held-out softmax_fwd picks of those 25 (long rows, few heads)
+        (4096, 0.75, 32), (2048, 0.5, 64), (2048, 0.1, 64)]],
     "ops": _SMALL["ops"] + [SweepShape((1 << 20) // N, N, f, 1, D) for N, f, D in [
         (256, 0.5, 128), (512, 0.75, 64), (1024, 0.25, 256), (2048, 0.1, 256), (2048, 0.5, 64),
         (1024, 0.5, 64), (4096, 0.1, 64), (256, 0.75, 64), (2048, 0.75, 128), (256, 0.25, 256)]],
