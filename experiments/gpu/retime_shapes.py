@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 from kernels._launch_configs import forced
+from kernels.bench.costmodel import shape_of
 from kernels.bench.measure import graph_ms
 from kernels.bench.stamp import make_stamp
-from kernels.bench.sweep_families import SweepShape, complete, make_case
+from kernels.bench.sweep_families import complete, make_case
 
 
 def main(argv=None) -> int:
@@ -51,9 +52,7 @@ def main(argv=None) -> int:
         if not mine:
             print(f"error: no ok rows of {pair} in {args.data}", file=sys.stderr)
             return 2
-        r0 = mine[0]
-        fn, _ = make_case(family, SweepShape(r0["B"], r0["N"], r0["fill"], r0["H"], r0["D"], r0["dtype"], r0["Tq"]),
-                          device)
+        fn, _ = make_case(family, shape_of(mine[0]), device)
         recs = [{"family": family, "shape_id": shape_id, "config": r["config"], "sweep_ms": r["ms"], "ms": []}
                 for r in mine]
         for _ in range(args.rounds):
