@@ -38,6 +38,9 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=float, default=40.0)
     p.add_argument("--out", default="retimed.json")
     args = p.parse_args(argv)
+    pairs = [pair.split(":", 1) for pair in args.shapes.split(",")]
+    if any(len(pair) != 2 for pair in pairs):
+        p.error(f"--shapes {args.shapes!r}: give family:shape_id pairs, comma-separated")
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU (the sweep's timing is CUDA-graph replay)", file=sys.stderr)
         return 2
@@ -46,8 +49,8 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     out = {"stamp": make_stamp(device), "rounds": args.rounds, "rep_ms": args.rep_ms, "configs": []}
     t0 = time.perf_counter()
-    for pair in args.shapes.split(","):
-        family, shape_id = pair.split(":")
+    for family, shape_id in pairs:
+        pair = f"{family}:{shape_id}"
         mine = [r for r in rows if r["family"] == family and r["shape_id"] == shape_id]
         if not mine:
             print(f"error: no ok rows of {pair} in {args.data}", file=sys.stderr)
