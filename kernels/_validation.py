@@ -108,3 +108,16 @@ def check_size(t: torch.Tensor, name: str, dim: int, expected: int, what: str) -
         raise ValueError(
             f"{name}.shape[{dim}] must equal {what} = {expected}, got shape {tuple(t.shape)}"
         )
+
+
+def check_jagged_and_dense(values: torch.Tensor, offsets: torch.Tensor, dense: torch.Tensor, *, same_dtype: bool,
+                           width_dim: int, width: str) -> None:
+    """The jagged-dense ops' checks: ``values [T, W]``, its offsets, ``dense [B, ...]`` with W at
+    `width_dim` (named `width`); `same_dtype` False where autocast will cast mixed dtypes."""
+    check_float(values, "values", ndim=2)
+    check_float(dense, "dense", ndim=3)
+    check_same({"values": values, "dense": dense}, dtype=same_dtype)
+    check_offsets(offsets, total=values.shape[0])
+    check_offsets_device(offsets, values)
+    check_size(dense, "dense", 0, offsets.shape[0] - 1, "B = len(offsets) - 1")
+    check_size(dense, "dense", width_dim, values.shape[1], f"{width} = values.shape[1]")

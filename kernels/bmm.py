@@ -14,7 +14,7 @@ from kernels._jagged_common import apply, autocast_cast, autocast_on, compute_dt
 from kernels._jagged_common import register_autocast
 from kernels._segments import by_seq, gather_groups, keep_in_graph, length_groups, scatter_groups
 from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device, check_same
-from kernels._validation import check_size
+from kernels._validation import check_jagged_and_dense, check_size
 
 # ---- 1. references ------------------------------------------------------------------------
 
@@ -139,13 +139,7 @@ def jagged_dense_bmm(
         Under autocast (CPU or CUDA) the float inputs are cast to the autocast dtype, like
         ``torch.bmm``, and the result has that dtype.
     """
-    check_float(values, "values", ndim=2)
-    check_float(dense, "dense", ndim=3)
-    check_same({"values": values, "dense": dense}, dtype=not autocast_on(values))  # autocast casts mixed dtypes
-    check_offsets(offsets, total=values.shape[0])
-    check_offsets_device(offsets, values)
-    check_size(dense, "dense", 0, offsets.shape[0] - 1, "B = len(offsets) - 1")
-    check_size(dense, "dense", 1, values.shape[1], "K = values.shape[1]")
+    check_jagged_and_dense(values, offsets, dense, same_dtype=not autocast_on(values), width_dim=1, width="K")
     max_seq_len = check_max_seq_len(max_seq_len)
     values, dense = autocast_cast("lowp", values, dense)
     return apply(_JaggedDense, values, offsets, dense, max_seq_len, pick_backend(backend, values))

@@ -14,8 +14,7 @@ import torch
 from kernels._jagged_common import apply, autocast_cast, autocast_on, compute_dtype, lazy, pick_backend, run
 from kernels._jagged_common import register_autocast
 from kernels._segments import row_index, scatter_rows
-from kernels._validation import check_float, check_max_seq_len, check_offsets, check_offsets_device, check_same
-from kernels._validation import check_size
+from kernels._validation import check_jagged_and_dense, check_max_seq_len, check_size
 
 # ---- 1. references ------------------------------------------------------------------------
 
@@ -124,13 +123,7 @@ class _Elementwise(torch.autograd.Function):
 
 
 def _checked(values, offsets, dense, max_seq_len, backend):
-    check_float(values, "values", ndim=2)
-    check_float(dense, "dense", ndim=3)
-    check_same({"values": values, "dense": dense}, dtype=not autocast_on(values))  # autocast casts mixed dtypes
-    check_offsets(offsets, total=values.shape[0])
-    check_offsets_device(offsets, values)
-    check_size(dense, "dense", 0, offsets.shape[0] - 1, "B = len(offsets) - 1")
-    check_size(dense, "dense", 2, values.shape[1], "D = values.shape[1]")
+    check_jagged_and_dense(values, offsets, dense, same_dtype=not autocast_on(values), width_dim=2, width="D")
     if max_seq_len is not None:
         check_size(dense, "dense", 1, check_max_seq_len(max_seq_len), "max_seq_len")
     return pick_backend(backend, values)
