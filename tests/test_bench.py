@@ -147,7 +147,15 @@ def test_smoke_end_to_end_on_cpu(tmp_path):
         assert "abc1234test" in Image.open(p).text["Description"]
     (out / "kernels-cpu.md").unlink()
     assert main(["report", "--out", str(out)]) == 0  # the report alone rebuilds from the JSON
-    assert "abc1234test" in (out / "kernels-cpu.md").read_text()
+    rebuilt = (out / "kernels-cpu.md").read_text()
+    assert "abc1234test" in rebuilt
+    src, gz = out / "bench-cpu-all-smoke.json", out / "bench-cpu-all-smoke.json.gz"
+    gz.write_bytes(gzip.compress(src.read_bytes()))
+    src.unlink()
+    assert main(["report", "--out", str(out)]) == 0  # a gzipped result file (the committed ones are) reads as itself
+    assert (out / "kernels-cpu.md").read_text() == rebuilt.replace(src.name, gz.name)
+    src.write_bytes(gzip.decompress(gz.read_bytes()))
+    gz.unlink()
     later = json.loads((out / "bench-cpu-all-smoke.json").read_text())  # a second file: the ops again
     later["stamp"].update(commit="def5678later", launch_table="cpu.json: 3 entries")
     later["rows"] = [r for r in later["rows"] if r["kind"] == "ops"]

@@ -32,13 +32,12 @@ are refused. Exit status 0 (printed PASS or MISS), 2 for unreadable or incompara
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import statistics
 import sys
 from pathlib import Path
 
 from kernels.bench.base import OURS
+from kernels.bench.report import read_json
 from kernels.bench.stamp import stamp_line
 from kernels.bench.targets import geomean, pairs
 
@@ -126,8 +125,7 @@ def _x(g: float | None) -> str:
 
 def _load(path: str) -> dict:
     try:
-        raw = Path(path).read_bytes()
-        doc = json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
+        doc = read_json(path)
         doc["rows"], doc["stamp"]  # noqa: B018 - a result file has both
     except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: not a kernels.bench result file ({type(exc).__name__}: {exc})") from None

@@ -8,6 +8,7 @@ beside it, so runs of different suites (separate GPU commands) add up to one rep
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections import defaultdict
@@ -34,15 +35,22 @@ def write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: str) -> object:
+    """A result file's JSON, gzipped (``.json.gz``, as the committed ones may be) or not."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
+
+
 def load_docs(folder: str, slug: str | None = None) -> list[dict]:
+    """The result documents in `folder` (``*.json`` and ``*.json.gz``), of GPU `slug` or all, oldest first."""
     docs = []
     for name in sorted(os.listdir(folder)):
-        if not name.endswith(".json"):
+        if not name.endswith((".json", ".json.gz")):
             continue
         try:
-            with open(os.path.join(folder, name)) as f:
-                doc = json.load(f)
-        except (OSError, json.JSONDecodeError):
+            doc = read_json(os.path.join(folder, name))
+        except (OSError, EOFError, ValueError):
             continue
         if isinstance(doc, dict) and doc.get("schema") == SCHEMA and (slug is None or doc["stamp"]["gpu_slug"] == slug):
             doc["_file"] = name
