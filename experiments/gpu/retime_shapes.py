@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
                     fn()  # compile (cached after the first round)
                     rec["ms"].append(graph_ms(fn, device, args.rep_ms))
         out["configs"] += recs
-        best = min(recs, key=lambda r: sorted(r["ms"])[len(r["ms"]) // 2])
+        best = min(recs, key=lambda r: statistics.median(r["ms"]))
         print(f"{pair}: {len(recs)} configs x {args.rounds} rounds, fastest by median {best['config']} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
