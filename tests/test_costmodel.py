@@ -599,11 +599,9 @@ def test_costmodel_picks_the_best_config_on_held_out_shapes(capsys):
     assert s["model"]["geomean"] < s["hand"]["geomean"]  # the fixed rule loses on average
     assert s["hand"]["worst"] > 1.15  # ... and badly somewhere, so the bounds above can fail
     assert s["autotune"]["n"] == 14 and s["autotune_cost_s_per_shape"] > 0
-    # the exported table's rule: the model's pick only for a predicted gain past the switch margin
-    assert all(x["table_config"] in (x["model_config"], sweep.config_id(hand)) for x in ev["shapes"])
-    switched = [x["table_config"] == x["model_config"] for x in ev["shapes"]]
-    assert any(switched) and not all(switched)  # both branches: a clear predicted gain, and none
-    assert all(x["table"] == (x["model"] if sw else x["hand"]) for x, sw in zip(ev["shapes"], switched))
+    # the exported table's rule: the model's pick, the hand config only where predicted no slower
+    # than it (this fixed rule is right for no shape, so nowhere here)
+    assert all(x["table_config"] == x["model_config"] and x["table"] == x["model"] for x in ev["shapes"])
     assert s["table"]["n"] == 14 and s["model"]["geomean"] <= s["table"]["geomean"] < s["hand"]["geomean"]
     # at BLOCK_M = 128 the 4-warp config is within 5% of the fastest and draws less power
     saved = [x for x in ev["shapes"] if x["frugal_energy_j"] < 0.9 * x["fastest_energy_j"]]
