@@ -4,6 +4,7 @@ whose best config per shape is known. Nothing here times anything that is assert
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -607,6 +608,40 @@ def test_costmodel_picks_the_best_config_on_held_out_shapes(capsys):
     saved = [x for x in ev["shapes"] if x["frugal_energy_j"] < 0.9 * x["fastest_energy_j"]]
     assert len(saved) >= 3 and all(x["frugal_ms"] <= 1.05 * x["best_ms"] for x in saved)
     assert any(x["model_frugal_energy_j"] < x["model_energy_j"] for x in saved)  # the model's frugal pick too
+
+
+def _rows_turning_over_at_a_total_size(seed=0) -> list[dict]:
+    """softmax_bwd rows on 45 shapes (B, N, H crossed, so B and N vary apart): 8 warps are 1.2x
+    faster than 4 exactly where T*H (rows x columns) is 2^23 or more, a size reached by many
+    short sequences or few long ones; the 512-row tile wins from N 1024 on (by 1.1x)."""
+    rng = random.Random(seed)
+    rows = []
+    for N, B, H in itertools.product((256, 512, 1024, 2048, 4096), (128, 512, 2048), (32, 64, 128)):
+        L = 0.25 * N
+        s = dict(family="softmax_bwd", B=B, N=N, fill=0.25, H=H, D=0, Tq=0, K=0, M=0, dtype="bfloat16",
+                 T=int(B * L), L=L, gpu="synthetic", gpu_slug="synthetic", torch="t", triton="t",
+                 cuda="none", commit="c0", grid="synthetic", shape_id=f"B{B}-N{N}-H{H}")
+        wide = s["T"] * H >= 1 << 23
+        for bn, w in itertools.product((256, 512), (4, 8)):
+            cfg = {"BLOCK_N": bn, "SMALL_N": 32, "BLOCK_H": 64, "num_warps": w, "STREAM_N": 256}
+            g = (1.0 if (w == 8) == wide else 1.2) * (1.0 if (bn == 512) == (N >= 1024) else 1.1)
+            rows.append(dict(s, config_id=sweep.config_id(cfg), config=json.dumps(cfg), cfg=cfg, status="ok",
+                             ms=1e-6 * s["T"] * H * g * (1 + rng.uniform(-0.01, 0.01)), energy_j=None,
+                             compile_s=0.5, bench_s=0.1, is_hand=False))
+    return rows
+
+
+def test_the_element_count_feature_lets_the_forest_follow_a_total_size(monkeypatch):
+    """A boundary on B*L*H is a diagonal in the log shape features, which a forest's one-feature
+    splits can only staircase; with log2(T*H*D) as a feature the held-out picks find it."""
+    rows = _rows_turning_over_at_a_total_size()
+    hand = rows[0]["cfg"]
+    with_it = costmodel.summarize(costmodel.eval_family("softmax_bwd", rows, folds=5, hand_fn=lambda f, s: hand))
+    assert with_it["model"]["n"] == 45 and with_it["model"]["worst"] <= 1.05
+    full = costmodel.features
+    monkeypatch.setattr(costmodel, "features", lambda fam, shape, cfg: full(fam, shape, cfg)[:-1])
+    without = costmodel.summarize(costmodel.eval_family("softmax_bwd", rows, folds=5, hand_fn=lambda f, s: hand))
+    assert without["model"]["worst"] > 1.15  # the staircase misses near the boundary
 
 
 def test_log_model_splits_a_shapes_best_from_each_configs_slowdown():
