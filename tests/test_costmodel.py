@@ -631,6 +631,7 @@ def _rows_turning_over_at_a_total_size(seed=0) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # two 5-fold evaluations, about 9 s
 def test_the_element_count_feature_lets_the_forest_follow_a_total_size(monkeypatch):
     """A boundary on B*L*H is a diagonal in the log shape features, which a forest's one-feature
     splits can only staircase; with log2(T*H*D) as a feature the held-out picks find it."""
