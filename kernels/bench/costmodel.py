@@ -13,8 +13,7 @@ tile key, log2(L / tile) (tiles per sequence: where shape and config interact), 
 elements the op reads, T*H*D (D 0 counts as 1): the sum of three shape features, so the power law
 gains nothing, but a forest's splits are on one feature at a time and could not draw that diagonal
 (softmax_bwd's 4 or 8 warps turn over at a total size, reached by few long rows or many short ones;
-held out one shape at a time, its worst pick went 1.37 -> 1.18, softmax_fwd's 1.13 -> 1.07, the
-other families' unchanged). Targets: log
+kernels/TUNING.md, "The cost model without the export's guard"). Targets: log
 runtime (ms per call) and log energy (J per call, from the board's energy counter: rows with
 ``energy_src`` = counter; the sweep measures it for the configs near each shape's fastest).
 
@@ -47,8 +46,10 @@ best of its candidates, at the cost of timing each: the sum of their compile + t
 Energy: the config with the least (predicted) energy among those within 5% of the (predicted)
 fastest, with its measured time and energy beside the fastest pick's.
 
-Export: one entry per swept shape and per shape of a denser grid around them; an entry keeps the
-hand rule's config unless another clearly beats it (``SWITCH_MEASURED``, ``SWITCH_PREDICTED``).
+Export: one entry per swept shape and per shape of a denser grid around them. A swept shape's
+entry keeps the hand rule's config unless another is measured clearly faster there
+(``SWITCH_MEASURED``); an unswept shape's is the model's pick, the hand rule's config where the
+model predicts it no slower (``SWITCH_PREDICTED``).
 """
 
 from __future__ import annotations
@@ -397,9 +398,8 @@ MIN_EXPORT_SHAPES = 3  # fewer swept shapes: the family keeps its hand rule (no 
 # names the hand rule's config itself (an absent entry would hand the shape its nearest
 # neighbour's pick instead), so a table cannot make a shape slower by a noise-level "win".
 # An unswept shape takes the model's pick, the hand rule's config where the model predicts it no
-# slower: held out one shape at a time, a 10% margin (keep the hand rule unless the model predicts
-# it more than 10% slower) gave worse worst cases than the plain pick in all 11 families on both
-# GPUs, 3% still in two (kernels/TUNING.md, "Switch margins in the export").
+# slower: a wider margin for the hand rule made the held-out worst cases worse, not better
+# (kernels/TUNING.md, "The export's 10% guard now costs more than it saves").
 SWITCH_MEASURED = 1.03
 SWITCH_PREDICTED = 1.0
 
