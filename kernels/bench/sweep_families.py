@@ -138,9 +138,9 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
         # lost on their neighbours)
         (4096, 0.1, 128), (4096, 0.25, 64), (4096, 0.1, 256), (2048, 0.1, 32), (2048, 0.1, 256),
         (1024, 0.1, 32), (4096, 0.75, 64), (2048, 0.75, 64), (1024, 0.75, 32), (512, 0.1, 64)]]
-    # fourteen off the 2^20-token diagonal: there B falls as N rises, so the model could not tell a
-    # long row from few programs; at B256 N4096 fill 0.1 H64 (256 programs) 4 warps beat 8 by 1.18x
-    # while 8 won at H128 (512 programs), and the held-out pick took the 8
+    # fourteen off the 2^20-token diagonal, where B falls as N rises and the model could not tell
+    # few programs from long rows (softmax_bwd's warp count; kernels/TUNING.md, "The cost model
+    # without the export's guard")
     + [SweepShape(B, N, f, H) for B, N, f, H in [
         (128, 4096, 0.1, 64), (512, 4096, 0.1, 64), (128, 4096, 0.1, 32), (512, 4096, 0.1, 32),
         (128, 4096, 0.1, 128), (512, 4096, 0.1, 128), (128, 4096, 0.25, 64), (512, 4096, 0.25, 64),
