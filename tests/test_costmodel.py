@@ -20,7 +20,7 @@ from kernels import _launch_configs as lc
 from kernels import (S2Shards, jagged_dense_attention, jagged_dense_bmm, jagged_flash_attention, jagged_jagged_bmm,
                      jagged_softmax, offsets_from_lengths, padded_to_jagged)
 from kernels._flash_attention_triton import _FWD_KW, _fwd_kw, fwd_config
-from kernels.bench import costmodel, sweep
+from kernels.bench import costmodel, sweep, sweep_families
 from kernels.launch_table import CONFIG_DIR, LaunchTable, table_path, write_table
 
 F32 = "float32"
@@ -639,10 +639,29 @@ def test_the_element_count_feature_lets_the_forest_follow_a_total_size(monkeypat
     hand = rows[0]["cfg"]
     with_it = costmodel.summarize(costmodel.eval_family("softmax_bwd", rows, folds=5, hand_fn=lambda f, s: hand))
     assert with_it["model"]["n"] == 45 and with_it["model"]["worst"] <= 1.05
-    full = costmodel.features
-    monkeypatch.setattr(costmodel, "features", lambda fam, shape, cfg: full(fam, shape, cfg)[:-1])
+    full, i = costmodel.features, costmodel.feature_names("softmax_bwd").index("log2 T*H*D")
+    monkeypatch.setattr(costmodel, "features", lambda fam, shape, cfg: (lambda f: f[:i] + f[i + 1:])(full(fam, shape, cfg)))
     without = costmodel.summarize(costmodel.eval_family("softmax_bwd", rows, folds=5, hand_fn=lambda f, s: hand))
     assert without["model"]["worst"] > 1.15  # the staircase misses near the boundary
+
+
+@pytest.mark.parametrize("family", sweep_families.WITH_PROGRAMS)
+def test_the_program_count_feature_is_the_launchers_grid(family):
+    """The cost model's `log2 programs` is the grid the launcher runs for the config (column
+    blocks narrower or wider than H, H not a power of two)."""
+    from kernels import _softmax_triton
+
+    for B, H, block_h in itertools.product((1, 96, 320), (1, 24, 64, 128, 200), (16, 64, 128)):
+        cfg = {"BLOCK_N": 256, "SMALL_N": 32, "STREAM_N": 64, "BLOCK_H": block_h, "num_warps": 4}
+        with lc.forced(family, cfg):
+            (grid,), _ = _softmax_triton._launch(H, B, family, 4096, B * 100, torch.bfloat16)
+        assert sweep_families.programs(family, B, H, cfg) == grid
+        shape = dict(B=B, N=4096, L=100.0, H=H, D=0, Tq=0, T=B * 100.0, dtype="bfloat16", fill=0.1)
+        row = dict(zip(costmodel.feature_names(family), costmodel.features(family, shape, cfg)))
+        assert row["log2 programs"] == pytest.approx(math.log2(grid))
+    with pytest.raises(ValueError, match="no program count"):
+        sweep_families.programs("flash_fwd", 4, 2, {})
+    assert "log2 programs" not in costmodel.feature_names("flash_fwd")
 
 
 def test_log_model_splits_a_shapes_best_from_each_configs_slowdown():

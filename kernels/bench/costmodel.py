@@ -64,7 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from kernels.bench.sweep_families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, SweepShape, complete,
-                                         hand_config, valid)
+                                         WITH_PROGRAMS, hand_config, programs, valid)
 
 SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
 
@@ -95,7 +95,7 @@ def feature_names(family: str) -> list[str]:
     tiles = [k for k in TUNABLE[family] if k.startswith(("BLOCK", "SMALL", "M_KV", "N_KV"))]
     return ([f"log2 {k}" for k in SHAPE_COLS] + ["fill", "dtype bytes"]
             + [k if k in FLAGS else f"log2 {k}" for k in TUNABLE[family]] + [f"log2 L/{k}" for k in tiles]
-            + ["log2 T*H*D"])
+            + ["log2 T*H*D"] + (["log2 programs"] if family in WITH_PROGRAMS else []))
 
 
 def features(family: str, shape: dict, cfg: dict) -> list[float]:
@@ -105,7 +105,8 @@ def features(family: str, shape: dict, cfg: dict) -> list[float]:
     return ([lg(shape[k]) for k in SHAPE_COLS] + [shape["L"] / max(shape["N"], 1), DTYPES[shape["dtype"]].itemsize]
             + [float(cfg[k]) if k in FLAGS else lg(cfg[k]) for k in TUNABLE[family]]
             + [lg(shape["L"]) - lg(cfg[k]) for k in tiles]
-            + [lg(shape["T"]) + lg(shape["H"]) + lg(shape["D"])])
+            + [lg(shape["T"]) + lg(shape["H"]) + lg(shape["D"])]
+            + ([lg(programs(family, int(shape["B"]), int(shape["H"]), cfg))] if family in WITH_PROGRAMS else []))
 
 
 N_SHAPE_FEATURES = len(SHAPE_COLS) + 2  # the leading columns of features(): shape only

@@ -318,6 +318,21 @@ def space(family: str, s: SweepShape, level: str) -> list[dict]:
     return list(out.values())
 
 
+# the families whose cost model also sees the launcher's program count (softmax's best warp count
+# follows the programs per SM: kernels/TUNING.md, "A denser softmax_bwd grid")
+WITH_PROGRAMS = ("softmax_fwd", "softmax_bwd")
+
+
+def programs(family: str, B: int, H: int, cfg: dict) -> int:
+    """The number of programs the family's launcher runs for `cfg` on B sequences of H columns
+    (the families of WITH_PROGRAMS)."""
+    if family not in WITH_PROGRAMS:
+        raise ValueError(f"{family}: no program count (only {', '.join(WITH_PROGRAMS)})")
+    from kernels._triton_common import col_block
+
+    return B * -(-H // col_block(H, lo=min(16, cfg["BLOCK_H"]), hi=cfg["BLOCK_H"]))  # softmax's _launch grid
+
+
 def hand_config(family: str, s: SweepShape) -> dict:
     """The hand rule's launch config for the shape, from the launchers' own functions."""
     from kernels import _bmm_triton, _conversions_triton, _softmax_triton
