@@ -13,7 +13,10 @@ tile key, log2(L / tile) (tiles per sequence: where shape and config interact), 
 elements the op reads, T*H*D (D 0 counts as 1): the sum of three shape features, so the power law
 gains nothing, but a forest's splits are on one feature at a time and could not draw that diagonal
 (softmax_bwd's 4 or 8 warps turn over at a total size, reached by few long rows or many short ones;
-kernels/TUNING.md, "The cost model without the export's guard"). Targets: log
+kernels/TUNING.md, "The cost model without the export's guard"), and for the families of
+``sweep_families.WITH_PROGRAMS`` (softmax) log2 of the programs the launcher runs with the config
+(``sweep_families.programs``: its best warp count follows the programs per SM, "A denser
+softmax_bwd grid"). Targets: log
 runtime (ms per call) and log energy (J per call, from the board's energy counter: rows with
 ``energy_src`` = counter; the sweep measures it for the configs near each shape's fastest).
 
