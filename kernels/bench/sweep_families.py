@@ -145,22 +145,20 @@ _MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, 
         (128, 4096, 0.1, 64), (512, 4096, 0.1, 64), (128, 4096, 0.1, 32), (512, 4096, 0.1, 32),
         (128, 4096, 0.1, 128), (512, 4096, 0.1, 128), (128, 4096, 0.25, 64), (512, 4096, 0.25, 64),
         (256, 2048, 0.1, 64), (1024, 2048, 0.1, 64), (256, 2048, 0.25, 64), (1024, 2048, 0.25, 64),
-        (512, 1024, 0.1, 64), (2048, 1024, 0.25, 128)]]
-    # twenty-two more where those fourteen left softmax_bwd's held-out worst picks (B 128-512, N 4096,
-    # fill 0.1-0.25, 64 heads: neighbours that want 4 and 8 warps side by side): B between the
-    # powers of two, fills between 0.1 and 0.25, the same lengths at N 2048 and 8192, and 32 and
-    # 128 heads beside them (kernels/TUNING.md, "A denser softmax_bwd grid")
-    + [SweepShape(B, N, f, H) for B, N, f, H in [
+        (512, 1024, 0.1, 64), (2048, 1024, 0.25, 128),
+        # twenty-two more where those fourteen left softmax_bwd's held-out worst picks (B 128-512,
+        # N 4096, fill 0.1-0.25, 64 heads: neighbours that want 4 and 8 warps side by side): B between
+        # the powers of two, fills between 0.1 and 0.25, the same lengths at N 2048 and 8192, and 32
+        # and 128 heads beside them (kernels/TUNING.md, "A denser softmax_bwd grid")
         (192, 4096, 0.1, 64), (384, 4096, 0.1, 64), (192, 4096, 0.25, 64), (96, 4096, 0.25, 64),
         (128, 4096, 0.15, 64), (256, 4096, 0.15, 64), (192, 4096, 0.175, 64), (384, 4096, 0.15, 64),
         (256, 2048, 0.2, 64), (128, 2048, 0.5, 64), (256, 8192, 0.05, 64), (96, 4096, 0.1, 64),
         (768, 4096, 0.1, 64), (192, 4096, 0.1, 32), (384, 4096, 0.1, 32), (192, 4096, 0.1, 128),
         (384, 4096, 0.1, 128), (256, 4096, 0.15, 32), (256, 4096, 0.15, 128), (128, 4096, 0.175, 64),
-        (320, 4096, 0.1, 64), (160, 4096, 0.25, 64)]]
-    # fifteen more along the programs' count (B x column blocks, 192 to 640) at 32, 64, 128 and 256
-    # heads: 4 warps won at 256 and 320 programs and lost at 192 and 384 (kernels/TUNING.md, "A denser
-    # softmax_bwd grid")
-    + [SweepShape(B, N, f, H) for B, N, f, H in [
+        (320, 4096, 0.1, 64), (160, 4096, 0.25, 64),
+        # fifteen more along the programs' count (B x column blocks, 192 to 640) at 32, 64, 128 and
+        # 256 heads: 4 warps won at 256 and 320 programs and lost at 192 and 384 (kernels/TUNING.md,
+        # "A denser softmax_bwd grid")
         (96, 4096, 0.1, 128), (160, 4096, 0.1, 128), (224, 4096, 0.1, 128), (64, 4096, 0.1, 256),
         (96, 4096, 0.1, 256), (128, 4096, 0.1, 256), (320, 4096, 0.1, 32), (448, 4096, 0.1, 32),
         (640, 4096, 0.1, 32), (224, 4096, 0.1, 64), (288, 4096, 0.1, 64), (64, 4096, 0.25, 128),
