@@ -326,9 +326,11 @@ def programs(family: str, B: int, H: int, cfg: dict) -> int:
     (the families of WITH_PROGRAMS)."""
     if family not in WITH_PROGRAMS:
         raise ValueError(f"{family}: no program count (only {', '.join(WITH_PROGRAMS)})")
+    import triton
+
     from kernels._triton_common import col_block
 
-    return B * -(-H // col_block(H, lo=min(16, cfg["BLOCK_H"]), hi=cfg["BLOCK_H"]))  # softmax's _launch grid
+    return B * triton.cdiv(H, col_block(H, lo=min(16, cfg["BLOCK_H"]), hi=cfg["BLOCK_H"]))  # softmax's _launch grid
 
 
 def hand_config(family: str, s: SweepShape) -> dict:
