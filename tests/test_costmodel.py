@@ -745,6 +745,24 @@ def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(fitte
     assert [e["source"] for e in entries].count("measured") == 14
 
 
+def test_export_keeps_the_hand_rule_where_a_pick_would_launch_fewer_programs_than_the_sweep():
+    """The forest does not extrapolate below the program counts it was fitted on: an unswept shape
+    whose predicted pick would launch fewer programs than any swept row (here B 32 at N 8192: 32
+    programs, the sweep's fewest 128) keeps its hand rule, marked beyond_sweep."""
+    rows = _rows_turning_over_at_a_total_size()
+    hand = {"BLOCK_N": 256, "SMALL_N": 32, "BLOCK_H": 64, "num_warps": 4, "STREAM_N": 256}  # slow at N >= 1024
+    fewest = min(sweep_families.programs("softmax_bwd", r["B"], r["H"], r["cfg"]) for r in rows)
+    entries = costmodel.export_entries(rows, costmodel.fit(rows), hand_fn=lambda fam, s: hand)
+
+    def launched(e):
+        return sweep_families.programs("softmax_bwd", e["shape"]["B"], e["shape"]["H"], e["config"])
+
+    beyond = [e for e in entries if e.get("beyond_sweep")]
+    predicted = [e for e in entries if e["source"] == "predicted"]
+    assert beyond and all(e["source"] == "hand" and e["config"] == hand and launched(e) < fewest for e in beyond)
+    assert predicted and all(launched(e) >= fewest for e in predicted)
+
+
 def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys, fitted):
     """Two swept shapes are not a model: the family gets no entry (not even its measured ones, which
     the nearest-entry lookup would hand to every other shape), so its hand rule stays in force."""

@@ -28,8 +28,9 @@ import torch
 from kernels._launch_configs import forced
 from kernels.bench.costmodel import dense_grid, load, table_shape
 from kernels.bench.measure import graph_ms
+from kernels.bench.report import read_json
 from kernels.bench.stamp import make_stamp
-from kernels.bench.sweep_families import SweepShape, complete, make_case
+from kernels.bench.sweep_families import SweepShape, complete, hand_config, make_case
 from kernels.launch_table import shape_key
 
 
@@ -37,8 +38,9 @@ def _entries(path: str) -> dict[str, dict]:
     return {shape_key(e["family"], e["shape"]): e["config"] for e in json.loads(Path(path).read_text())["entries"]}
 
 
-def changed_shapes(old: dict, new: dict, rows: list[dict], family: str) -> list[tuple[SweepShape, dict, dict]]:
-    """(shape, old config, new config) for each grid shape of `family` whose exact entry differs."""
+def changed_shapes(old: dict | None, new: dict, rows: list[dict], family: str) -> list[tuple[SweepShape, dict, dict]]:
+    """(shape, old config, new config) for each grid shape of `family` whose exact entry differs
+    (old None: from the hand rule's config for the shape)."""
     mine = [r for r in rows if r["family"] == family]
     swept = {r["shape_id"]: dict(B=r["B"], N=r["N"], L=r["L"], H=r["H"], D=r["D"], Tq=r["Tq"], T=r["T"],
                                  dtype=r["dtype"], fill=r["fill"]) for r in mine}
@@ -46,36 +48,46 @@ def changed_shapes(old: dict, new: dict, rows: list[dict], family: str) -> list[
     for s in dense_grid(family, mine) + list(swept.values()):
         key = shape_key(family, table_shape(family, s))
         shape = SweepShape(int(s["B"]), int(s["N"]), float(s["fill"]), int(s["H"]), int(s["D"]), s["dtype"], int(s["Tq"]))
-        if shape.id in seen or key not in old or key not in new or old[key] == new[key]:
+        before = hand_config(family, shape) if old is None else old.get(key)
+        if shape.id in seen or before is None or key not in new or complete(family, before) == complete(family, new[key]):
             continue
         seen.add(shape.id)
-        out.append((shape, old[key], new[key]))
+        out.append((shape, before, new[key]))
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python experiments/gpu/table_entries_ab.py", description=__doc__.split("\n")[0])
-    p.add_argument("--old", required=True, help="the launch table before")
+    p.add_argument("--old", required=True, help="the launch table before, or 'hand' (the hand rules)")
     p.add_argument("--new", required=True, help="the launch table after")
     p.add_argument("--data", required=True, help="the sweep's Parquet (its shapes span the export's grid)")
     p.add_argument("--families", required=True, help="comma-separated kernel families")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--rep-ms", type=float, default=40.0)
+    p.add_argument("--skip-timed", default="", help="comma-separated outputs of earlier runs: their shapes are "
+                   "left out (a second sample, disjoint from the first)")
+    p.add_argument("--deadline-s", type=float, default=math.inf, help="start no shape after this many seconds")
     p.add_argument("--out", default="table-entries-ab.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: needs a CUDA GPU (the sweep's timing is CUDA-graph replay)", file=sys.stderr)
         return 2
-    old, new, rows = _entries(args.old), _entries(args.new), load(args.data)
+    old = None if args.old == "hand" else _entries(args.old)
+    new, rows = _entries(args.new), load(args.data)
+    done = {(x["family"], x["shape_id"]) for f in args.skip_timed.split(",") if f
+            for x in read_json(f)["shapes"]}
     device = torch.device("cuda")
     rng = random.Random(0)
     out = {"stamp": make_stamp(device), "old": args.old, "new": args.new, "rounds": args.rounds,
            "rep_ms": args.rep_ms, "shapes": []}
     t0 = time.perf_counter()
     for family in [f for f in args.families.split(",") if f]:
-        todo = changed_shapes(old, new, rows, family)
-        print(f"{family}: {len(todo)} shapes whose entry changed", flush=True)
-        for shape, c_old, c_new in todo:
+        todo = [t for t in changed_shapes(old, new, rows, family) if (family, t[0].id) not in done]
+        print(f"{family}: {len(todo)} shapes whose entry changed (and not timed before)", flush=True)
+        for shape, c_old, c_new in rng.sample(todo, len(todo)):
+            if time.perf_counter() - t0 > args.deadline_s:
+                print(f"  deadline: {family} shapes left untimed", flush=True)
+                break
             fn, _ = make_case(family, shape, device)
             ms = {"old": [], "new": []}
             for _ in range(args.rounds):
@@ -87,6 +99,7 @@ def main(argv=None) -> int:
             out["shapes"].append({"family": family, "shape_id": shape.id, "old_config": c_old, "new_config": c_new,
                                   "old_ms": ms["old"], "new_ms": ms["new"], "new_over_old": ratio})
             print(f"  {shape.id:<44} new/old {ratio:.3f}  ({time.perf_counter() - t0:.0f} s)", flush=True)
+            Path(args.out).write_text(json.dumps(out, indent=1))
     ratios = [s["new_over_old"] for s in out["shapes"]]
     if ratios:
         worst = max(out["shapes"], key=lambda s: s["new_over_old"])

@@ -443,8 +443,10 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
     """Measured best per table key of the swept shapes ('measured', or 'hand' where the hand rule's
     config is within SWITCH_MEASURED of it; _measured_entry), then the model's pick for the dense
     grid's shapes that no swept shape already covers ('predicted', or 'hand' within
-    SWITCH_PREDICTED). A family swept on fewer than MIN_EXPORT_SHAPES shapes gets no entry: the table's nearest-entry fallback would hand one
-    shape's best config to every shape of the family, where the hand rule is the safer guess."""
+    SWITCH_PREDICTED, or where the pick would launch fewer programs than any swept row of the family
+    did: 'beyond_sweep', kernels/TUNING.md). A family swept on fewer than MIN_EXPORT_SHAPES shapes
+    gets no entry: the table's nearest-entry fallback would hand one shape's best config to every
+    shape of the family, where the hand rule is the safer guess."""
     entries, seen = [], set()
     for fam, rs in by_family(rows).items():
         ok = [r for r in rs if r["status"] == "ok"]
@@ -473,12 +475,15 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
             hand_cfg = hand_fn(fam, SweepShape(sh["B"], sh["N"], sh["fill"], sh["H"], sh["D"], sh["dtype"], sh["Tq"]))
             todo.append((shape, sh, [*models[fam].candidates(sh), hand_cfg]))
         predicted = models[fam].predict_ms([(sh, cfgs) for _, sh, cfgs in todo]) if todo else []
-        for (shape, _, cfgs), ms in zip(todo, predicted):
+        fewest = min((programs(fam, r["B"], r["H"], r["cfg"]) for r in ok), default=0) if fam in WITH_PROGRAMS else 0
+        for (shape, sh, cfgs), ms in zip(todo, predicted):
             i = int(np.argmin(ms[:-1])) if len(ms) > 1 else 0
             keep = len(ms) == 1 or keeps_hand(ms[-1], ms[i], SWITCH_PREDICTED)  # no candidate: the hand rule
-            entries.append({"family": fam, "shape": shape, "config": cfgs[-1] if keep else cfgs[i],
-                            "source": "hand" if keep else "predicted", "pred_ms": round(float(ms[i]), 5),
-                            "pred_hand_ms": round(float(ms[-1]), 5)})
+            # a pick that launches fewer programs than any swept row is the forest's extrapolation
+            beyond = not keep and fam in WITH_PROGRAMS and programs(fam, int(sh["B"]), int(sh["H"]), cfgs[i]) < fewest
+            entries.append({"family": fam, "shape": shape, "config": cfgs[-1] if keep or beyond else cfgs[i],
+                            "source": "hand" if keep or beyond else "predicted", "pred_ms": round(float(ms[i]), 5),
+                            "pred_hand_ms": round(float(ms[-1]), 5)} | ({"beyond_sweep": True} if beyond else {}))
     return entries
 
 
@@ -494,8 +499,10 @@ def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None, ha
     entries = export_entries(rows, models, hand_fn=hand_fn)
     write_table(path, entries, meta)
     n = {src: sum(e["source"] == src for e in entries) for src in ("measured", "predicted", "hand")}
+    beyond = sum(bool(e.get("beyond_sweep")) for e in entries)
     print(f"{len(entries)} entries ({n['measured']} measured, {n['predicted']} predicted picks; {n['hand']} keep "
-          f"the hand rule, no clear gain) -> {path}", flush=True)
+          f"the hand rule: {n['hand'] - beyond} no clear gain, {beyond} picks beyond the sweep's program counts) "
+          f"-> {path}", flush=True)
     return path
 
 
