@@ -752,7 +752,9 @@ def test_export_keeps_the_hand_rule_where_a_pick_would_launch_fewer_programs_tha
     rows = _rows_turning_over_at_a_total_size()
     hand = {"BLOCK_N": 256, "SMALL_N": 32, "BLOCK_H": 64, "num_warps": 4, "STREAM_N": 256}  # slow at N >= 1024
     fewest = min(sweep_families.programs("softmax_bwd", r["B"], r["H"], r["cfg"]) for r in rows)
-    entries = costmodel.export_entries(rows, costmodel.fit(rows), hand_fn=lambda fam, s: hand)
+    models = costmodel.fit(rows)
+    assert models["softmax_bwd"].fewest_programs == fewest == 128
+    entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: hand)
 
     def launched(e):
         return sweep_families.programs("softmax_bwd", e["shape"]["B"], e["shape"]["H"], e["config"])

@@ -163,8 +163,14 @@ class FamilyModel:
             self.energy = LogModel(seed).fit(Xe, np.log(np.array([r["energy_j"] for r in en])),
                                              [r["shape_id"] for r in en])
         self.configs = {config_id(r["cfg"]): r["cfg"] for r in ok}
+        self.fewest_programs = min(programs(family, r["B"], r["H"], r["cfg"]) for r in ok) if family in WITH_PROGRAMS else 0
         # a config that failed (out of resources, mismatch) at some D and dtype stays out there
         self.banned = {(r["D"], r["dtype"], config_id(r["cfg"])) for r in rows if r["status"] != "ok"}
+
+    def beyond_sweep(self, shape: dict, cfg: dict) -> bool:
+        """Would `cfg` launch fewer programs on `shape` than any row the model was fitted on? There
+        the forest extrapolates: it never saw the few-program regime (kernels/TUNING.md)."""
+        return self.family in WITH_PROGRAMS and programs(self.family, int(shape["B"]), int(shape["H"]), cfg) < self.fewest_programs
 
     def candidates(self, shape: dict) -> list[dict]:
         s = SweepShape(shape["B"], shape["N"], shape.get("fill", 0.0), shape["H"], shape["D"], shape["dtype"], shape["Tq"])
@@ -273,7 +279,8 @@ def _shape_record(model: FamilyModel, rows: list[dict], hand_fn) -> dict:
     rec["hand"] = hand["ms"] / best["ms"] if hand else math.nan
     # what the exported table gives an unswept shape (export_entries' rule)
     pred_hand = float(model.predict(_shape_dict(r0), [hand_cfg])[0][0])
-    table_cfg = hand_cfg if keeps_hand(pred_hand, pick["pred_ms"], SWITCH_PREDICTED) else pick["fastest"]
+    keep = keeps_hand(pred_hand, pick["pred_ms"], SWITCH_PREDICTED) or model.beyond_sweep(_shape_dict(r0), pick["fastest"])
+    table_cfg = hand_cfg if keep else pick["fastest"]
     rec["table_config"] = config_id(table_cfg)
     table = ok.get(rec["table_config"])
     rec["table"] = (table["ms"] / best["ms"] if table else
@@ -475,12 +482,10 @@ def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: boo
             hand_cfg = hand_fn(fam, SweepShape(sh["B"], sh["N"], sh["fill"], sh["H"], sh["D"], sh["dtype"], sh["Tq"]))
             todo.append((shape, sh, [*models[fam].candidates(sh), hand_cfg]))
         predicted = models[fam].predict_ms([(sh, cfgs) for _, sh, cfgs in todo]) if todo else []
-        fewest = min((programs(fam, r["B"], r["H"], r["cfg"]) for r in ok), default=0) if fam in WITH_PROGRAMS else 0
         for (shape, sh, cfgs), ms in zip(todo, predicted):
             i = int(np.argmin(ms[:-1])) if len(ms) > 1 else 0
             keep = len(ms) == 1 or keeps_hand(ms[-1], ms[i], SWITCH_PREDICTED)  # no candidate: the hand rule
-            # a pick that launches fewer programs than any swept row is the forest's extrapolation
-            beyond = not keep and fam in WITH_PROGRAMS and programs(fam, int(sh["B"]), int(sh["H"]), cfgs[i]) < fewest
+            beyond = not keep and models[fam].beyond_sweep(sh, cfgs[i])
             entries.append({"family": fam, "shape": shape, "config": cfgs[-1] if keep or beyond else cfgs[i],
                             "source": "hand" if keep or beyond else "predicted", "pred_ms": round(float(ms[i]), 5),
                             "pred_hand_ms": round(float(ms[-1]), 5)} | ({"beyond_sweep": True} if beyond else {}))

@@ -159,7 +159,8 @@ def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None =
              "Slowdown = time of the chosen config / best measured time on a held-out shape (median / worst). "
              "Target: model within 1.05 median and 1.15 worst, better than the hand rule on average. "
              "'table' is what the exported launch table gives a shape it has not swept: the model's pick, or the "
-             f"hand rule's config where the model predicts it at most {SWITCH_PREDICTED:g}x the pick's time. "
+             f"hand rule's config where the model predicts it at most {SWITCH_PREDICTED:g}x the pick's time or "
+             "where the pick would launch fewer programs than any row the model was fitted on (softmax). "
              + ("Counted: every held-out shape." if first.get("judge_on", "all") == "all" else
                 "Counted (column 'judged'): for the families whose hand rules were retuned on the small grid's "
                 f"shapes ({', '.join(RETUNED_ON_SMALL)}), only the held-out shapes outside it; every shape still "
