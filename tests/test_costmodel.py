@@ -765,6 +765,33 @@ def test_export_keeps_the_hand_rule_where_a_pick_would_launch_fewer_programs_tha
     assert predicted and all(launched(e) >= fewest for e in predicted)
 
 
+def test_table_entries_ab_times_exactly_the_shapes_whose_entry_changed():
+    """experiments/gpu/table_entries_ab.py's shape list: the export grid's shapes whose exact key
+    names another config in the new table than in the old one (or than the shape's hand rule)."""
+    import importlib.util
+
+    from kernels.launch_table import shape_key
+
+    script = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "table_entries_ab.py"
+    spec = importlib.util.spec_from_file_location("table_entries_ab", script)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    rows = _rows_turning_over_at_a_total_size()
+    new = {shape_key(e["family"], e["shape"]): e["config"]
+           for e in costmodel.export_entries(rows, costmodel.fit(rows))}
+    key = next(k for k in new if "N=1024" in k)
+    old = dict(new) | {key: dict(new[key], num_warps=16)}
+    changed = ab.changed_shapes(old, new, rows, "softmax_bwd")
+    assert changed and {c_old["num_warps"] for _, c_old, _ in changed} == {16}  # that key's shapes only
+    assert all(cfg == new[key] for _, _, cfg in changed) and len({s.id for s, _, _ in changed}) == len(changed)
+    assert ab.changed_shapes(new, new, rows, "softmax_bwd") == []
+    against_hand = ab.changed_shapes(None, new, rows, "softmax_bwd")
+    assert against_hand
+    for s, hand, cfg in against_hand:
+        assert hand == sweep_families.hand_config("softmax_bwd", s)
+        assert sweep_families.complete("softmax_bwd", hand) != sweep_families.complete("softmax_bwd", cfg)
+
+
 def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys, fitted):
     """Two swept shapes are not a model: the family gets no entry (not even its measured ones, which
     the nearest-entry lookup would hand to every other shape), so its hand rule stays in force."""

@@ -47,9 +47,11 @@ def changed_shapes(old: dict | None, new: dict, rows: list[dict], family: str) -
     out, seen = [], set()
     for s in dense_grid(family, mine) + list(swept.values()):
         key = shape_key(family, table_shape(family, s))
-        shape = SweepShape(int(s["B"]), int(s["N"]), float(s["fill"]), int(s["H"]), int(s["D"]), s["dtype"], int(s["Tq"]))
+        shape = SweepShape(int(s["B"]), int(s["N"]), float(s["fill"]), int(s["H"]), int(s["D"]), s["dtype"],
+                           int(s["Tq"]))
         before = hand_config(family, shape) if old is None else old.get(key)
-        if shape.id in seen or before is None or key not in new or complete(family, before) == complete(family, new[key]):
+        if (shape.id in seen or before is None or key not in new
+                or complete(family, before) == complete(family, new[key])):
             continue
         seen.add(shape.id)
         out.append((shape, before, new[key]))

@@ -163,14 +163,16 @@ class FamilyModel:
             self.energy = LogModel(seed).fit(Xe, np.log(np.array([r["energy_j"] for r in en])),
                                              [r["shape_id"] for r in en])
         self.configs = {config_id(r["cfg"]): r["cfg"] for r in ok}
-        self.fewest_programs = min(programs(family, r["B"], r["H"], r["cfg"]) for r in ok) if family in WITH_PROGRAMS else 0
+        self.fewest_programs = (min(programs(family, r["B"], r["H"], r["cfg"]) for r in ok)
+                                if family in WITH_PROGRAMS else 0)
         # a config that failed (out of resources, mismatch) at some D and dtype stays out there
         self.banned = {(r["D"], r["dtype"], config_id(r["cfg"])) for r in rows if r["status"] != "ok"}
 
     def beyond_sweep(self, shape: dict, cfg: dict) -> bool:
         """Would `cfg` launch fewer programs on `shape` than any row the model was fitted on? There
         the forest extrapolates: it never saw the few-program regime (kernels/TUNING.md)."""
-        return self.family in WITH_PROGRAMS and programs(self.family, int(shape["B"]), int(shape["H"]), cfg) < self.fewest_programs
+        return (self.family in WITH_PROGRAMS
+                and programs(self.family, int(shape["B"]), int(shape["H"]), cfg) < self.fewest_programs)
 
     def candidates(self, shape: dict) -> list[dict]:
         s = SweepShape(shape["B"], shape["N"], shape.get("fill", 0.0), shape["H"], shape["D"], shape["dtype"], shape["Tq"])
@@ -279,7 +281,8 @@ def _shape_record(model: FamilyModel, rows: list[dict], hand_fn) -> dict:
     rec["hand"] = hand["ms"] / best["ms"] if hand else math.nan
     # what the exported table gives an unswept shape (export_entries' rule)
     pred_hand = float(model.predict(_shape_dict(r0), [hand_cfg])[0][0])
-    keep = keeps_hand(pred_hand, pick["pred_ms"], SWITCH_PREDICTED) or model.beyond_sweep(_shape_dict(r0), pick["fastest"])
+    keep = (keeps_hand(pred_hand, pick["pred_ms"], SWITCH_PREDICTED)
+            or model.beyond_sweep(_shape_dict(r0), pick["fastest"]))
     table_cfg = hand_cfg if keep else pick["fastest"]
     rec["table_config"] = config_id(table_cfg)
     table = ok.get(rec["table_config"])
