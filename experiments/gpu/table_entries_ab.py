@@ -26,29 +26,27 @@ from pathlib import Path
 import torch
 
 from kernels._launch_configs import forced
-from kernels.bench.costmodel import dense_grid, load, table_shape
+from kernels.bench.costmodel import dense_grid, load, shape_of, table_shape
 from kernels.bench.measure import graph_ms
 from kernels.bench.report import read_json
 from kernels.bench.stamp import make_stamp
 from kernels.bench.sweep_families import SweepShape, complete, hand_config, make_case
-from kernels.launch_table import shape_key
+from kernels.launch_table import LaunchTable, shape_key
 
 
 def _entries(path: str) -> dict[str, dict]:
-    return {shape_key(e["family"], e["shape"]): e["config"] for e in json.loads(Path(path).read_text())["entries"]}
+    return {key: e["config"] for key, e in LaunchTable.load(path).exact.items()}
 
 
 def changed_shapes(old: dict | None, new: dict, rows: list[dict], family: str) -> list[tuple[SweepShape, dict, dict]]:
     """(shape, old config, new config) for each grid shape of `family` whose exact entry differs
     (old None: from the hand rule's config for the shape)."""
     mine = [r for r in rows if r["family"] == family]
-    swept = {r["shape_id"]: dict(B=r["B"], N=r["N"], L=r["L"], H=r["H"], D=r["D"], Tq=r["Tq"], T=r["T"],
-                                 dtype=r["dtype"], fill=r["fill"]) for r in mine}
+    swept = {r["shape_id"]: r for r in mine}  # one row per swept shape: its shape columns
     out, seen = [], set()
     for s in dense_grid(family, mine) + list(swept.values()):
         key = shape_key(family, table_shape(family, s))
-        shape = SweepShape(int(s["B"]), int(s["N"]), float(s["fill"]), int(s["H"]), int(s["D"]), s["dtype"],
-                           int(s["Tq"]))
+        shape = shape_of(s)
         before = hand_config(family, shape) if old is None else old.get(key)
         if (shape.id in seen or before is None or key not in new
                 or complete(family, before) == complete(family, new[key])):
