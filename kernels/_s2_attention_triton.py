@@ -38,11 +38,13 @@ def _strided(j, o_h, STRIDE):
 
 
 @triton.jit
-def _sequence(Offsets, b, max_seq_len):
-    """Sequence b's first row and its length after truncation to max_seq_len."""
+def _program(Offsets, max_seq_len, BLOCK: tl.constexpr):
+    """This program's head h, its sequence's first row and length (truncated to max_seq_len), and
+    the first of its BLOCK rows in the sequence (grid: row blocks, sequences, heads)."""
+    pid, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(Offsets + b).to(tl.int64)
     n = tl.minimum(tl.load(Offsets + b + 1).to(tl.int64) - start, max_seq_len).to(tl.int32)
-    return start, n
+    return h, start, n, pid * BLOCK
 
 
 @triton.jit
@@ -124,9 +126,7 @@ def _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h, BLOCK_M: tl.con
 def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len, qk_scale,
             S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr):
-    pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, n = _sequence(Offsets, b, max_seq_len)
-    m0 = pid_m * BLOCK_M
+    h, start, n, m0 = _program(Offsets, max_seq_len, BLOCK_M)
     if m0 >= n:
         return
     offs_m, m_ok, offs_d, d_ok, qrows, q, o_h = _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h,
@@ -158,9 +158,7 @@ def _s2_fwd(Q, K, V, O, LSE2, Offsets, HeadOff, stride_t, stride_h, num_heads, m
 def _s2_bwd_dq(Q, K, V, DO, DQ, LSE2, Delta, Offsets, HeadOff, stride_t, stride_h, num_heads, max_seq_len,
                qk_scale, sm_scale, S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr):
-    pid_m, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, n = _sequence(Offsets, b, max_seq_len)
-    m0 = pid_m * BLOCK_M
+    h, start, n, m0 = _program(Offsets, max_seq_len, BLOCK_M)
     if m0 >= n:
         return
     offs_m, m_ok, offs_d, d_ok, qrows, q, o_h = _query_tile(Q, HeadOff, start, h, m0, n, stride_t, stride_h,
@@ -188,9 +186,7 @@ def _s2_bwd_dkdv(Q, K, V, DO, DK, DV, LSE2, Delta, Offsets, HeadOff, stride_t, s
                  max_seq_len, qk_scale, sm_scale, S2_BLOCK: tl.constexpr, LOCAL, STRIDE, CAUSAL: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                  DOT_PREC: tl.constexpr):
-    pid_n, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, n = _sequence(Offsets, b, max_seq_len)
-    n0 = pid_n * BLOCK_N
+    h, start, n, n0 = _program(Offsets, max_seq_len, BLOCK_N)
     if n0 >= n:
         return
     o_h = tl.load(HeadOff + h)

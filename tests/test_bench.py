@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -479,3 +480,33 @@ def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_pat
         with pytest.raises(SystemExit) as exc:
             main(["dense_attention", "--device", "cpu", "--force", bad])
         assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_same_ptx_tells_a_refactor_that_keeps_the_code_from_one_that_changes_it(tmp_path, capsys):
+    """experiments/gpu/same_ptx.py: equal only where every kernel of the prefix has the same set of
+    PTX texts in both Triton caches (cache folders and file names are hashes that differ)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "same_ptx.py"
+    spec = importlib.util.spec_from_file_location("same_ptx", script)
+    same_ptx = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(same_ptx)
+
+    def cache(name: str, kernels: dict[str, list[str]]) -> Path:
+        for k, (kernel, texts) in enumerate(kernels.items()):
+            for i, text in enumerate(texts):
+                folder = tmp_path / name / f"{k:02x}{i:02x}"
+                folder.mkdir(parents=True)
+                (folder / f"{kernel}.ptx").write_text(text)
+                (folder / f"{kernel}.json").write_text(json.dumps({"name": kernel}))
+        return tmp_path / name
+
+    old = cache("old", {"_s2_fwd": ["fwd fp32", "fwd bf16"], "_s2_bwd_dq": ["dq"], "_other": ["x"]})
+    assert same_ptx.main([str(old), str(cache("new", {"_s2_fwd": ["fwd bf16", "fwd fp32"], "_s2_bwd_dq": ["dq"]})),
+                          "--kernels", "_s2_"]) == 0
+    changed = cache("changed", {"_s2_fwd": ["fwd fp32", "fwd bf16 reordered"], "_s2_bwd_dq": ["dq"]})
+    assert same_ptx.main([str(old), str(changed), "--kernels", "_s2_"]) == 1
+    assert "_s2_fwd: 2 PTX before, 2 after: DIFFERENT (1 only before, 1 only after)" in capsys.readouterr().out
+    assert same_ptx.main([str(old), str(cache("fewer", {"_s2_fwd": ["fwd fp32"], "_s2_bwd_dq": ["dq"]})),
+                          "--kernels", "_s2_"]) == 1
+    assert same_ptx.main([str(tmp_path / "none"), str(tmp_path / "none2"), "--kernels", "_s2_"]) == 1
