@@ -62,7 +62,7 @@ test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA devi
 
 GPU_CHECK_ARGS ?= --dtypes bf16,fp32 --dims 64,128
 gpu-check: setup ## compile every Triton kernel for sm_90 here, no GPU needed: errors, registers, spills (GPU_CHECK_ARGS)
-	env -u TRITON_INTERPRET $(PY) -m kernels.bench.gpu_check --ptxas $(GPU_CHECK_ARGS)
+	env -u TRITON_INTERPRET $(PY) -m experiments gpu-check --ptxas $(GPU_CHECK_ARGS)
 
 data: setup ## generate the PRESET data set (tiny|small|paper|long|timeline_tiny|timeline) under data/PRESET if absent
 	@if [ -f $(DATA)/meta.json ]; then echo "$(DATA) exists (delete it to regenerate)"; \
@@ -80,44 +80,44 @@ data-report: data ## write length/popularity plots and a summary of the PRESET d
 	$(PY) -m data_gen report $(DATA)
 
 experiment: data ## the main job: dense, sdpa and jagged rankers (ATTENTION=a subset) compared in MLflow; table in runs/ (RESULTS=dir to choose)
-	$(PY) -m pipeline.experiment --preset $(PRESET) --data $(DATA) --attention $(ATTENTION) \
+	$(PY) -m experiments main-job --preset $(PRESET) --data $(DATA) --attention $(ATTENTION) \
 	  $(if $(RESULTS),--results-dir $(RESULTS)) $(EXPERIMENT_ARGS)
 
 ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default; the same database as the runs)
 	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(PORT)
 
 bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
-	$(PY) -m kernels.bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
+	$(PY) -m experiments bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
 
 config-sweep: setup ## time every launch config of every kernel family on GRID=small|medium|full shapes (GPU; tiny: CPU interpreter) into SWEEP_OUT, resumable (CONFIG_SWEEP_ARGS="--deadline-s 400 --families a,b --mlflow")
-	$(if $(filter tiny,$(GRID)),TRITON_INTERPRET=1 )$(PY) -m kernels.bench.sweep --grid $(GRID) --out $(SWEEP_OUT) \
+	$(if $(filter tiny,$(GRID)),TRITON_INTERPRET=1 )$(PY) -m experiments config-sweep --grid $(GRID) --out $(SWEEP_OUT) \
 	  $(if $(filter tiny,$(GRID)),--device cpu) $(CONFIG_SWEEP_ARGS)
 
 costmodel: setup ## cost model from SWEEP_OUT: leave-shapes-out eval, experiments/results/costmodel-<gpu>.md + plots, kernels/configs/<gpu>.json
-	$(PY) -m kernels.bench.costmodel eval --data $(SWEEP_OUT) --out $(basename $(SWEEP_OUT))-eval.json $(COSTMODEL_ARGS)
-	$(PY) -m kernels.bench.costmodel report --data $(SWEEP_OUT) --out experiments/results $(COSTMODEL_ARGS)
-	$(PY) -m kernels.bench.costmodel export --data $(SWEEP_OUT) $(COSTMODEL_ARGS)
+	$(PY) -m experiments costmodel eval --data $(SWEEP_OUT) --out $(basename $(SWEEP_OUT))-eval.json $(COSTMODEL_ARGS)
+	$(PY) -m experiments costmodel report --data $(SWEEP_OUT) --out experiments/results $(COSTMODEL_ARGS)
+	$(PY) -m experiments costmodel export --data $(SWEEP_OUT) $(COSTMODEL_ARGS)
 
 sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|auc_parity|compile|smoke; SWEEP_ARGS=...)
-	$(PY) -m pipeline.sweep experiments/ablations/$(ABLATION).yaml $(SWEEP_ARGS)
+	$(PY) -m experiments sweep experiments/ablations/$(ABLATION).yaml $(SWEEP_ARGS)
 
 # a pattern rule (not .PHONY, which would skip it): one target per experiments/ablations/<name>.yaml
 experiment-%: experiments/ablations/%.yaml setup ## run the ablation %.yaml, resumable (SWEEP_ARGS="--dry-run" | "--max-runs N" | "--set k=v")
-	$(PY) -m pipeline.sweep experiments/ablations/$*.yaml $(SWEEP_ARGS)
+	$(PY) -m experiments sweep experiments/ablations/$*.yaml $(SWEEP_ARGS)
 
 report: setup ## tables + plots of a sweep or main job into experiments/results/<name>/ (PARENT=<run id or name>; RESULTS=dir)
 	@test -n "$(PARENT)" || { echo "usage: make report PARENT=<sweep parent run id or name, e.g. seq_len>"; exit 2; }
-	$(PY) -m pipeline.report --parent $(PARENT) --out $(or $(RESULTS),experiments/results) $(REPORT_ARGS)
+	$(PY) -m experiments report --parent $(PARENT) --out $(or $(RESULTS),experiments/results) $(REPORT_ARGS)
 
 summary: setup ## experiments/results/REPORT.md: the paper's claims, every target and ablation, from the committed results
-	$(PY) -m pipeline.summary $(if $(RESULTS),--results $(RESULTS))
+	$(PY) -m experiments summary $(if $(RESULTS),--results $(RESULTS))
 
 reproduce: setup ## rerun one MLflow run from its logged config and data digest, compare metrics (RUN=<run id>)
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<MLflow run id> [REPRODUCE_ARGS='--rtol 5e-3']"; exit 2; }
-	$(PY) -m pipeline.reproduce --run $(RUN) $(REPRODUCE_ARGS)
+	$(PY) -m experiments reproduce --run $(RUN) $(REPRODUCE_ARGS)
 
 profile: data ## one-step profile per attention layout (ATTENTION=a subset): the share of attention in step time
-	$(PY) -m pipeline.profile --config experiments/configs/base.yaml --config experiments/configs/$(PRESET).yaml \
+	$(PY) -m experiments profile --config experiments/configs/base.yaml --config experiments/configs/$(PRESET).yaml \
 	  --data.data_dir $(DATA) --attention $(ATTENTION) $(PROFILE_ARGS)
 
 clean: ## remove caches and checkpoints (keeps data/ and mlflow.db)

@@ -36,7 +36,7 @@ JAGGED_BMM_CONFIGS = {  # T_SPLITS > 1: split-T (see the kernel), set by `split_
     4: {"BLOCK_K": 64, "BLOCK_M": 64, "BLOCK_T": 32, "T_SPLITS": 1, "num_warps": 4, "num_stages": 3},
 }
 # split-T in the hand rule: where the output tiles leave at least half the SMs idle and sequences
-# are long, SPLITS programs share each tile's reduction (kernels/TUNING.md, "jagged_jagged_bmm split-T")
+# are long, SPLITS programs share each tile's reduction (docs/tuning.md, "jagged_jagged_bmm split-T")
 SPLIT_T_MIN_MEAN_LEN, SPLIT_T_SPLITS = 2048, 4
 
 

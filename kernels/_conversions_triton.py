@@ -19,7 +19,7 @@ from kernels._triton_common import slot_tile, col_block, num_slots
 _BLOCK_N = 32  # jagged_to_padded: padded rows per tile
 # padded_to_jagged launch parameters (module level, so a tuning script can override them):
 # jagged rows per work slot, the widest column block, warps. The cost-model sweep's five shapes
-# (kernels/TUNING.md, "First GPU sweep") put this config within 1% of the best on each.
+# (docs/tuning.md, "First GPU sweep") put this config within 1% of the best on each.
 P2J_CONFIG = {"BLOCK_N": 128, "BLOCK_D": 128, "num_warps": 8}
 
 

@@ -15,7 +15,7 @@ dQ under SPLIT_DQ). dBias is dS itself (the bias enters the scores unscaled), so
 store it on the way.
 
 SPLIT_DQ (a launch key, on in the 16-bit hand rules up to D = 128, off under
-torch.use_deterministic_algorithms; its cost per call: kernels/TUNING.md, "Target attention:
+torch.use_deterministic_algorithms; its cost per call: docs/tuning.md, "Target attention:
 SPLIT_DQ"): the dQ programs read all of their sequence's K and V again after the dK/dV programs
 have, which for few queries is most of the backward's bytes. With SPLIT_DQ there are no dQ
 programs: each dK/dV program also computes, per query step, its key block's share dS @ K (the dS
@@ -290,7 +290,7 @@ def _dense_bwd_kernel(
 def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype, backward: bool = False) -> dict:
     """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim. The 16-bit rule up
     to D = 128 is the cost-model sweep's fastest on every one of its target-attention shapes
-    (kernels/TUNING.md, "First GPU sweep"); fp32 and D > 128 were not swept and keep the rule from
+    (docs/tuning.md, "First GPU sweep"); fp32 and D > 128 were not swept and keep the rule from
     before it. The launcher drops SPLIT_DQ under torch.use_deterministic_algorithms."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, SPLIT_DQ=0, num_warps=4, num_stages=1)

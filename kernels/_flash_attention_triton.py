@@ -306,7 +306,7 @@ def _flash_bwd_kernel(
 
 
 # ---- block sizes --------------------------------------------------------------------------
-# Measured on an H100 (kernels/TUNING.md), keyed on the head dim and the dtype; D = 256 and
+# Measured on an H100 (docs/tuning.md), keyed on the head dim and the dtype; D = 256 and
 # fp32 are picked for no spills, not measured.
 
 
@@ -321,7 +321,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, short: bool = False) -> dict:
     bd = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
         bm, bn, warps, stages = (64, 32, 8, 1) if bd <= 64 else (16, 16, 4, 1)
-    elif bd <= 64:  # 32-key steps win below a mean length of 256 only (TUNING.md, v2)
+    elif bd <= 64:  # 32-key steps win below a mean length of 256 only (docs/tuning.md, v2)
         bm, bn, warps, stages = 64, (32 if short else 64), 4, 3
     elif bd <= 128:
         bm, bn, warps, stages = 64, 32, 4, 3
@@ -344,7 +344,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
                                          (16, 16, 16, 16, 4, 1))
     elif bd <= 64:
         n1, m1, m2, n2, warps, stages = 64, 32, 64, 32, 4, 3
-    elif bd <= 128:  # 16-row steps, 3 stages (TUNING.md, v2)
+    elif bd <= 128:  # 16-row steps, 3 stages (docs/tuning.md, v2)
         n1, m1, m2, n2, warps, stages = 64, 16, 64, 16, 4, 3
     else:
         n1, m1, m2, n2, warps, stages = 32, 32, 32, 32, 8, 1

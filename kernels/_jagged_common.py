@@ -102,7 +102,7 @@ def apply(fn: type[torch.autograd.Function], *args):
     node to build: the inference and no-grad calls)."""
     if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
         if not traced():  # autograd's own entry point: Function.apply first binds the arguments to
-            # forward's signature, for defaults these forwards lack (TUNING.md, "One route per op")
+            # forward's signature, for defaults these forwards lack (docs/tuning.md, "One route per op")
             return super(torch.autograd.Function, fn).apply(*args)
         # Dynamo refuses one tensor given twice (k is v): the second becomes a view of it
         args = tuple(a.view_as(a) if isinstance(a, torch.Tensor) and any(a is b for b in args[:i]) else a

@@ -1,7 +1,7 @@
 """The one point where a launcher's hand-rule configuration may be replaced by a measured one.
 
 Every launcher builds its launch dict (tiles, warps, stages) from the hand rules of
-kernels/TUNING.md and passes it through :func:`tuned` together with the family's shape features
+docs/tuning.md and passes it through :func:`tuned` together with the family's shape features
 (:data:`FAMILIES`). With no table for this GPU (:mod:`kernels.launch_table`; a CPU has none,
 ``JFA_LAUNCH_TABLE=off`` disables any), :func:`tuned` returns the hand-rule dict itself, unchanged.
 With a table, the keys of the table entry's config that the hand-rule dict has replace its
@@ -150,7 +150,7 @@ def tuned(family: str, features: tuple, default: dict) -> dict:
                  for k, v in zip(FAMILIES[family], features)}
         entry = table.lookup(family, shape)  # type: ignore[union-attr]
         # an entry of source 'hand' says "the hand rule": this shape's own, not the config the rule
-        # gave the entry's shape (a nearest entry's Tq 16 query tile on a Tq 32 shape ran slower: TUNING.md)
+        # gave the entry's shape (a nearest entry's Tq 16 query tile on a Tq 32 shape ran slower: docs/tuning.md)
         keep_rule = entry is None or entry.get("source") == "hand"
         cfg = _entries[key] = None if keep_rule else entry["config"]
     return default if cfg is None else _merge(default, cfg)

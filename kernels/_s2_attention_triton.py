@@ -14,7 +14,7 @@ A forward or dQ program walks its visible blocks as one flat loop over their key
 strided run, then the local run: two arithmetic progressions of blocks, `_visible_blocks`), so
 there is no branch per block and no nested loop for the compiler's software pipelining to stop
 at. Tiles follow the dense kernels' (`s2_tiles`), or a launch table's (families s2_fwd and
-s2_bwd of kernels/_launch_configs.py); measurements: kernels/TUNING.md, "S2 attention". The work
+s2_bwd of kernels/_launch_configs.py); measurements: docs/tuning.md, "S2 attention". The work
 list of the dense kernels (kernels/_flash_attention_triton.py) is not used here yet. Softmax in
 base 2 (scores scaled by scale * log2(e)); lse stored in base 2 for the backward; delta =
 rowsum(dO * O) computed by torch before the backward launch.
@@ -232,14 +232,14 @@ def s2_tiles(dtype: torch.dtype, head_dim: int, block: int) -> tuple[dict, dict]
     """The hand rules (families s2_fwd and s2_bwd of kernels/_launch_configs.py): the forward's
     BLOCK_M queries a program walking key chunks of BLOCK_N; the backward's dQ programs likewise
     (BLOCK_M, BLOCK_N) and its dK/dV programs N_KV keys walking query steps of M_KV. The dense
-    kernels' choices (kernels/TUNING.md) where the S2 block allows them (every tile divides the
+    kernels' choices (docs/tuning.md) where the S2 block allows them (every tile divides the
     block: causal tiles lie in one block); 16-row tiles in fp32, above D = 128 and in the interpreter."""
     if INTERPRET or dtype == torch.float32 or head_dim > 128:  # larger tiles spill above D = 128
         return (dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1),
                 dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, num_warps=4, num_stages=1))
     bm = 64 if block % 64 == 0 else 32 if block % 32 == 0 else 16
     step = min(bm, 32 if head_dim <= 64 else 16)
-    # 64-row tiles spill with 4 warps at D = 128 (kernels.bench.gpu_check --ptxas)
+    # 64-row tiles spill with 4 warps at D = 128 (experiments.bench.gpu_check --ptxas)
     warps = 4 if head_dim <= 64 or bm == 16 else 8
     return (dict(BLOCK_M=bm, BLOCK_N=step, num_warps=warps, num_stages=3),
             dict(BLOCK_M=bm, BLOCK_N=step, M_KV=step, N_KV=bm, num_warps=warps, num_stages=3))

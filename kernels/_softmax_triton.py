@@ -25,8 +25,8 @@ from kernels._triton_common import LOG2E_C, zero_rows, col_block
 # BLOCK_N rows of the largest single tile, SMALL_N (<= BLOCK_N, both powers of two) rows of the
 # smallest, STREAM_N rows of the tiles a longer sequence is streamed in, BLOCK_H the widest
 # column block, warps. BLOCK_N, BLOCK_H and warps: the fastest single config over the cost-model
-# sweep's five softmax shapes (kernels/TUNING.md, "First GPU sweep"); SMALL_N 32 and STREAM_N 64:
-# kernels/TUNING.md, "Softmax instruction counts" (a kernel's registers are those of its largest
+# sweep's five softmax shapes (docs/tuning.md, "First GPU sweep"); SMALL_N 32 and STREAM_N 64:
+# docs/tuning.md, "Softmax instruction counts" (a kernel's registers are those of its largest
 # path, so the streamed path, rare where the mean length fits a single tile, keeps a small tile;
 # `softmax_config` gives it BLOCK_N rows where most sequences stream).
 SOFTMAX_CONFIG = {"BLOCK_N": 256, "SMALL_N": 32, "STREAM_N": 64, "BLOCK_H": 16, "num_warps": 4}

@@ -2,7 +2,7 @@
 
 A table is a committed JSON file, ``kernels/configs/<gpu-slug>.json`` (the slug of the CUDA
 device's name, ``'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'``), written by
-``python -m kernels.bench.costmodel export``. It holds one entry per (kernel family,
+``python -m experiments costmodel export``. It holds one entry per (kernel family,
 shape)::
 
     {"schema": "jfa-launch-table/1", "gpu": "...", "torch": "...", "triton": "...", "commit": "...",
@@ -12,7 +12,7 @@ shape)::
                   "source": "measured" | "predicted" | "hand", "pred_ms": 0.2}, ...]}
 
 ("hand": the shape keeps its hand rule, the measured or predicted gain of any other config being
-within the export's switch margins, kernels/bench/costmodel.py; the launchers then run the hand
+within the export's switch margins, experiments/tuning/costmodel.py; the launchers then run the hand
 rule of the shape at hand, also where such an entry is only the nearest one.)
 
 Shape features: B sequences, N = max_seq_len (tokens), L = mean length T / B (tokens), H heads
@@ -31,15 +31,27 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
-from kernels.runenv import device_slug
+import torch
+
 
 SCHEMA = "jfa-launch-table/1"
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 ENV = "JFA_LAUNCH_TABLE"
 OFF = ("off", "0", "none", "false")
 LOG_FEATURES = ("B", "N", "L", "H", "Tq")  # compared in log2 space; all others must be equal
+
+def device_slug(name: str | None = None) -> str:
+    """A GPU's name as a file-name part: 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'; a name
+    starting with 'CPU', or no name and no CUDA device -> 'cpu'."""
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if name.lower().startswith("cpu"):
+        return "cpu"
+    s = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I).lower()
+    return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
 
 
 def shape_key(family: str, shape: dict) -> str:

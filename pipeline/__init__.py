@@ -1,7 +1,7 @@
-"""Training pipeline: data module, Lightning module, metrics, MLflow tracking, CLI, main job.
+"""One training run: data module, Lightning module, metrics, MLflow tracking, CLI.
 
-Entry points: ``python -m pipeline fit ...`` (:mod:`pipeline.cli`), ``python -m pipeline.data
-bench ...`` and ``python -m pipeline.experiment ...`` (the main job, ``make experiment``).
+Entry point: ``python -m pipeline fit|validate|test ...`` (:mod:`pipeline.cli`). Many runs and
+their reports are the lab's (``python -m experiments ...``).
 """
 
 import logging as _logging

@@ -1,6 +1,4 @@
-"""LightningDataModule over the generated Parquet splits, and a loader benchmark.
-
-    python -m pipeline.data bench --data data/small [--batch-size 512] [--workers 2] [--max-seq-len 256]
+"""LightningDataModule over the generated Parquet splits.
 
 Every attention layout reads the same jagged batches (see :mod:`pipeline.batches`): histories cut to
 their most recent ``max_seq_len`` items, as values + offsets. The data directory is checked
@@ -11,10 +9,7 @@ Decoded splits are cached (``cache=True``, the default): see :mod:`pipeline.spli
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -212,51 +207,3 @@ def _check_data_dir(data_dir: str) -> dict:
 def _invalid(data_dir: str, err: Exception) -> str:
     return (f"invalid data set at {data_dir!r}: {err}. Check it with `python -m data_gen validate {data_dir}`"
             f" or delete it and generate it again (`python -m data_gen generate --preset ... --out {data_dir}`)")
-
-
-def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batches: int) -> dict:
-    """Iterate the training loader like a fit would (pinned memory on CUDA machines)."""
-    dm = RankerData(data_dir, batch_size=batch_size, max_seq_len=max_seq_len, num_workers=workers)
-    dm.setup("fit")
-    loader = dm.train_dataloader()
-    it = iter(loader)
-    next(it)  # workers started, first batch in
-    n = tokens = 0
-    t0 = time.perf_counter()
-    while n < batches:
-        try:
-            batch = next(it)
-        except StopIteration:
-            loader.sampler.set_epoch(loader.sampler.epoch + 1)
-            it = iter(loader)
-            continue
-        n += 1
-        tokens += batch["n_tokens"]
-    dt = time.perf_counter() - t0
-    return {"batches_per_s": n / dt, "examples_per_s": n * batch_size / dt, "tokens_per_s": tokens / dt}
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.data", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", allow_abbrev=False, help="loader throughput on the training split (batches/s)")
-    b.add_argument("--data", required=True, help="data directory (meta.json + splits)")
-    b.add_argument("--batch-size", type=int, default=512)
-    b.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
-    b.add_argument("--max-seq-len", type=int, default=256)
-    b.add_argument("--batches", type=int, default=200, help="timed batches after the first")
-    args = p.parse_args(argv)
-    try:
-        res = bench(args.data, args.batch_size, args.workers, args.max_seq_len, args.batches)
-    except ConfigError as err:
-        raise SystemExit(f"error: {err}") from None
-    print(
-        f"loader bench: data={args.data} batch_size={args.batch_size} workers={args.workers} "
-        f"max_seq_len={args.max_seq_len}\n"
-        f"  {res['batches_per_s']:.1f} batches/s  {res['examples_per_s']:.0f} examples/s  "
-        f"{res['tokens_per_s']:.0f} tokens/s"
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -30,7 +30,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from kernels.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
+from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
 from pipeline.errors import ConfigError
 from pipeline.store import check_tracking, first_line, shown  # noqa: F401  (check_tracking: re-exported)
 

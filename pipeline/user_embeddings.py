@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_gen.schema import DataValidationError, is_timeline, load_meta, read_split, sha256_file, split_days
-from kernels.runenv import device_name, git_commit
+from pipeline.runenv import device_name, git_commit
 from models.attention import Histories
 from models.layers import EncoderBlock, HistoryEmbedding, mlp
 from pipeline.split_cache import SPLITS, load_split

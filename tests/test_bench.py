@@ -1,4 +1,4 @@
-"""The benchmark harness (kernels.bench) end to end on the CPU: rows, formulas, lengths, failures,
+"""The benchmark harness (experiments.bench) end to end on the CPU: rows, formulas, lengths, failures,
 targets and the written report. No timing is asserted (benchmarks, not timed tests)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.bench import layouts, measure, runner, targets
-from kernels.bench.__main__ import main
-from kernels.bench.base import Prepared, Provider, RunConfig
-from kernels.bench.measure import tensor_bytes
-from kernels.bench.suites import attention_flops, dense_attention_flops, get_suite, make_lengths, Shape
+from experiments.bench import layouts, measure, runner, targets
+from experiments.bench.cli import main
+from experiments.bench.base import Prepared, Provider, RunConfig
+from experiments.bench.measure import tensor_bytes
+from experiments.bench.suites import attention_flops, dense_attention_flops, get_suite, make_lengths, Shape
 
 ROW_FIELDS = {
     "kind", "suite", "op", "shape_id", "shape", "tokens", "provider", "mode", "status", "flops", "tflops",
@@ -173,7 +173,7 @@ def test_smoke_end_to_end_on_cpu(tmp_path):
 
 
 def test_merged_results_drop_a_deadline_placeholder_another_file_measured():
-    from kernels.bench import report
+    from experiments.bench import report
 
     skipped = dict(_row("*", "*", None, None), status="skipped (deadline)")
     other = dict(skipped, shape_id="B8-N128-H2-D64-d0.25")
@@ -283,7 +283,7 @@ def test_self_attention_and_bmm_targets_also_judged_by_the_kernels_alone():
 
 
 def test_floor_table_sets_the_kernels_alone_beside_the_call():
-    from kernels.bench import floors
+    from experiments.bench import floors
 
     shape = {"B": 2, "N": 8, "H": 1, "D": 4, "Tq": 1}
     row = {"kind": "dense_attention", "suite": "paper", "shape_id": "S", "provider": "jagged", "status": "ok",
@@ -297,7 +297,7 @@ def test_floor_table_sets_the_kernels_alone_beside_the_call():
 def test_attention_floor_is_the_larger_of_bytes_and_flops_per_pass():
     """Target attention B2 Tq1 H1 D4 over 10 keys in bf16: forward bytes 2*(2*8 + 2*40) + 4*2 = 200,
     backward 2*(4*8 + 4*40) + 8 = 392; FLOPs forward 4*1*4*1*10 = 160, backward 400."""
-    from kernels.bench import floors
+    from experiments.bench import floors
 
     shape = {"B": 2, "N": 8, "H": 1, "D": 4, "Tq": 1}
     assert floors.pass_bytes("dense_attention", shape, 10, 2) == (200, 392)
@@ -317,8 +317,8 @@ def test_kernel_time_beside_call_time(monkeypatch):
     """--graph-ms: each row also timed as a CUDA-graph replay; the report sets ours against each peer
     both ways (a speedup by call but not by kernels is host time), and a call that cannot be
     captured keeps its call time with gpu_ms None and the reason."""
-    from kernels.bench import report
-    from kernels.bench.base import RunConfig
+    from experiments.bench import report
+    from experiments.bench.base import RunConfig
 
     rows = [dict(_row("jagged", "fwd_bwd", 0.81, 1), gpu_ms=0.30), dict(_row("varlen_attn", "fwd_bwd", 0.76, 1), gpu_ms=0.45),
             dict(_row("njt_sdpa", "fwd_bwd", 9.9, 1), gpu_ms=None), _row("jagged", "fwd", 0.1, 1)]
@@ -355,10 +355,10 @@ def test_kernel_time_beside_call_time(monkeypatch):
 
 
 def test_tune_ops_machinery_on_cpu(capsys):
-    """The ops tuning script (kernels.bench.tune_ops) through the interpreter: every candidate of
+    """The ops tuning script (experiments.tuning.tune_ops) through the interpreter: every candidate of
     one op is checked against the reference and restored afterwards; no timing is asserted."""
     from kernels import _conversions_triton
-    from kernels.bench import tune_ops
+    from experiments.tuning import tune_ops
 
     before = dict(_conversions_triton.P2J_CONFIG)
     argv = ["--device", "cpu", "--shape", "5,40,24", "--ops", "padded_to_jagged", "--densities", "0.5",
@@ -372,7 +372,7 @@ def test_tune_ops_machinery_on_cpu(capsys):
 
 def test_host_glue_bench_reaches_every_mocked_launcher(capsys):
     """The glue bench times the Triton path: every launcher stand-in is called, every op has a row."""
-    from kernels.bench import host_glue
+    from experiments.bench import host_glue
 
     host_glue.main(["--calls", "4", "--repeats", "1"])
     out = capsys.readouterr().out
@@ -382,9 +382,9 @@ def test_host_glue_bench_reaches_every_mocked_launcher(capsys):
 
 
 def test_compare_two_runs_of_ours(tmp_path, capsys):
-    """kernels.bench.compare: per row new / base of ours, a row slower than the noise is a MISS, and so
+    """experiments.bench.compare: per row new / base of ours, a row slower than the noise is a MISS, and so
     is a lower geometric mean over varlen_attn; another GPU's file is refused."""
-    from kernels.bench import compare
+    from experiments.bench import compare
 
     stamp = {"gpu": "GPU X", "gpu_slug": "x", "torch": "2.11", "triton": "3.6", "cuda": "13", "commit": "a",
              "date": "d"}
@@ -457,7 +457,7 @@ def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_pat
     """--force FAMILY:KEY=VALUE: every launch of the family takes the keys during the run (the
     launch-config A/B through the bench itself), the result file says so; bad specs exit 2."""
     from kernels import _launch_configs
-    from kernels.bench import __main__ as bench_main
+    from experiments.bench import cli as bench_main
 
     seen = []
 

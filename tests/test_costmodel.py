@@ -20,7 +20,8 @@ from kernels import _launch_configs as lc
 from kernels import (S2Shards, jagged_dense_attention, jagged_dense_bmm, jagged_flash_attention, jagged_jagged_bmm,
                      jagged_softmax, offsets_from_lengths, padded_to_jagged)
 from kernels._flash_attention_triton import _FWD_KW, _fwd_kw, fwd_config
-from kernels.bench import costmodel, sweep, sweep_families
+from experiments.tuning import costmodel, sweep
+from experiments.tuning import families as sweep_families
 from kernels.launch_table import CONFIG_DIR, LaunchTable, table_path, write_table
 
 F32 = "float32"
@@ -65,8 +66,8 @@ def test_lookup_exact_nearest_none(tmp_path):
 def test_every_committed_table_is_one_the_launchers_can_use(path):
     """A table in kernels/configs/ is read by the launchers of its GPU: it loads, names the GPU its
     file is named for, and every entry sets exactly its family's tunable keys to launchable values."""
-    from kernels.bench.sweep_families import FLAGS, TUNABLE
-    from kernels.runenv import device_slug
+    from experiments.tuning.families import FLAGS, TUNABLE
+    from kernels.launch_table import device_slug
 
     t = LaunchTable.load(path)
     assert device_slug(t.meta["gpu"]) == path.stem and len(t) > 0
@@ -244,7 +245,7 @@ def test_sweep_tiny_writes_parquet_and_resumes(tmp_path, capsys, monkeypatch):
             "--warmup-ms", "0", "--rep-ms", "1", "--commit", "abc123"]
     assert sweep.main(argv) == 0
     df = pl.read_parquet(out)
-    from kernels.bench.sweep_families import grid, space
+    from experiments.tuning.families import grid, space
 
     expected = sum(len(space(f, s, "tiny")) for f in ("flash_fwd", "softmax_fwd") for s in grid(f, "tiny"))
     assert df.height == expected >= 6
@@ -281,7 +282,7 @@ def test_warm_up_workers_compile_what_the_timing_pass_then_times(tmp_path, capsy
     argv = ["--grid", "tiny", "--device", "cpu", "--families", "softmax_fwd,jagged_jagged_bmm", "--out", str(out),
             "--warmup-ms", "0", "--rep-ms", "1", "--commit", "abc123", "--compile-workers", "2"]
     assert sweep.main(argv) == 0
-    from kernels.bench.sweep_families import grid, space
+    from experiments.tuning.families import grid, space
 
     calls = sum(len(space(f, s, "tiny")) for f in ("softmax_fwd", "jagged_jagged_bmm") for s in grid(f, "tiny"))
     said = capsys.readouterr().out
@@ -302,8 +303,8 @@ def test_warm_up_workers_compile_what_the_timing_pass_then_times(tmp_path, capsy
 
 
 def test_warm_up_counts_each_config_once_over_the_shapes_left():
-    from kernels.bench.sweep import config_id, warm_up_todo
-    from kernels.bench.sweep_families import grid, space
+    from experiments.tuning.sweep import config_id, warm_up_todo
+    from experiments.tuning.families import grid, space
 
     order = [("softmax_fwd", s) for s in grid("softmax_fwd", "tiny")]
     first = order[0][1]
@@ -324,7 +325,7 @@ def test_graph_timing_needs_cuda(capsys, monkeypatch):
 def test_warm_up_worker_reports_each_calls_failure():
     """A warm-up call that fails comes back with its error (the warm-up counts and prints them) and
     does not stop the worker's other calls; a poisoned worker's calls are marked not run."""
-    from kernels.bench.sweep_families import grid, space
+    from experiments.tuning.families import grid, space
 
     shapes = grid("flash_fwd", "tiny")
     good = space("flash_fwd", shapes[0], "tiny")[0]
@@ -346,7 +347,7 @@ def test_sweep_rejects_a_negative_worker_count(capsys, monkeypatch):
 def test_rows_of_other_kernel_code_are_set_aside_and_timed_again(tmp_path, capsys):
     """A kernel edited (or another torch/triton) since a sweep makes its timings stale: a resume
     times every config again and keeps the old rows in a .stale.parquet beside the sweep."""
-    from kernels.runenv import kernel_code
+    from experiments.bench.stamp import kernel_code
 
     out = tmp_path / "s.parquet"
     argv = ["--grid", "tiny", "--device", "cpu", "--families", "softmax_fwd", "--out", str(out),
@@ -382,7 +383,7 @@ def test_rows_of_other_kernel_code_are_set_aside_and_timed_again(tmp_path, capsy
 def test_a_sweep_of_some_families_keeps_the_other_families_rows_and_stamps(tmp_path, capsys):
     """Only the swept families' rows are judged stale: another family's rows of another kernel code
     stay, with their stamps (the cost model fits each family on its own rows)."""
-    from kernels.runenv import kernel_code
+    from experiments.bench.stamp import kernel_code
 
     out = tmp_path / "s.parquet"
     base = ["--grid", "tiny", "--device", "cpu", "--out", str(out), "--warmup-ms", "0", "--rep-ms", "1"]
@@ -406,7 +407,7 @@ def test_a_sweep_of_some_families_keeps_the_other_families_rows_and_stamps(tmp_p
 def test_no_launch_key_value_is_carried_by_the_hand_config_alone():
     """Every value the hand config has on a key is also swept with other values of the other keys,
     so a model cannot learn the hand rule's wins or losses as that value's effect."""
-    from kernels.bench.sweep_families import FAMILIES, grid, hand_config, space
+    from experiments.tuning.families import FAMILIES, grid, hand_config, space
 
     for level in ("small", "medium"):
         for f in FAMILIES:
@@ -429,7 +430,7 @@ def test_no_launch_key_value_is_carried_by_the_hand_config_alone():
 def test_every_autotune_candidate_is_swept():
     """The autotune baseline is the best of its candidate list by the sweep's own times: every
     candidate valid for a shape of the small or medium grid is in that shape's space."""
-    from kernels.bench.sweep_families import AUTOTUNE, grid, space, valid
+    from experiments.tuning.families import AUTOTUNE, grid, space, valid
 
     for family, candidates in AUTOTUNE.items():
         for level in ("small", "medium"):
@@ -451,7 +452,7 @@ class _CountingMeter:
 
 
 def _tiny_shape_args():
-    from kernels.bench.sweep_families import grid, hand_config, space
+    from experiments.tuning.families import grid, hand_config, space
 
     s = grid("flash_fwd", "tiny")[0]
     args = SimpleNamespace(warmup_ms=0, rep_ms=1, grid="tiny", seed=0, energy_s=0.001, timing="call")
@@ -462,7 +463,7 @@ def _tiny_shape_args():
 def test_a_shape_cut_by_the_deadline_gets_no_energy_pass_until_complete():
     """Energy is read only once every config of a shape is timed: a cut shape's fastest config may
     be one not yet timed, and the readings would miss it."""
-    from kernels.bench.power import PowerSampler
+    from experiments.tuning.power import PowerSampler
 
     s, todo, hand, args, stamp = _tiny_shape_args()
     assert len(todo) >= 2
@@ -527,7 +528,7 @@ def test_energy_pass_reads_the_counter_for_the_configs_near_the_fastest(tmp_path
 
 def test_medium_grid_extends_small_with_its_config_space():
     """medium = small's shapes plus more, with small's configs and more: a resumed small sweep keeps its rows."""
-    from kernels.bench.sweep_families import FAMILIES, grid, space
+    from experiments.tuning.families import FAMILIES, grid, space
 
     for f in FAMILIES:
         small, medium = grid(f, "small"), grid(f, "medium")
@@ -826,7 +827,7 @@ def test_costmodel_bad_cli_exits_2(tmp_path):
 def test_judge_on_new_counts_only_the_shapes_outside_the_small_grid(monkeypatch):
     """Where the hand rules were retuned on the small grid's shapes, --judge-on new leaves those out
     of the slowdowns (they still train the model); a family whose rules were not keeps them all."""
-    from kernels.bench import sweep_families
+    from experiments.tuning import families as sweep_families
 
     rows = synthetic_rows()
     small_ids = {r["shape_id"] for r in rows if r["N"] <= 256}  # stand-ins for the small grid's shapes
@@ -865,7 +866,7 @@ def test_default_evaluation_holds_out_one_shape_at_a_time():
 def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_path):
     """The report on the synthetic sweep: the markdown names every family and plot; the energy plot
     and columns come only from rows read off the energy counter."""
-    from kernels.bench.costmodel_report import write_report
+    from experiments.tuning.costmodel_report import write_report
 
     rows = synthetic_rows()
     counted = write_report([dict(r, energy_src="counter") for r in rows], str(tmp_path / "a"), folds=7)
@@ -883,7 +884,7 @@ def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_
 
 def test_nvml_board_is_torchs_device_by_uuid_never_another_visible_index(monkeypatch):
     """NVML numbers every board of the host; torch's index counts the visible ones only."""
-    from kernels.bench import power
+    from experiments.tuning import power
 
     class NV:
         def nvmlDeviceGetHandleByUUID(self, uuid):
@@ -911,8 +912,8 @@ def test_rows_of_an_older_sweep_get_the_keys_added_since_as_their_kernel_ran():
     split), so every row has every key its family has today and the model can be fitted."""
     from pathlib import Path
 
-    from kernels.bench.costmodel import load
-    from kernels.bench.sweep_families import TUNABLE, complete
+    from experiments.tuning.costmodel import load
+    from experiments.tuning.families import TUNABLE, complete
 
     assert complete("softmax_fwd", {"BLOCK_N": 512, "SMALL_N": 64}) == {"BLOCK_N": 512, "SMALL_N": 64, "STREAM_N": 512}
     assert complete("jagged_jagged_bmm", {"BLOCK_K": 64})["T_SPLITS"] == 1
@@ -927,7 +928,7 @@ def test_rows_of_an_older_sweep_get_the_keys_added_since_as_their_kernel_ran():
 def test_kernel_code_follows_the_code_not_its_comments_or_docstrings():
     """A sweep's rows stay current through comment and docstring edits of kernels/, not through a
     change of what runs (nor of torch or triton)."""
-    from kernels.runenv import code_text, kernel_code
+    from experiments.bench.stamp import code_text, kernel_code
 
     src = 'def f(x):\n    """Doc."""\n    y = x + 1  # one\n\n    return y  # "#" in a comment\n'
     edited = 'def f(x):\n    """Another doc,\n    two lines."""\n    # a new comment line\n    y = x + 1\n    return y\n'

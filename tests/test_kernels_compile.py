@@ -148,7 +148,7 @@ def test_autocast_under_compile():
 
 @pytest.mark.slow  # about 45 s on 2 cores with a cold Triton cache (127 kernels through ptxas)
 def test_every_kernel_compiles_for_sm90_without_a_gpu():
-    """`python -m kernels.bench.gpu_check`: the launchers' real configurations (attention and row-wise
+    """`python -m experiments gpu-check`: the launchers' real configurations (attention and row-wise
     kernels) through Triton's compiler to a Hopper cubin on this CPU machine (outside the
     interpreter, whose configurations differ)."""
     import os
@@ -157,7 +157,7 @@ def test_every_kernel_compiles_for_sm90_without_a_gpu():
     from pathlib import Path
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench.gpu_check", "--dtypes", "bf16,fp32", "--dims", "64,128"],
+    proc = subprocess.run([sys.executable, "-m", "experiments", "gpu-check", "--dtypes", "bf16,fp32", "--dims", "64,128"],
                           cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and " 0 failures" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

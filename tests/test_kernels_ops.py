@@ -438,7 +438,7 @@ def test_split_t_is_off_under_deterministic_algorithms(monkeypatch):
     """Split-T adds fp32 partial products in arrival order: with torch asked for deterministic
     algorithms the launcher runs one program per output tile instead."""
     from kernels import _bmm_triton
-    from kernels.bench import gpu_check
+    from experiments.bench import gpu_check
 
     monkeypatch.setattr(_bmm_triton, "split_t", lambda *a: 4)  # the hand rule asks for split-T
     a = torch.empty(64, 32, device="meta", dtype=torch.bfloat16)

@@ -105,7 +105,7 @@ def test_bad_config_says_what_to_fix():
 
 def test_a_recorded_config_with_an_old_key_is_renamed_in_place():
     """A run recorded before model.ranker.backend became model.ranker.attention reruns
-    (pipeline.reproduce) under the new name; other keys and configs without it are untouched."""
+    (experiments.reproduce) under the new name; other keys and configs without it are untouched."""
     config = {"model": {"ranker": {"backend": "sdpa", "embed_dim": 8}}, "data": {"max_seq_len": 16}}
     assert rename_old_keys(config) == ["model.ranker.backend -> model.ranker.attention"]
     assert config == {"model": {"ranker": {"attention": "sdpa", "embed_dim": 8}}, "data": {"max_seq_len": 16}}

@@ -13,7 +13,8 @@ import torch
 
 from data_gen.schema import read_split
 from pipeline.batches import EpochBatchSampler, JaggedSplit
-from pipeline.data import RankerData, main as data_main
+from experiments.loader_bench import main as loader_bench
+from pipeline.data import RankerData
 from pipeline.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,6 +106,6 @@ def test_invalid_data_set_is_refused(tiny, tmp_path):
 
 
 def test_loader_bench_with_worker_processes(tiny, capsys):
-    data_main(["bench", "--data", str(tiny), "--batch-size", "64", "--workers", "1", "--batches", "5"])
+    loader_bench(["--data", str(tiny), "--batch-size", "64", "--workers", "1", "--batches", "5"])
     out = capsys.readouterr().out
     assert "batches/s" in out and "workers=1" in out

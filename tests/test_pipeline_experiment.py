@@ -11,7 +11,8 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from pipeline import experiment, sweep
+from experiments import main_job as experiment
+from experiments import sweep
 from test_pipeline_cli import fresh_tracking_uri
 from test_pipeline_data import tiny_data_dir
 

@@ -153,7 +153,7 @@ def test_the_other_tools_check_the_server_first(server, monkeypatch, capsys, too
     uri = server("500")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setattr("mlflow.tracking._tracking_service.utils._tracking_uri", None, raising=False)
-    module = importlib.import_module(f"pipeline.{tool}")
+    module = importlib.import_module(f"experiments.{tool}")
     args = ["--parent", "smoke"] if tool == "report" else ["--run", "0" * 32]
     assert module.main(args) == 2
     assert f"MLflow tracking server {uri} answers /health but its API fails" in capsys.readouterr().err

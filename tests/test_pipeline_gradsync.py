@@ -182,7 +182,7 @@ def test_a_gloo_worker_exits_zero_on_success_and_reports_its_error(tmp_path):
 
 @pytest.mark.slow
 def test_the_bench_measures_the_bytes_it_predicts(tmp_path):
-    from pipeline.ddp_bench import main as bench_main
+    from experiments.ddp_bench import main as bench_main
 
     bench_main(["--worlds", "2", "--presets", "tiny", "--fractions", "0.05", "1.0", "--steps", "1", "--warmup", "0",
                 "--out", str(tmp_path)])

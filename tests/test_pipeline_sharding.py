@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from pipeline.balance import main as balance_main
+from experiments.balance import main as balance_main
 from pipeline.batches import EpochBatchSampler, balance_ranks
 from test_pipeline_data import tiny_data_dir
 
@@ -116,4 +116,4 @@ def test_the_balance_report_on_tiny_data(tmp_path_factory, tmp_path, capsys):
     for r in rows:
         if r[3].strip() == "balanced":
             assert 1.0 <= float(r[4]) <= 1.01
-    assert "python -m pipeline.balance --data" in text
+    assert "python -m experiments balance --data" in text

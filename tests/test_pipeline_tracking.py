@@ -99,11 +99,11 @@ def test_killed_run_resumes_into_the_same_mlflow_run(tiny, uninterrupted, tmp_pa
 
 @pytest.mark.slow
 def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_factory):
-    """`python -m pipeline.experiment` on tiny data: the table printed and written, and the parent
+    """`python -m experiments main-job` on tiny data: the table printed and written, and the parent
     run, read back through the MLflow client, carries the comparison (metrics, table, plots)."""
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "pipeline.experiment", "--preset", "tiny", "--data", str(tiny),
+    cmd = [sys.executable, "-m", "experiments", "main-job", "--preset", "tiny", "--data", str(tiny),
            "--attention", "dense", "jagged", "--results-dir", str(results), "--",
            "--trainer.max_epochs", "1", "--mlflow.system_metrics", "false",
            "--trainer.default_root_dir", str(tmp_path / "ckpt")]

@@ -1,4 +1,4 @@
-"""pipeline.profile on CPU, tiny data: per attention layout an attention share and step times in the JSON,
+"""experiments.profile on CPU, tiny data: per attention layout an attention share and step times in the JSON,
 and the same results as a table."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.profile import main
+from experiments.profile import main
 from test_pipeline_data import tiny_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def test_profile_reports_the_attention_share_of_every_layout(tiny, tmp_path, cap
         "--steps", "2", "--warmup", "1", "--out", str(out),
     ])
     assert rc == 0
-    data = json.loads(out.with_suffix(".json").read_text())  # the numbers (pipeline.report reads them)
+    data = json.loads(out.with_suffix(".json").read_text())  # the numbers (experiments.report reads them)
     assert data["device"] and data["commit"] and data["torch"] == torch.__version__
     assert [r["attention"] for r in data["results"]] == ["dense", "sdpa", "jagged"]
     for r in data["results"]:

@@ -9,7 +9,8 @@ import polars as pl
 import pytest
 from mlflow.tracking import MlflowClient
 
-from pipeline import report, reproduce
+from experiments import report
+from experiments import reproduce
 from test_sweep import _uri_env, smoke_sweep, the_parent
 
 
@@ -184,7 +185,7 @@ def test_convergence_section_judges_the_last_validation_interval():
 
     import polars as pl
 
-    from pipeline.report import convergence_section
+    from experiments.report import convergence_section
 
     # a: flat; b: still rising; c: fell from its first check (past its peak); f: rose by more than tol
     # over the last interval but stays below its earlier best (past its peak, not rising); g: rose
@@ -232,8 +233,8 @@ def test_recovery_section_shares_of_the_gain_and_costs(tmp_path):
 
 
 def test_one_markdown_and_one_text_table_for_every_command():
-    from pipeline import _sweep_runs as runs_
-    from pipeline import experiment
+    from experiments import runs as runs_
+    from experiments import main_job as experiment
 
     res = [{"attention": "jagged", "status": "FINISHED", "wall_s": 41.2, "run_id": "r1",
             "metrics": {"test/auc": 0.72634, "test/ne": 0.903, "mem/peak_rss_mb": 1019.4}}]

@@ -275,7 +275,7 @@ def test_triton_never_reads_a_key_block_no_head_sees():
 
 
 def test_bench_ideal_speedup_and_report(tmp_path):
-    from kernels.bench import s2 as bench
+    from experiments.bench import s2 as bench
 
     lengths = torch.tensor([0, 64, 100, 250])
     assert bench.visible_fraction(lengths, S2Shards(16, 0, 1), 2) == 1.0  # stride 1: every block

@@ -1,10 +1,10 @@
-"""pipeline.summary: REPORT.md from committed result files only."""
+"""experiments.summary: REPORT.md from committed result files only."""
 
 from __future__ import annotations
 
 import json
 
-from pipeline import summary
+from experiments import summary
 
 KERNELS = """# Kernel benchmarks on GPU X
 
@@ -70,7 +70,7 @@ def test_a_report_from_another_budget_is_marked_stale(tmp_path):
     gone = REPORT.format(budget=json.dumps({**current, "trainer.limit_train_batches": 1000, "data.num_workers": 4}))
     assert summary.budget_state("batch_size", gone) == ("stale: trainer.limit_train_batches: ran 1000, file: not set; "
                                                         "data.num_workers: ran 4, file: not set")
-    given = gone + "- MLflow: command `python -m pipeline.sweep x.yaml --set data.num_workers=4`\n"
+    given = gone + "- MLflow: command `python -m experiments sweep x.yaml --set data.num_workers=4`\n"
     assert summary.budget_state("batch_size", given) == "stale: trainer.limit_train_batches: ran 1000, file: not set"
 
 

@@ -22,8 +22,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from pipeline import sweep
-from pipeline._sweep_spec import load
+from experiments import sweep
+from experiments.ablation import load
 from pipeline.errors import ConfigError
 from pipeline.store import check_tracking
 
@@ -183,7 +183,7 @@ def test_bad_ablation_files(tmp_path, change, message):
 
 
 def test_failure_line_names_the_signal_that_ended_a_run():
-    from pipeline._proc import failure_line
+    from experiments.proc import failure_line
 
     out = "Epoch 0:   0%|          | 0/9\n"
     assert failure_line(1, "x\nerror: bad\n") == "error: bad"
@@ -275,8 +275,8 @@ def test_a_run_past_its_timeout_is_killed_and_recorded(smoke, tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_parallel_runs_are_tagged_prefixed_and_flagged_in_the_report(smoke, tmp_path, monkeypatch, capsys):
-    from pipeline import _sweep_runs as runs_
-    from pipeline.report import shared_device_note
+    from experiments import runs as runs_
+    from experiments.report import shared_device_note
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -329,7 +329,7 @@ def test_sigterm_stops_the_run_in_flight_and_records_it(smoke, tmp_path):
     argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16",
             "--set", "trainer.limit_train_batches=100000", "--set", "trainer.max_epochs=100"]  # long enough
     check_tracking(uri)  # the store's tables exist before this test and the sweep both open it
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *argv], env=env, cwd=REPO,
+    proc = subprocess.Popen([sys.executable, "-m", "experiments", "sweep", *argv], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     client, running = MlflowClient(uri), _running_child(proc, uri, 120)
     training = [p for p in psutil.Process(proc.pid).children(recursive=True) if "fit" in " ".join(p.cmdline())]
@@ -346,7 +346,7 @@ def test_sigterm_stops_the_run_in_flight_and_records_it(smoke, tmp_path):
 
 def test_the_point_hash_follows_the_code(tmp_path, monkeypatch):
     """A point that FINISHED with other code is not "already OK": the hash covers the packages."""
-    from pipeline import _sweep_spec
+    from experiments import ablation as _sweep_spec
 
     for package in _sweep_spec.CODE_PACKAGES:
         (tmp_path / package / "sub").mkdir(parents=True)
@@ -408,7 +408,7 @@ def _sweep_process(smoke, uri: str, *extra: str):
     check_tracking(uri)  # created once here, not by whichever of the test and the sweeps is first
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
     argv = [str(smoke.ablation), "--data-root", str(smoke.root / "data"), "--where", "max_seq_len=16", *extra]
-    return subprocess.Popen([sys.executable, "-m", "pipeline.sweep", *argv], env=env, cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "experiments", "sweep", *argv], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -470,8 +470,8 @@ def test_device_slots_deal_gpus_and_cores(monkeypatch):
 def test_gpus_give_each_concurrent_run_its_device_and_cores(smoke, tmp_path, monkeypatch):
     """--gpus 0,1: two points at once, each run told its own GPU and pinned to its own cores;
     tagged as not sharing a device, and the report says they ran side by side."""
-    from pipeline import _sweep_runs as runs_
-    from pipeline.report import shared_device_note
+    from experiments import runs as runs_
+    from experiments.report import shared_device_note
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -501,7 +501,7 @@ def test_gpus_give_each_concurrent_run_its_device_and_cores(smoke, tmp_path, mon
 def test_a_runs_table_from_before_the_concurrent_column_still_gets_the_shared_gpu_warning():
     import polars as pl
 
-    from pipeline.report import shared_device_note
+    from experiments.report import shared_device_note
 
     old = pl.DataFrame({"status": ["OK", "OK"], "parallel": ["2", "2"]})  # a runs.csv written before --gpus
     (note,) = [ln for ln in shared_device_note(old) if ln]

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
 
-from pipeline import _sweep_plots as plots  # noqa: E402
+from experiments import plots  # noqa: E402
 
 
 def _frame(rows):
@@ -133,7 +133,7 @@ def test_pareto_plot_draws_every_finished_run_and_the_oracle_of_each_length(tmp_
 def test_a_saved_plot_is_a_palette_png_with_its_text_and_exact_flat_colours(tmp_path):
     from PIL import Image
 
-    from kernels.bench.figures import save_png
+    from experiments.figures import save_png
 
     fig, ax = plt.subplots(figsize=(3, 2))
     ax.set_facecolor((1.0, 0.0, 0.0))

@@ -18,9 +18,9 @@
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (one-step profile per attention layout at the PRESET, default paper,
 # into experiments/results/profile_<preset>_<gpu>.md), reproduce (a jagged fit at max_seq_len 1024 with
-# trainer.deterministic=warn, then `pipeline.reproduce` of it: metrics beside the original's, GPU tolerance,
+# trainer.deterministic=warn, then `experiments.reproduce` of it: metrics beside the original's, GPU tolerance,
 # and the ops without a deterministic kernel; REPRO_SOURCE=sweep reruns the seq_len run instead).
-# GPUS=0,1 (a multi-GPU machine): the throughput sweeps run one point per GPU at once (`pipeline.sweep
+# GPUS=0,1 (a multi-GPU machine): the throughput sweeps run one point per GPU at once (`experiments.sweep
 # --gpus`: each run has its GPU alone and its share of the cores), the accuracy sweeps ACC_GPUS
 # (default: PARALLEL runs dealt over GPUS, e.g. 0,1,0,1). Datasets the parts declare are generated
 # first, once.
@@ -45,7 +45,7 @@ fi
 python3 - "$preset" $PARTS >> "$log" 2>&1 <<'PY'  # the parts' own datasets, once, before any sweep
 import sys
 from pathlib import Path
-from pipeline._sweep_spec import load
+from experiments.ablation import load
 for part in {p.split("@")[0] for p in sys.argv[2:]}:
     path = Path(f"experiments/ablations/{part}.yaml")
     if path.is_file():
@@ -62,10 +62,10 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
   # on SIGTERM the sweep stops the run in flight (recorded KILLED, resumed by the next call)
   # the files' own datasets on the GPU; --data (it replaces every file-level dataset) only for a check on other data
   local data=(); [ "$preset" != paper ] && data=(--data "data/$preset")
-  timeout -k 90 "$t" python3 -m pipeline.sweep "experiments/ablations/$name.yaml" "${data[@]}" \
+  timeout -k 90 "$t" python3 -m experiments sweep "experiments/ablations/$name.yaml" "${data[@]}" \
     --deadline-s $((t - 60)) --end-s "$t" "$@" >> "$log" 2>&1
   echo "$name sweep rc=$? at ${SECONDS}s" | tee -a "$log"
-  timeout 45 python3 -m pipeline.report --parent "$name" --commit "$GIT_COMMIT" >> "$log" 2>&1
+  timeout 45 python3 -m experiments report --parent "$name" --commit "$GIT_COMMIT" >> "$log" 2>&1
   echo "$name report rc=$? at ${SECONDS}s" | tee -a "$log"
   save
 }
@@ -106,11 +106,11 @@ for spec in $PARTS; do
       for pb in ${PROFILE_BATCHES:-default}; do
         args=()
         if [ "$pb" != default ]; then
-          slug=$(python3 -c 'from pipeline.profile import device_slug; print(device_slug())')
+          slug=$(python3 -c 'from experiments.profile import device_slug; print(device_slug())')
           args=(--data.batch_size "${pb%%:*}" --out "experiments/results/profile_${preset}_${slug}_b${pb%%:*}.md")
           if [[ $pb == *:* ]]; then IFS=+ read -ra bks <<< "${pb#*:}"; args+=(--attention "${bks[@]}"); fi
         fi
-        timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
+        timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m experiments profile --config experiments/configs/base.yaml \
           --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 "${args[@]}" >> "$log" 2>&1
         echo "profile $pb rc=$? at ${SECONDS}s" | tee -a "$log"
       done; save ;;
@@ -122,7 +122,7 @@ for spec in $PARTS; do
         # seq_len.yaml's budget (its `set`) as --key value pairs: the source is that sweep's point
         mapfile -t point_set < <(python3 -c "
 import json
-from pipeline._sweep_spec import read
+from experiments.ablation import read
 for k, v in read('experiments/ablations/seq_len.yaml')['set'].items():
     print(f'--{k}'); print(v if isinstance(v, str) else json.dumps(v))")
         timeout $(( ($(left) - 60) / 2 )) python3 -m pipeline fit --config experiments/configs/base.yaml \
@@ -140,7 +140,7 @@ runs = mlflow.search_runs(search_all_experiments=True, output_format='list', ord
     filter_string=sys.argv[1])
 print(runs[0].info.run_id if runs else '')" "$filter")
       if [ -n "$run_id" ] && [ "$(left)" -gt 150 ]; then
-        timeout $(( $(left) - 30 )) python3 -m pipeline.reproduce --run "$run_id" >> "$log" 2>&1
+        timeout $(( $(left) - 30 )) python3 -m experiments reproduce --run "$run_id" >> "$log" 2>&1
         echo "reproduce $run_id rc=$? at ${SECONDS}s" | tee -a "$log"
         grep -o "[A-Za-z_.:]* does not have a deterministic implementation" "$log" | sort | uniq -c \
           | sed 's/^/nondeterministic op: /' | tee -a "$log"
@@ -150,6 +150,6 @@ print(runs[0].info.run_id if runs else '')" "$filter")
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done
-python3 -m pipeline.summary >> "$log" 2>&1  # experiments/results/REPORT.md over what is there now
+python3 -m experiments summary >> "$log" 2>&1  # experiments/results/REPORT.md over what is there now
 save
 grep -E "rc=|: [0-9]+ (OK|OOM|FAILED|NOT RUN)" "$log" | tail -30

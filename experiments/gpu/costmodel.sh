@@ -21,7 +21,7 @@
 # cores less 2, at most 12); ENERGY_S: seconds per energy reading (default 1); TIMING=graph|call
 # (default graph: the kernels alone); REP_MS: timing repetitions, ms (default 40). MODEL=0 stops after
 # the sweep (eval, report and export need no GPU: run them where the Parquet comes back).
-# EXPECT_KERNEL_CODE=<12 hex>: stop (exit 3) before sweeping unless kernels.runenv.kernel_code() is that
+# EXPECT_KERNEL_CODE=<12 hex>: stop (exit 3) before sweeping unless experiments.bench.stamp.kernel_code() is that
 # (the digest the resumed rows carry), rather than time them all again.
 # Where the machine returns few files per command, end with `bash experiments/gpu/pack.sh`. E.g.
 #   GIT_COMMIT=$(git rev-parse HEAD) bash experiments/gpu/costmodel.sh; bash experiments/gpu/pack.sh
@@ -30,8 +30,8 @@ set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 log=$OUT/run.log
 nvidia-smi --query-gpu=name,driver_version,memory.total,power.limit --format=csv,noheader | tee "$log"
-slug=$(python3 -c "import torch; from kernels.runenv import device_slug; print(device_slug())")
-code=$(python3 -c "from kernels.runenv import kernel_code; print(kernel_code())")
+slug=$(python3 -c "import torch; from kernels.launch_table import device_slug; print(device_slug())")
+code=$(python3 -c "from experiments.bench.stamp import kernel_code; print(kernel_code())")
 echo "kernel code $code" | tee -a "$log"
 if [ -n "${EXPECT_KERNEL_CODE:-}" ] && [ "$code" != "$EXPECT_KERNEL_CODE" ]; then
   echo "kernel code $code, not EXPECT_KERNEL_CODE=$EXPECT_KERNEL_CODE: every resumed row would be timed again; stopping" | tee -a "$log"
@@ -46,7 +46,7 @@ if [ -n "$RESUME" ]; then
   echo "resuming from $RESUME" | tee -a "$log"
 fi
 deadline=${SWEEP_DEADLINE:-400}
-timeout -k 30 $(( deadline + 120 )) python3 -m kernels.bench.sweep --grid "${GRID:-medium}" \
+timeout -k 30 $(( deadline + 120 )) python3 -m experiments config-sweep --grid "${GRID:-medium}" \
   --families "${FAMILIES:-all}" --deadline-s "$deadline" --out "$data" --commit "$GIT_COMMIT" ${MLFLOW:+--mlflow} \
   ${COMPILE_WORKERS:+--compile-workers "$COMPILE_WORKERS"} ${ENERGY_S:+--energy-s "$ENERGY_S"} \
   ${TIMING:+--timing "$TIMING"} ${REP_MS:+--rep-ms "$REP_MS"} \
@@ -58,10 +58,10 @@ if [ "$rc" = 2 ]; then echo "the sweep refused its input (another GPU's rows?): 
 if [ "${MODEL:-1}" = 0 ]; then exit "$rc"; fi
 # the hand rules were retuned on the small grid's shapes: beyond it, judge on the other shapes only
 judge=${JUDGE_ON:-$([ "${GRID:-medium}" = small ] && echo all || echo new)}
-timeout 120 python3 -m kernels.bench.costmodel eval --data "$data" --out "$OUT/eval-$slug.json" --judge-on "$judge" >> "$log" 2>&1
+timeout 120 python3 -m experiments costmodel eval --data "$data" --out "$OUT/eval-$slug.json" --judge-on "$judge" >> "$log" 2>&1
 echo "costmodel eval rc=$?" | tee -a "$log"
-timeout 120 python3 -m kernels.bench.costmodel report --data "$data" --out "$OUT/report" --judge-on "$judge" > /dev/null 2>> "$log"
+timeout 120 python3 -m experiments costmodel report --data "$data" --out "$OUT/report" --judge-on "$judge" > /dev/null 2>> "$log"
 echo "costmodel report rc=$?" | tee -a "$log"
-timeout 120 python3 -m kernels.bench.costmodel export --data "$data" --out "$OUT/configs/$slug.json" >> "$log" 2>&1
+timeout 120 python3 -m experiments costmodel export --data "$data" --out "$OUT/configs/$slug.json" >> "$log" 2>&1
 echo "costmodel export rc=$?" | tee -a "$log"
 tail -30 "$log"

@@ -54,7 +54,7 @@ if has data; then
   make data PRESET=paper DATA="$DATA" SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
 fi
 if has balance; then  # the sampler's split of every global batch of an epoch, 2 to 8 ranks
-  timeout $(( $(left) - 30 )) python3 -m pipeline.balance --data "$DATA" --batch-size "${BATCH:-512}" \
+  timeout $(( $(left) - 30 )) python3 -m experiments balance --data "$DATA" --batch-size "${BATCH:-512}" \
     --max-seq-len "${MAX_SEQ_LEN:-1024}" --world-sizes 2 4 8 --out "$OUT/ddp-token-balance.md" >> "$log" 2>&1
   echo "balance rc=$? at ${SECONDS}s" | tee -a "$log"
 fi

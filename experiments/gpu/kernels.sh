@@ -4,11 +4,11 @@
 # wheels), with OUT set to a folder that comes back and GIT_COMMIT set
 # (the GPU machine has no .git). Everything lands in $OUT/bench (JSON, markdown, PNG: at most
 # 7 files) and $OUT/run.log, so a call cut short still returns what was measured.
-# PARTS picks what runs: tests, tune_ops (kernels.bench.tune_ops, TUNE_BUDGET s, log in
+# PARTS picks what runs: tests, tune_ops (experiments.tuning.tune_ops, TUNE_BUDGET s, log in
 # $OUT/tune_ops.log), bench_paper, bench_recsys_long, graph_paper (self-attention on the paper
 # suite, ours and varlen_attn, each row also as a CUDA-graph replay: the kernels' own time beside
 # the call's), bench_paper_hand (the paper suite with the hand rules, JFA_LAUNCH_TABLE=off, into
-# $OUT/hand: the run a launch table's is set against, `python -m kernels.bench.compare`),
+# $OUT/hand: the run a launch table's is set against, `python -m experiments bench-compare`),
 # target_ab (target attention on the paper suite against varlen_attn, call and CUDA-graph times,
 # with SPLIT_DQ as shipped into $OUT/bench and forced off into $OUT/nosplit: whether the Tq 1/16
 # fwd+bwd rows' 0.5 ms over the H100 run of 9940400 is host or kernel time, and SPLIT_DQ's share),
@@ -16,7 +16,7 @@
 # split-T forced to 4 chunks into $OUT/split, graph times too), table_ab (each kind of AB_KINDS,
 # default "dense_attention ops", on AB_SUITE, default paper: ours and varlen_attn with the launch
 # table into $OUT/table, then with the hand rules into $OUT/hand, CUDA-graph times too, and
-# `kernels.bench.compare` of the two into $OUT/compare-<kind>.md; AB_ORDER="hand table hand table"
+# `experiments.bench.compare` of the two into $OUT/compare-<kind>.md; AB_ORDER="hand table hand table"
 # alternates processes, the repeats into $OUT/hand-2, $OUT/table-2, ..., all compared together;
 # AB_MODES=fwd_bwd times that mode alone; AB_CPUS=0-3 pins each run to those cores, to see whether
 # the host-bound rows' call times move less between processes so);
@@ -42,32 +42,32 @@ if [[ $PARTS == *" tests "* ]]; then
   echo "gpu tests rc=$?" | tee -a "$log"
   grep -E "passed|failed" "$log" | tail -2
 fi
-if [[ $PARTS == *" tune_ops "* ]]; then  # candidates of the ops kernels' launch dicts (kernels/TUNING.md)
-  timeout $(( ${TUNE_BUDGET:-200} + 90 )) python3 -m kernels.bench.tune_ops --budget-s "${TUNE_BUDGET:-200}" \
+if [[ $PARTS == *" tune_ops "* ]]; then  # candidates of the ops kernels' launch dicts (docs/tuning.md)
+  timeout $(( ${TUNE_BUDGET:-200} + 90 )) python3 -m experiments tune-ops --budget-s "${TUNE_BUDGET:-200}" \
     > "$OUT/tune_ops.log" 2>&1
   echo "tune_ops rc=$?" | tee -a "$log"; grep -A20 "best config per op" "$OUT/tune_ops.log" | tee -a "$log"
 fi
 mkdir -p "$OUT/bench"
 graph=(); [ "${GRAPH_MS:-0}" = 1 ] && graph=(--graph-ms)
 if [[ $PARTS == *" bench_paper "* ]]; then
-  python3 -m kernels.bench all --suite paper --out "$OUT/bench" --commit "$GIT_COMMIT" "${graph[@]}" \
+  python3 -m experiments bench all --suite paper --out "$OUT/bench" --commit "$GIT_COMMIT" "${graph[@]}" \
     --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${PAPER_DEADLINE:-280}" >> "$log" 2>&1
   echo "bench paper rc=$?" | tee -a "$log"
 fi
 if [[ $PARTS == *" bench_paper_hand "* ]]; then
-  JFA_LAUNCH_TABLE=off python3 -m kernels.bench all --suite paper --out "$OUT/hand" --commit "$GIT_COMMIT" "${graph[@]}" \
+  JFA_LAUNCH_TABLE=off python3 -m experiments bench all --suite paper --out "$OUT/hand" --commit "$GIT_COMMIT" "${graph[@]}" \
     --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${PAPER_DEADLINE:-280}" >> "$log" 2>&1
   echo "bench paper (hand rules) rc=$?" | tee -a "$log"
 fi
 if [[ $PARTS == *" graph_paper "* ]]; then  # kernels alone vs call (host included): is a gap host time?
-  python3 -m kernels.bench attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/bench" \
+  python3 -m experiments bench attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/bench" \
     --commit "$GIT_COMMIT" --deadline-s "${GRAPH_DEADLINE:-200}" >> "$log" 2>&1
   echo "bench graph_paper rc=$?" | tee -a "$log"
 fi
 if [[ $PARTS == *" target_ab "* ]]; then
   for variant in bench nosplit; do
     force=(); [ $variant = nosplit ] && force=(--force dense_bwd:SPLIT_DQ=0)
-    python3 -m kernels.bench dense_attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/$variant" \
+    python3 -m experiments bench dense_attention --suite paper --providers varlen_attn --graph-ms --out "$OUT/$variant" \
       --commit "$GIT_COMMIT" "${force[@]}" --deadline-s "${AB_DEADLINE:-120}" >> "$log" 2>&1
     echo "bench target_ab $variant rc=$?" | tee -a "$log"
   done
@@ -75,7 +75,7 @@ fi
 if [[ $PARTS == *" split_ab "* ]]; then
   for variant in long split; do
     force=(); [ $variant = split ] && force=(--force jagged_jagged_bmm:T_SPLITS=4)
-    python3 -m kernels.bench ops --suite long --graph-ms --out "$OUT/$variant" --commit "$GIT_COMMIT" "${force[@]}" \
+    python3 -m experiments bench ops --suite long --graph-ms --out "$OUT/$variant" --commit "$GIT_COMMIT" "${force[@]}" \
       --deadline-s "${AB_DEADLINE:-120}" >> "$log" 2>&1
     echo "bench split_ab $variant rc=$?" | tee -a "$log"
   done
@@ -87,19 +87,19 @@ if [[ $PARTS == *" table_ab "* ]]; then  # the launch table against the hand rul
       seen[$variant]=$(( ${seen[$variant]:-0} + 1 )); dir=$OUT/$variant; [ "${seen[$variant]}" -gt 1 ] && dir=$dir-${seen[$variant]}
       off=(); [ $variant = hand ] && off=(JFA_LAUNCH_TABLE=off)
       pin=(); [ -n "${AB_CPUS:-}" ] && pin=(taskset -c "$AB_CPUS")
-      env "${off[@]}" "${pin[@]}" python3 -m kernels.bench "$kind" --suite "${AB_SUITE:-paper}" --providers varlen_attn --graph-ms \
+      env "${off[@]}" "${pin[@]}" python3 -m experiments bench "$kind" --suite "${AB_SUITE:-paper}" --providers varlen_attn --graph-ms \
         ${AB_MODES:+--modes "$AB_MODES"} --out "$dir" --commit "$GIT_COMMIT" --deadline-s "${AB_DEADLINE:-120}" \
         --no-report >> "$log" 2>&1
       echo "bench table_ab $kind $variant ($dir) rc=$?" | tee -a "$log"
     done
     runs() { ls "$OUT"/"$1"{,-*}/*-"$kind"-*.json 2>/dev/null | paste -sd, -; }
     base=$(runs hand); new=$(runs table)
-    [ -n "$base" ] && [ -n "$new" ] && python3 -m kernels.bench.compare "$base" "$new" --out "$OUT/compare-$kind.md" \
+    [ -n "$base" ] && [ -n "$new" ] && python3 -m experiments bench-compare "$base" "$new" --out "$OUT/compare-$kind.md" \
       | grep -E "PASS|MISS|slower|geomean" | tee -a "$log"
   done
 fi
 if [[ $PARTS == *" bench_recsys_long "* ]]; then
-  python3 -m kernels.bench all --suite recsys,long --out "$OUT/bench" --commit "$GIT_COMMIT" "${graph[@]}" \
+  python3 -m experiments bench all --suite recsys,long --out "$OUT/bench" --commit "$GIT_COMMIT" "${graph[@]}" \
     --flex-budget-s "${FLEX_BUDGET:-60}" --deadline-s "${RL_DEADLINE:-240}" >> "$log" 2>&1
   echo "bench recsys,long rc=$?" | tee -a "$log"
 fi

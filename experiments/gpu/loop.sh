@@ -45,7 +45,7 @@ for spec in $RUNS; do
 done
 python3 experiments/gpu/runs_table.py loop | tee -a "$log"
 if [ "$(left)" -gt 120 ] && [ -n "${PROFILE-1}" ]; then
-  timeout $(( $(left) - 10 )) python3 -m pipeline.profile --config experiments/configs/base.yaml \
+  timeout $(( $(left) - 10 )) python3 -m experiments profile --config experiments/configs/base.yaml \
     --config experiments/configs/paper.yaml --data.data_dir data/paper --model.cuda_graphs true \
     --attention ${PROFILE_ATTENTION:-jagged sdpa dense} --steps 5 --warmup 3 --top 12 \
     --out "$OUT/profile_paper.md" >> "$log" 2>&1

@@ -14,17 +14,17 @@ log=$OUT/run.log
 save() { cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 make data PRESET=paper SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
-timeout 60 python3 -m pipeline.data bench --data data/paper --workers 8 --max-seq-len 1024 \
+timeout 60 python3 -m experiments loader-bench --data data/paper --workers 8 --max-seq-len 1024 \
   > "$OUT/loader.log" 2>&1; echo "loader bench rc=$? at ${SECONDS}s" | tee -a "$log"
-timeout $((budget - SECONDS - 120)) python3 -m pipeline.experiment --preset paper --data data/paper \
+timeout $((budget - SECONDS - 120)) python3 -m experiments main-job --preset paper --data data/paper \
   --results-dir "$OUT" >> "$log" 2>&1; echo "experiment rc=$? at ${SECONDS}s" | tee -a "$log"
 save
 left=$((budget - SECONDS - 60))
 if [ "$left" -gt 90 ]; then
-  timeout "$left" python3 -m pipeline.sweep experiments/ablations/seq_len.yaml --data data/paper \
+  timeout "$left" python3 -m experiments sweep experiments/ablations/seq_len.yaml --data data/paper \
     --where max_seq_len=256,1024,4096 --deadline-s $((left - 75)) >> "$log" 2>&1
   echo "sweep rc=$? at ${SECONDS}s" | tee -a "$log"
-  timeout 45 python3 -m pipeline.report --parent seq_len --commit "$GIT_COMMIT" >> "$log" 2>&1
+  timeout 45 python3 -m experiments report --parent seq_len --commit "$GIT_COMMIT" >> "$log" 2>&1
   echo "report rc=$? at ${SECONDS}s" | tee -a "$log"
 fi
 save

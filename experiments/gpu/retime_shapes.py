@@ -23,16 +23,16 @@ from pathlib import Path
 import torch
 
 from kernels._launch_configs import forced
-from kernels.bench.costmodel import shape_of
-from kernels.bench.measure import graph_ms
-from kernels.bench.stamp import make_stamp
-from kernels.bench.sweep_families import complete, make_case
+from experiments.tuning.costmodel import shape_of
+from experiments.bench.measure import graph_ms
+from experiments.bench.stamp import make_stamp
+from experiments.tuning.families import complete, make_case
 
 
 def main(argv=None) -> int:
     import polars as pl
 
-    p = argparse.ArgumentParser(prog="python experiments/gpu/retime_shapes.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python experiments/gpu/retime_shapes.py", description=__doc__.split("\n")[0])
     p.add_argument("--data", required=True, help="the sweep's Parquet")
     p.add_argument("--shapes", required=True, help="comma-separated family:shape_id pairs")
     p.add_argument("--rounds", type=int, default=3)

@@ -34,7 +34,7 @@ def ptx_by_kernel(cache: Path, prefix: str) -> dict[str, set[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python experiments/gpu/same_ptx.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python experiments/gpu/same_ptx.py", description=__doc__.split("\n")[0])
     p.add_argument("before", type=Path, help="the Triton cache of the old code")
     p.add_argument("after", type=Path, help="the Triton cache of the new code")
     p.add_argument("--kernels", default="", help="compare only kernels whose name starts with this")

@@ -1,6 +1,6 @@
 """Is a launch table's call time its own? Self-attention fwd+bwd call time with the table and with
 the hand rules, interleaved in ONE process (the two switch every round), on the paper suite's
-host-bound shapes, where two H100 runs of `kernels.bench attention` (hand first and table first)
+host-bound shapes, where two H100 runs of `experiments.bench attention` (hand first and table first)
 had the table's call time 1.2-2.1x the hand rules' at equal kernel time.
 
     python experiments/gpu/table_call_ab.py [--rounds 8] [--calls 200] [--out DIR]
@@ -25,7 +25,7 @@ import torch
 
 from kernels import _launch_configs as lc
 from kernels import jagged_flash_attention, offsets_from_lengths
-from kernels.bench.suites import make_lengths
+from experiments.bench.suites import make_lengths
 from kernels.launch_table import LaunchTable, table_path
 
 SHAPES = [(1024, 1024, 2, 64, 0.1), (1024, 256, 2, 64, 0.25), (512, 2048, 2, 64, 0.1), (2048, 512, 2, 64, 0.1),
@@ -57,7 +57,7 @@ def time_calls(step, calls: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out", default=".")

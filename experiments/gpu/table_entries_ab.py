@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 
 from kernels._launch_configs import forced
-from kernels.bench.costmodel import dense_grid, load, shape_of, table_shape
-from kernels.bench.measure import graph_ms
-from kernels.bench.report import read_json
-from kernels.bench.stamp import make_stamp
-from kernels.bench.sweep_families import SweepShape, complete, hand_config, make_case
+from experiments.tuning.costmodel import dense_grid, load, shape_of, table_shape
+from experiments.bench.measure import graph_ms
+from experiments.bench.report import read_json
+from experiments.bench.stamp import make_stamp
+from experiments.tuning.families import SweepShape, complete, hand_config, make_case
 from kernels.launch_table import LaunchTable, shape_key
 
 
@@ -57,7 +57,7 @@ def changed_shapes(old: dict | None, new: dict, rows: list[dict], family: str) -
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python experiments/gpu/table_entries_ab.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python experiments/gpu/table_entries_ab.py", description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, help="the launch table before, or 'hand' (the hand rules)")
     p.add_argument("--new", required=True, help="the launch table after")
     p.add_argument("--data", required=True, help="the sweep's Parquet (its shapes span the export's grid)")

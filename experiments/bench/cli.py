@@ -1,0 +1,182 @@
+"""Command line: ``python -m experiments bench attention|dense_attention|ops|all|report [options]``.
+
+Examples:
+    python -m experiments bench all --suite paper --out experiments/results        # GPU, ~minutes
+    python -m experiments bench attention --suite recsys --providers varlen_attn   # ours vs one peer
+    python -m experiments bench all --suite smoke --device cpu --out /tmp/bench    # CPU, seconds
+    python -m experiments bench report --out experiments/results                   # tables + plots from JSON
+    python -m experiments bench dense_attention --force dense_bwd:SPLIT_DQ=0      # a launch-config A/B
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+from experiments.bench.base import RunConfig
+from experiments.bench.measure import measure_ceilings
+from experiments.bench.report import SCHEMA, write_json, write_report
+from experiments.bench.runner import provider_names, run_kind
+from experiments.bench.stamp import make_stamp, stamp_line
+from experiments.bench.suites import KINDS, SUITE_NAMES
+from experiments.bench.targets import evaluate, geomean_table
+
+# `all` runs the quick kinds first, so that a --deadline-s cut lands on self-attention shapes
+ALL_ORDER = ("ops", "dense_attention", "attention")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench", description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=KINDS + ("all", "report"))
+    p.add_argument("--suite", default="paper", help=f"one or more of {SUITE_NAMES}, comma-separated")
+    p.add_argument("--providers", default=None, help="peers to run, comma-separated (ours always runs)")
+    p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
+    p.add_argument("--out", default="experiments/results", help="folder, or a .json file (report goes beside it)")
+    p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd and/or fwd_bwd (ops run fwd only)")
+    p.add_argument("--max-shapes", type=int, default=None, help="only the first N shapes of each suite")
+    p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--ours-backend", default=None, help="backend= for ours (default: triton on CUDA, torch on CPU)")
+    p.add_argument("--flex-max-tokens", type=int, default=300_000, help="skip FlexAttention above this many tokens")
+    p.add_argument("--flex-budget-s", type=float, default=120.0, help="wall seconds FlexAttention may use per run")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no new shape after this many seconds")
+    p.add_argument("--commit", default=None, help="git commit to stamp (the GPU machine has no .git)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-report", action="store_true", help="write the JSON only")
+    p.add_argument("--graph-ms", action="store_true",
+                   help="also time every row as a CUDA-graph replay (the kernels alone, no host time): gpu_ms")
+    p.add_argument("--force", action="append", default=[], metavar="FAMILY:KEY=VALUE[,KEY=VALUE]",
+                   help="launch every kernel of FAMILY (e.g. dense_bwd) with these keys over its hand rule or "
+                        "table pick; repeatable; stamped into the results")
+    args = p.parse_args(argv)
+    try:
+        args.force = parse_force(args.force)
+    except ValueError as err:
+        p.error(str(err))
+    return args
+
+
+def parse_force(specs: list[str]) -> dict[str, dict[str, int]]:
+    """['dense_bwd:SPLIT_DQ=0,M_KV=32'] -> {'dense_bwd': {'SPLIT_DQ': 0, 'M_KV': 32}}; unknown
+    families and keys are refused with the known ones named."""
+    from kernels._launch_configs import FAMILIES
+    from experiments.tuning.families import TUNABLE
+
+    out: dict[str, dict[str, int]] = {}
+    for spec in specs:
+        family, _, pairs = spec.partition(":")
+        if family not in FAMILIES:
+            raise ValueError(f"--force {spec}: unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+        for pair in filter(None, pairs.split(",")):
+            key, eq, value = pair.partition("=")
+            if not eq or key not in TUNABLE[family] or not value.lstrip("-").isdigit():
+                raise ValueError(f"--force {spec}: {pair!r} is not KEY=integer with KEY one of "
+                                 f"{', '.join(TUNABLE[family])}")
+            out.setdefault(family, {})[key] = int(value)
+        if family not in out:
+            raise ValueError(f"--force {spec}: no KEY=VALUE after {family}:")
+    return out
+
+
+def _paths(out: str, slug: str, what: str, suites: list[str]) -> tuple[str, str]:
+    if out.endswith(".json"):
+        return out, os.path.dirname(os.path.abspath(out))
+    # '_' joins suites: result files keep to [A-Za-z0-9._-] so every copier and transfer keeps them
+    return os.path.join(out, f"bench-{slug}-{what}-{'_'.join(suites)}.json"), out
+
+
+def print_summary(rows: list[dict], ceilings: dict | None) -> None:
+    print("\n== geometric-mean speedup of ours (peer time / ours) ==")
+    for g in geomean_table(rows):
+        op = f" {g['op']}" if g["op"] else ""
+        print(f"  {g['kind']}{op} [{g['suite']}] {g['mode']:<8} vs {g['peer']:<18} {g['geomean']:.2f}x  ({g['n']} shapes)")
+    print("\n== targets ==")
+    for t in evaluate(rows, ceilings):
+        print(f"  {t['status']:<10} {t['target']}\n             {t['detail']}")
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    if args.what == "report":
+        for path in write_report(args.out):
+            print(f"wrote {path}")
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    suites = args.suite.split(",")
+    for s in suites:
+        if s not in SUITE_NAMES:
+            raise SystemExit(f"unknown suite {s!r}; one of {SUITE_NAMES}")
+    if args.providers:
+        unknown = set(args.providers.split(",")) - provider_names()
+        if unknown:
+            raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(provider_names())}")
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not set(modes) <= {"fwd", "fwd_bwd"}:
+        raise SystemExit(f"--modes takes fwd and/or fwd_bwd, got {args.modes!r}")
+    start = time.monotonic()
+    cfg = RunConfig(
+        device=device,
+        dtype=DTYPES[args.dtype],
+        modes=modes,
+        warmup_ms=args.warmup,
+        rep_ms=args.rep,
+        ours_backend=args.ours_backend or ("triton" if device.type == "cuda" else "torch"),
+        providers=frozenset(args.providers.split(",")) if args.providers else None,
+        max_shapes=args.max_shapes,
+        seed=args.seed,
+        flex_max_tokens=args.flex_max_tokens,
+        flex_budget_s=args.flex_budget_s,
+        deadline=start + args.deadline_s if args.deadline_s else None,
+        graph_ms=args.graph_ms,
+    )
+    stamp = make_stamp(device, args.commit)
+    if args.force:
+        forced = "; ".join(f"{fam} " + ",".join(f"{k}={v}" for k, v in kv.items()) for fam, kv in args.force.items())
+        stamp["launch_table"] = f"{stamp['launch_table']} + forced {forced}"
+    print(stamp_line(stamp), flush=True)
+    ceilings = measure_ceilings(device, cfg.dtype, cfg.warmup_ms, cfg.rep_ms)
+    print(
+        f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, {ceilings['matmul_dtype']} matmul "
+        f"{ceilings['matmul_tflops']:.1f} TFLOP/s",
+        flush=True,
+    )
+    kinds = list(ALL_ORDER) if args.what == "all" else [args.what]
+    json_path, folder = _paths(args.out, stamp["gpu_slug"], args.what, suites)
+    config = {
+        "kinds": kinds, "suites": suites, "dtype": args.dtype, "modes": list(modes), "warmup_ms": cfg.warmup_ms,
+        "rep_ms": cfg.rep_ms, "ours_backend": cfg.ours_backend, "max_shapes": args.max_shapes,
+        "providers": args.providers, "seed": args.seed, "graph_ms": args.graph_ms, "force": args.force,
+        "argv": sys.argv[1:] if argv is None else list(argv),
+    }
+    rows: list[dict] = []
+
+    def save(partial: list[dict]) -> None:
+        write_json(json_path, {"schema": SCHEMA, "stamp": stamp, "ceilings": ceilings, "config": config,
+                               "rows": rows + partial, "wall_s": round(time.monotonic() - start, 1)})
+
+    from kernels._launch_configs import forced
+
+    with contextlib.ExitStack() as stack:
+        for family, keys in args.force.items():
+            stack.enter_context(forced(family, keys))
+        for suite in suites:
+            for kind in kinds:
+                rows += run_kind(kind, suite, cfg, on_shape=save)
+    save([])
+    print(f"\nwrote {json_path} ({len(rows)} rows, {time.monotonic() - start:.0f} s)")
+    print_summary(rows, ceilings)
+    if not args.no_report:
+        for path in write_report(folder, stamp["gpu_slug"]):
+            print(f"wrote {path}")
+    return 0
+

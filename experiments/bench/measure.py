@@ -1,0 +1,172 @@
+"""Timing, peak memory, the output check and the device ceilings.
+
+Timing: on CUDA, ``triton.testing.do_bench`` (CUDA events, L2 flushed before each run, median);
+do_bench calls the function once before it measures, and the harness has already called it once
+for the output check, so the first call (Triton compilation, autotuning) is never timed. On the
+CPU (smoke runs) a host clock around each call, median, after one untimed call.
+
+Kernel time (``--graph-ms``, CUDA only): the same call replayed as a CUDA graph, no host time.
+
+Peak memory (CUDA only): bytes of the provider's inputs in its own layout, plus
+``max_memory_allocated() - memory_allocated()`` around one call made after
+``reset_peak_memory_stats()`` with the inputs already allocated and the gradients cleared.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from typing import Callable, Iterable
+
+import torch
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    if device.type == "cuda":  # on the CPU nothing is measured, and gc.collect() costs time
+        gc.collect()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def clear_grads(tensors: Iterable[torch.Tensor]) -> None:
+    for t in tensors:
+        t.grad = None
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        if t.is_nested:
+            for part in (t.values(), t.offsets()):
+                st = part.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+            continue
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def bench_ms(
+    fn: Callable[[], object],
+    device: torch.device,
+    warmup_ms: float,
+    rep_ms: float,
+    grad_to_none: list[torch.Tensor] | None = None,
+) -> float:
+    """Median milliseconds of `fn()`; gradients of `grad_to_none` are reset before each run."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(
+            triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
+        )
+    return _cpu_bench(fn, warmup_ms, rep_ms, grad_to_none or [])
+
+
+def graph_ms(fn: Callable[[], object], device: torch.device, rep_ms: float,
+             grad_to_none: list[torch.Tensor] | None = None) -> float | None:
+    """Median milliseconds of `fn()` replayed as a CUDA graph (``triton.testing.do_bench_cudagraph``:
+    calls unrolled in one graph, so no host time and no launch gaps: the kernels' own time, as
+    docs/tuning.md's "gpu" columns); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    import triton.testing
+
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def _cpu_bench(fn, warmup_ms: float, rep_ms: float, grads: list[torch.Tensor]) -> float:
+    clear_grads(grads)
+    fn()
+    t0 = time.perf_counter()
+    clear_grads(grads)
+    fn()
+    est_ms = max((time.perf_counter() - t0) * 1e3, 1e-3)
+    n_warm = max(0, int(warmup_ms / est_ms))
+    n_rep = max(5, min(1000, int(rep_ms / est_ms)))
+    for _ in range(n_warm):
+        clear_grads(grads)
+        fn()
+    times = []
+    for _ in range(n_rep):
+        clear_grads(grads)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_extra_bytes(fn: Callable[[], object], device: torch.device, grads: list[torch.Tensor]) -> int | None:
+    """Peak bytes allocated during one `fn()` beyond what was allocated before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    clear_grads(grads)
+    gc.collect()
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    out = fn()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del out
+    clear_grads(grads)
+    return max(0, peak - base)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64 (inf on a shape mismatch or a non-finite value)."""
+    if out.shape != ref.shape:
+        return math.inf
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not bool(torch.isfinite(out64).all()):
+        return math.inf
+    num = float(torch.linalg.vector_norm(out64 - ref64))
+    den = float(torch.linalg.vector_norm(ref64))
+    return num / den if den > 0 else num
+
+
+# ||out - ref|| / ||ref|| allowed when the output is checked against the fp32 reference
+# (METHOD.md: bf16 operands land between 1e-3 and 1e-2; fp32 far under 1e-3).
+CHECK_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-3, torch.float64: 1e-6}
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype, warmup_ms: float, rep_ms: float) -> dict:
+    """Device copy bandwidth (bytes read + written) and dense matmul rate, measured here."""
+    small = device.type != "cuda"
+    n_bytes = (8 << 20) if small else (1 << 30)
+    src = torch.randn(n_bytes // 4, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device, warmup_ms, rep_ms)
+    copy_gbps = 2 * n_bytes / (ms * 1e-3) / 1e9
+    del src, dst
+    n = 256 if small else 8192
+    mdtype = torch.float32 if small else dtype
+    a = torch.randn(n, n, device=device, dtype=mdtype)
+    b = torch.randn(n, n, device=device, dtype=mdtype)
+    ms_mm = bench_ms(lambda: a @ b, device, warmup_ms, rep_ms)
+    mm_tflops = 2 * n**3 / (ms_mm * 1e-3) / 1e12
+    del a, b
+    free_memory(device)
+    return {
+        "copy_gbps": copy_gbps,
+        "copy_bytes": 2 * n_bytes,
+        "matmul_tflops": mm_tflops,
+        "matmul_shape": [n, n, n],
+        "matmul_dtype": str(mdtype).replace("torch.", ""),
+    }

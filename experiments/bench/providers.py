@@ -1,0 +1,158 @@
+"""Self-attention providers: ours and every peer, each in its own input layout.
+
+| name | layout | what runs |
+| --- | --- | --- |
+| jagged | [T, H, D] + offsets | ``kernels.jagged_flash_attention(..., backend=ours_backend)`` |
+| dense_torch | padded [B, H, N, D] + mask | matmul, mask, softmax, matmul (the paper's "dense attention") |
+| sdpa_padded_mask | padded [B, H, N, D] + mask | SDPA with a key-padding mask (the paper's "dense flash attention") |
+| varlen_attn | [T, H, D] + int32 cu_seqlens | ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen) |
+| njt_sdpa | nested jagged tensors | ``nested_tensor_from_jagged`` + SDPA |
+| flex_packed | [1, H, T, D] + block mask | compiled FlexAttention, document mask over the packed tokens |
+
+All use the default scale 1/sqrt(D) and no causal mask.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+
+from experiments.bench.base import OURS, Prepared, Provider, RunConfig, op_kwargs, cuda_only, varlen_fn, varlen_skip
+from experiments.bench.layouts import Jagged, from_padded, key_mask, to_padded
+
+
+def leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().requires_grad_() for t in ts]
+
+
+def _ours(j: Jagged, cfg: RunConfig) -> Prepared:
+    from kernels import jagged_flash_attention
+
+    q, k, v = leaves(j.q, j.k, j.v)
+    # int32 offsets, as varlen_attn's cu_seqlens: the kernels read them natively (no copy)
+    offsets, N = j.offsets.to(torch.int32), j.shape.N
+
+    kw = op_kwargs(jagged_flash_attention, 5, backend=cfg.ours_backend)
+
+    def fwd():
+        return jagged_flash_attention(q, k, v, offsets, N, **kw)
+
+    return Prepared(fwd, [q, k, v], [q, k, v, offsets], lambda o: o)
+
+
+def padded_bhnd(j: Jagged, x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> padded [B, H, N, D] (contiguous), zeros past each length."""
+    return to_padded(x, j.pos, j.shape.B, j.shape.N).transpose(1, 2).contiguous()
+
+
+def padded_inputs(j: Jagged):
+    with torch.no_grad():
+        q, k, v = (padded_bhnd(j, t) for t in (j.q, j.k, j.v))
+    mask = key_mask(j.lengths, j.shape.N, j.q.device)  # [B, 1, 1, N]
+    return leaves(q, k, v), mask
+
+
+def dense_torch_attention(q, k, v, mask):  # q [B,H,Nq,D], k/v [B,H,N,D], mask [B,1,1,N]
+    s = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))  # [B, H, Nq, N]
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+def _dense_torch(j: Jagged, cfg: RunConfig) -> Prepared:
+    (q, k, v), mask = padded_inputs(j)
+    to_ref = lambda o: from_padded(o.transpose(1, 2), j.pos)  # noqa: E731
+    return Prepared(lambda: dense_torch_attention(q, k, v, mask), [q, k, v], [q, k, v, mask], to_ref)
+
+
+def _sdpa_padded(j: Jagged, cfg: RunConfig) -> Prepared:
+    (q, k, v), mask = padded_inputs(j)
+    to_ref = lambda o: from_padded(o.transpose(1, 2), j.pos)  # noqa: E731
+    fwd = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
+    return Prepared(fwd, [q, k, v], [q, k, v, mask], to_ref)
+
+
+def _varlen(j: Jagged, cfg: RunConfig) -> Prepared:
+    varlen_attn = varlen_fn()
+    q, k, v = leaves(j.q, j.k, j.v)
+    cu = j.offsets.to(torch.int32)
+    L = j.max_len
+    return Prepared(lambda: varlen_attn(q, k, v, cu, cu, L, L), [q, k, v], [q, k, v, cu], lambda o: o)
+
+
+def _njt(j: Jagged, cfg: RunConfig) -> Prepared:
+    q, k, v = leaves(j.q, j.k, j.v)
+    offsets, L = j.offsets, j.max_len
+
+    def fwd():  # nested_tensor_from_jagged is a view: building it inside keeps autograd to q, k, v
+        nq, nk, nv = (
+            torch.nested.nested_tensor_from_jagged(t, offsets, max_seqlen=L).transpose(1, 2) for t in (q, k, v)
+        )  # [B, H, j, D]
+        return F.scaled_dot_product_attention(nq, nk, nv).transpose(1, 2).values()  # [T, H, D]
+
+    return Prepared(fwd, [q, k, v], [q, k, v, offsets], lambda o: o)
+
+
+# A capture that fails keeps its memory pool, and the allocator stops releasing cached blocks,
+# for the rest of the process (pytorch/pytorch#190348, torch 2.11): one such row per shape filled
+# the H200 and every later row's capture ran out of memory. So no capture is tried.
+NO_GRAPH_HOST_SYNC = "not captured: SDPA on nested tensors reads the lengths on the host"
+
+_FLEX = {}
+
+
+def _flex_fn():
+    if "fn" not in _FLEX:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # one compile per shape (and per grad mode): lift the recompile cap so that dynamo
+        # never falls back to eager FlexAttention, which materialises [T, T] scores
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def _flex_skip(j: Jagged, cfg: RunConfig) -> str | None:
+    reason = cuda_only(j, cfg)
+    if reason:
+        return reason
+    if j.T > cfg.flex_max_tokens:
+        return f"skipped (memory/time: T={j.T} > {cfg.flex_max_tokens}, cost grows as T^2)"
+    if cfg.flex_spent_s > cfg.flex_budget_s:
+        return f"skipped (time: FlexAttention used its {cfg.flex_budget_s:.0f} s budget)"
+    return None
+
+
+def _flex(j: Jagged, cfg: RunConfig) -> Prepared:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc = torch.repeat_interleave(torch.arange(j.shape.B, dtype=torch.int32), j.lengths).to(j.q.device)
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    kw = {"device": j.q.device}
+    if "_compile" in inspect.signature(create_block_mask).parameters:
+        kw["_compile"] = True  # builds the mask block by block instead of a dense [T, T] grid
+    block_mask = create_block_mask(same_doc, None, None, j.T, j.T, **kw)
+    with torch.no_grad():
+        q, k, v = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (j.q, j.k, j.v))  # [1, H, T, D]
+    q, k, v = leaves(q, k, v)
+    flex = _flex_fn()
+    held = [q, k, v, doc] + [t for t in block_mask.as_tuple() if isinstance(t, torch.Tensor)]
+    return Prepared(lambda: flex(q, k, v, block_mask=block_mask), [q, k, v], held, lambda o: o[0].transpose(0, 1))
+
+
+ATTENTION_PROVIDERS = [
+    Provider(OURS, _ours),
+    Provider("dense_torch", _dense_torch),
+    Provider("sdpa_padded_mask", _sdpa_padded),
+    Provider("varlen_attn", _varlen, varlen_skip),
+    Provider("njt_sdpa", _njt, no_graph=NO_GRAPH_HOST_SYNC),
+    Provider("flex_packed", _flex, _flex_skip),
+]

@@ -1,0 +1,172 @@
+"""S2 attention against dense jagged attention and varlen_attn: forward + backward time.
+
+    python -m experiments bench-s2 [--out experiments/results] [--strides 2,4,8,16] [--rep-ms 200]
+    TRITON_INTERPRET=1 python -m experiments bench-s2 --smoke --device cpu     # the machinery, on CPU
+
+Rows: N in {4096, 8192, 16384}, H=8, D=64, bf16, lengths of mean fill 0.5 (the bench's length
+law, B x N = 2**18 padded tokens), S2 layout block 64, local_blocks 4, each stride. Per row:
+forward+backward median ms (triton.testing.do_bench, gradients reset) of our dense jagged
+attention, of varlen_attn (FlashAttention-2 varlen) and of ours with shards; the speedups, and
+the ideal one: key blocks of all (query block, key block) pairs over the visible ones, so
+"efficiency" = speedup over dense / ideal speedup (the target asks for >= 0.7). Before timing,
+the S2 output is checked against the masked reference on the first two sequences.
+Writes ``s2-<gpu>.md`` (table, versions, commit) and ``s2-<gpu>.png`` (speedup vs stride).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+from kernels import S2Shards, jagged_flash_attention, offsets_from_lengths
+from experiments.bench.base import varlen_fn
+from experiments.figures import save_png
+from experiments.bench.measure import bench_ms, free_memory, is_oom
+from experiments.bench.stamp import make_stamp, stamp_line
+from experiments.bench.suites import make_lengths
+from kernels.s2 import s2_attention_reference
+
+ROWS = (4096, 8192, 16384)
+SMOKE_ROWS = (128,)
+
+
+def visible_fraction(lengths: torch.Tensor, shards: S2Shards, num_heads: int, causal: bool = False) -> float:
+    """Visible (query block, key block) pairs over all, summed over sequences and heads, counting
+    blocks of shards.block rows (the work a block-skipping kernel does, relative to dense)."""
+    seen = total = 0
+    for h, o in enumerate(shards.offsets_for(num_heads)):
+        for n in lengths.tolist():
+            nb = -(-n // shards.block)
+            if causal:
+                pairs = [(i, j) for i in range(nb) for j in range(i + 1)]
+                vis = sum(1 for i, j in pairs if i - j < shards.local_blocks or (j + o) % shards.stride == 0)
+                seen, total = seen + vis, total + len(pairs)
+            else:
+                vis = sum(1 for j in range(nb) if j < shards.local_blocks or (j + o) % shards.stride == 0)
+                seen, total = seen + nb * vis, total + nb * nb
+    return seen / max(total, 1)
+
+
+def _check(q, k, v, offsets, N, shards) -> float:
+    """Max |ours - reference| over the first two sequences (fp32 reference on the inputs)."""
+    two = offsets[:3].clone()
+    t = int(two[-1])
+    with torch.no_grad():
+        got = jagged_flash_attention(q[:t], k[:t], v[:t], two, N, shards=shards, backend="triton")
+        want = s2_attention_reference(q[:t].float(), k[:t].float(), v[:t].float(), two, N, shards)
+    return float((got.float() - want).abs().max()) if t else 0.0
+
+
+def run(device: torch.device, rows, strides, dtype, warmup_ms: float, rep_ms: float, H: int = 8, D: int = 64,
+        block: int = 64, local_blocks: int = 4, padded_tokens: int = 2**18) -> list[dict]:
+    results = []
+    varlen = varlen_fn() if device.type == "cuda" else None
+    for N in rows:
+        B = max(2, padded_tokens // N)
+        lengths = make_lengths(B, N, 0.5, seed=N)
+        offsets = offsets_from_lengths(lengths, device)
+        T = int(offsets[-1])
+        q, k, v = (torch.randn(T, H, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grads = [q, k, v]
+
+        def time_it(fn) -> float | None:
+            try:
+                return bench_ms(lambda: fn().backward(dout), device, warmup_ms, rep_ms, grad_to_none=grads)
+            except Exception as err:  # noqa: BLE001  (an OOM or a missing peer is a row, not a crash)
+                if is_oom(err):
+                    free_memory(device)
+                    return None
+                raise
+
+        dout = torch.randn(T, H, D, device=device, dtype=dtype)
+        dense = time_it(lambda: jagged_flash_attention(q, k, v, offsets, N, backend="triton"))
+        cu = offsets.to(torch.int32)
+        peer = time_it(lambda: varlen(q, k, v, cu, cu, N, N)) if varlen is not None else None
+        for stride in strides:
+            shards = S2Shards(block, local_blocks, stride)
+            err = _check(q.detach(), k.detach(), v.detach(), offsets, N, shards)
+            ms = time_it(lambda: jagged_flash_attention(q, k, v, offsets, N, shards=shards, backend="triton"))
+            ideal = 1.0 / visible_fraction(lengths, shards, H)
+            speed = dense / ms if dense and ms else None
+            results.append(dict(N=N, B=B, T=T, stride=stride, dense_ms=dense, varlen_ms=peer, s2_ms=ms,
+                                speedup_dense=speed, speedup_varlen=peer / ms if peer and ms else None,
+                                ideal=ideal, efficiency=speed / ideal if speed else None, max_err=err))
+        free_memory(device)
+    return results
+
+
+def _fmt(x, spec=".3f", unit="") -> str:
+    return "-" if x is None else format(x, spec) + unit
+
+
+def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"s2-{stamp['gpu_slug']}"
+    lines = ["# S2 attention vs dense jagged attention and varlen_attn (forward + backward)", "",
+             f"- {stamp_line(stamp)}",
+             f"- command: `python -m experiments bench-s2 {' '.join(sys.argv[1:])}`",
+             f"- H=8, D=64, {args.dtype}, fill 0.5, B x N = 2**18 padded tokens; S2 block 64, local_blocks 4; "
+             "median ms of forward + backward (gradients reset); ideal = all / visible (query block, key block) "
+             "pairs; efficiency = speedup over dense / ideal (target >= 0.7)", "",
+             "| N | B | stride | dense ms | varlen ms | S2 ms | vs dense | vs varlen | ideal | efficiency | max err |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['N']} | {r['B']} | {r['stride']} | {_fmt(r['dense_ms'])} | {_fmt(r['varlen_ms'])} | "
+                     f"{_fmt(r['s2_ms'])} | {_fmt(r['speedup_dense'], '.2f', 'x')} | {_fmt(r['speedup_varlen'], '.2f', 'x')} | "
+                     f"{r['ideal']:.2f}x | {_fmt(r['efficiency'], '.2f')} | {r['max_err']:.1e} |")
+    md = out / f"{name}.md"
+    md.write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for N in sorted({r["N"] for r in results}):
+        rs = [r for r in results if r["N"] == N]
+        ax.plot([r["stride"] for r in rs], [r["speedup_dense"] or math.nan for r in rs], "o-", label=f"N={N}")
+        ax.plot([r["stride"] for r in rs], [r["ideal"] for r in rs], ":", color=ax.lines[-1].get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("stride")
+    ax.set_ylabel("speedup over dense jagged attention (dotted: ideal)")
+    ax.set_title(f"S2 attention fwd+bwd, {stamp['gpu']}, commit {stamp['commit']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_png(fig, out / f"{name}.png", dpi=120, tight=False)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench-s2", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="experiments/results")
+    p.add_argument("--strides", default="2,4,8,16", help="comma-separated S2 strides")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--warmup-ms", type=float, default=50.0)
+    p.add_argument("--rep-ms", type=float, default=200.0)
+    p.add_argument("--smoke", action="store_true", help="one tiny row (N=128, H=2, D=16, block 16): the machinery")
+    p.add_argument("--commit", default=None)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: no CUDA device (use --device cpu with TRITON_INTERPRET=1 and --smoke)", file=sys.stderr)
+        return 2
+    try:
+        strides = [int(s) for s in args.strides.split(",")]
+    except ValueError:
+        print(f"error: --strides must be comma-separated ints, got {args.strides!r}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    if args.smoke:
+        results = run(device, SMOKE_ROWS, strides, dtype, 1.0, 3.0, H=2, D=16, block=16, local_blocks=1,
+                      padded_tokens=512)
+    else:
+        results = run(device, ROWS, strides, dtype, args.warmup_ms, args.rep_ms)
+    md = write(results, make_stamp(device, args.commit), Path(args.out), args)
+    print(md.read_text())
+    return 0
+

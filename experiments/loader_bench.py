@@ -1,0 +1,57 @@
+"""Loader throughput: iterate the training loader as a fit would and count batches/s.
+
+    python -m experiments loader-bench --data data/small [--batch-size 512] [--workers 2] [--max-seq-len 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from pipeline.data import RankerData
+from pipeline.errors import ConfigError
+
+
+def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batches: int) -> dict:
+    """Iterate the training loader like a fit would (pinned memory on CUDA machines)."""
+    dm = RankerData(data_dir, batch_size=batch_size, max_seq_len=max_seq_len, num_workers=workers)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    it = iter(loader)
+    next(it)  # workers started, first batch in
+    n = tokens = 0
+    t0 = time.perf_counter()
+    while n < batches:
+        try:
+            batch = next(it)
+        except StopIteration:
+            loader.sampler.set_epoch(loader.sampler.epoch + 1)
+            it = iter(loader)
+            continue
+        n += 1
+        tokens += batch["n_tokens"]
+    dt = time.perf_counter() - t0
+    return {"batches_per_s": n / dt, "examples_per_s": n * batch_size / dt, "tokens_per_s": tokens / dt}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments loader-bench", description=__doc__.split("\n")[0])
+    b = p
+    b.add_argument("--data", required=True, help="data directory (meta.json + splits)")
+    b.add_argument("--batch-size", type=int, default=512)
+    b.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
+    b.add_argument("--max-seq-len", type=int, default=256)
+    b.add_argument("--batches", type=int, default=200, help="timed batches after the first")
+    args = p.parse_args(argv)
+    try:
+        res = bench(args.data, args.batch_size, args.workers, args.max_seq_len, args.batches)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err}") from None
+    print(
+        f"loader bench: data={args.data} batch_size={args.batch_size} workers={args.workers} "
+        f"max_seq_len={args.max_seq_len}\n"
+        f"  {res['batches_per_s']:.1f} batches/s  {res['examples_per_s']:.0f} examples/s  "
+        f"{res['tokens_per_s']:.0f} tokens/s"
+    )
+

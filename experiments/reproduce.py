@@ -1,0 +1,138 @@
+"""Rerun one MLflow run from its logged config and data digest; print its metrics beside the original.
+
+    python -m experiments reproduce --run <run id> [--data DIR] [--rtol R]
+    make reproduce RUN=<run id>
+
+The rerun is a new run tagged ``reproduces=<run id>``, on data whose meta.json digest must be the
+run's ``data_digest`` (README.md, "Ablations and reports"). Quality metrics (``train/``, ``val/``,
+``test/``) are compared, speed and memory only printed: exactly on CPU, within ``--rtol`` 5e-3 on
+CUDA (nondeterministic accumulation order; the largest relative difference is printed).
+Exit status: 0 when every compared metric matches, 1 when one does not, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import mlflow
+import torch
+import yaml
+from mlflow.entities import Run
+from mlflow.tracking import MlflowClient
+
+from models.config import rename_old_keys
+from experiments import proc as _proc
+from experiments import runs as runs_
+from experiments import sweep
+from pipeline.errors import ConfigError, command
+from pipeline.tracking import check_tracking, tracking_uri
+
+QUALITY_PREFIXES = ("train/", "val/", "test/")
+INFO_PREFIXES = ("perf/", "mem/")
+GPU_RTOL = 5e-3
+
+
+def regenerate_hint(client: MlflowClient, run: Run, data_dir: str) -> str:
+    """The data_gen command that rebuilds the run's data, from the meta.json it logged."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            meta = json.loads(Path(client.download_artifacts(run.info.run_id, "data/meta.json", tmp)).read_text())
+        except (mlflow.exceptions.MlflowException, OSError):
+            return "regenerate it with the data_gen command and seed it was made with"
+    from data_gen.config import PRESETS, resolve_config
+
+    preset, config = meta.get("preset", "custom"), meta.get("config", {})
+    base = resolve_config(preset if preset in PRESETS else "tiny").to_dict()
+    overrides = [f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
+                 for k, v in config.items() if k in base and base[k] != v and not (isinstance(v, list) and list(base[k]) == v)]
+    return (f"regenerate it: python -m data_gen generate --preset {preset} --seed {meta.get('seed', 0)} "
+            + " ".join(overrides) + f" --out {data_dir}").replace("  ", " ")
+
+
+def check_data(client: MlflowClient, run: Run, data_dir: str) -> None:
+    want = run.data.tags.get("data_digest")
+    meta_path = Path(data_dir) / "meta.json"
+    if not meta_path.is_file():
+        raise ConfigError(f"no data set at {data_dir} (run {run.info.run_id} trained on digest {want}); "
+                          f"{regenerate_hint(client, run, data_dir)}")
+    have = json.loads(meta_path.read_text()).get("digest")
+    if want and have != want:
+        raise ConfigError(f"data digest mismatch: {meta_path} has {have}, but run {run.info.run_id} trained on "
+                          f"{want}; {regenerate_hint(client, run, data_dir)} (or pass --data DIR)")
+
+
+def compare(orig: dict[str, float], new: dict[str, float], rtol: float) -> tuple[list[list[str]], bool, float]:
+    """(rows: metric, original, reproduced, rel. diff, verdict), all matched, largest rel. diff."""
+    rows, ok, worst = [], True, 0.0
+    for key in sorted(k for k in orig if k.startswith(QUALITY_PREFIXES + INFO_PREFIXES)):
+        a, b = orig[key], new.get(key)
+        rel = None if b is None else abs(a - b) / max(abs(a), 1e-12)
+        if key.startswith(INFO_PREFIXES):
+            verdict = "not compared"
+        else:
+            match = b is not None and (a == b if rtol == 0 else rel <= rtol)
+            ok &= match
+            worst = max(worst, rel if rel is not None else float("inf"))
+            verdict = "match" if match else "DIFFERS"
+        rows.append([key, f"{a:.10g}", "-" if b is None else f"{b:.10g}", "-" if rel is None else f"{rel:.2e}", verdict])
+    return rows, ok, worst
+
+
+def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
+    check_tracking(tracking_uri())
+    mlflow.set_tracking_uri(tracking_uri())
+    client = MlflowClient(tracking_uri())
+    try:
+        run = client.get_run(run_id)
+    except mlflow.exceptions.MlflowException:
+        raise ConfigError(f"no MLflow run {run_id} at {tracking_uri()}") from None
+    tmp = Path(tempfile.mkdtemp(prefix="reproduce-"))
+    try:
+        config_path = Path(client.download_artifacts(run_id, "config.yaml", str(tmp)))
+    except mlflow.exceptions.MlflowException:
+        raise ConfigError(f"run {run_id} has no config.yaml artifact: it was not recorded by `pipeline fit`") from None
+    config = yaml.safe_load(config_path.read_text())
+    renamed = rename_old_keys(config)
+    if renamed:  # recorded before a key was renamed: rerun it under today's names
+        print(f"note: the recorded config uses old keys, renamed: {', '.join(renamed)}", flush=True)
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    data_dir = str(Path(data or config["data"]["data_dir"]).resolve())
+    check_data(client, run, data_dir)
+    on_cpu = run.data.tags.get("accelerator") == "cpu" and not torch.cuda.is_available()
+    rtol = (0.0 if on_cpu else GPU_RTOL) if rtol is None else rtol
+    cmd = [*sweep.FIT_COMMAND, "--config", str(config_path), "--data.data_dir", data_dir,
+           "--mlflow.parent_run_id", "null", "--mlflow.run_name", f"reproduce-{run.info.run_name}"]
+    print(f"rerunning {run_id} ({run.info.run_name}) from its config.yaml on {data_dir}\n  " + " ".join(cmd[1:]), flush=True)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    query = f"tags.reproduces = {runs_.quote(run_id)}"
+    known = {r.info.run_id for r in client.search_runs(experiments, query)}
+    rc, output, _ = _proc.stream(cmd, _proc.child_env({"reproduces": run_id}), None)
+    new = runs_.new_run(client, [e.experiment_id for e in client.search_experiments()], query, known)
+    if rc != 0 or new is None or new.info.status != "FINISHED":
+        print(f"error: the rerun failed ({_proc.error_line(output)})", file=sys.stderr)
+        return 1
+    rows, ok, worst = compare(run.data.metrics, new.data.metrics, rtol)
+    print("\n" + runs_.text_table(["metric", "original", "reproduced", "rel. diff", ""], rows))
+    print(f"original {run_id} ({run.data.tags.get('device')}), reproduction {new.info.run_id} "
+          f"({new.data.tags.get('device')}); data digest {run.data.tags.get('data_digest')}")
+    rule = "exact equality" if rtol == 0 else f"rtol {rtol:g}"
+    print(f"{'REPRODUCED' if ok else 'NOT REPRODUCED'}: quality metrics, {rule}; largest relative difference {worst:.2e}")
+    return 0 if ok else 1
+
+
+@command
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments reproduce", description=__doc__.split("\n")[0])
+    p.add_argument("--run", required=True, help="MLflow run id")
+    p.add_argument("--data", default=None, help="data directory (default: the one in the run's config)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help=f"relative tolerance of the quality metrics (default: 0 on CPU, {GPU_RTOL:g} on CUDA)")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return reproduce(args.run, args.data, args.rtol)
+

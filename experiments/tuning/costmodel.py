@@ -1,0 +1,588 @@
+"""A measured cost model of launch configs: fit, held-out-shape evaluation, export.
+
+    python -m experiments costmodel fit    --data sweep.parquet [--model costmodel.pkl]
+    python -m experiments costmodel eval   --data sweep.parquet [--out eval.json] [--folds 0]
+    python -m experiments costmodel export --data sweep.parquet [--out kernels/configs/<gpu>.json]
+    python -m experiments costmodel report --data sweep.parquet [--out experiments/results]
+
+Data: the Parquet of ``experiments.tuning.sweep`` (rows with status ok). One model per kernel family.
+Features: log2 of the shape (B sequences, N max_seq_len, L mean length, H, D, Tq, T tokens),
+fill = L / N, the dtype's bytes, log2 of every tunable launch key (tiles, warps, stages; the 0/1
+switches of ``sweep_families.FLAGS``, e.g. dense_bwd's SPLIT_DQ, as they are) and, per
+tile key, log2(L / tile) (tiles per sequence: where shape and config interact), and log2 of the
+elements the op reads, T*H*D (D 0 counts as 1): the sum of three shape features, so the power law
+gains nothing, but a forest's splits are on one feature at a time and could not draw that diagonal
+(softmax_bwd's 4 or 8 warps turn over at a total size, reached by few long rows or many short ones;
+docs/tuning.md, "The cost model without the export's guard"), and for the families of
+``sweep_families.WITH_PROGRAMS`` (softmax) log2 of the programs the launcher runs with the config
+(``sweep_families.programs``: its best warp count follows the programs per SM, "A denser
+softmax_bwd grid"). Targets: log
+runtime (ms per call) and log energy (J per call, from the board's energy counter: rows with
+``energy_src`` = counter; the sweep measures it for the configs near each shape's fastest).
+
+Model (``LogModel``), per family, in two parts that answer two questions. How fast can this
+shape go: a least-squares power law in the shape features for the log of the shape's best
+measured time (it extrapolates the scale to shapes outside the sweep, which a forest cannot).
+Which config gets there: scikit-learn's RandomForestRegressor (200 trees, all features per split)
+on each row's log slowdown against its shape's best, log(ms / best ms). The pick rests on the
+forest alone (within one shape the power law is a constant), and the forest learns the quantity
+the pick needs, free of the shape-to-shape scale (a forest on the power law's residual spent its
+splits on the scale the power law misses: held out one shape at a time, its picks were up to
+1.12x slower on flash_bwd, 1.02x now). Why a forest and not gradient boosting: a few hundred rows
+per family, strongly interacting features (a tile that wins at D=64 loses at D=128), and the
+picks must be safe on shapes never timed. A forest's prediction is an average of measured
+leaves, so it never predicts a slowdown below anything measured (boosting's additive corrections
+can, and such an optimistic error is exactly what makes a bad config look best); it needs no
+tuning of learning rate or depth to be decent on small data, and its impurity importances come
+for free. GPPerf (the seed paper on GEMM tile choice) used one too. Energy: the same two parts
+on log J per call.
+
+Evaluation splits by SHAPE: GroupKFold over whole shapes, so every held-out shape's configs are
+all unseen; by default one fold per shape (``--folds 0``, leave one shape out): each shape is
+judged by a model fitted on all the others, as the exported table's picks come from a model fitted
+on every swept shape (5 folds hold out 1-4 of a family's 8-20 shapes at once, often a shape's
+only neighbours; the report gives the 5-fold slowdown beside it). Reported per family: R^2 and
+the median / worst absolute error of log runtime (as a percentage, exp(|err|) - 1), and per held-out shape the slowdown (time / best measured
+time) of (a) the model's pick, (b) the hand rule (``sweep_families.hand_config``, the very
+function the launcher calls), (c) Triton autotune over ``sweep_families.AUTOTUNE`` (it finds the
+best of its candidates, at the cost of timing each: the sum of their compile + timing seconds).
+Energy: the config with the least (predicted) energy among those within 5% of the (predicted)
+fastest, with its measured time and energy beside the fastest pick's.
+
+Export: one entry per swept shape and per shape of a denser grid around them. A swept shape's
+entry keeps the hand rule's config unless another is measured clearly faster there
+(``SWITCH_MEASURED``); an unswept shape's is the model's pick, the hand rule's config where the
+model predicts it no slower (``SWITCH_PREDICTED``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pickle
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from experiments.tuning.families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, SweepShape, complete,
+                                         WITH_PROGRAMS, hand_config, programs, valid)
+
+SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
+
+
+def config_id(cfg: dict) -> str:
+    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
+
+
+def load(path: str | Path) -> list[dict]:
+    """Rows of the sweep Parquet (all statuses), config parsed into a dict."""
+    import polars as pl
+
+    if not Path(path).is_file():
+        raise SystemExit(f"error: {path}: no such sweep file (run python -m experiments config-sweep first)")
+    rows = pl.read_parquet(path).to_dicts()
+    for r in rows:
+        r["cfg"] = complete(r.get("family", ""), json.loads(r["config"]))
+        if r.get("energy_src") != "counter":  # sampled power x time (sweeps before the energy counter): not used
+            r["energy_j"] = math.nan
+    return rows
+
+
+def shape_of(r: dict) -> SweepShape:
+    return SweepShape(r["B"], r["N"], r["fill"], r["H"], r["D"], r["dtype"], r["Tq"])
+
+
+def feature_names(family: str) -> list[str]:
+    tiles = [k for k in TUNABLE[family] if k.startswith(("BLOCK", "SMALL", "M_KV", "N_KV"))]
+    return ([f"log2 {k}" for k in SHAPE_COLS] + ["fill", "dtype bytes"]
+            + [k if k in FLAGS else f"log2 {k}" for k in TUNABLE[family]] + [f"log2 L/{k}" for k in tiles]
+            + ["log2 T*H*D"] + (["log2 programs"] if family in WITH_PROGRAMS else []))
+
+
+def features(family: str, shape: dict, cfg: dict) -> list[float]:
+    """One row of features; `shape` has B, N, L, H, D, Tq, T, dtype (see feature_names)."""
+    lg = lambda x: math.log2(max(float(x), 1.0))  # noqa: E731
+    tiles = [k for k in TUNABLE[family] if k.startswith(("BLOCK", "SMALL", "M_KV", "N_KV"))]
+    return ([lg(shape[k]) for k in SHAPE_COLS] + [shape["L"] / max(shape["N"], 1), DTYPES[shape["dtype"]].itemsize]
+            + [float(cfg[k]) if k in FLAGS else lg(cfg[k]) for k in TUNABLE[family]]
+            + [lg(shape["L"]) - lg(cfg[k]) for k in tiles]
+            + [lg(shape["T"]) + lg(shape["H"]) + lg(shape["D"])]
+            + ([lg(programs(family, int(shape["B"]), int(shape["H"]), cfg))] if family in WITH_PROGRAMS else []))
+
+
+N_SHAPE_FEATURES = len(SHAPE_COLS) + 2  # the leading columns of features(): shape only
+
+
+class LogModel:
+    """log target = a power law in the shape for the log of the shape's best measured value
+    (least squares on the log shape features) + a random forest over all features for each
+    row's log ratio to that best (the config effects; within one shape the picks depend on the
+    forest only). `groups` names each row's shape."""
+
+    def __init__(self, seed: int = 0):
+        from sklearn.ensemble import RandomForestRegressor
+        from sklearn.linear_model import Ridge
+
+        self.lin = Ridge(alpha=1e-3)
+        self.forest = RandomForestRegressor(n_estimators=200, min_samples_leaf=1, max_features=1.0,
+                                            random_state=seed, n_jobs=-1)
+
+    def fit(self, X: np.ndarray, y: np.ndarray, groups: list) -> "LogModel":
+        best: dict = {}
+        for g, v in zip(groups, y):
+            best[g] = min(best.get(g, math.inf), v)
+        y_best = np.array([best[g] for g in groups])
+        self.lin.fit(X[:, :N_SHAPE_FEATURES], y_best)
+        self.forest.fit(X, y - y_best)
+        return self
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return self.lin.predict(X[:, :N_SHAPE_FEATURES]) + self.forest.predict(X)
+
+    @property
+    def feature_importances_(self) -> np.ndarray:
+        return self.forest.feature_importances_
+
+
+class FamilyModel:
+    """Runtime (and energy) forests of one family plus the configs it may pick from."""
+
+    def __init__(self, family: str, rows: list[dict], seed: int = 0):
+        ok = [r for r in rows if r["status"] == "ok" and math.isfinite(r["ms"]) and r["ms"] > 0]
+        if not ok:
+            raise ValueError(f"{family}: no ok rows to fit")
+        self.family = family
+        X = np.array([features(family, r, r["cfg"]) for r in ok])
+        self.time = LogModel(seed).fit(X, np.log(np.array([r["ms"] for r in ok])), [r["shape_id"] for r in ok])
+        en = [r for r in ok if r.get("energy_j") is not None and math.isfinite(r["energy_j"]) and r["energy_j"] > 0]
+        self.energy = None
+        if len(en) >= 4:
+            Xe = np.array([features(family, r, r["cfg"]) for r in en])
+            self.energy = LogModel(seed).fit(Xe, np.log(np.array([r["energy_j"] for r in en])),
+                                             [r["shape_id"] for r in en])
+        self.configs = {config_id(r["cfg"]): r["cfg"] for r in ok}
+        self.fewest_programs = (min(programs(family, r["B"], r["H"], r["cfg"]) for r in ok)
+                                if family in WITH_PROGRAMS else 0)
+        # a config that failed (out of resources, mismatch) at some D and dtype stays out there
+        self.banned = {(r["D"], r["dtype"], config_id(r["cfg"])) for r in rows if r["status"] != "ok"}
+
+    def beyond_sweep(self, shape: dict, cfg: dict) -> bool:
+        """Would `cfg` launch fewer programs on `shape` than any row the model was fitted on? There
+        the forest extrapolates: it never saw the few-program regime (docs/tuning.md)."""
+        return (self.family in WITH_PROGRAMS
+                and programs(self.family, int(shape["B"]), int(shape["H"]), cfg) < self.fewest_programs)
+
+    def candidates(self, shape: dict) -> list[dict]:
+        s = SweepShape(shape["B"], shape["N"], shape.get("fill", 0.0), shape["H"], shape["D"], shape["dtype"], shape["Tq"])
+        return [c for cid, c in self.configs.items()
+                if (shape["D"], shape["dtype"], cid) not in self.banned and valid(self.family, c, s)]
+
+    def predict(self, shape: dict, cfgs: list[dict]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Predicted ms and J per call of each config on `shape`."""
+        X = np.array([features(self.family, shape, c) for c in cfgs])
+        ms = np.exp(self.time.predict(X))
+        return ms, (np.exp(self.energy.predict(X)) if self.energy is not None else None)
+
+    def predict_ms(self, queries: list[tuple[dict, list[dict]]]) -> list[np.ndarray]:
+        """Predicted ms per call of each query's configs on its shape, in one forest call."""
+        X = np.array([features(self.family, shape, c) for shape, cfgs in queries for c in cfgs])
+        ms = np.exp(self.time.predict(X))
+        return np.split(ms, np.cumsum([len(cfgs) for _, cfgs in queries])[:-1])
+
+    def pick(self, shape: dict, cfgs: list[dict] | None = None) -> dict:
+        """{'fastest': cfg, 'pred_ms', 'frugal': cfg (least energy within 5% of the fastest)}."""
+        cfgs = cfgs if cfgs is not None else self.candidates(shape)
+        ms, en = self.predict(shape, cfgs)
+        i = int(np.argmin(ms))
+        out = {"fastest": cfgs[i], "pred_ms": float(ms[i]), "frugal": cfgs[i]}
+        if en is not None:
+            near = [j for j in range(len(cfgs)) if ms[j] <= ENERGY_SLACK * ms[i]]
+            out["frugal"] = cfgs[min(near, key=lambda j: en[j])]
+        return out
+
+
+def by_family(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["family"], []).append(r)
+    return out
+
+
+def fit(rows: list[dict], seed: int = 0) -> dict[str, FamilyModel]:
+    return {f: FamilyModel(f, rs, seed) for f, rs in by_family(rows).items()
+            if any(r["status"] == "ok" for r in rs)}
+
+
+def _shape_dict(r: dict) -> dict:
+    return {k: r[k] for k in (*SHAPE_COLS, "dtype", "fill")}
+
+
+def eval_family(family: str, rows: list[dict], folds: int = 0, seed: int = 0, hand_fn=hand_config) -> dict:
+    """Leave-shapes-out evaluation of one family (see the module docstring; folds 0: one per
+    shape); per-shape records and held-out predictions included for the report."""
+    from sklearn.metrics import r2_score
+    from sklearn.model_selection import GroupKFold
+
+    shapes = sorted({r["shape_id"] for r in rows})
+    if len(shapes) < 2:
+        return {"family": family, "n_shapes": len(shapes), "skipped": "fewer than 2 shapes"}
+    groups = np.array([r["shape_id"] for r in rows])
+    pred_rows, per_shape = [], []
+    n_splits = min(folds, len(shapes)) if folds > 0 else len(shapes)
+    for tr, te in GroupKFold(n_splits=n_splits).split(rows, groups=groups):
+        model = FamilyModel(family, [rows[i] for i in tr], seed)
+        test = [rows[i] for i in te]
+        ok = [r for r in test if r["status"] == "ok"]
+        if ok:
+            X = np.array([features(family, r, r["cfg"]) for r in ok])
+            p = model.time.predict(X)
+            pe = model.energy.predict(X) if model.energy is not None else [math.nan] * len(ok)
+            pred_rows += [{"shape_id": r["shape_id"], "ms": r["ms"], "pred_ms": float(np.exp(a)),
+                           "energy_j": r.get("energy_j", math.nan), "pred_energy_j": float(np.exp(b))}
+                          for r, a, b in zip(ok, p, pe)]
+        for sid in sorted({r["shape_id"] for r in test}):
+            per_shape.append(_shape_record(model, [r for r in test if r["shape_id"] == sid], hand_fn))
+    y = np.log([p["ms"] for p in pred_rows])
+    yp = np.log([p["pred_ms"] for p in pred_rows])
+    err = np.abs(yp - y)
+    ye = [(p["energy_j"], p["pred_energy_j"]) for p in pred_rows
+          if p["energy_j"] is not None and math.isfinite(p["energy_j"]) and math.isfinite(p["pred_energy_j"])]
+    return {
+        "family": family, "n_shapes": len(shapes), "n_rows": len(pred_rows),
+        "r2_log_ms": float(r2_score(y, yp)) if len(y) > 1 else math.nan,
+        "median_err_pct": float(100 * (math.exp(np.median(err)) - 1)),
+        "worst_err_pct": float(100 * (math.exp(err.max()) - 1)),
+        "r2_log_energy": (float(r2_score(np.log([a for a, _ in ye]), np.log([b for _, b in ye])))
+                          if len(ye) > 1 else math.nan),
+        "shapes": per_shape, "predictions": pred_rows,
+    }
+
+
+def _shape_record(model: FamilyModel, rows: list[dict], hand_fn) -> dict:
+    """Slowdowns on one held-out shape: model pick, hand rule, autotune; energy of the picks."""
+    ok = {config_id(r["cfg"]): r for r in rows if r["status"] == "ok"}
+    status = {config_id(r["cfg"]): r["status"] for r in rows}
+    r0 = rows[0]
+    rec = {"shape_id": r0["shape_id"], "n_configs": len(rows), "n_ok": len(ok)}
+    if not ok:
+        return rec | {"model": math.nan, "hand": math.nan, "autotune": math.nan}
+    best = min(ok.values(), key=lambda r: r["ms"])
+    rec["best_ms"], rec["best_config"] = best["ms"], best["config_id"]
+    # the model chooses among the configs that were tried on this shape (it never saw their times)
+    cands = [c for c in model.candidates(_shape_dict(r0)) if config_id(c) in status] or [r["cfg"] for r in rows]
+    pick = model.pick(_shape_dict(r0), cands)
+    chosen = ok.get(config_id(pick["fastest"]))
+    rec["model_config"] = config_id(pick["fastest"])
+    rec["model"] = chosen["ms"] / best["ms"] if chosen else math.inf  # a pick that failed here
+    hand_cfg = hand_fn(r0["family"], shape_of(r0))
+    hand = ok.get(config_id(hand_cfg))
+    rec["hand"] = hand["ms"] / best["ms"] if hand else math.nan
+    # what the exported table gives an unswept shape (export_entries' rule)
+    pred_hand = float(model.predict(_shape_dict(r0), [hand_cfg])[0][0])
+    keep = (keeps_hand(pred_hand, pick["pred_ms"], SWITCH_PREDICTED)
+            or model.beyond_sweep(_shape_dict(r0), pick["fastest"]))
+    table_cfg = hand_cfg if keep else pick["fastest"]
+    rec["table_config"] = config_id(table_cfg)
+    table = ok.get(rec["table_config"])
+    rec["table"] = (table["ms"] / best["ms"] if table else
+                    math.inf if rec["table_config"] in status else math.nan)  # failed here / not tried
+    at = [ok[config_id(c)] for c in AUTOTUNE.get(r0["family"], []) if config_id(c) in ok]
+    rec["autotune"] = min(r["ms"] for r in at) / best["ms"] if at else math.nan
+    rec["autotune_cost_s"] = sum((r["compile_s"] or 0) + (r["bench_s"] or 0) for r in at) if at else math.nan
+    _energy(rec, ok, best, pick)
+    return rec
+
+
+def _energy(rec: dict, ok: dict, best: dict, pick: dict) -> None:
+    """Measured energy of the fastest vs the energy-aware configs (oracle and model's)."""
+    if not (best.get("energy_j") is not None and math.isfinite(best["energy_j"])):
+        return
+    near = [r for r in ok.values() if r["ms"] <= ENERGY_SLACK * best["ms"] and math.isfinite(r["energy_j"])]
+    frugal = min(near, key=lambda r: r["energy_j"])
+    rec |= {"fastest_energy_j": best["energy_j"], "frugal_energy_j": frugal["energy_j"],
+            "frugal_ms": frugal["ms"], "frugal_config": frugal["config_id"]}
+    m_fast, m_frugal = ok.get(config_id(pick["fastest"])), ok.get(config_id(pick["frugal"]))
+    if m_fast and m_frugal:
+        rec |= {"model_energy_j": m_fast["energy_j"], "model_frugal_energy_j": m_frugal["energy_j"],
+                "model_frugal_ms": m_frugal["ms"]}
+
+
+METHODS = ("model", "table", "hand", "autotune")  # table: the exported rule (model pick past the switch margin)
+
+
+def summarize(ev: dict) -> dict:
+    """Median / worst / geometric-mean slowdowns per method over the held-out shapes."""
+    out = {}
+    for m in METHODS:
+        v = [s[m] for s in ev.get("shapes", []) if m in s and not math.isnan(s[m])]
+        fin = [x for x in v if math.isfinite(x)]
+        out[m] = {"n": len(v), "median": float(np.median(v)) if v else math.nan,
+                  "worst": float(max(v)) if v else math.nan,
+                  "geomean": float(math.exp(np.mean(np.log(fin)))) if fin else math.nan}
+    cost = [s["autotune_cost_s"] for s in ev.get("shapes", []) if math.isfinite(s.get("autotune_cost_s", math.nan))]
+    out["autotune_cost_s_per_shape"] = float(np.median(cost)) if cost else math.nan
+    fe = [(s["fastest_energy_j"], s["frugal_energy_j"]) for s in ev.get("shapes", []) if "frugal_energy_j" in s]
+    out["energy_saving_pct"] = float(100 * np.median([1 - b / a for a, b in fe])) if fe else math.nan
+    out["meets_target"] = bool(out["model"]["n"] and out["model"]["median"] <= 1.05 and out["model"]["worst"] <= 1.15)
+    out["verdict"] = "not judged" if not out["model"]["n"] else "met" if out["meets_target"] else "missed"
+    return out
+
+
+def judged_shapes(judge_on: str):
+    """Which held-out shapes the summary counts: all, or ('new') for the families whose hand rules
+    were retuned on the small grid's shapes (sweep_families.RETUNED_ON_SMALL) only those outside
+    it, where the rules are out of sample as the model's picks are."""
+    if judge_on == "all":
+        return lambda family, shape_id: True
+    from experiments.tuning import families as sweep_families
+
+    small = {f: {s.id for s in sweep_families.grid(f, "small")} for f in sweep_families.RETUNED_ON_SMALL}
+    return lambda family, shape_id: shape_id not in small.get(family, ())
+
+
+def evaluate(rows: list[dict], folds: int = 0, seed: int = 0, hand_fn=hand_config,
+             judge_on: str = "all") -> dict[str, dict]:
+    """Leave-shapes-out evaluation of every family; the summaries count the held-out shapes that
+    `judge_on` selects (judged_shapes), every shape still trains the folds it is not held out of."""
+    judged = judged_shapes(judge_on)
+    res = {}
+    for fam, rs in by_family(rows).items():
+        ev = eval_family(fam, rs, folds, seed, hand_fn)
+        ev["judge_on"], ev["folds"] = judge_on, folds
+        ev["shapes"] = [s for s in ev.get("shapes", []) if judged(fam, s["shape_id"])]
+        ev["summary"] = summarize(ev)
+        res[fam] = ev
+        s = ev["summary"]
+        print(f"  {fam:<18} {ev['n_shapes']:3d} shapes  R2 {ev.get('r2_log_ms', math.nan):6.3f}  "
+              f"err med {ev.get('median_err_pct', math.nan):5.1f}% worst {ev.get('worst_err_pct', math.nan):6.1f}%  "
+              f"slowdown model {s['model']['median']:.3f}/{s['model']['worst']:.3f}  "
+              f"table {s['table']['median']:.3f}/{s['table']['worst']:.3f}  "
+              f"hand {s['hand']['median']:.3f}/{s['hand']['worst']:.3f}  "
+              f"autotune {s['autotune']['median']:.3f} ({s['autotune_cost_s_per_shape']:.1f} s/shape)  "
+              f"target {s['verdict']}", flush=True)
+    return res
+
+
+# ---- export -------------------------------------------------------------------------------
+
+
+def _mean_length(B: int, N: int, fill: float) -> float:
+    from experiments.bench.suites import make_lengths
+
+    return float(make_lengths(B, N, fill, 0).double().mean())
+
+
+def dense_grid(family: str, rows: list[dict]) -> list[dict]:
+    """Unseen shapes around the swept ones: N in powers of two 64..8192, fills 0.1..0.75, B so
+    that B*N is 2^18 or 2^20 padded tokens, for each swept (H, D, Tq, dtype)."""
+    kinds = sorted({(r["H"], r["D"], r["Tq"], r["dtype"]) for r in rows})
+    Ns = [1 << e for e in range(6, 14)]  # 64 .. 8192
+    out = []
+    for (H, D, Tq, dtype) in kinds:
+        for N in Ns:
+            for tokens in (1 << 18, 1 << 20):
+                B = max(1, tokens // N)
+                for fill in (0.1, 0.25, 0.5, 0.75):
+                    L = _mean_length(B, N, fill)
+                    out.append(dict(B=B, N=N, L=L, H=H, D=D, Tq=Tq, T=L * B, dtype=dtype, fill=fill))
+    return out
+
+
+def table_shape(family: str, shape: dict) -> dict:
+    """The features the launchers look up (kernels._launch_configs.FAMILIES) for a shape, with B, N
+    and the mean length L in the launchers' power-of-two buckets (``_launch_configs.bucket``): an
+    entry keyed by the exact L (78) is never the launchers' exact match (they ask for 64), and a
+    nearer predicted entry would win over it."""
+    from kernels._launch_configs import FAMILIES, p2
+
+    vals = dict(shape, B=p2(int(shape["B"])), N=p2(int(shape["N"])), L=p2(max(1, int(shape["L"]))),
+                K=shape["D"], M=shape["D"], causal=0)
+    return {k: (vals[k] if k == "dtype" else int(vals[k])) for k in FAMILIES[family]}
+
+
+def _geomean(xs) -> float:
+    return float(math.exp(np.mean(np.log(list(xs)))))
+
+
+MIN_EXPORT_SHAPES = 3  # fewer swept shapes: the family keeps its hand rule (no entries at all)
+# A swept shape's entry moves off its hand rule only for a clear gain: the measured best must beat
+# the hand rule's measured time on that shape by more than the timing noise; otherwise the entry
+# names the hand rule's config itself (an absent entry would hand the shape its nearest
+# neighbour's pick instead), so a table cannot make a shape slower by a noise-level "win".
+# An unswept shape takes the model's pick, the hand rule's config where the model predicts it no
+# slower: a wider margin for the hand rule made the held-out worst cases worse, not better
+# (docs/tuning.md, "The export's 10% guard now costs more than it saves").
+SWITCH_MEASURED = 1.03
+SWITCH_PREDICTED = 1.0
+
+
+def keeps_hand(hand_ms: float, other_ms: float, margin: float) -> bool:
+    """The export's switch rule: the hand config stays unless it is more than `margin` times the
+    other config's (measured or predicted) time."""
+    return hand_ms <= margin * other_ms
+
+
+def _measured_entry(family: str, shape: dict, group: list[list[dict]], hand_fn) -> dict:
+    """The entry of one table key from the swept shapes in its bucket (each a list of its rows):
+    the config with the least geometric-mean time over them (each time against its shape's best),
+    or 'hand' (each shape's own hand rule) where the hand configs' geometric mean is within
+    SWITCH_MEASURED of it. ms, best_ms, hand_ms: geometric means over the shapes."""
+    times = [{r["config_id"]: r["ms"] for r in rows} for rows in group]
+    best = [min(t.values()) for t in times]
+    common = set.intersection(*(set(t) for t in times))
+    score = {c: _geomean(t[c] / b for t, b in zip(times, best)) for c in common}
+    pick = min(score, key=score.get)
+    hand_ids = [config_id(hand_fn(family, shape_of(rows[0]))) for rows in group]
+    has_hand = all(h in t for h, t in zip(hand_ids, times))
+    hand_score = _geomean(t[h] / b for h, t, b in zip(hand_ids, times, best)) if has_hand else math.inf
+    keep = has_hand and keeps_hand(hand_score, score[pick], SWITCH_MEASURED)
+    chosen = hand_ids if keep else [pick] * len(group)
+    cfg = next(r["cfg"] for r in group[0] if r["config_id"] == chosen[0])
+    entry = {"family": family, "shape": shape, "config": cfg, "source": "hand" if keep else "measured",
+             "ms": round(_geomean(t[c] for t, c in zip(times, chosen)), 5), "best_ms": round(_geomean(best), 5),
+             "hand_ms": round(_geomean(t[h] for h, t in zip(hand_ids, times)), 5) if has_hand else None}
+    if len(group) > 1:
+        entry["swept_shapes"] = sorted(rows[0]["shape_id"] for rows in group)
+    return entry
+
+
+def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: bool = True,
+                   hand_fn=hand_config) -> list[dict]:
+    """Measured best per table key of the swept shapes ('measured', or 'hand' where the hand rule's
+    config is within SWITCH_MEASURED of it; _measured_entry), then the model's pick for the dense
+    grid's shapes that no swept shape already covers ('predicted', or 'hand' within
+    SWITCH_PREDICTED, or where the pick would launch fewer programs than any swept row of the family
+    did: 'beyond_sweep', docs/tuning.md). A family swept on fewer than MIN_EXPORT_SHAPES shapes
+    gets no entry: the table's nearest-entry fallback would hand one shape's best config to every
+    shape of the family, where the hand rule is the safer guess."""
+    entries, seen = [], set()
+    for fam, rs in by_family(rows).items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        shape_ids = sorted({r["shape_id"] for r in ok})
+        if len(shape_ids) < MIN_EXPORT_SHAPES:
+            print(f"  {fam}: {len(shape_ids)} swept shape(s), under {MIN_EXPORT_SHAPES}: "
+                  "not in the table (hand rule)", flush=True)
+            continue
+        buckets: dict[str, list[list[dict]]] = {}  # swept shapes by the table key the launchers ask for
+        for sid in shape_ids:
+            on_shape = [r for r in ok if r["shape_id"] == sid]
+            buckets.setdefault(json.dumps([fam, table_shape(fam, _shape_dict(on_shape[0]))], sort_keys=True),
+                               []).append(on_shape)
+        for k, group in buckets.items():
+            entries.append(_measured_entry(fam, json.loads(k)[1], group, hand_fn))
+            seen.add(k)
+        if not unseen or fam not in models:
+            continue
+        todo = []  # (table shape, shape, candidates and last the hand rule's config)
+        for sh in dense_grid(fam, ok):
+            shape = table_shape(fam, sh)
+            k = json.dumps([fam, shape], sort_keys=True)
+            if k in seen:
+                continue
+            seen.add(k)
+            hand_cfg = hand_fn(fam, SweepShape(sh["B"], sh["N"], sh["fill"], sh["H"], sh["D"], sh["dtype"], sh["Tq"]))
+            todo.append((shape, sh, [*models[fam].candidates(sh), hand_cfg]))
+        predicted = models[fam].predict_ms([(sh, cfgs) for _, sh, cfgs in todo]) if todo else []
+        for (shape, sh, cfgs), ms in zip(todo, predicted):
+            i = int(np.argmin(ms[:-1])) if len(ms) > 1 else 0
+            keep = len(ms) == 1 or keeps_hand(ms[-1], ms[i], SWITCH_PREDICTED)  # no candidate: the hand rule
+            beyond = not keep and models[fam].beyond_sweep(sh, cfgs[i])
+            entries.append({"family": fam, "shape": shape, "config": cfgs[-1] if keep or beyond else cfgs[i],
+                            "source": "hand" if keep or beyond else "predicted", "pred_ms": round(float(ms[i]), 5),
+                            "pred_hand_ms": round(float(ms[-1]), 5)} | ({"beyond_sweep": True} if beyond else {}))
+    return entries
+
+
+def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None, hand_fn=hand_config) -> Path:
+    from kernels.launch_table import CONFIG_DIR, write_table
+
+    r0 = rows[0]
+    meta = {k: r0[k] for k in ("gpu", "gpu_slug", "torch", "triton", "cuda")}
+    meta["commit"] = ", ".join(sorted({str(r["commit"]) for r in rows}))  # the sweep's rows may span commits
+    meta["model"] = ("power law for the shape's best + RandomForestRegressor(200) on log(ms / best), per family "
+                     "(experiments/tuning/costmodel.py)")
+    path = Path(out.replace("<gpu>", r0["gpu_slug"])) if out else CONFIG_DIR / f"{r0['gpu_slug']}.json"
+    entries = export_entries(rows, models, hand_fn=hand_fn)
+    write_table(path, entries, meta)
+    n = {src: sum(e["source"] == src for e in entries) for src in ("measured", "predicted", "hand")}
+    beyond = sum(bool(e.get("beyond_sweep")) for e in entries)
+    print(f"{len(entries)} entries ({n['measured']} measured, {n['predicted']} predicted picks; {n['hand']} keep "
+          f"the hand rule: {n['hand'] - beyond} no clear gain, {beyond} picks beyond the sweep's program counts) "
+          f"-> {path}", flush=True)
+    return path
+
+
+# ---- command line -------------------------------------------------------------------------
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments costmodel",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("fit", "eval", "export", "report"))
+    p.add_argument("--data", required=True, help="the sweep's Parquet file")
+    p.add_argument("--model", default=None, help="fit: where to pickle the models (default beside --data)")
+    p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default "
+                   "kernels/configs/<gpu>.json); report: folder (default experiments/results)")
+    p.add_argument("--families", default=None, help="comma-separated subset of the data's families")
+    p.add_argument("--folds", type=int, default=0,
+                   help="eval, report: GroupKFold splits over shapes (at most #shapes; 0: one per shape)")
+    p.add_argument("--judge-on", default="all", choices=("all", "new"),
+                   help="eval, report: the held-out shapes the slowdowns count: all, or, for the families whose hand "
+                   "rules were retuned on the small grid, only those outside it")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.folds == 1 or args.folds < 0:
+        p.error("--folds must be 0 (one per shape) or at least 2")
+    if not Path(args.data).is_file():
+        p.error(f"--data {args.data}: no such file (run python -m experiments config-sweep first)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = load(args.data)
+    if args.families:
+        fams = [f for f in args.families.split(",") if f]
+        known = {r["family"] for r in rows}
+        if not set(fams) <= known:
+            print(f"error: families {sorted(set(fams) - known)} not in {args.data} (it has {sorted(known)})",
+                  file=sys.stderr)
+            return 2
+        rows = [r for r in rows if r["family"] in fams]
+    if not any(r["status"] == "ok" for r in rows):
+        print(f"error: {args.data} has no ok rows", file=sys.stderr)
+        return 2
+    print(f"{len(rows)} rows, {len({r['shape_id'] for r in rows})} shapes, "
+          f"{len({r['family'] for r in rows})} families from {args.data}", flush=True)
+    if args.what == "fit":
+        models = fit(rows, args.seed)
+        path = Path(args.model or Path(args.data).with_suffix(".costmodel.pkl"))
+        path.write_bytes(pickle.dumps(models))
+        print(f"{len(models)} family models -> {path}")
+    elif args.what == "eval":
+        res = evaluate(rows, args.folds, args.seed, judge_on=args.judge_on)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(_json_safe(res), indent=1))
+            print(f"-> {args.out}")
+    elif args.what == "export":
+        export(rows, fit(rows, args.seed), args.out)
+    else:
+        from experiments.tuning.costmodel_report import write_report
+
+        for p in write_report(rows, args.out or "experiments/results", args.folds, args.seed, args.judge_on):
+            print(f"-> {p}")
+    return 0
+

@@ -1,0 +1,545 @@
+"""Launch-config sweep: every valid config of every kernel family on a grid of shapes,
+timed with the harness's rules and with board power sampled through NVML; one Parquet row each.
+
+    python -m experiments config-sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400] [--energy-s 1]
+                                  [--out runs/costmodel/sweep-<gpu>.parquet] [--mlflow]
+
+What is measured per (family, shape, config): ``ms`` the median time of a call, by default
+(``--timing graph``) of the kernels alone, calls replayed as a CUDA graph
+(``experiments.bench.measure.graph_ms``, the kernel benchmark's "kernels" column): a launch config
+changes the kernels, not the host's launch path, and many swept calls are shorter than their
+launch, so timing whole calls ranked configs by host noise (the first H200 sweeps: the hand
+target-attention forward at 0.077 ms a call where its kernel takes 0.043 ms). ``--timing call``:
+the do_bench median of whole calls (CUDA events, L2 flushed, after warm-up;
+``experiments.bench.measure.bench_ms``); the CPU interpreter always times calls with a host clock.
+Column ``timing`` says which; a resume re-times rows of another timing. ``power_w`` the mean
+sampled board power during that timing (``experiments.tuning.power``; too coarse for a 40 ms window,
+kept for reference), ``energy_j`` the energy per call from the board's energy counter over at
+least ``--energy-s`` of back-to-back calls (``energy_src`` = counter; measured for the up to 3
+fastest configs within 5% of the shape's fastest and the hand rule's, NaN for the others and
+without NVML),
+``compile_s`` the first call's wall seconds (Triton compile; with ``--compile-workers``, the
+warm-up worker's first call, where the compile happened: ``cached_call_s`` is then the timing
+pass's first call, a load from Triton's disk cache), ``bench_s``
+the wall seconds the timing took (what an autotuner spends on this candidate), ``rel_err`` of
+the outputs against the hand-rule config's outputs, ``spills`` (registers spilled, where Triton
+reports it). ``status``: ok, mismatch (rel_err over the bench's tolerance), out_of_resources,
+compile_error, error. Configs go through the real launchers (``kernels._launch_configs.forced``).
+
+The run is resumable (rows already in --out are skipped) and bounded (--deadline-s: no new
+config is started after it). Compiling is most of a sweep's time (about 3/4 of the first H200
+sweep's) and needs no quiet GPU: ``--compile-workers N`` first runs every config to be timed once
+in N spawned processes (a config over all its family's shapes, untimed), filling Triton's disk
+cache, for at most ``--compile-budget-s`` (default: half the deadline); the timing pass then runs
+alone on the GPU and loads the kernels from the cache. Shapes are visited round-robin over the families, so a cut run
+holds the first shapes of every family. The Parquet is rewritten after every shape; columns
+also carry the GPU, torch/triton/CUDA versions and the git commit (``--commit``, else
+$GIT_COMMIT, else HEAD). Families, grids and config spaces: ``experiments.tuning.families``.
+
+GPU command sequence (``experiments/gpu/costmodel.sh`` runs it, with OUT and GIT_COMMIT set, on a
+machine with the project installed; it also resumes from the committed Parquet of the GPU and
+judges the medium grid on its new shapes, ``--judge-on new``)::
+
+    slug=$(python3 -c "import torch; from kernels.launch_table import device_slug; print(device_slug())")
+    python3 -m experiments config-sweep --grid medium --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
+    python3 -m experiments costmodel eval   --data $OUT/sweep-$slug.parquet --out $OUT/eval-$slug.json
+    python3 -m experiments costmodel report --data $OUT/sweep-$slug.parquet --out $OUT/report
+    python3 -m experiments costmodel export --data $OUT/sweep-$slug.parquet --out $OUT/configs/$slug.json
+
+then, here: copy ``report/*`` to experiments/results/ and ``configs/<gpu>.json`` to kernels/configs/
+(the launchers read it from then on), rerun the gpu tests and the kernel benchmark on it.
+(rerun the sweep line with the same --out to extend a cut sweep). CPU check of the machinery:
+``TRITON_INTERPRET=1 python -m experiments config-sweep --grid tiny --device cpu --out /tmp/s.parquet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernels._launch_configs import FAMILIES, forced
+from experiments.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms, rel_err, sync
+from experiments.tuning.power import EnergyMeter, PowerSampler
+from experiments.bench.stamp import make_stamp
+from experiments.tuning.families import (DTYPES, ENERGY_SLACK, LEVELS, SweepShape, complete, grid, hand_config,
+                                         make_case, space)
+
+KEY = ("family", "shape_id", "config_id")
+_KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
+    "flash_fwd": ("_flash_attention_triton", "_flash_fwd_kernel"),
+    "flash_bwd": ("_flash_attention_triton", "_flash_bwd_kernel"),
+    "dense_fwd": ("_dense_attention_triton", "_dense_fwd_kernel"),
+    "dense_bwd": ("_dense_attention_triton", "_dense_bwd_kernel"),
+    "softmax_fwd": ("_softmax_triton", "_jagged_softmax_fwd_kernel"),
+    "softmax_bwd": ("_softmax_triton", "_jagged_softmax_bwd_kernel"),
+    "jagged_dense_bmm": ("_bmm_triton", "_jagged_dense_bmm_kernel"),
+    "jagged_jagged_bmm": ("_bmm_triton", "_jagged_jagged_bmm_kernel"),
+    "padded_to_jagged": ("_conversions_triton", "_padded_to_jagged_kernel"),
+    "s2_fwd": ("_s2_attention_triton", "_s2_fwd"),
+    "s2_bwd": ("_s2_attention_triton", "_s2_bwd_dq", "_s2_bwd_dkdv"),
+}
+
+
+def config_id(cfg: dict) -> str:
+    """'BLOCK_M=64,BLOCK_N=32,num_stages=3,num_warps=4' (keys sorted): one config, one string."""
+    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
+
+
+def _compiled(family: str) -> dict:
+    """{cache key: CompiledKernel} of the family's kernel (empty where Triton hides it)."""
+    import importlib
+
+    mod, *names = _KERNELS[family]
+    out = {}
+    for name in names:  # a family may launch several kernels: the most any of them spills
+        fn = getattr(importlib.import_module(f"kernels.{mod}"), name)
+        try:
+            for dev_cache in fn.device_caches.values():
+                out.update({(name, key): k for key, k in dev_cache[0].items()})
+        except (AttributeError, TypeError, IndexError):
+            pass
+    return out
+
+
+def _spills(before: dict, after: dict) -> float:
+    new = [k for key, k in after.items() if key not in before]
+    vals = [getattr(k, "n_spills", None) for k in new]
+    vals = [v for v in vals if v is not None]
+    return float(max(vals)) if vals else math.nan
+
+
+def _outputs(out) -> list[torch.Tensor]:
+    return [t for t in (out if isinstance(out, (tuple, list)) else [out]) if t is not None]
+
+
+def _status(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if name == "OutOfResources" or "out of resource" in str(exc).lower():
+        return "out_of_resources"
+    if "Compilation" in name or "compil" in str(exc).lower()[:200]:
+        return "compile_error"
+    return "error"
+
+
+def _sticky(exc: BaseException) -> bool:
+    """A CUDA error that poisons the context (every later launch would fail)."""
+    msg = str(exc).lower()
+    return "illegal memory access" in msg or "unspecified launch failure" in msg or "device-side assert" in msg
+
+
+_WORKER_POISONED = False  # a warm-up worker whose CUDA context a config broke runs nothing more
+
+
+def warm_config(task: tuple) -> list[tuple]:
+    """In a warm-up worker: run one config of a family once on each of the given shapes (Triton
+    compiles it, and its disk cache keeps it); [(family, shape_id, config_id, first call's wall s
+    or None where it failed, the error or '')]. The worker hands its allocator's cached blocks
+    back after every call: the first H100 sweep warmed 1,095 of 3,966 calls, none of softmax's
+    (the H200's warmed all), most likely because a dozen workers each kept the blocks of the
+    largest shape it had run until the 80 GB card was full (not yet confirmed on a GPU)."""
+    global _WORKER_POISONED
+    family, cfg, shapes, device_name, seed = task
+    device, out = torch.device(device_name), []
+    for s in shapes:
+        secs, err, fn = None, "", None
+        if not _WORKER_POISONED:
+            try:
+                fn, _ = make_case(family, s, device, seed)
+                with forced(family, cfg):
+                    t0 = time.perf_counter()
+                    fn()
+                    sync(device)
+                    secs = time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001 - the timing pass records what fails
+                _WORKER_POISONED = _sticky(exc)
+                err = f"{type(exc).__name__}: {str(exc)[:160]}"
+            finally:
+                del fn
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        out.append((family, s.id, config_id(cfg), secs, err))
+    return out
+
+
+def warm_cache(todo: dict[str, dict[str, tuple[dict, list[SweepShape]]]], device: torch.device, args) -> dict:
+    """Compile every config of `todo` ({family: {config_id: (config, shapes)}}) in
+    args.compile_workers spawned processes, for at most args.compile_budget_s; {(family, shape_id,
+    config_id): the worker's first-call seconds} of the calls that ran. Failed calls are counted
+    and the first one's error printed (the timing pass compiles those configs itself)."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    tasks = [(f, cfg, shapes, str(device), args.seed) for f, by_id in todo.items() for cfg, shapes in by_id.values()]
+    if not tasks:
+        return {}
+    t0, warm, failed = time.monotonic(), {}, []
+    print(f"warming Triton's cache: {len(tasks)} configs, {sum(len(t[2]) for t in tasks)} calls, "
+          f"{args.compile_workers} processes, at most {args.compile_budget_s:g} s", flush=True)
+    from experiments.tuning import sweep as this  # by its module's name: under `python -m` this file is __main__
+
+    pool = cf.ProcessPoolExecutor(args.compile_workers, mp_context=multiprocessing.get_context("spawn"))
+    futures = [pool.submit(this.warm_config, t) for t in tasks]
+    budget = None if math.isinf(args.compile_budget_s) else args.compile_budget_s
+    try:
+        for fut in cf.as_completed(futures, timeout=budget):
+            for f, sid, cid, secs, err in fut.result():
+                if secs is not None:
+                    warm[(f, sid, cid)] = secs
+                else:
+                    failed.append(f"{f} {sid} {cid}: {err or 'not run (a CUDA error broke the worker)'}")
+    except cf.TimeoutError:
+        print("  warm-up budget spent: the configs left compile in the timing pass", flush=True)
+    except cf.process.BrokenProcessPool as exc:  # a worker died (a crash, not an exception)
+        print(f"  a warm-up process died ({exc}): the configs left compile in the timing pass", flush=True)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # nothing of the warm-up may run beside the timing
+    print(f"  {len(warm)} calls compiled and ran in {time.monotonic() - t0:.0f} s", flush=True)
+    if failed:
+        print(f"  {len(failed)} calls failed in the warm-up (compiled in the timing pass), first: {failed[0]}",
+              flush=True)
+    return warm
+
+
+def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device,
+                sampler: PowerSampler, args) -> dict:
+    """One row's measurements of `fn` under `cfg` (see the module docstring)."""
+    row = dict(status="ok", error="", ms=math.nan, power_w=math.nan, n_power=0, energy_j=math.nan, energy_src="none",
+               energy_window_s=math.nan, energy_calls=0, compile_s=math.nan, bench_s=math.nan, rel_err=math.nan,
+               spills=math.nan)
+    with forced(family, cfg):
+        before = _compiled(family)
+        t0 = time.perf_counter()
+        try:
+            outs = _outputs(fn())
+            sync(device)
+        except Exception as exc:  # noqa: BLE001 - a config that does not run is a row
+            row.update(status=_status(exc), error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            if _sticky(exc):
+                row["sticky"] = True
+            return row
+        row["compile_s"] = time.perf_counter() - t0
+        row["spills"] = _spills(before, _compiled(family))
+        if ref is not None:
+            errs = [rel_err(o.float(), r.float()) for o, r in zip(outs, ref)]
+            row["rel_err"] = max(errs) if errs else 0.0
+            if not row["rel_err"] <= CHECK_TOL[dtype]:
+                row["status"] = "mismatch"
+        del outs
+        t1 = time.perf_counter()
+        try:
+            with sampler:
+                row["ms"] = graph_ms(fn, device, args.rep_ms) if args.timing == "graph" else \
+                    bench_ms(fn, device, args.warmup_ms, args.rep_ms)
+        except Exception as exc:  # noqa: BLE001 - a call that cannot be captured (or timed) is a row
+            row.update(status="error", error=f"timing: {type(exc).__name__}: {str(exc)[:190]}")
+            if _sticky(exc):
+                row["sticky"] = True
+            return row
+        row["bench_s"] = time.perf_counter() - t1
+        row["power_w"], row["n_power"] = sampler.mean_w, len(sampler.samples)
+    return row
+
+
+ENERGY_MAX_CONFIGS = 3  # per shape, besides the hand rule's: about 4 s of energy readings a shape
+
+
+def energy_rows(rows: list[dict]) -> list[dict]:
+    """The rows of one shape whose energy an energy-aware choice weighs: the ENERGY_MAX_CONFIGS
+    fastest of those ok and within ENERGY_SLACK of the fastest, and the hand rule's."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return []
+    fastest = min(r["ms"] for r in ok)
+    near = sorted((r for r in ok if r["ms"] <= ENERGY_SLACK * fastest), key=lambda r: r["ms"])[:ENERGY_MAX_CONFIGS]
+    return [*near, *(r for r in ok if r["is_hand"] and r not in near)]
+
+
+def needs_energy(rows: list[dict]) -> bool:
+    """Whether a row of `energy_rows` has no reading of the energy counter yet."""
+    return any(r.get("energy_src") != "counter" for r in energy_rows(rows))
+
+
+def measure_energy(family: str, fn, rows: list[dict], device: torch.device, meter: EnergyMeter, args) -> None:
+    """Energy per call (J) from the board's energy counter over back-to-back calls for at least
+    args.energy_s of wall time, for the `energy_rows` of `rows` (one shape) that have no counter
+    reading yet (a resumed shape whose fastest configs changed gets the new ones'). Alike for every
+    config of the shape: the calls run back to back without do_bench's L2 flush (a warm-cache
+    regime), and where a call's launch takes longer than its kernel (the host is the bound), idle
+    power is part of each call's energy (the window's wall time and calls are kept). A failed
+    reading leaves that row's energy NaN (energy_src 'error', measured again by a resumed sweep)."""
+    if not meter.available or args.energy_s <= 0:
+        return
+    for r in energy_rows(rows):
+        if r.get("energy_src") == "counter":
+            continue
+        chunk = max(1, min(1000, math.ceil(args.energy_s * 1e3 / r["ms"] / 20)))  # ~20 checks of the clock
+        calls = 0
+        try:
+            with forced(family, complete(family, json.loads(r["config"]))):
+                fn()
+                sync(device)
+                e0, t0 = meter.read_j(), time.perf_counter()
+                while calls == 0 or time.perf_counter() - t0 < args.energy_s:
+                    for _ in range(chunk):
+                        fn()
+                    calls += chunk
+                sync(device)
+                e1, t1 = meter.read_j(), time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - the timings of the shape are kept
+            r.update(energy_j=math.nan, energy_src="error", error=f"energy: {type(exc).__name__}: {str(exc)[:150]}")
+            continue
+        r.update(energy_j=(e1 - e0) / calls, energy_src="counter", energy_window_s=t1 - t0, energy_calls=calls)
+
+
+def _shape_cols(family: str, s: SweepShape, info: dict) -> dict:
+    return dict(family=family, shape_id=s.id, B=s.B, N=s.N, fill=s.fill, H=s.H, D=s.D, Tq=s.Tq,
+                K=s.D if "bmm" in family else 0, M=s.D if "bmm" in family else 0, dtype=s.dtype,
+                T=info["T"], L=info["L"])
+
+
+def load_rows(path: Path) -> list[dict]:
+    import polars as pl
+
+    return pl.read_parquet(path).to_dicts() if path.is_file() else []
+
+
+def refresh(rows: list[dict]) -> None:
+    """Resumed rows, in place: `is_hand` after today's hand rules (they may have changed since the
+    rows were timed), and no energy but the counter's (sampled power x time of older sweeps)."""
+    hand_ids: dict[tuple, str] = {}
+    for r in rows:
+        key = (r["family"], r["shape_id"])
+        if key not in hand_ids:
+            shape = SweepShape(r["B"], r["N"], r["fill"], r["H"], r["D"], r["dtype"], r["Tq"])
+            hand_ids[key] = config_id(hand_config(r["family"], shape))
+        r["is_hand"] = r["config_id"] == hand_ids[key]
+        if r.get("energy_src") != "counter":
+            r["energy_j"] = math.nan
+
+
+def set_aside_stale(path: Path, rows: list[dict], code: str, timing: str, families=None) -> list[dict]:
+    """The rows timed with today's kernel code (stamp's `kernel_code`) and `timing`; the others
+    (another kernel source, torch or triton, a sweep from before the code was recorded, or one that
+    timed the other way: rows without a timing timed whole calls) are timed again, and kept,
+    appended to <path stem>.stale.parquet beside the sweep, not mixed into its model. Only the
+    rows of `families` (the families this run sweeps; default all) are judged: the others keep
+    their rows and stamps, and the cost model fits each family on its own rows."""
+    def current(r: dict) -> bool:
+        return ((families is not None and r.get("family") not in families)
+                or (r.get("kernel_code") == code and (r.get("timing") or "call") == timing))
+
+    stale = [r for r in rows if not current(r)]
+    if not stale:
+        return rows
+    archive = path.with_name(path.stem + ".stale.parquet")
+    write_rows(archive, [*load_rows(archive), *stale])
+    print(f"{len(stale)} of {len(rows)} rows were timed with other kernel code than today's ({code}) or not by "
+          f"{timing} timing: they are timed again (the old rows: {archive})", flush=True)
+    fresh = [r for r in rows if current(r)]
+    write_rows(path, fresh)
+    return fresh
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    import polars as pl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pl.DataFrame(rows, infer_schema_length=None).write_parquet(tmp)
+    os.replace(tmp, path)
+
+
+def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device, stamp: dict,
+                sampler: PowerSampler, meter: EnergyMeter, args, out_of_time,
+                prior: list[dict] = (), warm: dict | None = None) -> tuple[list[dict], bool]:
+    """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen). Once every config
+    of the shape is timed, the energy pass runs over these and the shape's `prior` rows (a resumed
+    sweep's: updated in place). `warm`: `warm_cache`'s first-call seconds, the compile times of the
+    configs it compiled."""
+    fn, info = make_case(family, s, device, args.seed)
+    dtype = DTYPES[s.dtype]
+    with forced(family, hand):
+        ref = [o.detach().clone() for o in _outputs(fn())]
+    rows, sticky, complete = [], False, True
+    for cfg in todo:
+        if out_of_time():
+            complete = False
+            break
+        m = time_config(family, fn, cfg, ref, dtype, device, sampler, args)
+        sticky = bool(m.pop("sticky", False))
+        cid = config_id(cfg)
+        m["cached_call_s"] = math.nan
+        if (family, s.id, cid) in (warm or {}):  # compiled by a warm-up worker
+            m["cached_call_s"], m["compile_s"] = m["compile_s"], warm[(family, s.id, cid)]
+        rows.append({**_shape_cols(family, s, info), "config_id": cid, "config": json.dumps(cfg),
+                     "is_hand": cid == config_id(hand), **m, "warmup_ms": args.warmup_ms,
+                     "rep_ms": args.rep_ms, "timing": args.timing, "grid": args.grid,
+                     **{k: stamp[k] for k in STAMP_COLS}})
+        if sticky:
+            break
+    if complete and not sticky:  # a shape cut by the deadline: its fastest configs may be still untimed
+        measure_energy(family, fn, [*prior, *rows], device, meter, args)
+    del fn, ref
+    free_memory(device)
+    return rows, sticky
+
+
+STAMP_COLS = ("gpu", "gpu_slug", "torch", "triton", "cuda", "commit", "kernel_code", "date")
+
+
+def _progress(family: str, s: SweepShape, rows: list[dict], n_left: int, elapsed: float) -> None:
+    ok = [r for r in rows if r["status"] == "ok"]
+    best = min(ok, key=lambda r: r["ms"]) if ok else None
+    hand = next((r for r in ok if r["is_hand"]), None)
+    tail = (f"best {best['ms']:.4f} ms [{best['config_id']}]" if best else "no ok config")
+    if best and hand:
+        tail += f", hand {hand['ms'] / best['ms']:.2f}x"
+    print(f"  {family:<18} {s.id:<40} {len(rows):3d} configs ({len(rows) - len(ok)} not ok), {tail}; "
+          f"{n_left} shapes left, {elapsed:.0f} s", flush=True)
+
+
+def warm_up_todo(order: list[tuple[str, SweepShape]], done: set, level: str) -> dict:
+    """{family: {config_id: (config, [the shapes, in sweep order, where it is still to be timed])}}."""
+    todo: dict[str, dict[str, tuple[dict, list]]] = {}
+    for family, s in order:
+        for cfg in space(family, s, level):
+            if (family, s.id, config_id(cfg)) not in done:
+                todo.setdefault(family, {}).setdefault(config_id(cfg), (cfg, []))[1].append(s)
+    return todo
+
+
+def run(args) -> int:
+    device = torch.device(args.device)
+    stamp = make_stamp(device, args.commit)
+    out = Path(args.out.replace("<gpu>", stamp["gpu_slug"]))
+    rows = load_rows(out)
+    other = sorted({str(r.get("gpu_slug")) for r in rows} - {stamp["gpu_slug"]})
+    if other:  # timings of another GPU (or none) would mix into this one's model
+        print(f"error: {out} holds rows timed on {', '.join(other)}, not on this {stamp['gpu']}: resume a sweep "
+              "only on the GPU it ran on (another --out starts afresh)", file=sys.stderr)
+        return 2
+    rows = set_aside_stale(out, rows, stamp["kernel_code"], args.timing, set(args.families))
+    refresh(rows)
+    done = {tuple(r[k] for k in KEY) for r in rows}
+    t0 = time.monotonic()
+    out_of_time = lambda: args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s  # noqa: E731
+    grids = {f: grid(f, args.grid) for f in args.families}
+    order = [(f, g[i]) for i in range(max(map(len, grids.values()))) for f, g in grids.items() if i < len(g)]
+    sampler = PowerSampler((device.index or 0) if device.type == "cuda" else None)
+    meter = EnergyMeter((device.index or 0) if device.type == "cuda" else None)
+    print(f"sweep {args.grid}: {len(order)} (family, shape) pairs, {len(rows)} rows already in {out}; "
+          f"{stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, commit {stamp['commit']}; "
+          f"power {'NVML' if sampler.available else 'absent'}, energy counter "
+          f"{'NVML' if meter.available else 'absent (energy NaN)'}", flush=True)
+    warm = warm_cache(warm_up_todo(order, done, args.grid), device, args) if args.compile_workers > 0 else {}
+    n_new = 0
+    for i, (family, s) in enumerate(order):
+        hand = hand_config(family, s)
+        todo = [c for c in space(family, s, args.grid) if (family, s.id, config_id(c)) not in done]
+        prior = [r for r in rows if r["family"] == family and r["shape_id"] == s.id]
+        # a shape timed before the energy pass existed (or without NVML), or whose fastest configs
+        # changed since, gets its missing energy readings now
+        no_energy = meter.available and args.energy_s > 0 and needs_energy(prior)
+        if not todo and not no_energy:
+            continue
+        if out_of_time():
+            print(f"deadline ({args.deadline_s:g} s) reached: {len(order) - i} shapes not finished", flush=True)
+            break
+        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, sampler, meter, args, out_of_time, prior,
+                                  warm)
+        rows += new
+        n_new += len(new)
+        write_rows(out, rows)
+        _progress(family, s, new or prior, len(order) - i - 1, time.monotonic() - t0)
+        if sticky:
+            print("a CUDA error poisoned the context: stopping; rerun to resume after that config", flush=True)
+            return 3
+    print(f"{n_new} new rows, {len(rows)} in all -> {out} ({time.monotonic() - t0:.0f} s)", flush=True)
+    if args.mlflow:
+        log_mlflow(out, rows, n_new, stamp, args)
+    return 0
+
+
+def log_mlflow(path: Path, rows: list[dict], n_new: int, stamp: dict, args) -> str:
+    """One MLflow run (experiment 'kernel-costmodel') with the Parquet as an artifact."""
+    import mlflow
+
+    from pipeline.tracking import tracking_uri
+
+    mlflow.set_tracking_uri(tracking_uri())
+    mlflow.set_experiment("kernel-costmodel")
+    with mlflow.start_run(run_name=f"sweep-{stamp['gpu_slug']}-{args.grid}") as run:
+        mlflow.set_tags({f"stamp.{k}": str(stamp[k]) for k in STAMP_COLS} | {"kind": "config-sweep"})
+        mlflow.log_params({"grid": args.grid, "families": ",".join(args.families), "deadline_s": args.deadline_s,
+                           "timing": args.timing, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+                           "seed": args.seed})
+        mlflow.log_metrics({"rows": len(rows), "new_rows": n_new,
+                            "ok_rows": sum(r["status"] == "ok" for r in rows)})
+        mlflow.log_artifact(str(path))
+    print(f"MLflow run {run.info.run_id} ({tracking_uri()})", flush=True)
+    return run.info.run_id
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments config-sweep",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--grid", default="small", choices=LEVELS)
+    p.add_argument("--families", default="all", help=f"comma-separated, of: {', '.join(FAMILIES)}")
+    p.add_argument("--out", default="runs/costmodel/sweep-<gpu>.parquet", help="Parquet file (<gpu>: the GPU's slug)")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no new config after this many seconds")
+    p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up, ms (call timing)")
+    p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time, ms")
+    p.add_argument("--timing", choices=("graph", "call"), default=None,
+                   help="graph: the kernels alone, calls replayed as a CUDA graph (default on CUDA); call: whole "
+                        "calls, host included (always on the CPU)")
+    p.add_argument("--energy-s", type=float, default=1.0,
+                   help="seconds of back-to-back calls per energy reading (0: no energy pass)")
+    p.add_argument("--compile-workers", type=int, default=None,
+                   help="processes that compile the configs before the timing pass (default: on CUDA, the "
+                        "CPU cores less 2, at most 12; 0 on the CPU interpreter, or to compile while timing)")
+    p.add_argument("--compile-budget-s", type=float, default=None,
+                   help="seconds the warm-up may take (default: half of --deadline-s, else unbounded)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--commit", default=None, help="git commit to record (default $GIT_COMMIT, else HEAD)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mlflow", action="store_true", help="log an MLflow run with the Parquet as its artifact")
+    args = p.parse_args(argv)
+    fams = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
+    bad = [f for f in fams if f not in FAMILIES]
+    if bad or not fams:
+        p.error(f"unknown families {bad}; known: {', '.join(FAMILIES)}")
+    args.families = fams
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device not in ("cuda", "cpu"):
+        p.error(f"--device must be cuda or cpu, not {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        p.error("--deadline-s must be positive")
+    if args.timing is None:
+        args.timing = "graph" if args.device == "cuda" else "call"
+    if args.timing == "graph" and args.device != "cuda":
+        p.error("--timing graph replays CUDA graphs: it needs --device cuda")
+    if args.compile_workers is None:
+        args.compile_workers = min(12, max(0, (os.cpu_count() or 1) - 2)) if args.device == "cuda" else 0
+    if args.compile_workers < 0:
+        p.error("--compile-workers must be 0 or more")
+    if args.compile_budget_s is None:
+        args.compile_budget_s = args.deadline_s / 2 if args.deadline_s is not None else math.inf
+    if args.compile_budget_s <= 0:
+        p.error("--compile-budget-s must be positive")
+    return args
+
+
+def main(argv=None) -> int:
+    return run(parse_args(argv))
+
