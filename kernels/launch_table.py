@@ -54,6 +54,41 @@ def device_slug(name: str | None = None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", s).strip("-") or "gpu"
 
 
+POWER_OF_TWO = ("M_KV", "N_KV", "SMALL_N", "STREAM_N", "num_warps")  # and every BLOCK_*
+AT_LEAST_ONE = ("num_stages", "T_SPLITS")
+FLAGS = ("SPLIT_DQ",)
+SOURCES = ("measured", "predicted", "hand")
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def entry_problem(e) -> str | None:
+    """What makes `e` unusable as a table entry (a launcher would fail or read garbage), or None."""
+    if not (isinstance(e, dict) and {"family", "shape", "config"} <= e.keys()):
+        return "an entry lacks family, shape or config"
+    if not isinstance(e["family"], str) or not isinstance(e["shape"], dict) or not isinstance(e["config"], dict):
+        return "family must be a string, shape and config objects"
+    if e.get("source", "measured") not in SOURCES:
+        return f"source must be one of {', '.join(SOURCES)}"
+    for k, v in e["shape"].items():
+        if not (isinstance(v, str) if k == "dtype" else _int(v) and v >= 0):
+            return f"shape {k} must be {'a dtype name' if k == 'dtype' else 'an int >= 0'}, got {v!r}"
+    for k, v in e["config"].items():
+        if k.startswith("BLOCK_") or k in POWER_OF_TWO:
+            ok, want = _int(v) and v > 0 and v & (v - 1) == 0, "a positive power of two"
+        elif k in AT_LEAST_ONE:
+            ok, want = _int(v) and v >= 1, "an int >= 1"
+        elif k in FLAGS:
+            ok, want = _int(v) and v in (0, 1), "0 or 1"
+        else:
+            ok, want = _int(v) and v >= 0, "an int >= 0"
+        if not ok:
+            return f"config {k} must be {want}, got {v!r}"
+    return None
+
+
 def shape_key(family: str, shape: dict) -> str:
     """Canonical string of one (family, shape): 'flash_fwd|B=1024|D=64|...' (keys sorted)."""
     return family + "|" + "|".join(f"{k}={shape[k]}" for k in sorted(shape))
@@ -71,6 +106,9 @@ class LaunchTable:
         self.exact: dict[str, dict] = {}
         self.by_family: dict[str, list[dict]] = {}
         for e in entries:
+            problem = entry_problem(e)
+            if problem:
+                raise ValueError(f"launch table {path or '(in memory)'}: {problem}: {e!r:.160}")
             self.exact[shape_key(e["family"], e["shape"])] = e
             self.by_family.setdefault(e["family"], []).append(e)
 
@@ -86,9 +124,6 @@ class LaunchTable:
             raise ValueError(f"launch table {path}: {exc}") from None
         if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or not isinstance(doc.get("entries"), list):
             raise ValueError(f"launch table {path}: not a {SCHEMA} document")
-        for e in doc["entries"]:
-            if not (isinstance(e, dict) and {"family", "shape", "config"} <= e.keys()):
-                raise ValueError(f"launch table {path}: an entry lacks family, shape or config: {e!r:.120}")
         meta = {k: v for k, v in doc.items() if k != "entries"}
         return cls(doc["entries"], meta, str(path))
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._segments import keep_in_graph
+
 
 @dataclass(frozen=True)
 class S2Shards:
@@ -102,13 +104,14 @@ def s2_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, of
     n = lengths.clamp(max=max_seq_len)  # [B]
     L = int(n.max()) if n.numel() else 0
     if L == 0 or T == 0:
-        return q.new_zeros(q.shape) + (q.sum() + k.sum() + v.sum()) * 0  # zeros, still in the graph
+        return q.new_zeros(q.shape) + keep_in_graph(q, k, v)
     pos = torch.arange(L, device=q.device)
     valid = pos[None, :] < n[:, None]  # [B, L]
     rows = (offsets[:-1].to(torch.int64)[:, None] + pos[None, :]).clamp(max=max(T - 1, 0))  # [B, L]
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D], zeros at padding
-        xp = x.to(cdt)[rows] * valid[..., None, None]
+        # a select, not a product: padding rows index other sequences' rows, whose NaN must not leak
+        xp = torch.where(valid[..., None, None], x.to(cdt)[rows], 0.0)
         return xp.permute(0, 2, 1, 3)
 
     qp, kp, vp = padded(q), padded(k), padded(v)

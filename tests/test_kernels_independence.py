@@ -28,6 +28,7 @@ from kernels import (
     jagged_to_padded,
     padded_to_jagged,
 )
+from kernels import S2Shards
 from kernels._jagged_common import set_poison_outputs
 
 pytestmark = [
@@ -63,8 +64,14 @@ def _flash(x, off, be):
     return jagged_flash_attention(*x, off, N, causal=True, return_lse=True, backend=be)
 
 
+def _s2(x, off, be):
+    shards = S2Shards(block=16, local_blocks=1, stride=2)
+    return (jagged_flash_attention(*x, off, N, shards=shards, backend=be),)
+
+
 OPS = {
     "flash_attention": Op([("jagged", (T, 2, 16))] * 3, ["jagged", "lse"], _flash),
+    "s2_attention": Op([("jagged", (T, 2, 16))] * 3, ["jagged"], _s2),
     "dense_attention": Op(
         [("batch", (B, 2, 2, 16)), ("jagged", (T, 2, 16)), ("jagged", (T, 2, 16)),
          ("bias", (B, 2, 2, N))], ["batch"],
