@@ -1,16 +1,7 @@
-"""The comparison on a parent run (a sweep's, the main job's): one click from the runs list.
-
-MLflow's runs table shows a parent collapsed, its children's metrics many columns away, and
-its run page only what the parent itself holds. So the parent holds the comparison:
-
-- metrics ``<point>.<name>`` for every grid point that finished (``examples_per_s``,
-  ``step_ms``, ``peak_mem_mb``, ``test_auc``), the point named by its labels, e.g.
-  ``jagged.examples_per_s`` (main job) or ``batch_size_512.jagged.examples_per_s``, and the
-  baseline's ratios over the other series, ``<point>.jagged_over_sdpa.speedup`` and
-  ``.memory_saving`` (other's peak / baseline's: above 1, the baseline is leaner);
-- its description (the run page's "Description", MLflow's ``mlflow.note.content`` tag): the
-  table and links to the children's compare view;
-- the table as ``comparison/comparison.md`` and ``.html`` and the report's plots.
+"""The comparison on a sweep's parent run, one click from MLflow's runs list: headline metrics
+``<point>.<name>`` of every finished point and the baseline's ratios
+(``<point>.jagged_over_sdpa.speedup``, ``.memory_saving``), the table as the run's description
+and as ``comparison/comparison.{md,html}``. Why and how to read them: docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -18,17 +9,18 @@ from __future__ import annotations
 import html
 import json
 import re
-import sys
 import tempfile
 import time
 import urllib.parse
 from pathlib import Path
-
-import polars as pl
-from mlflow.entities import Metric, Run
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
 from experiments.runs import markdown_table
+
+if TYPE_CHECKING:
+    import polars as pl
+    from mlflow.entities import Run
+    from mlflow.tracking import MlflowClient
 
 HEADLINE = {  # child metric -> name on the parent
     "perf/train_examples_per_s": "examples_per_s",
@@ -66,7 +58,7 @@ def headline_metrics(df: pl.DataFrame, axes: list[str], series: str | None, rati
                      ratio_axes: list[str]) -> dict[str, float]:
     """The parent's metrics; `ratio_axes` name the labels of each ratio's key (report.ratios)."""
     out: dict[str, float] = {}
-    for row in df.filter(pl.col("status") == "OK").iter_rows(named=True):
+    for row in df.filter(df["status"] == "OK").iter_rows(named=True):
         key = point_key(row, axes, series)
         gpu = row.get("mem/train_peak_allocated_mb") is not None  # else the process's RSS (CPU)
         for metric, name in HEADLINE.items():
@@ -95,6 +87,8 @@ def log_comparison(client: MlflowClient, parent: Run, df: pl.DataFrame, axes: li
                    ratios: dict, ratio_axes: list[str], table: tuple[list[str], list[list[str]]],
                    title: str) -> dict[str, float]:
     """Put the comparison on the parent run (see the module docstring); returns its metrics."""
+    from mlflow.entities import Metric
+
     run_id, exp = parent.info.run_id, parent.info.experiment_id
     metrics = headline_metrics(df, axes, series, ratios, ratio_axes)
     now = int(time.time() * 1000)
@@ -112,17 +106,3 @@ def log_comparison(client: MlflowClient, parent: Run, df: pl.DataFrame, axes: li
         for name in ("comparison.md", "comparison.html"):
             client.log_artifact(run_id, str(Path(tmp) / name), artifact_path="comparison")
     return metrics
-
-
-def comparison_on_parent(client: MlflowClient, parent_id: str, child_ids: list[str]) -> str:
-    """Log the report (table, plots, headline metrics) on the parent; returns the compare view's
-    link. A failure here is reported, not raised: the runs and the table are already safe."""
-    from experiments.report import write_report  # noqa: PLC0415 (report imports this module)
-
-    parent = client.get_run(parent_id)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            write_report(parent, Path(tmp), log=True)
-    except Exception as err:  # noqa: BLE001
-        print(f"warning: the comparison could not be logged on the parent run: {err}", file=sys.stderr)
-    return compare_url(parent.info.experiment_id, child_ids)
