@@ -9,12 +9,13 @@ import argparse
 import os
 import time
 
-from pipeline.data import RankerData
 from pipeline.errors import ConfigError
 
 
 def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batches: int) -> dict:
     """Iterate the training loader like a fit would (pinned memory on CUDA machines)."""
+    from pipeline.data import RankerData  # Lightning: imported once the arguments are read
+
     dm = RankerData(data_dir, batch_size=batch_size, max_seq_len=max_seq_len, num_workers=workers)
     dm.setup("fit")
     loader = dm.train_dataloader()

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 from pipeline.cli import main
-from test_pipeline_cli import fit_args, tiny, tracking  # noqa: F401  (fixtures)
+from test_pipeline_cli import fit_args, fresh_tracking_uri
+from test_pipeline_data import tiny_data_dir
 
 
-def test_the_loop_trace_reports_the_attention_share(tiny, tracking, tmp_path):  # noqa: F811
-    out = tmp_path / "trace"
+def test_the_loop_trace_reports_the_attention_share(tmp_path, tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pipeline"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", fresh_tracking_uri(tmp_path_factory, tmp_path))
+    tiny, out = tiny_data_dir(tmp_path_factory), tmp_path / "trace"
     main(fit_args(tiny, tmp_path, "--trainer.accelerator", "cpu", "--mlflow.system_metrics", "false",
                   "--model.ranker.attention", "jagged", "--perf.trace_steps", "[2, 2]",
                   "--perf.trace_dir", str(out)))
