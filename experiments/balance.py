@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import parser
 from data_gen.schema import load_meta
 from pipeline.batches import EpochBatchSampler, balance_ranks
 from pipeline.split_cache import load_split
@@ -78,7 +79,7 @@ def report(data_dir: str, batch_size: int, max_seq_len: int, worlds: list[int], 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments balance", description=__doc__.split("\n")[0])
+    p = parser("balance", __doc__)
     p.add_argument("--data", required=True, help="data directory (meta.json + splits)")
     p.add_argument("--batch-size", type=int, default=512, help="rows per rank and step")
     p.add_argument("--max-seq-len", type=int, default=1024)

@@ -9,7 +9,6 @@ measured (and the crossover it predicts): docs/experiments.md, "DDP measurements
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from experiments import parser
 from data_gen.config import resolve_config
 from data_gen.lengths import build_length_model
 from data_gen.world import zipf_probs
@@ -138,7 +138,7 @@ def run(worlds: list[int], steps: int, warmup: int, todo: list[dict]) -> list[di
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments ddp-bench", description=__doc__.split("\n")[0])
+    p = parser("ddp-bench", __doc__)
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="numbers of processes")
     p.add_argument("--steps", type=int, default=3, help="timed steps per point and mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")

@@ -5,10 +5,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
+from experiments import parser
 from pipeline.errors import ConfigError
 
 
@@ -37,7 +37,7 @@ def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batche
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments loader-bench", description=__doc__.split("\n")[0])
+    p = parser("loader-bench", __doc__)
     b = p
     b.add_argument("--data", required=True, help="data directory (meta.json + splits)")
     b.add_argument("--batch-size", type=int, default=512)

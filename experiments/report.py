@@ -3,25 +3,28 @@
     python -m experiments report --parent <run id or name> [--out runs] [--commit SHA] [--no-log]
     make report PARENT=seq_len [RESULTS=experiments/results]
 
-Writes ``<out>/ablations/<name>/<device>/``: report.md (a row per grid point and the sections its
-ablation file asks for), report.json (what experiments.summary reads), runs.csv and the plots, all
-logged to the parent run (``report/``). The sections and their rules: docs/experiments.md.
+Writes ``<out>/ablations/<name>/<device>/``: report.md, report.json (what the summary reads),
+runs.csv and the plots, logged to the parent run with the comparison (metrics per point, the
+baseline's ratios, the table as its description). What each holds: docs/experiments.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
+import html
 import json
 import os
-import sys
+import re
 import tempfile
+import time
+import urllib.parse
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import yaml
 
+from experiments import parser
 from experiments import ablation
 from experiments import runs as runs_
 from experiments.sections import (THROUGHPUT, _convergence_lines, _where, convergence_rows, oracle_section,
@@ -54,8 +57,9 @@ def _environment(df: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[str, str]]]
     return env, [(d, Path(p).name if p else "?") for d, p in pairs if d]
 
 
-def header_lines(parent: Run, df: pl.DataFrame, commit: str | None, stop: str = "") -> list[str]:
-    """The report's head; `stop`: early_stopping_words of the parent, '' for none."""
+def header_lines(parent: Run, df: pl.DataFrame, commit: str | None, stop: str = "", by: str = "") -> list[str]:
+    """The report's head; `stop`: early_stopping_words of the parent, '' for none; `by`: the command
+    that writes it (default: this report's)."""
     tags = parent.data.tags
     name = tags.get("sweep.name", parent.info.run_name)
     counts = Counter(df["status"].to_list())
@@ -78,7 +82,7 @@ def header_lines(parent: Run, df: pl.DataFrame, commit: str | None, stop: str = 
         *([f"- every run trains {stop}: the EarlyStopping callback of the ablation file's configs"]
           if stop else []),
         f"- written {dt.datetime.now().astimezone().isoformat(timespec='seconds')} by "
-        f"`python -m experiments report --parent {name}`",
+        f"`{by or f'python -m experiments report --parent {name}'}`",
         "",
         "Throughput is over steady-state training steps (warm-up and validation excluded); tokens are "
         "real history items. Wall time is the whole run's process (start-up and data loading included).",
@@ -158,7 +162,6 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     from mlflow.tracking import MlflowClient
 
     from experiments import plots
-    from experiments.comparison import log_comparison
     from kernels.launch_table import device_slug
     from pipeline.tracking import tracking_uri
 
@@ -244,17 +247,144 @@ def report_json(parent: Run, df: pl.DataFrame, axes: list[str], commit: str | No
     }
 
 
+HEADLINE = {  # child metric -> name on the parent
+    "perf/train_examples_per_s": "examples_per_s",
+    "perf/step_time_ms": "step_ms",
+    "mem/train_peak_allocated_mb": "peak_mem_mb",
+    "mem/peak_rss_mb": "peak_rss_mb",
+    "test/auc": "test_auc",
+}
+_BAD = re.compile(r"[^A-Za-z0-9_.\- ]")  # MLflow metric keys: alphanumerics and _ - . space / :
+
+
+def _part(text: str) -> str:
+    return _BAD.sub("_", str(text))
+
+
+def point_key(row: dict, axes: list[str], series: str | None) -> str:
+    """`batch_size_512.jagged`: the non-series axes as name_label, then the series label."""
+    parts = [f"{_part(a)}_{_part(row[a])}" for a in axes if a != series]
+    if series in axes:
+        parts.append(_part(row[series]))
+    return ".".join(parts) or "all"
+
+
+def compare_url(experiment_id: str, run_ids: list[str]) -> str:
+    """MLflow's compare-runs view of these runs, relative to the UI's address."""
+    runs = urllib.parse.quote(json.dumps(run_ids))
+    return f"#/compare-runs?runs={runs}&experiments={urllib.parse.quote(json.dumps([experiment_id]))}"
+
+
+def parent_url(experiment_id: str, run_id: str) -> str:
+    return f"#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def headline_metrics(df: pl.DataFrame, axes: list[str], series: str | None, ratios: dict,
+                     ratio_axes: list[str]) -> dict[str, float]:
+    """The parent's metrics; `ratio_axes` name the labels of each ratio's key (report.ratios)."""
+    out: dict[str, float] = {}
+    for row in df.filter(df["status"] == "OK").iter_rows(named=True):
+        key = point_key(row, axes, series)
+        gpu = row.get("mem/train_peak_allocated_mb") is not None  # else the process's RSS (CPU)
+        for metric, name in HEADLINE.items():
+            if row.get(metric) is not None and not (gpu and metric == "mem/peak_rss_mb"):
+                out[f"{key}.{name}"] = float(row[metric])
+    for pair, r in ratios.items():
+        base, other = (p.strip() for p in pair.split("/", 1))
+        for key_labels, speed, mem in zip(r["key"], r["throughput"], r["memory"]):
+            prefix = ".".join(f"{_part(a)}_{_part(v)}" for a, v in zip(ratio_axes, key_labels))
+            name = f"{prefix + '.' if prefix else ''}{_part(base)}_over_{_part(other)}"
+            if speed is not None:
+                out[f"{name}.speedup"] = float(speed)
+            if mem is not None:
+                out[f"{name}.memory_saving"] = float(mem)
+    return out
+
+
+def html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    style = "table{border-collapse:collapse;font-family:sans-serif;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px}"
+    return f"<html><head><style>{style}</style></head><body><table><tr>{head}</tr>{body}</table></body></html>\n"
+
+
+def log_comparison(client: MlflowClient, parent: Run, df: pl.DataFrame, axes: list[str], series: str | None,
+                   ratios: dict, ratio_axes: list[str], table: tuple[list[str], list[list[str]]],
+                   title: str) -> dict[str, float]:
+    """Put the comparison on the parent run (see the module docstring); returns its metrics."""
+    from mlflow.entities import Metric
+
+    run_id, exp = parent.info.run_id, parent.info.experiment_id
+    metrics = headline_metrics(df, axes, series, ratios, ratio_axes)
+    now = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in sorted(metrics.items())])
+    header, rows = table
+    md = runs_.markdown_table(header, rows)
+    children = [r for r in df["run_id"].to_list() if r]
+    note = (f"**{title}**\n\n{md}\n\n[Compare the {len(children)} runs side by side]"
+            f"({compare_url(exp, children)}) · headline metrics of every point are this run's metrics "
+            "(`<point>.examples_per_s`, `<point>.<baseline>_over_<other>.speedup`, ...)\n")
+    client.set_tag(run_id, "mlflow.note.content", note)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "comparison.md").write_text(f"# {title}\n\n{md}\n")
+        (Path(tmp) / "comparison.html").write_text(html_table(header, rows))
+        for name in ("comparison.md", "comparison.html"):
+            client.log_artifact(run_id, str(Path(tmp) / name), artifact_path="comparison")
+    return metrics
+
+
+def write_table(root: Path, abl, parent: Run, df: pl.DataFrame, table: tuple[list, list], total_s: float) -> str:
+    """A sweep's summary table as a document (``sweep --results``): ``<root>/training/<device>/<name>.md``
+    and its rows in ``.json``; data other than the preset's own (the last config's name, seed 0) adds
+    ``_<data dir>-<digest[:8]>`` to the name. A table holding an OK point this one lacks is kept and
+    this one goes beside it (``.failed.md`` or ``.partial.md``). Returns the line to print."""
+    from data_gen.config import PRESETS, resolve_config
+    from kernels.launch_table import device_slug
+
+    (header, rows), data, n = table, abl.points[0].dataset, len(abl.axes)
+    meta = json.loads(data.meta_path.read_text())
+    preset, have = abl.configs[-1].stem, meta.get("config") or {}
+    own = (preset in PRESETS and meta.get("preset") == preset and meta.get("seed") == 0
+           and all(k in have and json.dumps(have[k]) == json.dumps(v) for k, v in resolve_config(preset).to_dict().items()))
+    name = abl.name + ("" if own else f"_{data.dir.name}-{str(meta.get('digest'))[:8]}")
+    out = table_at = root / "training" / device_slug() / f"{name}.md"
+    old, done = out.with_suffix(".json"), {"/".join(r[:n]) for r in rows if r[n] == "OK"}
+    lost = sorted({"/".join(r[:n]) for r in json.loads(old.read_text())["rows"] if r[n] == "OK"} - done
+                  if old.is_file() else [])
+    if lost:
+        out = out.with_name(f"{name}.{'failed' if len(done) < len(rows) else 'partial'}.md")
+    oracle = meta["splits"]["test"].get("oracle", {})
+    recent = ", ".join(f"last {k.rsplit('_', 1)[1]}: {v:.3f}" for k, v in oracle.items() if k.startswith("auc_recent_"))
+    lines = [*header_lines(parent, df, None, by=parent.data.tags.get("sweep.command", "")), "",
+             f"Total wall time {total_s:.0f} s. Test split oracle (the planted model): AUC "
+             f"{runs_.fmt(oracle.get('auc'), '.4f')} (from the most recent items only: {recent or '-'}), NE (own-split "
+             f"CTR) {runs_.fmt(oracle.get('ne'), '.4f')}.", "", runs_.markdown_table(header, rows), "",
+             f"The models' NE is the log loss over the entropy of the training split's CTR "
+             f"({runs_.fmt(meta['splits']['train'].get('ctr'), '.4f')}), for every split (the oracle's, over its own "
+             "split's CTR, as meta.json has it)."]
+    if "cuda" not in df["tag.accelerator"].to_list():
+        lines += ["", "On the CPU the jagged ranker runs the kernels' torch path (sequences grouped by length, each "
+                  "group padded to its own longest history, torch's fused CPU attention); the Triton kernels, and "
+                  "the speed and memory the project is about, are a GPU result."]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"name": abl.name, "parent_run": parent.info.run_id,
+                                                    "header": header, "rows": rows}, indent=1) + "\n")
+    return f"table written to {out}" + (f"; {table_at} kept: it holds OK {', '.join(lost)}, which this run "
+                                        f"{'did not finish' if len(done) < len(rows) else 'did not run'}" if lost else "")
+
+
 @command
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments report", description=__doc__.split("\n")[0])
+    p = parser("report", __doc__)
     p.add_argument("--parent", required=True, help="the sweep's parent run: id or name (the ablation's name)")
     p.add_argument("--out", default=str(REPO_ROOT / "runs"),
                    help="results root: the files go to OUT/ablations/<name>/<device>/ (default: runs, outside the "
                         "tracked files; experiments/results to update the committed reports)")
     p.add_argument("--commit", default=None, help="git commit to state when the runs recorded 'unknown'")
     p.add_argument("--no-log", action="store_true", help="do not log the files to the parent run")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     import mlflow
     from mlflow.tracking import MlflowClient
 

@@ -3,14 +3,12 @@
     python -m experiments reproduce --run <run id> [--data DIR] [--rtol R] [--out experiments/results]
     make reproduce RUN=<run id>
 
-Quality metrics (``train/``, ``val/``, ``test/``) must match exactly on CPU, within ``--rtol`` (5e-3)
-on CUDA; speed and memory are printed only. Exit 0 when every compared metric matches, 1 when one
-does not, 2 for bad input. The rules and the data check: docs/experiments.md.
+Quality metrics must match exactly on CPU, within ``--rtol`` (5e-3) on CUDA (docs/experiments.md).
+Exit 0 when every compared metric matches, 1 when one does not, 2 for bad input.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from experiments import parser
 from experiments import proc as _proc
 from experiments import runs as runs_
 from experiments import sweep
@@ -162,13 +161,13 @@ def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None
 @command
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments reproduce", description=__doc__.split("\n")[0])
+    p = parser("reproduce", __doc__)
     p.add_argument("--run", required=True, help="MLflow run id")
     p.add_argument("--data", default=None, help="data directory (default: the one in the run's config)")
     p.add_argument("--rtol", type=float, default=None,
                    help=f"relative tolerance of the quality metrics (default: 0 on CPU, {GPU_RTOL:g} on CUDA)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="results root: also write the verdict to DIR/training/<device>/reproduce.json")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     return reproduce(args.run, args.data, args.rtol, args.out)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError
@@ -179,70 +178,3 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
 
 def parent_axes(parent: Run) -> dict[str, list[str]]:
     return json.loads(parent.data.tags.get("sweep.axes") or "{}")
-
-
-def write_table(root: Path, abl, table: tuple[list[str], list[list[str]]], parent_id: str, total_s: float,
-                command: str) -> str:
-    """A sweep's summary table as a document, ``<root>/training/<device>/<name>.md`` with its rows in
-    ``.json`` beside it; data other than the preset's own (the last config's name, seed 0) adds
-    ``_<data dir>-<digest[:8]>`` to the name. A table that holds an OK point this one lacks is
-    kept: this one goes beside it (``.failed.md`` or ``.partial.md``). Returns what to print."""
-    from data_gen.config import PRESETS, resolve_config
-    from kernels.launch_table import device_slug
-    from pipeline.tracking import environment_tags
-
-    header, rows = table
-    env, data = environment_tags(), abl.points[0].dataset
-    meta = json.loads(data.meta_path.read_text())
-    preset, have = abl.configs[-1].stem, meta.get("config") or {}
-    own = (preset in PRESETS and meta.get("preset") == preset and meta.get("seed") == 0
-           and all(k in have and json.dumps(have[k]) == json.dumps(v) for k, v in resolve_config(preset).to_dict().items()))
-    name = abl.name + ("" if own else f"_{data.dir.name}-{str(meta.get('digest'))[:8]}")
-    out = root / "training" / device_slug() / f"{name}.md"
-    n = len(abl.axes)
-    done = {"/".join(r[:n]) for r in rows if r[n] == "OK"}
-    old = out.with_suffix(".json")
-    kept = {"/".join(r[:n]) for r in json.loads(old.read_text())["rows"] if r[n] == "OK"} if old.is_file() else set()
-    lost, table_at, why = sorted(kept - done), out, ""
-    if lost:
-        failed = len(done) < len(rows)
-        out = out.with_name(f"{name}.{'failed' if failed else 'partial'}.md")
-        why = (f"; {table_at} kept: it holds OK {', '.join(lost)}, which this run "
-               f"{'did not finish' if failed else 'did not run'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(table_document(abl, header, rows, parent_id, env, meta, data.dir, total_s, command))
-    out.with_suffix(".json").write_text(json.dumps({
-        "name": abl.name, "command": command, "device": env["device"], "commit": env["git_commit"],
-        "parent_run": parent_id, "header": header, "rows": rows}, indent=1) + "\n")
-    return f"table written to {out}{why}"
-
-
-def table_document(abl, header: list[str], rows: list[list[str]], parent_id: str, env: dict, meta: dict,
-                   data_dir: Path, total_s: float, command: str) -> str:
-    """The summary table with what its numbers depend on: device, versions, commit, data, the oracle."""
-    import datetime as dt
-
-    oracle = meta["splits"]["test"].get("oracle", {})
-    recent = ", ".join(f"last {k.rsplit('_', 1)[1]}: {v:.3f}" for k, v in oracle.items() if k.startswith("auc_recent_"))
-    lines = [
-        f"# `{abl.name}`: {abl.description}", "",
-        f"- command: `{command}`",
-        f"- device: {env['device']}; torch {env['torch_version']}, triton {env['triton_version']}, "
-        f"CUDA {env['cuda_version']}, Python {env['python_version']}",
-        f"- git commit: `{env['git_commit']}`; data digest: `{meta['digest']}` ({data_dir})",
-        f"- date: {dt.datetime.now().astimezone().isoformat(timespec='seconds')}; total wall time {total_s:.0f} s",
-        f"- test split oracle (the planted model): AUC {fmt(oracle.get('auc'), '.4f')} "
-        f"(from the most recent items only: {recent or '-'}), NE (own-split CTR) {fmt(oracle.get('ne'), '.4f')}",
-        f"- MLflow: experiment `{abl.experiment}`, parent run `{parent_id}`", "",
-        markdown_table(header, rows), "",
-        f"The models' NE is the log loss over the entropy of the training split's CTR "
-        f"({fmt(meta['splits']['train'].get('ctr'), '.4f')}), for every split (the oracle's, over its own "
-        "split's CTR, as meta.json has it). Throughput is over steady-state training steps (warm-up and "
-        "validation excluded); tokens are real history items. Wall time is the whole process (start-up, data "
-        "loading, training, validation, test).",
-    ]
-    if env["accelerator"] == "cpu":
-        lines += ["", "On the CPU the jagged ranker runs the kernels' torch path (sequences grouped by length, each "
-                  "group padded to its own longest history, torch's fused CPU attention); the Triton kernels, and "
-                  "the speed and memory the project is about, are a GPU result."]
-    return "\n".join(lines) + "\n"

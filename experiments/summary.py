@@ -3,14 +3,12 @@
     python -m experiments summary [--results experiments/results] [--out FILE]
     make summary
 
-Reads JSON only (no MLflow, no GPU): each ablation's report.json, the kernel benchmarks' result
-files, the training profiles and reproductions; a missing source is said, never skipped. The
-file is rewritten only when its content changes. What each section says: docs/experiments.md.
+Reads committed JSON only (report.json, kernel benchmark results, profiles, reproductions); a
+missing source is said, never skipped; rewritten only when its content changes (docs/experiments.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shlex
@@ -19,6 +17,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from experiments import parser
 from pipeline.runenv import REPO_ROOT
 
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
@@ -375,10 +374,10 @@ def build(results: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments summary", description=__doc__.split("\n")[0])
+    p = parser("summary", __doc__)
     p.add_argument("--results", default=str(REPO_ROOT / "experiments" / "results"), help="the committed results folder")
     p.add_argument("--out", default=None, help="output file (default RESULTS/REPORT.md)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     results = Path(args.results)
     if not results.is_dir():
         print(f"error: no results folder {results}", file=sys.stderr)

@@ -1,12 +1,10 @@
-"""Run an ablation: a base config plus a grid of overrides, one ``python -m pipeline fit`` per point.
+"""Run an ablation file: one ``python -m pipeline fit`` per grid point, children of one MLflow parent.
 
-    python -m experiments sweep experiments/ablations/seq_len.yaml [--dry-run] [--where AXIS=LABEL,..]
-        [--set KEY=VALUE ...] [--data DIR] [--results DIR] [--parallel N | --gpus 0,1] [--new] ...
+    python -m experiments sweep experiments/ablations/seq_len.yaml [--dry-run] [--set KEY=VALUE] ...
     make experiment-seq_len [SWEEP_ARGS="--max-runs 3"]
 
-Every run is an MLflow child of one parent run named after the ablation; rerunning resumes it
-(docs/experiments.md). Exit status: 0 when every point finished or is a recorded OOM, 1 when some
-failed or were not run, 2 for a bad ablation file, data set or tracking URI, or a sweep running.
+A rerun resumes (docs/experiments.md). Exit 0 when every point finished or is a recorded OOM, 1
+when some did not, 2 for a bad file, data set or tracking URI, or a sweep of it running already.
 """
 
 from __future__ import annotations
@@ -26,11 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from experiments import parser
 from experiments import runs as runs_
 from experiments.ablation import Ablation, Point, cli_value, code_version, load, parse_set, split_set
-from experiments.comparison import compare_url, parent_url
 from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
                               lock_path, stream)
+from experiments.report import compare_url, parent_url, write_table
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
 from pipeline.store import check_tracking
@@ -362,13 +361,13 @@ class Sweep:
         print(f"  in `make ui`: http://127.0.0.1:5000/{parent_url(self.experiment_id, parent_id)} "
               f"(the comparison), http://127.0.0.1:5000/{compare} (side by side)")
         if self.args.results:
-            print(runs_.write_table(Path(self.args.results), self.abl, (header, rows), parent_id,
-                                    time.monotonic() - self._t_start, self.command))
+            print(write_table(Path(self.args.results), self.abl, self.client.get_run(parent_id), self._frame,
+                              (header, rows), time.monotonic() - self._t_start))
         print(f"report: python -m experiments report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
         return 1 if bad else 0
 
     def report_on_parent(self, parent_id: str, child_ids: list[str]) -> str:
-        """The report's table, plots and headline metrics on the parent (experiments.comparison);
+        """The report's table, plots and headline metrics on the parent (experiments.report);
         returns the compare view's link. A failure is reported, not raised: the runs are safe."""
         from experiments.report import write_report
 
@@ -383,42 +382,33 @@ class Sweep:
     def summary(self, parent_id: str) -> tuple[list[str], list[list[str]]]:
         """Every point of the grid: its best run, or a row saying it has not run."""
         self.parent = self.client.get_run(parent_id)
-        header, rows = runs_.summary_rows(runs_.grid_frame(self.parent, list(self.hashes.values())), self.abl.axes)
+        self._frame = runs_.grid_frame(self.parent, list(self.hashes.values()))
+        header, rows = runs_.summary_rows(self._frame, self.abl.axes)
         by_point = {tuple(r[: len(self.abl.axes)]): r for r in rows}
         keys = [tuple(point.labels[a] for a in self.abl.axes) for point in self.abl.points]
         return header, [by_point.get(key) or [*key, "not run", *("-" for _ in header[len(key) + 1:])] for key in keys]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments sweep", description=__doc__.split("\n")[0])
+    p = parser("sweep", __doc__)
     p.add_argument("ablation", help="experiments/ablations/<name>.yaml")
-    p.add_argument("--data", default=None,
-                   help="data directory replacing the file's top-level `dataset` (e.g. tiny data for a check); "
-                        "grid points that declare a dataset keep theirs")
+    p.add_argument("--data", default=None, help="data directory replacing the file's top-level `dataset`")
     p.add_argument("--data-root", default=str(REPO_ROOT / "data"), help="where declared datasets live / are generated")
     p.add_argument("--results", default=None, metavar="DIR",
-                   help="also write the summary table to DIR/training/<device>/<name>.md (and .json), never over a "
-                        "table that holds a finished point this sweep lacks (e.g. runs, or experiments/results)")
+                   help="also write the summary table to DIR/training/<device>/<name>.md, never over a better one")
     p.add_argument("--dry-run", action="store_true", help="print each point's action and command, run nothing")
     p.add_argument("--max-runs", type=int, default=None, help="start at most N runs (skipped points do not count)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for every run, e.g. trainer.max_steps=50 (changes the config hash); a top-level "
-                        "key of the ablation file replaces the file's, e.g. configs=[base,paper] or name=main-paper")
+                   help="override of every run (trainer.max_steps=50), or of a top-level key of the file (name=x)")
     p.add_argument("--where", action="append", default=[], metavar="AXIS=LABEL[,LABEL]",
                    help="only the points with these labels, e.g. max_seq_len=1024,4096")
     p.add_argument("--end-s", type=float, default=None,
-                   help="when the caller stops the sweep (seconds after its start, e.g. its timeout): a point whose "
-                        "earlier runs (any code version) needed more than is left then is not started")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="start no new run after this many seconds (a run in progress finishes); rerun to go on")
+                   help="the caller stops the sweep then: skip a point whose earlier runs needed more than is left")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default: the file's timeout_s)")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="run N points at once on the same device (accuracy ablations: throughput of "
-                        "concurrent runs is not comparable and the report says so; peak memory is per process)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="run N points at once on the same device")
     p.add_argument("--gpus", default=None, metavar="LIST",
-                   help="one run at a time per entry, on that GPU and its share of the CPU cores: 0,1 runs two "
-                        "points at once, each with a GPU of its own (throughput stays comparable); 0,0,1,1 puts two "
-                        "on each GPU (shared, as --parallel)")
+                   help="one run at a time per entry, on that GPU and its share of the cores: 0,1 or 0,0,1,1")
     p.add_argument("--retry-oom", action="store_true", help="rerun points recorded as OOM")
     p.add_argument("--new", action="store_true", help="start a new parent run instead of resuming")
     args = p.parse_args(argv)
