@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
+
 def _values(df: pl.DataFrame, col: str) -> list:
     """The column's distinct values that are set, in first-seen order."""
     return [v for v in dict.fromkeys(df[col].to_list()) if v]

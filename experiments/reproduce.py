@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
+
 QUALITY_PREFIXES = ("train/", "val/", "test/")
 INFO_PREFIXES = ("perf/", "mem/")
 GPU_RTOL = 5e-3

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from mlflow.entities import Run
     from mlflow.tracking import MlflowClient
 
+
 METRICS = {  # metric key -> (column title, format)
     "test/auc": ("test AUC", ".4f"),
     "test/ne": ("test NE (train CTR)", ".4f"),
@@ -56,10 +57,7 @@ def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None
                 raise ConfigError(f"run {ref} ({run.info.run_name}) is not a parent run: it is one run of the "
                                   f"parent {tags['mlflow.parentRunId']}; report that one "
                                   f"(make report PARENT={tags['mlflow.parentRunId']})")
-            if tags.get("kind") == "main-job":
-                raise ConfigError(f"run {ref} is a main job recorded by an older version, without its grid: "
-                                  "run `make experiment` again to report it")
-            raise ConfigError(f"run {ref} ({run.info.run_name}) is not the parent run of a sweep or main job")
+            raise ConfigError(f"run {ref} ({run.info.run_name}) is not the parent run of a sweep")
     ids = experiment_ids or [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(
         ids, filter_string=f"tags.mlflow.runName = {quote(ref)} and tags.`sweep.role` = 'parent'",

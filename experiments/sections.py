@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import polars as pl
     from mlflow.tracking import MlflowClient
 
+
 THROUGHPUT = "perf/train_examples_per_s"
 
 

@@ -37,6 +37,7 @@ from pipeline.store import check_tracking
 if TYPE_CHECKING:
     from mlflow.entities import Run
 
+
 FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapper that injects failures
 _OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED")
 

@@ -167,7 +167,7 @@ def test_config_errors_are_one_line_naming_the_file(tiny, tracking, tmp_path, ca
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [["experiments", "sweep", "experiments/ablations/smoke.yaml", "--dry"],
                                      ["experiments", "report", "--parent", "x", "--ou", "/tmp"],
-                                     ["experiments", "reproduce", "--ru", "x"],
+                                     ["experiments", "summary", "--res", "/tmp"],
                                      ["data_gen", "generate", "--preset", "tiny", "--out", "/tmp/x", "--row", "9"]])
 def test_no_command_takes_an_abbreviated_option(command):
     proc = subprocess.run([sys.executable, "-m", *command], cwd=REPO, capture_output=True, text=True, timeout=120)
