@@ -10,11 +10,9 @@ import sys
 
 VERBS = {  # verb: (module with main(argv), one line)
     "sweep": ("experiments.sweep", "run an ablation file's points (resumable) and report them"),
-    "main-job": ("experiments.main_job", "the main job: dense, sdpa and jagged rankers compared"),
     "report": ("experiments.report", "tables and plots of a sweep's MLflow runs"),
     "summary": ("experiments.summary", "experiments/results/REPORT.md from the committed results"),
     "reproduce": ("experiments.reproduce", "rerun one MLflow run from its logged config, compare metrics"),
-    "profile": ("experiments.profile", "one-step profile per attention layout: attention's share"),
     "ddp-bench": ("experiments.ddp_bench", "DDP scaling and token balance measurements"),
     "balance": ("experiments.balance", "token balance of the sampler across ranks"),
     "loader-bench": ("experiments.loader_bench", "training loader throughput"),
@@ -27,7 +25,7 @@ VERBS = {  # verb: (module with main(argv), one line)
     "costmodel": ("experiments.tuning.costmodel", "fit, evaluate and export the launch-config cost model"),
     "tune-ops": ("experiments.tuning.tune_ops", "launch configs of the elementwise ops"),
 }
-DRIVERS = ("sweep", "main-job")  # they run fits as children: SIGTERM must stop those too
+DRIVERS = ("sweep",)  # it runs fits as children: SIGTERM must stop those too
 
 
 def usage() -> str:

@@ -1,35 +1,9 @@
-"""An ablation file, parsed: the grid expanded into runs, each with its overrides, data and hash.
+"""An ablation file (``experiments/ablations/*.yaml``), parsed: the grid expanded into points,
+each with its overrides, data set and config hash.
 
-The file format (``experiments/ablations/*.yaml``; :mod:`experiments.sweep` documents it for
-users). Every key but ``name`` and ``grid`` is optional::
+    abl = load("experiments/ablations/seq_len.yaml", Path("data"), extra_set={"trainer.max_steps": 50})
 
-    name: seq_len                # the MLflow parent run's name and experiments/results/<name>/
-    description: one line        # shown in the report
-    experiment: ablations        # MLflow experiment of the parent and its children
-    configs: [base, paper]       # experiments/configs/<name>.yaml, applied in this order
-    dataset: {preset: paper}     # the data of every run (see below)
-    set: {trainer.max_steps: 60} # config overrides of every run (dotted keys of `pipeline fit`)
-    timeout_s: 900               # wall-clock limit of one run (killed and recorded past it)
-    grid:                        # one run per point of the product of the axes
-      model.ranker.attention: [dense, sdpa, jagged]   # a key axis: named after the key's last part
-      fill:                                         # a named axis: label -> overrides of the point
-        "0.25": {dataset: {name: fill025, preset: paper, mean_len: 256}}
-    exclude:                     # points of the product not to run: each entry {axis: label or [labels]}
-      - {max_seq_len: "1024", attention: [s2_stride4, s2_stride8]}   # drops the points matching all its axes
-    report: {x: max_seq_len, series: attention, baseline: jagged, oracle: false,
-             targets: [{at: {max_seq_len: "1024"}, vs: sdpa, min_speedup: 2, max_memory_ratio: 0.5,
-                        max_auc_diff: 0.002}],         # PASS/MISS table: baseline vs `vs` at `at`
-             profile: "profile_paper_*.md",            # experiments.profile output to quote (results root)
-             seeds: seed,                              # an axis of seeds: AUC spread; targets on means
-             converged_within: 0.002,                  # val AUC change over the last check that counts as flat
-             recovery: {low: short, high: long, candidates: [short_emb], min_share: 0.7,
-                        max_cost_ratio: 0.5},          # share of the low->high AUC gain a candidate recovers
-             pareto: true}                             # pareto.png: test AUC vs examples/s, front, oracle
-
-A dataset is ``{dir: PATH}`` (must exist) or ``{preset: P, [name: N], [seed: S], [<data_gen
-key>: value ...]}``: the directory ``<data root>/<name or preset>``, written by ``python -m
-data_gen generate --preset P [--seed S] [--<key> value ...] --out DIR`` when it has no
-meta.json yet; an existing one generated with other settings is an error, not silently reused.
+The file format (every key, datasets, targets, recovery) is described in docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -46,9 +20,8 @@ from typing import Any
 
 import yaml
 
-from pipeline.runenv import files_digest
 from pipeline.errors import ConfigError
-from pipeline.tracking import REPO_ROOT
+from pipeline.runenv import REPO_ROOT, files_digest
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"
 DEFAULT_EXPERIMENT = "ablations"
@@ -247,8 +220,16 @@ def read(path: str | Path) -> dict[str, Any]:
 
 def load(path: str | Path, data_root: Path, data_dir: str | None = None,
          extra_set: dict[str, Any] | None = None) -> Ablation:
-    """Parse and expand an ablation file; raises ConfigError saying what is wrong."""
-    return expand(read(path), Path(path), data_root, data_dir, extra_set)
+    """Parse and expand an ablation file; raises ConfigError saying what is wrong. `extra_set`
+    (``--set``): a top-level key of the file (``name``, ``configs``, ``grid``, ...) replaces the
+    file's; any other key overrides the fit config of every point."""
+    top, fit = split_set(extra_set or {})
+    return expand({**read(path), **top}, Path(path), data_root, data_dir, fit)
+
+
+def split_set(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--set`` overrides -> (top-level keys of the ablation file, fit overrides)."""
+    return {k: v for k, v in extra.items() if k in _TOP_KEYS}, {k: v for k, v in extra.items() if k not in _TOP_KEYS}
 
 
 def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | None = None,

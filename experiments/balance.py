@@ -1,14 +1,10 @@
 """How evenly the distributed sampler spreads tokens over the ranks, on a real data set.
 
     python -m experiments balance --data data/paper --batch-size 512 --max-seq-len 1024 \
-        --world-sizes 2 4 8 --out experiments/results/ddp-token-balance-paper.md
+        --world-sizes 2 4 8 --out experiments/results/ddp/cpu/token-balance-paper.md
 
-For each world size W, every global batch of one training epoch (W x batch_size rows of the
-shuffled order, as :class:`pipeline.batches.EpochBatchSampler` cuts them) is split across the
-ranks by :func:`pipeline.batches.balance_ranks` and, for comparison, into W consecutive slices
-of batch_size rows (what splitting the global batch by rows alone gives). Per global batch:
-max over ranks of the tokens (history items after truncation) / mean over ranks; a DDP step
-waits for the rank with the most tokens, so mean / max bounds the efficiency the split allows.
+Every global batch of one epoch split by :func:`pipeline.batches.balance_ranks` against W
+consecutive slices of rows; per batch the most tokens of a rank over the mean (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -22,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import parser
 from data_gen.schema import load_meta
 from pipeline.batches import EpochBatchSampler, balance_ranks
 from pipeline.split_cache import load_split
-from pipeline.tracking import git_commit
+from pipeline.runenv import git_commit
 
 
 def rank_tokens(lengths: np.ndarray, batch_size: int, world: int, seed: int, epoch: int) -> dict[str, np.ndarray]:
@@ -82,7 +79,7 @@ def report(data_dir: str, batch_size: int, max_seq_len: int, worlds: list[int], 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments balance", description=__doc__.split("\n")[0])
+    p = parser("balance", __doc__)
     p.add_argument("--data", required=True, help="data directory (meta.json + splits)")
     p.add_argument("--batch-size", type=int, default=512, help="rows per rank and step")
     p.add_argument("--max-seq-len", type=int, default=1024)

@@ -3,29 +3,12 @@
 
     python -m experiments ddp-bench --worlds 2 4 --out experiments/results    # a few minutes
 
-A step is the item table and a one-vector head on synthetic lookups: forward, backward, the
-gradient averaging of training (:class:`pipeline.gradsync.GradSync`, every gradient by hand,
-as after a CUDA-graph replay) and a plain SGD step (:mod:`pipeline.optim`: it treats the
-modes alike). The rest of a ranker is left out: its gradients are the same in every mode.
-
-- **Preset points**: each preset's table (tiny 20k x 32, small 100k x 32, paper 1M x 128) and
-  batch per process (64, 256, 512), with history lengths drawn from the preset's length model
-  cut to its max_seq_len (32, 64, 1024), plus one candidate per example; item ids Zipf(1.0)
-  like the data's popularity. Each process draws its own lookups.
-- **Crossover sweep**: the small table; each process looks up a fraction f of its rows (distinct
-  ids, uniformly chosen), f from 1% to 100%.
-
-Per mode, world size and point: the median step time (the slowest process's), of which the
-averaging; bytes each process sent per step, predicted (ring algorithms, :mod:`pipeline.gradsync`)
-and measured (the process's ``wchar`` in /proc: Gloo's TCP sends); the peak resident memory a step
-adds (VmHWM, reset before each point, minus the resident memory before the first step).
-The predicted crossover (sparse sends more than dense once f > 2 x D x 4 / (W x (D x 4 + 8)),
-about 2 / W) is printed next to the measured crossovers of bytes and of step time.
+Writes OUT/ddp/cpu/ddp-bench.{md,json} and two plots. What a step is, the points and what is
+measured (and the crossover it predicts): docs/experiments.md, "DDP measurements".
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
@@ -39,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from experiments import parser
 from data_gen.config import resolve_config
 from data_gen.lengths import build_length_model
 from data_gen.world import zipf_probs
@@ -154,19 +138,20 @@ def run(worlds: list[int], steps: int, warmup: int, todo: list[dict]) -> list[di
 
 
 def main(argv: list[str] | None = None) -> None:
-    from experiments.ddp_report import write_report  # matplotlib only where the report is written
-
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments ddp-bench", description=__doc__.split("\n")[0])
+    p = parser("ddp-bench", __doc__)
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="numbers of processes")
     p.add_argument("--steps", type=int, default=3, help="timed steps per point and mode")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--presets", nargs="*", default=list(PRESETS), help="which preset points (none: only the sweep)")
     p.add_argument("--fractions", type=float, nargs="*", default=list(FRACTIONS), help="the sweep's fractions")
-    p.add_argument("--out", default="experiments/results", help="directory of ddp-bench-cpu.{md,json} and plots")
+    p.add_argument("--out", default="runs", help="results root: the files go to OUT/ddp/cpu/ (default: runs, outside "
+                                                 "the tracked files; experiments/results to update the committed ones)")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
+    from experiments.ddp_report import write_report  # matplotlib only where the report is written
+
     todo = [pt for pt in points(args.fractions) if pt["kind"] == "sweep" or pt["name"] in args.presets]
-    out = Path(args.out)
+    out = Path(args.out) / "ddp" / "cpu"
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     rows = run(args.worlds, args.steps, args.warmup, todo)

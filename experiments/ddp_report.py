@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from experiments.figures import save_png  # noqa: E402
 from pipeline.gradsync import EMBEDDING_GRADS  # noqa: E402
-from pipeline.tracking import device_name, git_commit  # noqa: E402
+from pipeline.runenv import device_name, git_commit  # noqa: E402
 
 _MB = 2**20
 _COLOURS = {"dense": "tab:blue", "sparse": "tab:orange", "densify": "tab:green"}
@@ -174,13 +174,13 @@ def _reading(rows: list[dict], cross: list[dict]) -> list[str]:
 
 
 def write_report(rows: list[dict], out: Path, command: str, seconds: float) -> str:
-    """ddp-bench-cpu.md, .json and the two plots under `out`; returns the markdown."""
+    """ddp-bench.md, .json and the two plots under `out`; returns the markdown."""
     cross = crossovers(rows)
-    (out / "ddp-bench-cpu.json").write_text(json.dumps(rows, indent=1))
+    (out / "ddp-bench.json").write_text(json.dumps(rows, indent=1))
     if cross:
-        plot_sweep(rows, cross, out / "ddp-bench-crossover-cpu.png")
+        plot_sweep(rows, cross, out / "ddp-bench-crossover.png")
     if any(r["kind"] == "preset" for r in rows):
-        plot_presets(rows, out / "ddp-bench-presets-cpu.png")
+        plot_presets(rows, out / "ddp-bench-presets.png")
     fracs = [r["touched"] for r in rows if r["kind"] == "sweep"]
     span = (min(fracs), max(fracs)) if fracs else (0.0, 1.0)
     cross_lines = ["| W | predicted from bytes (2·4D / (W·(4D+8))) | measured: bytes | measured: step time |",
@@ -190,13 +190,13 @@ def write_report(rows: list[dict], out: Path, command: str, seconds: float) -> s
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     text = "\n".join([
         "# Dense, sparse and densified embedding gradients across processes (CPU, Gloo)", "",
-        f"{_subtitle()}; {stamp}; {seconds:.0f} s in all. Method: `experiments/ddp_bench.py` (module docstring).", "",
+        f"{_subtitle()}; {stamp}; {seconds:.0f} s in all. Method: docs/experiments.md (DDP measurements).", "",
         "## Crossover: the touched fraction above which dense is cheaper", "", *cross_lines, "",
         *_reading(rows, cross), "",
-        "![crossover](ddp-bench-crossover-cpu.png)", "",
+        "![crossover](ddp-bench-crossover.png)", "",
         "## The presets' tables and batches", "", *_preset_table(rows), "",
-        "![presets](ddp-bench-presets-cpu.png)", "",
+        "![presets](ddp-bench-presets.png)", "",
         f"## The sweep ({SWEEP_NAME})", "", *_sweep_table(rows), "",
         "    " + command, ""])
-    (out / "ddp-bench-cpu.md").write_text(text)
+    (out / "ddp-bench.md").write_text(text)
     return text

@@ -5,16 +5,17 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
-from pipeline.data import RankerData
+from experiments import parser
 from pipeline.errors import ConfigError
 
 
 def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batches: int) -> dict:
     """Iterate the training loader like a fit would (pinned memory on CUDA machines)."""
+    from pipeline.data import RankerData  # Lightning: imported once the arguments are read
+
     dm = RankerData(data_dir, batch_size=batch_size, max_seq_len=max_seq_len, num_workers=workers)
     dm.setup("fit")
     loader = dm.train_dataloader()
@@ -36,7 +37,7 @@ def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batche
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments loader-bench", description=__doc__.split("\n")[0])
+    p = parser("loader-bench", __doc__)
     b = p
     b.add_argument("--data", required=True, help="data directory (meta.json + splits)")
     b.add_argument("--batch-size", type=int, default=512)

@@ -1,9 +1,8 @@
-"""Child processes of the drivers (sweep, main job, reproduce): run and echo them, stop them,
-tie their lives to ours, and locks that children share.
+"""Child processes of the drivers (sweep, reproduce): run and echo them, stop them, tie their
+lives to ours (PR_SET_PDEATHSIG on Linux), locks that children share, and GPU/core slots.
 
-A driver killed outright (SIGKILL, an OOM killer, a closed terminal) cannot stop its children
-itself; on Linux the kernel does it for us: every child is started with PR_SET_PDEATHSIG, so it
-gets SIGTERM when the thread that started it ends (a fit then records its run KILLED and exits).
+A driver killed outright cannot stop its children itself: the kernel does it for us (see
+docs/experiments.md, "Processes and locks").
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from pipeline.errors import ConfigError
-from pipeline.tracking import REPO_ROOT, tracking_uri
+from pipeline.runenv import REPO_ROOT
 
 TAIL_BYTES = 64 * 1024
 _ECHO_LOCK = threading.Lock()
@@ -62,6 +62,8 @@ def die_with_parent() -> Callable[[], None] | None:
 def lock_path(name: str, *identity: str) -> Path:
     """The lock file of `name` (one per `identity`): beside the tracking URI's sqlite database,
     else in the temp directory (then exclusive per machine only)."""
+    from pipeline.tracking import tracking_uri
+
     key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:12]
     file = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}.lock"
     uri = tracking_uri()
@@ -180,6 +182,8 @@ def failure_line(rc: int, output: str) -> str:
 
 def child_env(tags: dict[str, str]) -> dict[str, str]:
     """The child's environment: our tracking URI, the sweep tags (set by MLflow at run creation)."""
+    from pipeline.tracking import tracking_uri
+
     env = {k: v for k, v in os.environ.items()
            if k not in ("MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME")}
     env.update(MLFLOW_TRACKING_URI=tracking_uri(), MLFLOW_RUN_CONTEXT=json.dumps(tags), PYTHONUNBUFFERED="1")
@@ -194,3 +198,30 @@ def sigterm_as_interrupt() -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
+
+
+class Slot:
+    """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), how many slots share it,
+    and this slot's share of the CPU cores (taskset): runs on different GPUs share neither."""
+
+    def __init__(self, gpu: str, sharing: int, cores: list[int]):
+        self.gpu, self.sharing, self.cores = gpu, sharing, cores
+
+    def pin(self, cmd: list[str]) -> list[str]:
+        taskset = shutil.which("taskset")
+        if not taskset or not self.cores:
+            return cmd
+        return [taskset, "-c", ",".join(map(str, self.cores)), *cmd]
+
+
+def device_slots(gpus: str | None) -> list[Slot]:
+    """--gpus "0,1" -> one run at a time on each of GPUs 0 and 1; "0,0,1,1" -> two on each.
+    The cores this process may use are dealt out evenly, in blocks, one block per slot."""
+    if not gpus:
+        return []
+    ids = [g.strip() for g in gpus.split(",")]
+    if any(not g.isdigit() for g in ids):
+        raise ConfigError(f"--gpus {gpus}: expected comma-separated GPU indices, e.g. 0,1 or 0,0,1,1")
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per = len(cores) // len(ids)
+    return [Slot(g, ids.count(g), cores[i * per:(i + 1) * per] if per else []) for i, g in enumerate(ids)]

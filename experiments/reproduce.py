@@ -1,44 +1,61 @@
 """Rerun one MLflow run from its logged config and data digest; print its metrics beside the original.
 
-    python -m experiments reproduce --run <run id> [--data DIR] [--rtol R]
+    python -m experiments reproduce --run <run id> [--data DIR] [--rtol R] [--out experiments/results]
     make reproduce RUN=<run id>
 
-The rerun is a new run tagged ``reproduces=<run id>``, on data whose meta.json digest must be the
-run's ``data_digest`` (README.md, "Ablations and reports"). Quality metrics (``train/``, ``val/``,
-``test/``) are compared, speed and memory only printed: exactly on CPU, within ``--rtol`` 5e-3 on
-CUDA (nondeterministic accumulation order; the largest relative difference is printed).
-Exit status: 0 when every compared metric matches, 1 when one does not, 2 for bad input.
+Quality metrics must match exactly on CPU, within ``--rtol`` (5e-3) on CUDA (docs/experiments.md).
+Exit 0 when every compared metric matches, 1 when one does not, 2 for bad input.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
-import mlflow
-import torch
-import yaml
-from mlflow.entities import Run
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
-from models.config import rename_old_keys
+import yaml
+
+from experiments import parser
 from experiments import proc as _proc
 from experiments import runs as runs_
 from experiments import sweep
 from pipeline.errors import ConfigError, command
-from pipeline.tracking import check_tracking, tracking_uri
+from pipeline.store import check_tracking
+
+if TYPE_CHECKING:
+    from mlflow.entities import Run
+    from mlflow.tracking import MlflowClient
+
 
 QUALITY_PREFIXES = ("train/", "val/", "test/")
 INFO_PREFIXES = ("perf/", "mem/")
 GPU_RTOL = 5e-3
+OLD_KEYS = {"model.ranker.backend": "model.ranker.attention"}  # keys of runs recorded by earlier versions
+
+
+def rename_old_keys(config: dict) -> list[str]:
+    """Renames OLD_KEYS in a nested config in place (a run recorded before the rename);
+    returns 'old -> new' per key renamed."""
+    done = []
+    for old, new in OLD_KEYS.items():
+        *path, leaf = old.split(".")
+        node = config
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[new.rsplit(".", 1)[1]] = node.pop(leaf)
+            done.append(f"{old} -> {new}")
+    return done
 
 
 def regenerate_hint(client: MlflowClient, run: Run, data_dir: str) -> str:
     """The data_gen command that rebuilds the run's data, from the meta.json it logged."""
+    import mlflow
+
     with tempfile.TemporaryDirectory() as tmp:
         try:
             meta = json.loads(Path(client.download_artifacts(run.info.run_id, "data/meta.json", tmp)).read_text())
@@ -83,7 +100,13 @@ def compare(orig: dict[str, float], new: dict[str, float], rtol: float) -> tuple
     return rows, ok, worst
 
 
-def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
+def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None = None) -> int:
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import tracking_uri
+
     check_tracking(tracking_uri())
     mlflow.set_tracking_uri(tracking_uri())
     client = MlflowClient(tracking_uri())
@@ -121,18 +144,31 @@ def reproduce(run_id: str, data: str | None, rtol: float | None) -> int:
     print(f"original {run_id} ({run.data.tags.get('device')}), reproduction {new.info.run_id} "
           f"({new.data.tags.get('device')}); data digest {run.data.tags.get('data_digest')}")
     rule = "exact equality" if rtol == 0 else f"rtol {rtol:g}"
-    print(f"{'REPRODUCED' if ok else 'NOT REPRODUCED'}: quality metrics, {rule}; largest relative difference {worst:.2e}")
+    verdict = f"{'REPRODUCED' if ok else 'NOT REPRODUCED'}: quality metrics, {rule}; largest relative difference {worst:.2e}"
+    print(verdict)
+    if out:  # what experiments.summary reads
+        from kernels.launch_table import device_slug
+
+        path = Path(out) / "training" / device_slug() / "reproduce.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "run": run_id, "reproduction": new.info.run_id, "device": new.data.tags.get("device"),
+            "original_device": run.data.tags.get("device"), "data_digest": run.data.tags.get("data_digest"),
+            "result": verdict, "rows": rows}, indent=1) + "\n")
+        print(f"written to {path}")
     return 0 if ok else 1
 
 
 @command
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments reproduce", description=__doc__.split("\n")[0])
+    p = parser("reproduce", __doc__)
     p.add_argument("--run", required=True, help="MLflow run id")
     p.add_argument("--data", default=None, help="data directory (default: the one in the run's config)")
     p.add_argument("--rtol", type=float, default=None,
                    help=f"relative tolerance of the quality metrics (default: 0 on CPU, {GPU_RTOL:g} on CUDA)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    return reproduce(args.run, args.data, args.rtol)
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="results root: also write the verdict to DIR/training/<device>/reproduce.json")
+    args = p.parse_args(argv)
+    return reproduce(args.run, args.data, args.rtol, args.out)
 

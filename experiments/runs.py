@@ -1,27 +1,22 @@
-"""A sweep's runs in MLflow as one polars frame: what the sweep summary and the report read.
+"""A sweep's runs in MLflow as one polars frame, and the tables made of them (markdown, text).
 
-Tags a sweep writes (``sweep.*`` and ``status``) and where:
-
-- parent: ``sweep.role=parent``, ``sweep.name``, ``sweep.file``, ``sweep.description``,
-  ``sweep.axes`` (JSON: axis -> labels in grid order), ``sweep.report`` (JSON), ``sweep.set``
-  (JSON: overrides of every run), ``sweep.hashes`` (JSON: config hashes of the current grid).
-- child: ``sweep.name``, ``sweep.point`` (``axis=label/...``), ``sweep.axis.<axis>``,
-  ``sweep.config_hash``, ``sweep.overrides`` (JSON), ``status`` (OK | OOM | FAILED | KILLED),
-  ``sweep.error`` (the last error line of a run that did not finish); metric
-  ``sweep/process_wall_s`` (the whole process, start-up and data loading included).
+What the sweep tags on the parent and child runs (``sweep.*``, ``status``) and how a report
+reads them: docs/experiments.md. mlflow and polars are imported by the functions that use them.
 """
 
 from __future__ import annotations
 
 import json
 import re
-
-import mlflow
-import polars as pl
-from mlflow.entities import Run
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    import polars as pl
+    from mlflow.entities import Run
+    from mlflow.tracking import MlflowClient
+
 
 METRICS = {  # metric key -> (column title, format)
     "test/auc": ("test AUC", ".4f"),
@@ -45,8 +40,10 @@ def quote(value: str) -> str:
 
 
 def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None = None) -> Run:
-    """A sweep's (or the main job's) parent run by id, or by name (the newest parent of that name);
-    the id of any other run is refused with what to ask for instead."""
+    """A sweep's parent run by id, or by name (the newest parent of that name); the id of any
+    other run is refused with what to ask for instead."""
+    import mlflow
+
     if _RUN_ID.match(ref):
         try:
             run = client.get_run(ref)
@@ -60,10 +57,7 @@ def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None
                 raise ConfigError(f"run {ref} ({run.info.run_name}) is not a parent run: it is one run of the "
                                   f"parent {tags['mlflow.parentRunId']}; report that one "
                                   f"(make report PARENT={tags['mlflow.parentRunId']})")
-            if tags.get("kind") == "main-job":
-                raise ConfigError(f"run {ref} is a main job recorded by an older version, without its grid: "
-                                  "run `make experiment` again to report it")
-            raise ConfigError(f"run {ref} ({run.info.run_name}) is not the parent run of a sweep or main job")
+            raise ConfigError(f"run {ref} ({run.info.run_name}) is not the parent run of a sweep")
     ids = experiment_ids or [e.experiment_id for e in client.search_experiments()]
     runs = client.search_runs(
         ids, filter_string=f"tags.mlflow.runName = {quote(ref)} and tags.`sweep.role` = 'parent'",
@@ -75,6 +69,8 @@ def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None
 
 
 def child_runs(parent: Run) -> list[Run]:
+    import mlflow
+
     return mlflow.search_runs(
         experiment_ids=[parent.info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = {quote(parent.info.run_id)}",
@@ -94,6 +90,8 @@ def run_status(run: Run) -> str:
 
 def runs_frame(runs: list[Run], axes: list[str]) -> pl.DataFrame:
     """One row per run: ids, status, axis labels (column = axis name), metrics, env tags."""
+    import polars as pl
+
     metric_keys = sorted({k for r in runs for k in r.data.metrics} | set(METRICS))
     rows = []
     for r in runs:
@@ -119,6 +117,8 @@ def grid_frame(parent: Run, hashes: list[str] | None) -> pl.DataFrame:
     """One row per point of the parent's grid, in grid order (axes and labels in file order): its
     finished run if any, else its OOM record, else its newest attempt; only the runs of the config
     hashes `hashes` (None: every child)."""
+    import polars as pl
+
     axes = parent_axes(parent)
     df = runs_frame(child_runs(parent), list(axes))
     if hashes is not None:

@@ -1,43 +1,28 @@
-"""One summary of the committed results: experiments/results/REPORT.md.
+"""One page of the committed results: experiments/results/REPORT.md.
 
-    python -m experiments summary [--results experiments/results] [--out REPORT.md]
+    python -m experiments summary [--results experiments/results] [--out FILE]
     make summary
 
-Reads only committed files (no MLflow, no GPU): the kernel benchmark tables
-(``kernels-*.md``), every ablation report (``<ablation>/report.md`` and ``runs.csv``), the
-one-step profiles (``profile_*.json``) and the ablation files themselves. It writes:
-
-- the paper's claims next to ours, at kernel level and at model level;
-- every PASS/MISS target of those reports, with its number and where it comes from; an ablation's
-  targets as its file states them now, judged on its runs.csv by the report's own function (a
-  target changed since the report was written is marked so);
-- per ablation: run or not, device, commit, points by status, and whether the budget it ran with
-  is the one its file states now (a report from an older budget is marked stale, not quoted as
-  the result);
-- model level against kernel level through the profile's attention share (Amdahl's bound).
-
-A missing source is said, never skipped silently. Exit status 0, or 2 for a results folder that
-does not exist.
+Reads committed JSON only (report.json, kernel benchmark results, profiles, reproductions); a
+missing source is said, never skipped; rewritten only when its content changes (docs/experiments.md).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import re
+import shlex
+import statistics
 import sys
 from collections import Counter
-from datetime import datetime, timezone
 from pathlib import Path
 
-import polars as pl
-import yaml
-
-from models.config import RENAMED_KEYS
-from pipeline.tracking import REPO_ROOT
+from experiments import parser
+from pipeline.runenv import REPO_ROOT
 
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
+# experiments.bench's result files (a glob under the results root) and each GPU's report beside them
+KERNELS = ("bench-*.json*", "kernels-{slug}.md")
 EXPECTED = ["seq_len", "sparsity", "batch_size", "compile", "auc_parity", "history_value", "model"]
 BEYOND = ["s2", "alure"]  # the seeds' other systems: listed once they have run
 PAPER_CLAIMS = [  # (level, claim, how ours is measured, where)
@@ -49,115 +34,129 @@ PAPER_CLAIMS = [  # (level, claim, how ours is measured, where)
      "training examples/s and peak GPU memory of the jagged ranker vs the padded-SDPA ranker in `fit`",
      "batch_size"),
 ]
-
-
-def _table_rows(md: str, heading: str) -> list[list[str]]:
-    """The body rows of the first markdown table under `## heading`."""
-    m = re.search(rf"^## {re.escape(heading)}\b.*?$(.*?)(?=^## |\Z)", md, re.M | re.S)
-    if not m:
-        return []
-    rows = [ln for ln in m.group(1).splitlines() if ln.startswith("|")]
-    return [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in rows[2:]]
-
-
-def _header_value(md: str, key: str) -> str | None:
-    m = re.search(rf"^- {re.escape(key)}: (.*)$", md, re.M)
-    return m.group(1).strip() if m else None
+STRONGEST_PEER_MIN_SPEEDUP = 2.5  # the issue's jagged-vs-sdpa target, here against sdpa's fastest step
 
 
 def kernel_targets(results: Path) -> list[list[str]]:
-    """Target rows (target, status, measured, source file) over every kernels report: for each
-    target the newest report (by file name) that measured it (PASS or MISS); where none did, the
-    newest report's row. A partial run (one kind, one suite) so adds to the full ones before it
-    instead of hiding their rows."""
+    """Target rows (target, status, measured, report) judged by experiments.bench's own function on
+    each GPU's result files: for each target the last GPU's (by name) that measured it (PASS or MISS);
+    where none did, the last one's row."""
+    from experiments.bench.report import load_docs, merge_rows
+    from experiments.bench.targets import evaluate
+
+    pattern, report = KERNELS
     rows: dict[str, list[str]] = {}
-    for path in sorted(results.glob("kernels-*.md")):
-        for r in _table_rows(path.read_text(), "Targets"):  # also "## Targets (...)"
-            if len(r) < 3:
-                continue
-            row = [r[0], r[1].strip("*"), r[2], path.name]
-            if r[0] not in rows or row[1] in ("PASS", "MISS") or rows[r[0]][1] not in ("PASS", "MISS"):
-                rows[r[0]] = row
+    for folder in sorted({p.parent for p in results.glob(pattern)}):
+        docs = load_docs(str(folder))
+        for slug in sorted({d["stamp"]["gpu_slug"] for d in docs}):
+            mine = [d for d in docs if d["stamp"]["gpu_slug"] == slug]
+            ceilings = next((d["ceilings"] for d in reversed(mine) if d.get("ceilings")), None)
+            link = str((folder / report.format(slug=slug)).relative_to(results))
+            for t in evaluate(merge_rows(mine), ceilings):
+                row = [t["target"], t["status"], t["detail"], link]
+                if t["target"] not in rows or row[1] in ("PASS", "MISS") or rows[row[0]][1] not in ("PASS", "MISS"):
+                    rows[row[0]] = row
     return list(rows.values())
 
 
-def budget_state(name: str, md: str) -> str:
+def reports(results: Path) -> dict[str, dict]:
+    """Each ablation's newest report.json (``ablations/<name>/<device>/``), its folder as ``path``."""
+    found: dict[str, dict] = {}
+    for path in sorted(results.glob("ablations/*/*/report.json")):
+        doc = {**json.loads(path.read_text()), "path": str(path.parent.relative_to(results))}
+        name = path.parent.parent.name
+        if name not in found or doc.get("written", "") >= found[name].get("written", ""):
+            found[name] = doc
+    return found
+
+
+def _spec(name: str) -> dict:
+    import yaml
+
+    return yaml.safe_load((ABLATIONS / f"{name}.yaml").read_text()) or {}
+
+
+def budget_state(name: str, doc: dict) -> str:
     """'current', or 'stale: ...' when the report's budget differs from the file's `set` now."""
-    spec = yaml.safe_load((ABLATIONS / f"{name}.yaml").read_text()) or {}
-    raw = _header_value(md, "budget and overrides of every run")
-    if raw is None:
-        return "unknown (no budget line)"
-    ran = {RENAMED_KEYS.get(k, k): v for k, v in json.loads(raw.strip("`")).items()}  # reports of earlier versions
-    now = spec.get("set") or {}
+    if doc.get("budget") is None:
+        return "unknown (no budget)"
+    ran, now = doc["budget"], _spec(name).get("set") or {}
     differ = [f"{k}: ran {ran.get(k)!r}, file {v!r}" for k, v in now.items() if json.dumps(ran.get(k)) != json.dumps(v)]
-    given = set(re.findall(r"--set ([\w.]+)=", md))  # the sweep command's own --set: not the file's budget
+    words = shlex.split(doc.get("command") or "")
+    given = {w.split("=", 1)[0] for before, w in zip(["", *words], words) if before == "--set"}  # the command's own
+    given |= {w[len("--set="):].split("=", 1)[0] for w in words if w.startswith("--set=")}
     differ += [f"{k}: ran {v!r}, file: not set" for k, v in ran.items() if k not in now and k not in given]
     return "current" if not differ else "stale: " + "; ".join(differ)
 
 
-def current_targets(name: str, runs_csv: Path) -> list[list[str]] | None:
-    """The ablation file's targets as they stand now, judged on the committed runs.csv by the
-    report's own function (so a target changed since the report was written is judged as the file
-    states it); None where runs.csv lacks what they need (the report's table is quoted then)."""
-    from experiments.runs import memory_metric
-    from experiments.report import targets_section
+def current_targets(name: str, doc: dict) -> list[list[str]] | None:
+    """The ablation file's targets as they stand now, judged on the report's rows by the report's
+    own function (a target changed since the report was written is judged as the file states it);
+    None where the rows lack what they need (the report's own targets are quoted then)."""
+    import polars as pl
 
-    spec = yaml.safe_load((ABLATIONS / f"{name}.yaml").read_text()) or {}
-    rep = spec.get("report") or {}
+    from experiments.runs import memory_metric
+    from experiments.sections import target_rows
+
+    rep = _spec(name).get("report") or {}
     if not rep.get("targets"):
         return []
-    if not runs_csv.is_file():
-        return None
-    header = pl.read_csv(runs_csv, n_rows=0).columns
-    labels = {RENAMED_KEYS.get(k, k).split(".")[-1] for k in spec.get("grid") or {}} | {"status"}  # grid labels are text
+    labels = {str(k).split(".")[-1] for k in _spec(name).get("grid") or {}} | {"status"}  # grid labels are text
     try:
-        df = pl.read_csv(runs_csv, schema_overrides={c: pl.Utf8 for c in header if c in labels})
-        return _table_rows("\n".join(targets_section(df, rep, memory_metric(df)[0])), "Targets")
-    except (pl.exceptions.PolarsError, KeyError):  # columns of an older report
+        df = pl.DataFrame(doc.get("rows") or [], infer_schema_length=None)
+        df = df.with_columns(pl.col(c).cast(pl.Utf8) for c in df.columns if c in labels)
+        return target_rows(df, rep, memory_metric(df)[0])
+    except (pl.exceptions.PolarsError, KeyError):  # rows of an older report
         return None
 
 
 def ablation_status(results: Path) -> list[dict]:
-    out = []
+    found, out = reports(results), []
     for name in EXPECTED + BEYOND:
-        report, csv = results / name / "report.md", results / name / "runs.csv"
-        if not report.is_file():
+        doc = found.get(name)
+        if doc is None:
             if name not in BEYOND:
                 out.append({"name": name, "ran": False})
             continue
-        md = report.read_text()
-        runs = pl.read_csv(csv, infer_schema_length=0) if csv.is_file() else pl.DataFrame({"status": []})
-        statuses = Counter(s.split(":")[0] for s in runs["status"].to_list())  # "FAILED: why" counts as FAILED
-        counts = ", ".join(f"{n} {s}" for s, n in statuses.items())
-        written, now = _table_rows(md, "Targets"), current_targets(name, csv)
-        out.append({"name": name, "ran": True, "device": (_header_value(md, "device") or "?").split(";")[0].strip("`"),
-                    "commit": _header_value(md, "git commit") or "?", "points": counts or "none",
-                    "budget": budget_state(name, md), "targets": written if now is None else now,
-                    "rejudged": now is not None and now != written, "md": md})
+        statuses = Counter(str(r["status"]).split(":")[0] for r in doc.get("rows") or [])  # "FAILED: why": FAILED
+        written, now = doc.get("targets") or [], current_targets(name, doc)
+        out.append({"name": name, "ran": True, "link": f"{doc['path']}/report.md",
+                    "device": ", ".join(doc.get("device") or []) or "?",
+                    "commit": ", ".join(f"`{c}`" for c in doc.get("commit") or []) or "?",
+                    "points": ", ".join(f"{n} {s}" for s, n in statuses.items()) or "none",
+                    "budget": budget_state(name, doc), "targets": written if now is None else now,
+                    "rejudged": now is not None and now != written})
     return out
 
 
 def profile_rows(results: Path) -> list[dict]:
+    """Per profile and attention layout: device, batch, commit, step, GPU-busy and attention ms. A
+    profile is a file of the one-step profiler (``training/<device>/profile*.json``) or a folder of
+    loop traces, one per layout (``training/<device>/profile*/<attention>/loop_summary.json``)."""
     rows = []
-    for path in sorted(results.glob("profile_*.json")):
+    for path in sorted(results.glob("training/*/profile*.json")):
         data = json.loads(path.read_text())
-        for r in data.get("results", []):
-            rows.append({"file": path.name, "device": data.get("device", "?"), "commit": str(data.get("commit", "?"))[:7],
-                         **{k: r.get(k) for k in ("attention", "batch_size", "graph_step_ms", "attn_ms")},
-                         "busy_ms": r.get("gpu_ms") or r.get("prof_step_ms")})
+        rows += [{"file": str(path.relative_to(results)), "device": data.get("device", "?"),
+                  "commit": str(data.get("commit", "?"))[:7],
+                  **{k: r.get(k) for k in ("attention", "batch_size", "graph_step_ms", "attn_ms")},
+                  "busy_ms": r.get("gpu_ms") or r.get("prof_step_ms")} for r in data.get("results", [])]
+    for path in sorted(results.glob("training/*/profile*/*/loop_summary.json")):
+        t = json.loads(path.read_text())
+        rows.append({"file": str(path.parent.parent.relative_to(results)), "device": t.get("device_name", "?"),
+                     "commit": str(t.get("commit", "?"))[:7], "attention": t.get("attention") or path.parent.name,
+                     "batch_size": t.get("batch_size"), "graph_step_ms": None, "attn_ms": t.get("attention_ms_per_step"),
+                     "busy_ms": t.get("device_busy_ms_per_step") or t.get("wall_ms_per_step")})
     return rows
 
 
 def reproduce_rows(results: Path) -> list[dict]:
-    """The `reproduce` results (experiments/results/reproduce/*.md): device and the stated result
-    line (`**Result: ...**`)."""
+    """The `reproduce` results (``training/<device>/reproduce*.json``, written by its --out): device
+    and verdict, linked to the document beside it where there is one."""
     rows = []
-    for path in sorted((results / "reproduce").glob("*.md")):
-        md = path.read_text()
-        result = re.search(r"\*\*Result: ([^*]+)\*\*", md)
-        device = re.search(r"^- device: ([^;(\n]+)", md, re.M)
-        rows.append({"file": f"reproduce/{path.name}", "device": device.group(1).strip() if device else "?",
-                     "result": result.group(1).strip() if result else "no result line"})
+    for path in sorted(results.glob("training/*/reproduce*.json")):
+        doc, md = json.loads(path.read_text()), path.with_suffix(".md")
+        rows.append({"file": str((md if md.is_file() else path).relative_to(results)),
+                     "device": doc.get("device", "?"), "result": doc.get("result", "no result")})
     return rows
 
 
@@ -165,50 +164,51 @@ def _fmt(x, spec: str = ".2f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def model_level(results: Path) -> list[str]:
+def _ok(doc: dict | None) -> list[dict]:
+    return [r for r in (doc or {}).get("rows") or [] if r["status"] == "OK"]
+
+
+def model_level(found: dict[str, dict]) -> list[str]:
     """Jagged vs sdpa ranker ratios from the batch_size ablation, AUC from auc_parity."""
     lines = []
-    bs = results / "batch_size" / "runs.csv"
-    if bs.is_file():
-        df = pl.read_csv(bs, infer_schema_length=0).filter(pl.col("status") == "OK")
+    if "batch_size" in found:
+        ok = _ok(found["batch_size"])
         lines += ["| batch | jagged ex/s | sdpa ex/s | speed ratio | jagged peak MB | sdpa peak MB | memory ratio |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
-        for b in sorted({int(v) for v in df["batch_size"].to_list()}):
-            get = {r["attention"]: r for r in df.filter(pl.col("batch_size") == str(b)).iter_rows(named=True)}
+        for b in sorted({int(r["batch_size"]) for r in ok}):
+            get = {r["attention"]: r for r in ok if int(r["batch_size"]) == b}
             if "jagged" not in get:
                 continue
             j, s = get["jagged"], get.get("sdpa")
-            jx, jm = float(j["perf/train_examples_per_s"]), float(j["mem/train_peak_allocated_mb"])
-            sx = float(s["perf/train_examples_per_s"]) if s else None
-            sm = float(s["mem/train_peak_allocated_mb"]) if s else None
+            jx, jm = j["perf/train_examples_per_s"], j["mem/train_peak_allocated_mb"]
+            sx, sm = (s["perf/train_examples_per_s"], s["mem/train_peak_allocated_mb"]) if s else (None, None)
             lines.append(f"| {b} | {jx:,.0f} | {_fmt(sx, ',.0f')} | {_fmt(sx and jx / sx)}x | {jm:,.0f} | "
                          f"{_fmt(sm, ',.0f')} | {_fmt(sm and jm / sm)}x |" + ("" if s else " sdpa: no finished run"))
-    auc = results / "auc_parity" / "runs.csv"
-    if auc.is_file():
-        df = pl.read_csv(auc, infer_schema_length=0).filter(pl.col("status") == "OK") \
-            .with_columns(pl.col("test/auc").cast(pl.Float64))
+    if "auc_parity" in found:
+        doc = found["auc_parity"]
         lines += ["", "| attention | seeds | mean test AUC | std | min | max |", "|---|---:|---:|---:|---:|---:|"]
-        for b, g in df.group_by("attention", maintain_order=True):
-            a = g["test/auc"]
-            lines.append(f"| {b[0]} | {a.len()} | {a.mean():.4f} | {_fmt(a.std(), '.4f')} | {a.min():.4f} | {a.max():.4f} |")
-        said = re.search(r"^A run counts as converged.*: (\d+) of (\d+) runs did\.$",
-                         (results / "auc_parity" / "report.md").read_text(), re.M)
-        if said:
-            lines += ["", f"Convergence ([auc_parity/report.md](auc_parity/report.md), validation AUC at every check): "
-                      f"{said.group(1)} of {said.group(2)} runs converged."]
+        for attention in dict.fromkeys(r["attention"] for r in _ok(doc)):
+            a = [r["test/auc"] for r in _ok(doc) if r["attention"] == attention and r["test/auc"] is not None]
+            std = statistics.stdev(a) if len(a) > 1 else None
+            lines.append(f"| {attention} | {len(a)} | {statistics.mean(a):.4f} | {_fmt(std, '.4f')} | {min(a):.4f} | "
+                         f"{max(a):.4f} |")
+        if doc.get("converged"):
+            lines += ["", f"Convergence ([auc_parity/report.md]({doc['path']}/report.md), validation AUC at every check): "
+                      f"{doc['converged'][0]} of {doc['converged'][1]} runs converged."]
     return lines
 
 
-def history_lines(results: Path) -> list[str]:
+def history_lines(found: dict[str, dict]) -> list[str]:
     """Do longer histories pay? history_value's test AUC per max_seq_len beside the oracle's AUC
-    from the last k items (its report's oracle table), each with its gain over the shorter one."""
-    md = results / "history_value" / "report.md"
-    rows = _table_rows(md.read_text(), "Test AUC against the oracle") if md.is_file() else []
-    rows = [r for r in rows if len(r) == 3 and r[0].isdigit()]
-    if not rows:
+    from the last k items (the report's oracle), each with its gain over the shorter one."""
+    from experiments.sections import oracle_at
+
+    doc = found.get("history_value") or {}
+    if not doc.get("oracle"):
         return ["No history_value results with the oracle's curve yet (`make experiment-history_value` on the GPU)."]
-    num = [(int(k), _float(m), _float(o)) for k, m, o in rows]
-    lines = ["From [history_value](history_value/report.md): the jagged ranker trained at each max_seq_len (one "
+    num = [(int(r["max_seq_len"]), r.get("test/auc"), oracle_at(doc["oracle"], r["max_seq_len"]))
+           for r in doc["rows"] if str(r["max_seq_len"]).isdigit()]
+    lines = [f"From [history_value]({doc['path']}/report.md): the jagged ranker trained at each max_seq_len (one "
              "run each), beside the planted model's own AUC from the last k items (meta.json).", "",
              "| max_seq_len | model test AUC | gain over the shorter | oracle AUC, last k items | oracle gain |",
              "|---:|---:|---:|---:|---:|"]
@@ -231,67 +231,50 @@ def history_lines(results: Path) -> list[str]:
     return lines
 
 
-def _float(cell: str) -> float | None:
-    try:
-        return float(cell)
-    except ValueError:
-        return None
-
-
 def _diff(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
-def model_ablation_lines(results: Path) -> list[str]:
+def model_ablation_lines(found: dict[str, dict]) -> list[str]:
     """Which parts of the ranker pay: the model ablation's test AUC per variant against the baseline."""
-    csv = results / "model" / "runs.csv"
-    if not csv.is_file():
+    doc = found.get("model")
+    if doc is None:
         return ["No model ablation yet (`make experiment-model` on the GPU)."]
-    df = pl.read_csv(csv, infer_schema_length=0)
-    base = df.filter((pl.col("variant") == "baseline") & (pl.col("status") == "OK"))
-    b = float(base["test/auc"][0]) if base.height else None
-    lines = ["From [model](model/report.md): one change at a time from the paper preset's jagged ranker at "
-             "max_seq_len 256 (one run each: a difference under the seed spread of "
-             "[auc_parity](auc_parity/report.md) is not a finding).", "",
-             "| variant | status | test AUC | against the baseline |", "|---|---|---:|---:|"]
-    for r in df.iter_rows(named=True):
-        a = _float(r["test/auc"] or "") if r["status"] == "OK" else None
+    b = next((r["test/auc"] for r in _ok(doc) if r["variant"] == "baseline"), None)
+    lines = [f"From [model]({doc['path']}/report.md): one change at a time from the paper preset's jagged ranker "
+             f"at max_seq_len 256 (one run each: a difference under the seed spread of [auc_parity]"
+             f"({(found.get('auc_parity') or {}).get('path', 'ablations/auc_parity')}/report.md) is not a finding).",
+             "", "| variant | status | test AUC | against the baseline |", "|---|---|---:|---:|"]
+    for r in doc["rows"]:
+        a = r.get("test/auc") if r["status"] == "OK" else None
         vs = "baseline" if r["variant"] == "baseline" else _fmt(_diff(a, b), "+.4f")
         lines.append(f"| {r['variant']} | {r['status']} | {_fmt(a, '.4f')} | {vs} |")
     return lines
 
 
-STRONGEST_PEER_MIN_SPEEDUP = 2.5  # the issue's jagged-vs-sdpa target, here against sdpa's fastest step
-
-
-def strongest_peers(results: Path) -> tuple[list[str], list[list[str]]]:
+def strongest_peers(found: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     """From the compile ablation: each layout at its fastest way of stepping (eager, torch.compile,
     CUDA graphs), and jagged's best against each peer's best: (markdown lines, target rows)."""
-    path = results / "compile" / "runs.csv"
-    if not path.is_file():
-        return [], []
-    df = pl.read_csv(path, infer_schema_length=0).filter(pl.col("status") == "OK").with_columns(
-        pl.col("perf/train_examples_per_s").cast(pl.Float64), pl.col("mem/train_peak_allocated_mb").cast(pl.Float64))
-    best = {a[0]: g.sort("perf/train_examples_per_s", descending=True).row(0, named=True)
-            for a, g in df.group_by("attention", maintain_order=True)}
+    x = "perf/train_examples_per_s"
+    best: dict[str, dict] = {}
+    for r in _ok(found.get("compile")):
+        if r["attention"] not in best or r[x] > best[r["attention"]][x]:
+            best[r["attention"]] = r
     if "jagged" not in best:
         return [], []
-    j = best["jagged"]
-    lines = ["", "Each layout at its fastest step from [compile](compile/report.md) (eager, `torch.compile` or CUDA "
+    j, link = best["jagged"], f"{found['compile']['path']}/report.md"
+    lines = ["", f"Each layout at its fastest step from [compile]({link}) (eager, `torch.compile` or CUDA "
              "graphs). A faster peer configuration is the one to beat. CUDA graphs remove host time, so they pay "
              "where the step waits on the host; `torch.compile` also fuses elementwise GPU work:", "",
              "| attention | fastest step | ex/s | peak MB | jagged's best / this |", "|---|---|---:|---:|---:|"]
     targets = []
     for name, r in best.items():
-        ratio = j["perf/train_examples_per_s"] / r["perf/train_examples_per_s"]
-        lines.append(f"| {name} | {r['step']} | {r['perf/train_examples_per_s']:,.0f} | "
-                     f"{r['mem/train_peak_allocated_mb']:,.0f} | {ratio:.2f}x |")
+        ratio = j[x] / r[x]
+        lines.append(f"| {name} | {r['step']} | {r[x]:,.0f} | {r['mem/train_peak_allocated_mb']:,.0f} | {ratio:.2f}x |")
         if name != "jagged":
-            ok = ratio >= STRONGEST_PEER_MIN_SPEEDUP
             targets.append([f"jagged ({j['step']}) vs {name} at its fastest step ({r['step']}): "
-                            f">= {STRONGEST_PEER_MIN_SPEEDUP}x", "PASS" if ok else "MISS",
-                            f"train ex/s ratio {ratio:.2f}x ({j['perf/train_examples_per_s']:,.0f} vs "
-                            f"{r['perf/train_examples_per_s']:,.0f})"])
+                            f">= {STRONGEST_PEER_MIN_SPEEDUP}x", "PASS" if ratio >= STRONGEST_PEER_MIN_SPEEDUP else "MISS",
+                            f"train ex/s ratio {ratio:.2f}x ({j[x]:,.0f} vs {r[x]:,.0f})", link])
     return lines, targets
 
 
@@ -305,7 +288,7 @@ def amdahl_lines(prof: list[dict]) -> list[str]:
         by_file.setdefault(r["file"], {})[r["attention"]] = r
     for file, rows in by_file.items():
         j, s = rows.get("jagged"), rows.get("sdpa")
-        if not (j and s):
+        if not (j and s and j["attn_ms"] and s["attn_ms"]):
             continue
         rest_j, rest_s = j["busy_ms"] - j["attn_ms"], s["busy_ms"] - s["attn_ms"]
         lines.append(
@@ -323,12 +306,12 @@ def amdahl_lines(prof: list[dict]) -> list[str]:
 
 
 def build(results: Path) -> str:
-    kt = kernel_targets(results)
-    abl = ablation_status(results)
-    prof = profile_rows(results)
+    kt, abl, prof, found = kernel_targets(results), ablation_status(results), profile_rows(results), reports(results)
+    link = {name: f"{found[name]['path'] if name in found else f'ablations/{name}'}/report.md"
+            for name in ("batch_size", "auc_parity")}
     out = ["# Jagged Flash Attention: the results in one page", "",
-           f"_Written {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC} by `python -m experiments summary` from the "
-           "committed files under experiments/results/ (each source below names its device, versions and commit)._",
+           "_Written by `python -m experiments summary` from the committed files under experiments/results/ (each "
+           "source below names its device, versions and commit)._",
            "", "## The paper's claims next to ours", "",
            "| level | paper | ours: what is measured | ours: result | source |", "|---|---|---|---|---|"]
     for level, claim, how, where in PAPER_CLAIMS:
@@ -340,31 +323,30 @@ def build(results: Path) -> str:
             out.append(f"| {level} | {claim} | {how} | {res} | {', '.join(f'[{f}]({f})' for f in files) or 'none'} |")
         else:
             out.append(f"| {level} | {claim} | {how} | see the model-level table below (training, not "
-                       f"serving: QPS in production is not measured here) | [batch_size](batch_size/report.md) |")
+                       f"serving: QPS in production is not measured here) | [batch_size]({link['batch_size']}) |")
     out += ["", "## Model level: the jagged ranker against the padded-SDPA ranker in `fit`", "",
-            "From [batch_size](batch_size/report.md) (throughput, memory; steady steps) and "
-            "[auc_parity](auc_parity/report.md) (accuracy over seeds). Ratios: jagged / sdpa.", "",
-            *(model_level(results) or ["No batch_size or auc_parity results yet."])]
-    peer_lines, peer_targets = strongest_peers(results)
+            f"From [batch_size]({link['batch_size']}) (throughput, memory; steady steps) and "
+            f"[auc_parity]({link['auc_parity']}) (accuracy over seeds). Ratios: jagged / sdpa.", "",
+            *(model_level(found) or ["No batch_size or auc_parity results yet."])]
+    peer_lines, peer_targets = strongest_peers(found)
     out += peer_lines
-    out += ["", "## Do longer histories pay?", "", *history_lines(results)]
-    out += ["", "## Which parts of the ranker pay?", "", *model_ablation_lines(results)]
+    out += ["", "## Do longer histories pay?", "", *history_lines(found)]
+    out += ["", "## Which parts of the ranker pay?", "", *model_ablation_lines(found)]
     out += ["", "## Every target, PASS or MISS", "", "| source | target | measured | result |", "|---|---|---|---|"]
     out += [f"| [{r[3]}]({r[3]}) | {r[0]} | {r[2]} | {r[1]} |" for r in kt]
-    out += [f"| [compile](compile/report.md) | {t} | {m} | {v} |" for t, v, m in peer_targets]
+    out += [f"| [compile]({src}) | {t} | {m} | {v} |" for t, v, m, src in peer_targets]
     for a in abl:
         if not a["ran"]:
             continue
         tag = ("" if a["budget"] == "current" else " (stale budget)") + (" (targets as the file states them now)"
                                                                           if a["rejudged"] else "")
-        out += [f"| [{a['name']}]({a['name']}/report.md){tag} | {r[0]}: {r[2]} | {r[1]} | {r[3]} |"
+        out += [f"| [{a['name']}]({a['link']}){tag} | {r[0]}: {r[2]} | {r[1]} | {r[3]} |"
                 for r in a["targets"] if len(r) >= 4]
     out += ["", "## The ablations", "", "| ablation | run on | commit | points | budget vs its file now |",
             "|---|---|---|---|---|"]
     for a in abl:
         if a["ran"]:
-            out.append(f"| [{a['name']}]({a['name']}/report.md) | {a['device']} | {a['commit']} | {a['points']} | "
-                       f"{a['budget']} |")
+            out.append(f"| [{a['name']}]({a['link']}) | {a['device']} | {a['commit']} | {a['points']} | {a['budget']} |")
         else:
             out.append(f"| {a['name']} | NOT RUN | - | - | `make experiment-{a['name']}` on the GPU |")
     batches = sorted({int(r["batch_size"]) for r in prof if r.get("batch_size")})
@@ -377,12 +359,13 @@ def build(results: Path) -> str:
                    "| reproduce | NOT RUN | - | - | `PARTS=reproduce bash experiments/gpu/ablations.sh` on the GPU |")
     out += ["", "## Why model level is not kernel level: attention's share of a training step", ""]
     if prof:
-        out += ["From `experiments.profile` (`make profile`): the step replayed as a CUDA graph, the GPU-busy time "
-                "of one step, and the attention kernels' time in it (forward and backward).", "",
+        out += ["From the committed profiles (`make profile`: the training loop's trace; the `profile*.json` files: "
+                "the one-step profiler that preceded it, with the step replayed as a CUDA graph): the GPU-busy time "
+                "of one step and the attention kernels' time in it (forward and backward).", "",
                 "| profile | device | batch | attention | graph step ms | GPU-busy ms | attention ms | attention share |",
                 "|---|---|---:|---|---:|---:|---:|---:|"]
         out += [f"| {r['file']} | {r['device']} | {r['batch_size']} | {r['attention']} | {_fmt(r['graph_step_ms'])} | "
-                f"{_fmt(r['busy_ms'])} | {_fmt(r['attn_ms'])} | {_fmt(r['attn_ms'] / r['busy_ms'], '.0%')} |"
+                f"{_fmt(r['busy_ms'])} | {_fmt(r['attn_ms'])} | {_fmt(r['attn_ms'] and r['attn_ms'] / r['busy_ms'], '.0%')} |"
                 for r in prof]
         out += ["", *amdahl_lines(prof)]
     else:
@@ -391,16 +374,18 @@ def build(results: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments summary", description=__doc__.split("\n")[0])
+    p = parser("summary", __doc__)
     p.add_argument("--results", default=str(REPO_ROOT / "experiments" / "results"), help="the committed results folder")
     p.add_argument("--out", default=None, help="output file (default RESULTS/REPORT.md)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     results = Path(args.results)
     if not results.is_dir():
         print(f"error: no results folder {results}", file=sys.stderr)
         return 2
-    out = Path(args.out) if args.out else results / "REPORT.md"
-    out.write_text(build(results))
+    out, text = Path(args.out) if args.out else results / "REPORT.md", build(results)
+    if out.is_file() and out.read_text() == text:
+        print(f"{out} is up to date")
+        return 0
+    out.write_text(text)
     print(f"wrote {out}")
     return 0
-

@@ -1,44 +1,42 @@
-"""Run an ablation: a base config plus a grid of overrides, one fresh process per run.
+"""Run an ablation file: one ``python -m pipeline fit`` per grid point, children of one MLflow parent.
 
-    python -m experiments sweep experiments/ablations/seq_len.yaml [--dry-run] [--max-runs N]
-        [--data DIR] [--data-root data] [--set key=value ...] [--where axis=label[,label]]
-        [--deadline-s S] [--end-s S] [--timeout S] [--parallel N | --gpus 0,1] [--retry-oom] [--new]
+    python -m experiments sweep experiments/ablations/seq_len.yaml [--dry-run] [--set KEY=VALUE] ...
     make experiment-seq_len [SWEEP_ARGS="--max-runs 3"]
 
-Every run is ``python -m pipeline fit --config <configs...> --<key> <value> ...``, an MLflow child
-of one parent run named after the ablation. README.md ("Ablations and reports") describes resuming,
-the lock, and how failures and interruptions are recorded; :mod:`experiments.ablation` the file.
-Exit status: 0 when every point finished (or is a recorded OOM), 1 when some failed or were not
-run, 2 for a bad ablation file (a point the fit refuses included), data set or tracking URI, or a
-sweep of the same ablation running already.
+A rerun resumes (docs/experiments.md). Exit 0 when every point finished or is a recorded OOM, 1
+when some did not, 2 for a bad file, data set or tracking URI, or a sweep of it running already.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import re
-import shutil
+import shlex
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import mlflow
-from mlflow.entities import Run
-from mlflow.tracking import MlflowClient
-
+from experiments import parser
 from experiments import runs as runs_
-from experiments.proc import TAIL_BYTES, child_env, error_line, failure_line, hold_lock, lock_path, sigterm_as_interrupt, stream
-from experiments.ablation import Ablation, Point, cli_value, code_version, load, parse_set
-from experiments.comparison import comparison_on_parent, parent_url
+from experiments.ablation import Ablation, Point, cli_value, code_version, load, parse_set, split_set
+from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
+                              lock_path, stream)
+from experiments.report import compare_url, parent_url, write_table
 from pipeline.errors import ConfigError, command
-from pipeline.tracking import REPO_ROOT, check_tracking, environment_tags, tracking_uri
+from pipeline.runenv import REPO_ROOT
+from pipeline.store import check_tracking
+
+if TYPE_CHECKING:
+    from mlflow.entities import Run
+
 
 FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapper that injects failures
 _OOM = re.compile(r"OutOfMemoryError|CUDA out of memory|CUBLAS_STATUS_ALLOC_FAILED")
@@ -59,43 +57,18 @@ def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
     ]
 
 
-class Slot:
-    """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), how many slots share it,
-    and this slot's share of the CPU cores (taskset): runs on different GPUs share neither."""
-
-    def __init__(self, gpu: str, sharing: int, cores: list[int]):
-        self.gpu, self.sharing, self.cores = gpu, sharing, cores
-
-    def pin(self, cmd: list[str]) -> list[str]:
-        taskset = shutil.which("taskset")
-        if not taskset or not self.cores:
-            return cmd
-        return [taskset, "-c", ",".join(map(str, self.cores)), *cmd]
-
-
-def device_slots(gpus: str | None) -> list[Slot]:
-    """--gpus "0,1" -> one run at a time on each of GPUs 0 and 1; "0,0,1,1" -> two on each.
-    The cores this process may use are dealt out evenly, in blocks, one block per slot."""
-    if not gpus:
-        return []
-    ids = [g.strip() for g in gpus.split(",")]
-    if any(not g.isdigit() for g in ids):
-        raise ConfigError(f"--gpus {gpus}: expected comma-separated GPU indices, e.g. 0,1 or 0,0,1,1")
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    per = len(cores) // len(ids)
-    return [Slot(g, ids.count(g), cores[i * per:(i + 1) * per] if per else []) for i, g in enumerate(ids)]
-
-
 class Sweep:
     lock_fds: tuple[int, ...] = ()  # the sweep's lock, inherited by every run it starts
-    command: str | None = None  # what the user ran, when not `python -m experiments sweep` (the main job)
-    quiet: bool = False  # no summary table and links at the end (the main job prints its own)
-    compare_url: str | None = None  # MLflow's compare-runs view of the children, once finished
 
     def __init__(self, abl: Ablation, args: argparse.Namespace):
-        self.abl, self.args = abl, args
-        mlflow.set_tracking_uri(tracking_uri())
-        self.client = MlflowClient(tracking_uri())
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        from pipeline.tracking import tracking_uri
+
+        self.abl, self.args, self.uri = abl, args, tracking_uri()
+        mlflow.set_tracking_uri(self.uri)
+        self.client = MlflowClient(self.uri)
         exp = self.client.get_experiment_by_name(abl.experiment)
         self.experiment_id = exp.experiment_id if exp else None  # created when the sweep runs
         self.parent: Run | None = None
@@ -107,6 +80,10 @@ class Sweep:
         for slot in self.slots:
             self._free.put(slot)
 
+    @property
+    def command(self) -> str:
+        return "python -m experiments sweep " + shlex.join(self.args.argv)
+
     # --- the parent ------------------------------------------------------------------------
     def existing_parent(self) -> Run | None:
         if self.args.new or self.experiment_id is None:
@@ -117,6 +94,8 @@ class Sweep:
             return None
 
     def open_parent(self) -> str:
+        from pipeline.tracking import environment_tags
+
         if self.experiment_id is None:
             self.experiment_id = self.client.create_experiment(self.abl.experiment)
         parent = self.existing_parent()
@@ -126,8 +105,9 @@ class Sweep:
             "sweep.file": str(self.abl.path.relative_to(REPO_ROOT) if self.abl.path.is_relative_to(REPO_ROOT)
                               else self.abl.path),
             "sweep.description": self.abl.description, "sweep.axes": json.dumps(axes),
-            "sweep.report": json.dumps(self.abl.report), "sweep.set": json.dumps({**(self.abl.raw.get("set") or {}), **parse_set(self.args.set)}),
-            "sweep.command": self.command or " ".join(["python -m experiments sweep", *self.args.argv]),
+            "sweep.report": json.dumps(self.abl.report),
+            "sweep.set": json.dumps({**(self.abl.raw.get("set") or {}), **split_set(parse_set(self.args.set))[1]}),
+            "sweep.command": self.command,
         }
         if parent is None:
             run = self.client.create_run(self.experiment_id, run_name=self.abl.name, tags=tags)
@@ -274,7 +254,7 @@ class Sweep:
         self.parent = self.existing_parent()
         previous = self.previous()
         print(f"ablation {self.abl.name}: {len(self.abl.points)} points, parent "
-              f"{self.parent.info.run_id if self.parent else '(new)'}, tracking {tracking_uri()}")
+              f"{self.parent.info.run_id if self.parent else '(new)'}, tracking {self.uri}")
         points = self.selected()
         invalid = self.invalid_points(points)
         for i, point in enumerate(points):
@@ -375,52 +355,61 @@ class Sweep:
         counts = Counter(results.values())
         bad = any(s not in ("OK", "OOM") for s in results.values())
         self.client.set_terminated(parent_id, "KILLED" if "NOT RUN" in counts else "FAILED" if bad else "FINISHED")
-        compare = self.compare_url = comparison_on_parent(self.client, parent_id,
-                                                          [r[-1] for r in rows if len(r[-1]) == 32])
-        if not self.quiet:
-            print(f"\n{runs_.text_table(header, rows)}\n")
-            print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
-            print(f"MLflow: {tracking_uri()}, experiment '{self.abl.experiment}', parent run {parent_id}")
-            print(f"  in `make ui`: http://127.0.0.1:5000/{parent_url(self.experiment_id, parent_id)} "
-                  f"(the comparison), http://127.0.0.1:5000/{compare} (side by side)")
-            print(f"report: python -m experiments report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
+        compare = self.report_on_parent(parent_id, [r[-1] for r in rows if len(r[-1]) == 32])
+        print(f"\n{runs_.text_table(header, rows)}\n")
+        print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+        print(f"MLflow tracking URI: {self.uri}; experiment '{self.abl.experiment}', parent run {parent_id}")
+        print(f"  in `make ui`: http://127.0.0.1:5000/{parent_url(self.experiment_id, parent_id)} "
+              f"(the comparison), http://127.0.0.1:5000/{compare} (side by side)")
+        if self.args.results:
+            print(write_table(Path(self.args.results), self.abl, self.client.get_run(parent_id), self._frame,
+                              (header, rows), time.monotonic() - self._t_start))
+        print(f"report: python -m experiments report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
         return 1 if bad else 0
+
+    def report_on_parent(self, parent_id: str, child_ids: list[str]) -> str:
+        """The report's table, plots and headline metrics on the parent (experiments.report);
+        returns the compare view's link. A failure is reported, not raised: the runs are safe."""
+        from experiments.report import write_report
+
+        parent = self.client.get_run(parent_id)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                write_report(parent, Path(tmp), log=True)
+        except Exception as err:  # noqa: BLE001
+            print(f"warning: the comparison could not be logged on the parent run: {err}", file=sys.stderr)
+        return compare_url(parent.info.experiment_id, child_ids)
 
     def summary(self, parent_id: str) -> tuple[list[str], list[list[str]]]:
         """Every point of the grid: its best run, or a row saying it has not run."""
         self.parent = self.client.get_run(parent_id)
-        header, rows = runs_.summary_rows(runs_.grid_frame(self.parent, list(self.hashes.values())), self.abl.axes)
+        self._frame = runs_.grid_frame(self.parent, list(self.hashes.values()))
+        header, rows = runs_.summary_rows(self._frame, self.abl.axes)
         by_point = {tuple(r[: len(self.abl.axes)]): r for r in rows}
         keys = [tuple(point.labels[a] for a in self.abl.axes) for point in self.abl.points]
         return header, [by_point.get(key) or [*key, "not run", *("-" for _ in header[len(key) + 1:])] for key in keys]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments sweep", description=__doc__.split("\n")[0])
+    p = parser("sweep", __doc__)
     p.add_argument("ablation", help="experiments/ablations/<name>.yaml")
-    p.add_argument("--data", default=None,
-                   help="data directory replacing the file's top-level `dataset` (e.g. tiny data for a check); "
-                        "grid points that declare a dataset keep theirs")
+    p.add_argument("--data", default=None, help="data directory replacing the file's top-level `dataset`")
     p.add_argument("--data-root", default=str(REPO_ROOT / "data"), help="where declared datasets live / are generated")
+    p.add_argument("--results", default=None, metavar="DIR",
+                   help="also write the summary table to DIR/training/<device>/<name>.md, never over a better one")
     p.add_argument("--dry-run", action="store_true", help="print each point's action and command, run nothing")
     p.add_argument("--max-runs", type=int, default=None, help="start at most N runs (skipped points do not count)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override for every run, e.g. trainer.max_steps=50 (changes the config hash)")
+                   help="override of every run (trainer.max_steps=50), or of a top-level key of the file (name=x)")
     p.add_argument("--where", action="append", default=[], metavar="AXIS=LABEL[,LABEL]",
                    help="only the points with these labels, e.g. max_seq_len=1024,4096")
     p.add_argument("--end-s", type=float, default=None,
-                   help="when the caller stops the sweep (seconds after its start, e.g. its timeout): a point whose "
-                        "earlier runs (any code version) needed more than is left then is not started")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="start no new run after this many seconds (a run in progress finishes); rerun to go on")
+                   help="the caller stops the sweep then: skip a point whose earlier runs needed more than is left")
+    p.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default: the file's timeout_s)")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="run N points at once on the same device (accuracy ablations: throughput of "
-                        "concurrent runs is not comparable and the report says so; peak memory is per process)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="run N points at once on the same device")
     p.add_argument("--gpus", default=None, metavar="LIST",
-                   help="one run at a time per entry, on that GPU and its share of the CPU cores: 0,1 runs two "
-                        "points at once, each with a GPU of its own (throughput stays comparable); 0,0,1,1 puts two "
-                        "on each GPU (shared, as --parallel)")
+                   help="one run at a time per entry, on that GPU and its share of the cores: 0,1 or 0,0,1,1")
     p.add_argument("--retry-oom", action="store_true", help="rerun points recorded as OOM")
     p.add_argument("--new", action="store_true", help="start a new parent run instead of resuming")
     args = p.parse_args(argv)
@@ -436,7 +425,7 @@ def execute(sweep: Sweep) -> int:
     """Run `sweep` holding its ablation's lock: one sweep of an ablation at a time; its runs hold
     the lock too, so a sweep killed outright keeps it until they have ended."""
     abl = sweep.abl
-    with hold_lock(lock_path(f"sweep-{abl.name}", tracking_uri(), abl.experiment, abl.name),
+    with hold_lock(lock_path(f"sweep-{abl.name}", sweep.uri, abl.experiment, abl.name),
                    f"a sweep of {abl.name}") as held:
         sweep.lock_fds = (held.fileno(),)
         return sweep.run()
@@ -446,6 +435,8 @@ def execute(sweep: Sweep) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
+    from pipeline.tracking import tracking_uri
+
     check_tracking(tracking_uri())
     sweep = Sweep(abl, args)
     if args.dry_run:

@@ -6,23 +6,6 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 ATTENTIONS = ("dense", "sdpa", "jagged")
-# keys of earlier versions (dotted, from the config's root) and their names now
-RENAMED_KEYS = {"model.ranker.backend": "model.ranker.attention"}
-
-
-def rename_old_keys(config: dict) -> list[str]:
-    """Renames RENAMED_KEYS in a nested config in place (a run recorded before the rename);
-    returns 'old -> new' per key renamed."""
-    done = []
-    for old, new in RENAMED_KEYS.items():
-        *path, leaf = old.split(".")
-        node = config
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
-            node[new.rsplit(".", 1)[1]] = node.pop(leaf)
-            done.append(f"{old} -> {new}")
-    return done
 
 
 class InvalidConfig(ValueError):

@@ -52,7 +52,7 @@ from pytorch_lightning.cli import LightningCLI
 from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from models.config import RENAMED_KEYS, InvalidConfig
+from models.config import InvalidConfig
 from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar
 from pipeline.data import RankerData
 from pipeline.dist import launch_rank_zero
@@ -351,9 +351,6 @@ def parse_error(err: ArgumentError, argv: list[str], parser=None) -> str:
                 continue
             if key in flat or any(k.startswith(key + ".") for k in flat):
                 text = f"{path}: unknown key '{key}' ({text})"
-    for old, new in RENAMED_KEYS.items():
-        if re.search(rf"{re.escape(old)}\b", text):
-            text += f"; {old} is now {new}"
     return f"{text}; `python -m pipeline fit --help` lists the options"
 
 

@@ -1,16 +1,10 @@
-"""A profile of the real training loop (``--perf.trace_steps [first, count]``).
+"""A profile of the real training loop (``pipeline fit --perf.trace_steps [first, count]``).
 
-Two consecutive windows of ``count`` training steps, starting at the process's step ``first``:
-
-1. ``torch.profiler`` (CPU ops, and CUDA kernels on a GPU): ``loop_trace.json.gz`` (open it in
-   chrome://tracing or https://ui.perfetto.dev) and ``loop_ops.txt``, the ops with the most self
-   time on the host and on the device; ``loop_summary.json`` gives per step the wall time, the
-   device's busy time (every kernel, copy and memset once) and the number of kernel launches.
-2. Python's ``cProfile``: ``loop_python.txt``, the functions with the most own (tottime) and
-   cumulative time: where the host's time per step goes (the model's Python, Lightning's loop
-   and hooks, logging, the loader).
-
-The files go to ``trace_dir`` and, for an MLflow run, to its artifacts under ``trace/``.
+Two windows of ``count`` steps from the process's step ``first``: ``torch.profiler`` writes
+``loop_trace.json.gz`` (chrome://tracing, ui.perfetto.dev), ``loop_ops.txt`` and
+``loop_summary.json`` (per step: wall and device-busy time, launches, attention's time and share);
+then ``cProfile`` writes ``loop_python.txt``. Files go to ``trace_dir`` and the run's ``trace/``.
+Attention is only seen in eager steps: a CUDA-graph replay or a compiled step hides its ranges.
 """
 
 from __future__ import annotations
@@ -29,7 +23,37 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from pipeline.runenv import device_name, git_commit
+
 log = logging.getLogger(__name__)
+ATTENTION_RANGES = ("attention/self", "attention/target")  # models.attention's record_function ranges
+_BACKWARD_SCOPE = 1  # at::RecordScope::BACKWARD_FUNCTION
+
+
+def attention_us(events, cuda: bool) -> tuple[float, float, int]:
+    """(forward, backward) microseconds inside attention and the number of forward ranges seen:
+    the ranges' GPU kernel time on CUDA, their CPU time otherwise, and the backward autograd nodes
+    of the ops inside them (linked by sequence number and forward thread), nesting counted once."""
+    t = (lambda e: e.device_time_total) if cuda else (lambda e: e.cpu_time_total)
+    cpu = [e for e in events if e.device_type.name == "CPU"]
+    ranges = [e for e in cpu if e.name in ATTENTION_RANGES]
+    links, todo = set(), [c for r in ranges for c in r.cpu_children]
+    while todo:
+        e = todo.pop()
+        todo += e.cpu_children
+        if e.sequence_nr >= 0:
+            links.add((e.sequence_nr, e.thread))
+    bwd = [e for e in cpu if getattr(e, "scope", 0) == _BACKWARD_SCOPE and e.fwd_thread is not None
+           and (e.sequence_nr, e.fwd_thread) in links]
+    chosen = {id(e) for e in bwd}
+
+    def nested(e) -> bool:
+        p = e.cpu_parent
+        while p is not None and id(p) not in chosen:
+            p = p.cpu_parent
+        return p is not None
+
+    return sum(t(e) for e in ranges), sum(t(e) for e in bwd if not nested(e)), len(ranges)
 
 
 class LoopTrace:
@@ -89,11 +113,21 @@ class LoopTrace:
                        and e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                       "cuLaunchKernelEx", "cudaGraphLaunch"))
         busy_us = sum(e.self_device_time_total for e in device_events)
+        fwd_us, bwd_us, ranges = attention_us(events, device.type == "cuda")
+        per_step = (lambda us: us / 1000.0 / self.count) if ranges else (lambda us: None)
+        attn_ms, bwd_ms = per_step(fwd_us + bwd_us), per_step(bwd_us)
+        wall_ms = 1000.0 * wall_s / self.count
         self._summary = {
             "steps": self.count, "first_step": self.first, "device": str(device),
-            "wall_ms_per_step": 1000.0 * wall_s / self.count,
+            "device_name": device_name(device), "commit": git_commit(),
+            "attention": (getattr(trainer.lightning_module, "hparams", {}).get("ranker") or {}).get("attention"),
+            "batch_size": getattr(trainer.datamodule, "batch_size", None),
+            "wall_ms_per_step": wall_ms,
             "device_busy_ms_per_step": busy_us / 1000.0 / self.count,
             "launches_per_step": launches / self.count,
+            # what a step spends in attention, of its wall time (null: no attention range was seen)
+            "attention_ms_per_step": attn_ms, "attention_bwd_ms_per_step": bwd_ms,
+            "attention_share": None if attn_ms is None else attn_ms / wall_ms,
         }
         cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
         text = f"# {self.count} steps from step {self.first}: {json.dumps(self._summary)}\n\n"

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from models import ATTENTIONS, Ranker, RankerConfig
-from models.config import rename_old_keys
 from tolerance import assert_close_to_oracle, resolution_floor
 
 VOCAB, N_ACTIONS, N_DENSE = 97, 3, 5
@@ -101,15 +100,6 @@ def test_bad_config_says_what_to_fix():
         RankerConfig(attention="flash")
     with pytest.raises(ValueError, match="multiple of num_heads"):
         RankerConfig(embed_dim=10, num_heads=3)
-
-
-def test_a_recorded_config_with_an_old_key_is_renamed_in_place():
-    """A run recorded before model.ranker.backend became model.ranker.attention reruns
-    (experiments.reproduce) under the new name; other keys and configs without it are untouched."""
-    config = {"model": {"ranker": {"backend": "sdpa", "embed_dim": 8}}, "data": {"max_seq_len": 16}}
-    assert rename_old_keys(config) == ["model.ranker.backend -> model.ranker.attention"]
-    assert config == {"model": {"ranker": {"attention": "sdpa", "embed_dim": 8}}, "data": {"max_seq_len": 16}}
-    assert rename_old_keys(config) == [] and rename_old_keys({"model": None}) == [] and rename_old_keys({}) == []
 
 
 def test_deepcopy_and_eval_mode_do_not_change_logits():

@@ -1,5 +1,6 @@
-"""The main job's results file: never a failed table over a good one, never other data under
-the preset's name. The fits are stand-ins (the real ones: test_pipeline_tracking)."""
+"""The main job (the sweep of main.yaml) and its results table (``--results``): never a failed table
+over a good one, never other data under the preset's name. The fits are stand-ins (the real ones:
+test_pipeline_tracking)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,13 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from experiments import main_job as experiment
 from experiments import sweep
 from test_pipeline_cli import fresh_tracking_uri
 from test_pipeline_data import tiny_data_dir
 
-GOOD = """# Main job: dense vs sdpa vs jagged rankers, preset `tiny`
-
-| attention | status | test AUC | MLflow run |
-|---|---|---|---|
-| dense | FINISHED | 0.5312 | a |
-| sdpa | FINISHED | 0.5301 | b |
-| jagged | FINISHED | 0.5322 | c |
-"""
+MAIN = Path(__file__).resolve().parents[1] / "experiments" / "ablations" / "main.yaml"
+GOOD = {"name": "main-tiny", "header": ["attention", "status", "test AUC", "run"],
+        "rows": [["dense", "OK", "0.5312", "a"], ["sdpa", "OK", "0.5301", "b"], ["jagged", "OK", "0.5322", "c"]]}
 
 
 @pytest.fixture
@@ -34,36 +29,40 @@ def job(tmp_path, tmp_path_factory, monkeypatch):
     # mlflow.set_tracking_uri is process-global: give the value back to the other tests afterwards
     monkeypatch.setattr(mlflow.tracking._tracking_service.utils, "_tracking_uri", None, raising=False)
     results = tmp_path / "results"
-    results.mkdir()
+    (results / "training" / "cpu").mkdir(parents=True)
 
     def run(status: int, data: Path | None = None, layouts=("jagged",)) -> int:
         monkeypatch.setattr(sweep, "FIT_COMMAND", (sys.executable, "-c", f"import sys; sys.exit({status})"))
         data = data or tiny_data_dir(tmp_path_factory)
-        return experiment.main(["--preset", "tiny", "--data", str(data), "--attention", *layouts,
-                                "--results-dir", str(results)])
+        return sweep.main([str(MAIN), "--new", "--data", str(data), "--set", "name=main-tiny",
+                           "--set", "configs=[base, tiny]",
+                           "--set", f"grid={{model.ranker.attention: [{', '.join(layouts)}]}}",
+                           "--results", str(results)])
 
-    return run, results
+    return run, results / "training" / "cpu"
 
 
 def test_a_failed_run_never_replaces_a_good_table(job, capsys):
     run, results = job
-    table = results / "main_tiny_cpu.md"
-    table.write_text(GOOD)
+    table = results / "main-tiny.md"
+    table.write_text("the good table\n")
+    table.with_suffix(".json").write_text(json.dumps(GOOD))
     assert run(status=1) == 1
-    assert table.read_text() == GOOD
-    failed = (results / "main_tiny_cpu.failed.md").read_text()
-    assert "| jagged | NOT STARTED |" in failed
+    assert table.read_text() == "the good table\n" and json.loads(table.with_suffix(".json").read_text()) == GOOD
+    failed = (results / "main-tiny.failed.md").read_text()
+    assert "| jagged | FAILED: no output |" in failed
     out = capsys.readouterr().out
-    assert "main_tiny_cpu.failed.md" in out and "kept: it holds FINISHED dense, jagged, sdpa" in out
+    assert "main-tiny.failed.md" in out and "kept: it holds OK dense, jagged, sdpa" in out
 
 
 def test_a_failed_run_may_replace_a_failed_table(job):
     run, results = job
-    table = results / "main_tiny_cpu.md"
-    table.write_text(GOOD.replace("FINISHED", "FAILED"))
+    table = results / "main-tiny.md"
+    table.write_text("a failed table\n")
+    table.with_suffix(".json").write_text(json.dumps(GOOD).replace('"OK"', '"FAILED"'))
     assert run(status=1) == 1
-    assert "| jagged | NOT STARTED |" in table.read_text()
-    assert not (results / "main_tiny_cpu.failed.md").exists()
+    assert "| jagged | FAILED: no output |" in table.read_text()
+    assert not (results / "main-tiny.failed.md").exists()
 
 
 def test_other_data_is_not_filed_under_the_presets_name(job, tmp_path, tmp_path_factory):
@@ -74,13 +73,5 @@ def test_other_data_is_not_filed_under_the_presets_name(job, tmp_path, tmp_path_
     meta["seed"] = 1  # as if generated with --seed 1: not `make data PRESET=tiny`
     (other / "meta.json").write_text(json.dumps(meta))
     run(status=1, data=other)
-    assert [p.name for p in results.iterdir()] == [f"main_tiny_tiny_seed1-{meta['digest'][:8]}_cpu.md"]
-
-
-def test_arguments_for_every_fit_are_key_value_pairs(job, tmp_path_factory, capsys):
-    assert experiment.fit_overrides(["--trainer.max_epochs", "1", "--mlflow.system_metrics=false", "--x", "-5"]) == {
-        "trainer.max_epochs": 1, "mlflow.system_metrics": False, "x": -5}
-    data = tiny_data_dir(tmp_path_factory)  # the job fixture's tracking store, not the repository's
-    assert experiment.main(["--preset", "tiny", "--data", str(data), "--", "trainer.max_epochs", "1"]) == 2
-    err = capsys.readouterr().err
-    assert err.strip() == "error: after --: unexpected argument 'trainer.max_epochs' (options are --key value)"
+    name = f"main-tiny_tiny_seed1-{meta['digest'][:8]}"
+    assert sorted(p.name for p in results.iterdir()) == [f"{name}.json", f"{name}.md"]

@@ -186,9 +186,10 @@ def test_the_bench_measures_the_bytes_it_predicts(tmp_path):
 
     bench_main(["--worlds", "2", "--presets", "tiny", "--fractions", "0.05", "1.0", "--steps", "1", "--warmup", "0",
                 "--out", str(tmp_path)])
-    rows = json.loads((tmp_path / "ddp-bench-cpu.json").read_text())
+    out = tmp_path / "ddp" / "cpu"  # <results root>/ddp/<device>/
+    rows = json.loads((out / "ddp-bench.json").read_text())
     assert {(r["kind"], r["mode"]) for r in rows} == {(k, m) for k in ("preset", "sweep") for m in EMBEDDING_GRADS}
     for r in rows:  # Gloo's TCP sends are the ring algorithms' bytes
         assert r["sent_measured"] == pytest.approx(r["sent_predicted"], rel=0.02), r
-    text = (tmp_path / "ddp-bench-cpu.md").read_text()
-    assert "| 2 | 0.94 |" in text and (tmp_path / "ddp-bench-crossover-cpu.png").stat().st_size > 0
+    text = (out / "ddp-bench.md").read_text()
+    assert "| 2 | 0.94 |" in text and (out / "ddp-bench-crossover.png").stat().st_size > 0

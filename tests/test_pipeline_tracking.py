@@ -99,22 +99,23 @@ def test_killed_run_resumes_into_the_same_mlflow_run(tiny, uninterrupted, tmp_pa
 
 @pytest.mark.slow
 def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_factory):
-    """`python -m experiments main-job` on tiny data: the table printed and written, and the parent
-    run, read back through the MLflow client, carries the comparison (metrics, table, plots)."""
+    """The main job (`make experiment`: the sweep of main.yaml) on tiny data: the table printed and
+    written, and the parent run, read back through the MLflow client, carries the comparison."""
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
     results = tmp_path / "results"
-    cmd = [sys.executable, "-m", "experiments", "main-job", "--preset", "tiny", "--data", str(tiny),
-           "--attention", "dense", "jagged", "--results-dir", str(results), "--",
-           "--trainer.max_epochs", "1", "--mlflow.system_metrics", "false",
-           "--trainer.default_root_dir", str(tmp_path / "ckpt")]
+    cmd = [sys.executable, "-m", "experiments", "sweep", "experiments/ablations/main.yaml", "--new",
+           "--data", str(tiny), "--set", "name=main-tiny", "--set", "configs=[base, tiny]",
+           "--set", "grid={model.ranker.attention: [dense, jagged]}", "--results", str(results),
+           "--set", "trainer.max_epochs=1", "--set", "mlflow.system_metrics=false",
+           "--set", f"trainer.default_root_dir={tmp_path / 'ckpt'}"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(uri), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     for text in ("attention", "test AUC", "train ex/s", "peak RSS (MB)", "wall (s)", "MLflow tracking URI", "make ui",
                  "#/compare-runs?runs="):
         assert text in out, text
-    md = (results / "main_tiny_cpu.md").read_text()
-    assert "| dense | FINISHED |" in md and "| jagged | FINISHED |" in md and "git commit" in md
+    md = (results / "training" / "cpu" / "main-tiny.md").read_text()
+    assert "| dense | OK |" in md and "| jagged | OK |" in md and "git commit" in md
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("main-job")

@@ -1,42 +1,28 @@
-"""experiments.profile on CPU, tiny data: per attention layout an attention share and step times in the JSON,
-and the same results as a table."""
+"""The profiler: the loop trace of a tiny CPU fit (``--perf.trace_steps``) reports attention's time
+and its share of a training step, beside the files it always wrote."""
 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
+import math
+import sys
 
-import pytest
-import torch
-
-from experiments.profile import main
+from pipeline.cli import main
+from test_pipeline_cli import fit_args, fresh_tracking_uri
 from test_pipeline_data import tiny_data_dir
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "experiments" / "configs"
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return tiny_data_dir(tmp_path_factory)
-
-
-def test_profile_reports_the_attention_share_of_every_layout(tiny, tmp_path, capsys):
-    out = tmp_path / "profile_tiny_cpu.md"
-    rc = main([
-        "--config", str(CONFIGS / "base.yaml"), "--config", str(CONFIGS / "tiny.yaml"),
-        "--data.data_dir", str(tiny), "--trainer.accelerator", "cpu",
-        "--steps", "2", "--warmup", "1", "--out", str(out),
-    ])
-    assert rc == 0
-    data = json.loads(out.with_suffix(".json").read_text())  # the numbers (experiments.report reads them)
-    assert data["device"] and data["commit"] and data["torch"] == torch.__version__
-    assert [r["attention"] for r in data["results"]] == ["dense", "sdpa", "jagged"]
-    for r in data["results"]:
-        assert 0 < r["share"] <= 1 and r["attn_ms"] > 0 and r["step_ms"] > 0, r
-        assert r["attn_bwd_ms"] > 0, r  # the backward's autograd nodes were linked to attention
-        assert 0 < r["host_ms"] <= r["step_ms"] and r["chained_step_ms"] > 0, r
-    text = out.read_text()  # the same results as a table, in the file and on stdout
-    assert all(re.search(rf"^\| {a} \|", text, re.M) for a in ("dense", "sdpa", "jagged"))
-    assert text in capsys.readouterr().out
+def test_the_loop_trace_reports_the_attention_share(tmp_path, tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pipeline"])
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", fresh_tracking_uri(tmp_path_factory, tmp_path))
+    tiny, out = tiny_data_dir(tmp_path_factory), tmp_path / "trace"
+    main(fit_args(tiny, tmp_path, "--trainer.accelerator", "cpu", "--mlflow.system_metrics", "false",
+                  "--model.ranker.attention", "jagged", "--perf.trace_steps", "[2, 2]",
+                  "--perf.trace_dir", str(out)))
+    summary = json.loads((out / "loop_summary.json").read_text())
+    assert summary["attention"] == "jagged" and summary["device"] == "cpu" and summary["commit"]
+    share, attn = summary["attention_share"], summary["attention_ms_per_step"]
+    assert isinstance(share, float) and math.isfinite(share) and 0 < share < 1, summary
+    assert 0 < attn < summary["wall_ms_per_step"], summary
+    assert 0 < summary["attention_bwd_ms_per_step"] < attn, summary  # the backward's nodes were linked
+    assert {"loop_ops.txt", "loop_trace.json.gz", "loop_python.txt"} <= {p.name for p in out.iterdir()}

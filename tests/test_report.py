@@ -10,7 +10,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from experiments import report
-from experiments import reproduce
+from experiments import reproduce, sections
 from test_sweep import _uri_env, smoke_sweep, the_parent
 
 
@@ -34,7 +34,7 @@ def ok_run(uri: str):
 def test_report_files_and_artifacts(smoke, tmp_path, capsys):
     parent = the_parent(smoke.uri)
     assert report.main(["--parent", "smoke", "--out", str(tmp_path)]) == 0
-    out = tmp_path / "smoke"
+    out = tmp_path / "ablations" / "smoke" / "cpu"  # <results root>/ablations/<name>/<device>/
     md = (out / "report.md").read_text()
     run = ok_run(smoke.uri)
     tags = run.data.tags
@@ -45,8 +45,11 @@ def test_report_files_and_artifacts(smoke, tmp_path, capsys):
         assert (out / png).stat().st_size > 1000, png
     frame = pl.read_csv(out / "runs.csv")
     assert frame.height == 3 and set(frame["status"]) == {"OK", "OOM", "FAILED"}
+    facts = json.loads((out / "report.json").read_text())  # what experiments.summary reads
+    assert facts["name"] == "smoke" and facts["device"] == [tags["device"]] and facts["commit"] == [tags["git_commit"]]
+    assert [r["status"] for r in facts["rows"]] == frame["status"].to_list() and facts["parent_run"] == parent.info.run_id
     logged = {f.path for f in MlflowClient(smoke.uri).list_artifacts(parent.info.run_id, "report")}
-    assert {"report/report.md", "report/runs.csv", "report/auc.png"} <= logged
+    assert {"report/report.md", "report/report.json", "report/runs.csv", "report/auc.png"} <= logged
     # by id as well as by name; an unknown parent is a clear error
     assert report.main(["--parent", parent.info.run_id, "--out", str(tmp_path), "--no-log"]) == 0
     assert report.main(["--parent", "no-such-sweep", "--out", str(tmp_path)]) == 2
@@ -61,26 +64,26 @@ def test_ratios_and_oracle_section():
         "max_seq_len": ["256", "256", "256", "4096", "4096"],
         "attention": ["jagged", "sdpa", "dense", "jagged", "dense"],
         "status": ["OK", "OK", "OK", "OK", "OOM"],
-        report.THROUGHPUT: [300.0, 100.0, 50.0, 80.0, None],
+        sections.THROUGHPUT: [300.0, 100.0, 50.0, 80.0, None],
         "mem/train_peak_allocated_mb": [10.0, 30.0, 40.0, 20.0, None],
         "test/auc": [0.7, 0.7, 0.7, 0.75, None],
     })
-    rat = report.ratios(df, ["max_seq_len", "attention"], "attention", "jagged", "mem/train_peak_allocated_mb")
+    rat = sections.ratios(df, ["max_seq_len", "attention"], "attention", "jagged", "mem/train_peak_allocated_mb")
     assert rat["jagged / sdpa"]["throughput"] == [3.0] and rat["jagged / sdpa"]["memory"] == [3.0]
     assert rat["jagged / dense"]["x"] == ["256", "4096"] and rat["jagged / dense"]["throughput"] == [6.0, None]
     assert rat["jagged / dense"]["note"] == ["", "dense OOM"]
-    assert "| jagged / dense | 4096 | -x | -x | dense OOM |" in report.ratio_section(rat, "max_seq_len")
-    alone = report.ratios(df.filter(pl.col("attention") == "jagged"), ["max_seq_len", "attention"], "attention",
+    assert "| jagged / dense | 4096 | -x | -x | dense OOM |" in sections.ratio_section(rat, "max_seq_len")
+    alone = sections.ratios(df.filter(pl.col("attention") == "jagged"), ["max_seq_len", "attention"], "attention",
                           "jagged", "mem/train_peak_allocated_mb")
-    assert report.ratio_section(alone, "max_seq_len") == []  # only the baseline ran: no empty table
-    lines = report.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
+    assert sections.ratio_section(alone, "max_seq_len") == []  # only the baseline ran: no empty table
+    lines = sections.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
                                   {"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81})
     assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | - |" in lines
-    whole = report.with_whole_window({"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81}, 4096)
+    whole = sections.with_whole_window({"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81}, 4096)
     assert whole["auc_recent_4096"] == 0.86 and whole["longest_history"] == 4096
-    assert report.with_whole_window({"auc": 0.86, "auc_recent_1024": 0.85}, 1024)["auc_recent_1024"] == 0.85  # measured wins
-    lines = report.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
-                                  report.with_whole_window({"auc": 0.86, "auc_recent_256": 0.81}, 1024))
+    assert sections.with_whole_window({"auc": 0.86, "auc_recent_1024": 0.85}, 1024)["auc_recent_1024"] == 0.85  # measured wins
+    lines = sections.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
+                                  sections.with_whole_window({"auc": 0.86, "auc_recent_256": 0.81}, 1024))
     assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | 0.8600 |" in lines  # 4096 >= the longest
     assert any("longest test history has 1024 items" in line for line in lines)
 
@@ -130,31 +133,35 @@ def test_targets_section_passes_misses_and_unmeasured():
         "fill": ["0.25", "0.25", "0.25", "0.5"],
         "attention": ["jagged", "sdpa", "dense", "jagged"],
         "status": ["OK", "OK", "OOM", "OK"],
-        report.THROUGHPUT: [300.0, 100.0, None, 90.0],
+        sections.THROUGHPUT: [300.0, 100.0, None, 90.0],
         "mem/train_peak_allocated_mb": [10.0, 30.0, None, 20.0],
         "test/auc": [0.7010, 0.7000, None, 0.7],
     })
     spec = {"series": "attention", "baseline": "jagged", "targets": [
         {"at": {"fill": "0.25"}, "vs": "sdpa", "min_speedup": 2.0, "max_memory_ratio": 0.3, "max_auc_diff": 0.002},
         {"at": {"fill": "0.25"}, "vs": "dense", "min_speedup": 2.0}]}
-    lines = report.targets_section(df, spec, "mem/train_peak_allocated_mb")
+    lines = sections.targets_section(df, spec, "mem/train_peak_allocated_mb")
     assert "| fill=0.25: jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | PASS |" in lines
     assert "| fill=0.25: jagged vs sdpa | peak memory ratio 0.33x | <= 0.3x | MISS |" in lines
     assert "| fill=0.25: jagged vs sdpa | test AUC absolute difference 0.0010 | <= 0.002 | PASS |" in lines
     assert "| fill=0.25: jagged vs dense | - | - | NOT MEASURED (jagged OK, dense OOM) |" in lines
-    assert report.targets_section(df, {}, "x") == []
+    assert sections.targets_section(df, {}, "x") == []
 
 
-def test_profile_section_reads_the_newest_profile(tmp_path):
-    assert "No profile matching" in " ".join(report.profile_section(tmp_path, "profile_paper_*.md"))
-    (tmp_path / "profile_paper_h100.md").write_text("# profile\n")
-    results = [dict(attention=b, step_ms=s, prof_step_ms=s, attn_ms=a, share=a / s)
-               for b, s, a in (("sdpa", 40.0, 10.0), ("jagged", 20.0, 2.0))]
-    (tmp_path / "profile_paper_h100.json").write_text(json.dumps({"results": results}))
-    text = "\n".join(report.profile_section(tmp_path, "profile_paper_*.md"))
-    assert "| sdpa | 40.00 | - | - | 10.00 | 30.00 | 0.250 |" in text and "| jagged | 20.00 | - | - | 2.00 | 18.00 | 0.100 |" in text
+def test_profile_section_reads_the_newest_traces(tmp_path):
+    pattern = "training/*/profile-paper/*/loop_summary.json"
+    assert "No trace matching" in " ".join(sections.profile_section(tmp_path, pattern))
+    for attention, step, attn in (("sdpa", 40.0, 10.0), ("jagged", 20.0, 2.0)):
+        folder = tmp_path / "training" / "h100" / "profile-paper" / attention
+        folder.mkdir(parents=True)
+        (folder / "loop_summary.json").write_text(json.dumps({
+            "attention": attention, "wall_ms_per_step": step, "attention_ms_per_step": attn,
+            "attention_share": attn / step}))
+    text = "\n".join(sections.profile_section(tmp_path, pattern))
+    assert "| sdpa | 40.00 | - | 10.00 | 30.00 | 0.250 |" in text and "| jagged | 20.00 | - | 2.00 | 18.00 | 0.100 |" in text
     assert "from 40.00 to 20.00 ms (2.00x)" in text and "at best be 2.22x" in text
-    assert report.profile_section(tmp_path, None) == []
+    assert "(../../../training/h100/profile-paper/jagged/loop_summary.json)" in text  # from ablations/<name>/<device>/
+    assert sections.profile_section(tmp_path, None) == []
 
 
 def test_seeds_table_and_targets_on_seed_means():
@@ -162,22 +169,22 @@ def test_seeds_table_and_targets_on_seed_means():
         "attention": ["jagged"] * 3 + ["sdpa"] * 3,
         "seed_everything": ["0", "1", "2"] * 2,
         "status": ["OK"] * 6,
-        report.THROUGHPUT: [3.0, 3.0, 3.0, 1.0, 1.0, 1.0],
+        sections.THROUGHPUT: [3.0, 3.0, 3.0, 1.0, 1.0, 1.0],
         "mem/train_peak_allocated_mb": [1.0] * 6,
         "test/auc": [0.700, 0.702, 0.704, 0.701, 0.703, 0.708],
     })
-    lines = report.seeds_section(df, "seed_everything", ["attention", "seed_everything"])
+    lines = sections.seeds_section(df, "seed_everything", ["attention", "seed_everything"])
     assert "| jagged | 3 | 0.7020 | 0.0020 | 0.7000 | 0.7040 |" in lines
     assert "| sdpa | 3 | 0.7040 | 0.0036 | 0.7010 | 0.7080 |" in lines
     spec = {"series": "attention", "baseline": "jagged", "seeds": "seed_everything",
             "targets": [{"vs": "sdpa", "min_speedup": 2.0, "max_auc_diff": 0.0015}]}
-    text = "\n".join(report.targets_section(df, spec, "mem/train_peak_allocated_mb"))
+    text = "\n".join(sections.targets_section(df, spec, "mem/train_peak_allocated_mb"))
     assert "mean over the `seed_everything` axis" in text
     assert "| jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | PASS |" in text  # no `at`: the pair
     assert "test AUC absolute difference 0.0020 | <= 0.0015 | MISS |" in text
     failed = df.with_columns(status=pl.when(pl.col("test/auc") == 0.708).then(pl.lit("FAILED")).otherwise(pl.col("status")))
-    assert "NOT MEASURED (jagged OK, sdpa FAILED)" in "\n".join(report.targets_section(failed, spec, "x"))
-    assert report.seeds_section(df, None, ["attention"]) == []
+    assert "NOT MEASURED (jagged OK, sdpa FAILED)" in "\n".join(sections.targets_section(failed, spec, "x"))
+    assert sections.seeds_section(df, None, ["attention"]) == []
 
 
 def test_convergence_section_judges_the_last_validation_interval():
@@ -185,7 +192,7 @@ def test_convergence_section_judges_the_last_validation_interval():
 
     import polars as pl
 
-    from experiments.report import convergence_section
+    from experiments.sections import convergence_section
 
     # a: flat; b: still rising; c: fell from its first check (past its peak); f: rose by more than tol
     # over the last interval but stays below its earlier best (past its peak, not rising); g: rose
@@ -212,7 +219,7 @@ def test_recovery_section_shares_of_the_gain_and_costs(tmp_path):
     df = pl.DataFrame({
         "variant": ["short", "long", "short_emb", "short_emb_lag3", "long_emb"],
         "status": ["OK", "OK", "OK", "OK", "FAILED"],
-        report.THROUGHPUT: [400.0, 100.0, 380.0, 390.0, None],
+        sections.THROUGHPUT: [400.0, 100.0, 380.0, 390.0, None],
         "mem/train_peak_allocated_mb": [10.0, 40.0, 12.0, 12.0, None],
         "test/auc": [0.70, 0.74, 0.732, 0.71, None],
     })
@@ -221,27 +228,37 @@ def test_recovery_section_shares_of_the_gain_and_costs(tmp_path):
     (tmp_path / "encoder.json").write_text(json.dumps({
         "device": "GPU", "commit": "abc", "impressions": 1000, "days_trained": 12, "config": {"max_seq_len": 4096},
         "results": {"train/examples_per_s": 5000.0, "train/seconds_per_day": 3.5, "val/auc": 0.7}}))
-    lines = report.recovery_section(df, "variant", spec, "mem/train_peak_allocated_mb", tmp_path)
+    lines = sections.recovery_section(df, "variant", spec, "mem/train_peak_allocated_mb", tmp_path)
     assert "| short_emb | 0.7320 | +0.0320 | 0.80 | 0.26x | 0.30x | PASS |" in lines
     assert "| short_emb_lag3 | 0.7100 | +0.0100 | 0.25 | 0.26x | 0.30x | MISS |" in lines
     assert "| long_emb | - | - | - | - | - | NOT MEASURED (FAILED) |" in lines
     assert any("5,000 examples/s, 3.5 s per day of data" in ln for ln in lines)
-    assert report.recovery_section(df, "variant", {}, "x") == []
+    assert sections.recovery_section(df, "variant", {}, "x") == []
     no_long = df.with_columns(pl.when(pl.col("variant") == "long").then(pl.lit("OOM")).otherwise(pl.col("status"))
                               .alias("status"))
-    assert "NOT MEASURED" in report.recovery_section(no_long, "variant", spec, "x")[-1]
+    assert "NOT MEASURED" in sections.recovery_section(no_long, "variant", spec, "x")[-1]
 
 
 def test_one_markdown_and_one_text_table_for_every_command():
     from experiments import runs as runs_
-    from experiments import main_job as experiment
 
-    res = [{"attention": "jagged", "status": "FINISHED", "wall_s": 41.2, "run_id": "r1",
-            "metrics": {"test/auc": 0.72634, "test/ne": 0.903, "mem/peak_rss_mb": 1019.4}}]
-    header, rows = experiment.table_rows(res, cuda=False)
+    df = pl.DataFrame({"attention": ["jagged"], "status": ["OK"], "error": [None], "run_id": ["r1"],
+                       "tag.accelerator": ["cpu"], "test/auc": [0.72634], "test/ne": [0.903],
+                       "mem/peak_rss_mb": [1019.4], "sweep/process_wall_s": [41.2]})
+    header, rows = runs_.summary_rows(df, ["attention"])
     assert header[3] == "test NE (train CTR)" and header[8] == "peak RSS (MB)"
-    assert rows == [["jagged", "FINISHED", "0.7263", "0.9030", "-", "-", "-", "-", "1,019", "41", "r1"]]
+    assert rows == [["jagged", "OK", "0.7263", "0.9030", "-", "-", "-", "-", "1,019", "41", "r1"]]
     text = runs_.text_table(header, rows).splitlines()
-    assert text[0].startswith("attention  status    test AUC") and set(text[1]) == {"-", " "}
-    assert all(ln == ln.rstrip() for ln in text) and text[0].index("status") == text[2].index("FINISHED")
+    assert text[0].startswith("attention  status  test AUC") and set(text[1]) == {"-", " "}
+    assert all(ln == ln.rstrip() for ln in text) and text[0].index("status") == text[2].index("OK")
     assert runs_.markdown_table(["a", "b"], [["x|y", "1"]]) == "| a | b |\n|---|---|\n| x\\|y | 1 |"
+
+
+def test_a_recorded_config_with_an_old_key_is_renamed_in_place():
+    """A run recorded before model.ranker.backend became model.ranker.attention reruns under the
+    new name (experiments.reproduce: the only reader of old records); other keys are untouched."""
+    config = {"model": {"ranker": {"backend": "sdpa", "embed_dim": 8}}, "data": {"max_seq_len": 16}}
+    assert reproduce.rename_old_keys(config) == ["model.ranker.backend -> model.ranker.attention"]
+    assert config == {"model": {"ranker": {"attention": "sdpa", "embed_dim": 8}}, "data": {"max_seq_len": 16}}
+    assert reproduce.rename_old_keys(config) == [] and reproduce.rename_old_keys({"model": None}) == [] \
+        and reproduce.rename_old_keys({}) == []

@@ -507,3 +507,27 @@ def test_a_runs_table_from_before_the_concurrent_column_still_gets_the_shared_gp
     (note,) = [ln for ln in shared_device_note(old) if ln]
     assert "2 of these runs shared the GPU" in note and "--parallel 2" in note
     assert shared_device_note(old.with_columns(parallel=pl.lit("1"))) == []
+
+
+LAB_VERBS = ("sweep", "report", "summary", "reproduce", "ddp-bench", "balance", "loader-bench")
+
+
+def test_every_lab_verb_answers_help_without_the_heavy_imports():
+    """`python -m experiments <verb> --help` parses before it imports MLflow, Lightning or matplotlib."""
+    import subprocess
+
+    code = ("import sys, runpy\n"
+            f"for verb in {LAB_VERBS!r}:\n"
+            "    sys.argv = ['experiments', verb, '--help']\n"
+            "    try:\n"
+            "        runpy.run_module('experiments', run_name='__main__', alter_sys=True)\n"
+            "    except SystemExit as exit:\n"
+            "        assert exit.code in (0, None), (verb, exit.code)\n"
+            "    heavy = [m for m in ('mlflow', 'pytorch_lightning', 'matplotlib') if m in sys.modules]\n"
+            "    assert not heavy, (verb, heavy)\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    for verb in LAB_VERBS:
+        assert f"python -m experiments {verb}" in proc.stdout, verb  # each printed its own usage

@@ -16,15 +16,17 @@
 # (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), s2 (dense vs
 # S2 attention on the `long` data, each run alone on its GPU), history_value,
 # model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
-# their throughput as shared), profile (one-step profile per attention layout at the PRESET, default paper,
-# into experiments/results/profile_<preset>_<gpu>.md), reproduce (a jagged fit at max_seq_len 1024 with
-# trainer.deterministic=warn, then `experiments.reproduce` of it: metrics beside the original's, GPU tolerance,
-# and the ops without a deterministic kernel; REPRO_SOURCE=sweep reruns the seq_len run instead).
+# their throughput as shared), profile (`make profile`: the training loop's trace per attention layout at the
+# PRESET, default paper, into experiments/results/training/<gpu>/profile-<preset>[-b<batch>]/<attention>/),
+# reproduce (a jagged fit at max_seq_len 1024 with trainer.deterministic=warn, then `experiments.reproduce` of it:
+# metrics beside the original's, GPU tolerance, and the ops without a deterministic kernel, its verdict in
+# experiments/results/training/<gpu>/reproduce.json; REPRO_SOURCE=sweep reruns the seq_len run instead).
 # GPUS=0,1 (a multi-GPU machine): the throughput sweeps run one point per GPU at once (`experiments.sweep
 # --gpus`: each run has its GPU alone and its share of the cores), the accuracy sweeps ACC_GPUS
 # (default: PARALLEL runs dealt over GPUS, e.g. 0,1,0,1). Datasets the parts declare are generated
 # first, once.
-# Returns $OUT/ablations.log, $OUT/mlflow.db, $OUT/results.tgz (experiments/results/) and the profile.
+# Reports go to experiments/results/ablations/<name>/<gpu>/. Returns $OUT/ablations.log, $OUT/mlflow.db,
+# $OUT/results.tgz (experiments/results/).
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT
@@ -38,6 +40,7 @@ save() {
 }
 left() { echo $((budget - SECONDS)); }
 preset=${PRESET:-paper}  # the data of the runs whose ablation file names none (PRESET=tiny: a CPU check)
+slug=$(python3 -c 'from kernels.launch_table import device_slug; print(device_slug())')
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU"; } | tee "$log"
 if [ "${PRESET_DATA:-1}" = 1 ]; then  # PRESET_DATA=0: the parts asked for bring their own datasets
   make data PRESET="$preset" SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
@@ -65,7 +68,8 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
   timeout -k 90 "$t" python3 -m experiments sweep "experiments/ablations/$name.yaml" "${data[@]}" \
     --deadline-s $((t - 60)) --end-s "$t" "$@" >> "$log" 2>&1
   echo "$name sweep rc=$? at ${SECONDS}s" | tee -a "$log"
-  timeout 45 python3 -m experiments report --parent "$name" --commit "$GIT_COMMIT" >> "$log" 2>&1
+  timeout 45 python3 -m experiments report --parent "$name" --commit "$GIT_COMMIT" --out experiments/results \
+    >> "$log" 2>&1
   echo "$name report rc=$? at ${SECONDS}s" | tee -a "$log"
   save
 }
@@ -98,20 +102,19 @@ for spec in $PARTS; do
           --encoder "$ue/encoder.pt" --out "$ue/emb.parquet" --batch-size 1024 >> "$log" 2>&1
         echo "alure encoder export rc=$? at ${SECONDS}s" | tee -a "$log"
       fi
-      mkdir -p experiments/results/alure
-      cp -f "$ue/encoder.pt.json" experiments/results/alure/encoder.json 2>/dev/null
-      cp -f "$ue/emb.parquet.json" experiments/results/alure/embeddings.json 2>/dev/null
+      mkdir -p "experiments/results/ablations/alure/$slug"  # the report reads encoder.json beside it
+      cp -f "$ue/encoder.pt.json" "experiments/results/ablations/alure/$slug/encoder.json" 2>/dev/null
+      cp -f "$ue/emb.parquet.json" "experiments/results/ablations/alure/$slug/embeddings.json" 2>/dev/null
       if [ -f "$ue/emb.parquet.json" ]; then sweep alure "${where[@]}" "${through[@]}"; fi ;;
     profile)  # PROFILE_BATCHES="default 2048:jagged+sdpa": the preset's batch, then 2048 for two layouts
       for pb in ${PROFILE_BATCHES:-default}; do
-        args=()
+        dir="experiments/results/training/$slug/profile-$preset" layouts="dense sdpa jagged" args=""
         if [ "$pb" != default ]; then
-          slug=$(python3 -c 'from experiments.profile import device_slug; print(device_slug())')
-          args=(--data.batch_size "${pb%%:*}" --out "experiments/results/profile_${preset}_${slug}_b${pb%%:*}.md")
-          if [[ $pb == *:* ]]; then IFS=+ read -ra bks <<< "${pb#*:}"; args+=(--attention "${bks[@]}"); fi
+          dir+="-b${pb%%:*}" args="--data.batch_size ${pb%%:*}"
+          if [[ $pb == *:* ]]; then layouts=${pb#*:}; layouts=${layouts//+/ }; fi
         fi
-        timeout $(( $(left) > 200 ? 180 : 30 )) python3 -m experiments profile --config experiments/configs/base.yaml \
-          --config "experiments/configs/$preset.yaml" --data.data_dir "data/$preset" --top 12 "${args[@]}" >> "$log" 2>&1
+        timeout $(( $(left) > 200 ? 180 : 30 )) make profile SETUP=none PY=python3 PRESET="$preset" \
+          ATTENTION="$layouts" PROFILE_DIR="$dir" PROFILE_ARGS="$args" >> "$log" 2>&1
         echo "profile $pb rc=$? at ${SECONDS}s" | tee -a "$log"
       done; save ;;
     reproduce)  # rerun a jagged run from its logged config (GPU tolerance). REPRO_SOURCE=fit (default): first a
@@ -140,7 +143,8 @@ runs = mlflow.search_runs(search_all_experiments=True, output_format='list', ord
     filter_string=sys.argv[1])
 print(runs[0].info.run_id if runs else '')" "$filter")
       if [ -n "$run_id" ] && [ "$(left)" -gt 150 ]; then
-        timeout $(( $(left) - 30 )) python3 -m experiments reproduce --run "$run_id" >> "$log" 2>&1
+        timeout $(( $(left) - 30 )) python3 -m experiments reproduce --run "$run_id" --out experiments/results \
+          >> "$log" 2>&1
         echo "reproduce $run_id rc=$? at ${SECONDS}s" | tee -a "$log"
         grep -o "[A-Za-z_.:]* does not have a deterministic implementation" "$log" | sort | uniq -c \
           | sed 's/^/nondeterministic op: /' | tee -a "$log"

@@ -3,12 +3,9 @@ embedding-gradient modes side by side (markdown on stdout).
 
     python experiments/gpu/ddp_table.py ddp
 
-Run names are ``<attention>-w<devices>-<single|ddp>`` (scaling) and ``jagged-w<devices>-<mode>``,
-with ``#<k>`` appended for the k-th repeat of a configuration. A cell is the mean over the
-repeats, with their range in brackets where there are several. Efficiency = global examples/s at
-W processes / (W x examples/s of the same layout at 1), against the 1-process DDP run and against
-the plain single-process run, from the means; the bracket gives its range over every pairing of
-repeats.
+Runs are named ``<attention>-w<devices>-<single|ddp>`` and ``jagged-w<devices>-<mode>`` (``#<k>``:
+the k-th repeat). A cell is the mean over repeats [their range]; efficiency = examples/s at W
+processes / (W x the same layout's at 1), against the 1-process DDP run and the plain one.
 """
 
 from __future__ import annotations

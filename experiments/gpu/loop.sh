@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU-machine call for the training loop: the gpu tests of the CUDA-graph step, then `fit`
 # runs of the paper preset (eager vs CUDA graphs, jagged vs sdpa, batch 512 and 2048; 300
-# steps, 50 warm-up, the real loop profiled over steps 150-169 where asked), then `make profile`
-# at batch 512. Each part runs only if the call's budget still holds it.
+# steps, 50 warm-up, the real loop traced over steps 150-169 where asked: attention's share of an
+# eager step in its loop_summary.json), then `make profile` at batch 512. Each part runs only if the
+# call's budget still holds it.
 # Run from the repo root with the project installed (offline: from wheels), with OUT and
-# GIT_COMMIT set (no .git there). Returns $OUT/loop.log, $OUT/mlflow.db, $OUT/traces.tgz,
-# $OUT/profile.tgz.
+# GIT_COMMIT set (no .git there). Returns $OUT/loop.log, $OUT/mlflow.db, $OUT/traces.tgz
+# (the profile's traces in traces/profile-paper/).
 #   RUNS="jagged:512:graphs:trace sdpa:512:eager" bash experiments/gpu/loop.sh
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
@@ -45,10 +46,8 @@ for spec in $RUNS; do
 done
 python3 experiments/gpu/runs_table.py loop | tee -a "$log"
 if [ "$(left)" -gt 120 ] && [ -n "${PROFILE-1}" ]; then
-  timeout $(( $(left) - 10 )) python3 -m experiments profile --config experiments/configs/base.yaml \
-    --config experiments/configs/paper.yaml --data.data_dir data/paper --model.cuda_graphs true \
-    --attention ${PROFILE_ATTENTION:-jagged sdpa dense} --steps 5 --warmup 3 --top 12 \
-    --out "$OUT/profile_paper.md" >> "$log" 2>&1
+  timeout $(( $(left) - 10 )) make profile SETUP=none PY=python3 PRESET=paper \
+    ATTENTION="${PROFILE_ATTENTION:-jagged sdpa dense}" PROFILE_DIR=traces/profile-paper >> "$log" 2>&1
   echo "profile rc=$? at ${SECONDS}s" | tee -a "$log"
 fi
 save
