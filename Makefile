@@ -15,8 +15,12 @@ DATA ?= data/$(PRESET)
 ABLATION ?= seq_len
 RESULTS ?=
 SUITE ?= paper
-# the attention layouts to train or profile, one ranker each (BACKENDS: the old name)
-ATTENTION ?= $(or $(BACKENDS),dense sdpa jagged)
+# the attention layouts to train or profile, one ranker each
+ATTENTION ?= dense sdpa jagged
+comma := ,
+space := $() $()
+PROFILE_DIR ?= $(or $(RESULTS),runs)/profile-$(PRESET)
+PROFILE_STEPS ?= [30, 5]
 GRID ?= small
 SWEEP_OUT ?= runs/costmodel/sweep.parquet
 PORT ?= 5000
@@ -79,9 +83,11 @@ data-validate: setup ## validate the PRESET data set (schema, alignment, checksu
 data-report: data ## write length/popularity plots and a summary of the PRESET data
 	$(PY) -m data_gen report $(DATA)
 
-experiment: data ## the main job: dense, sdpa and jagged rankers (ATTENTION=a subset) compared in MLflow; table in runs/ (RESULTS=dir to choose)
-	$(PY) -m experiments main-job --preset $(PRESET) --data $(DATA) --attention $(ATTENTION) \
-	  $(if $(RESULTS),--results-dir $(RESULTS)) $(EXPERIMENT_ARGS)
+experiment: data ## the main job: dense, sdpa and jagged rankers (ATTENTION=a subset) compared in MLflow; table in runs/training/ (RESULTS=root to choose)
+	$(PY) -m experiments sweep experiments/ablations/main.yaml --new --data $(DATA) --set name=main-$(PRESET) \
+	  --set 'configs=[base, $(PRESET)]' \
+	  --set 'grid={model.ranker.attention: [$(subst $(space),$(comma)$(space),$(strip $(ATTENTION)))]}' \
+	  --results $(or $(RESULTS),runs) $(EXPERIMENT_ARGS)
 
 ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default; the same database as the runs)
 	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(PORT)
@@ -105,9 +111,9 @@ sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|
 experiment-%: experiments/ablations/%.yaml setup ## run the ablation %.yaml, resumable (SWEEP_ARGS="--dry-run" | "--max-runs N" | "--set k=v")
 	$(PY) -m experiments sweep experiments/ablations/$*.yaml $(SWEEP_ARGS)
 
-report: setup ## tables + plots of a sweep or main job into experiments/results/<name>/ (PARENT=<run id or name>; RESULTS=dir)
+report: setup ## tables + plots of a sweep into runs/ablations/<name>/<device>/ (PARENT=<run id or name>; RESULTS=experiments/results for the committed ones)
 	@test -n "$(PARENT)" || { echo "usage: make report PARENT=<sweep parent run id or name, e.g. seq_len>"; exit 2; }
-	$(PY) -m experiments report --parent $(PARENT) --out $(or $(RESULTS),experiments/results) $(REPORT_ARGS)
+	$(PY) -m experiments report --parent $(PARENT) --out $(or $(RESULTS),runs) $(REPORT_ARGS)
 
 summary: setup ## experiments/results/REPORT.md: the paper's claims, every target and ablation, from the committed results
 	$(PY) -m experiments summary $(if $(RESULTS),--results $(RESULTS))
@@ -116,9 +122,12 @@ reproduce: setup ## rerun one MLflow run from its logged config and data digest,
 	@test -n "$(RUN)" || { echo "usage: make reproduce RUN=<MLflow run id> [REPRODUCE_ARGS='--rtol 5e-3']"; exit 2; }
 	$(PY) -m experiments reproduce --run $(RUN) $(REPRODUCE_ARGS)
 
-profile: data ## one-step profile per attention layout (ATTENTION=a subset): the share of attention in step time
-	$(PY) -m experiments profile --config experiments/configs/base.yaml --config experiments/configs/$(PRESET).yaml \
-	  --data.data_dir $(DATA) --attention $(ATTENTION) $(PROFILE_ARGS)
+profile: data ## trace eager training steps per attention layout (ATTENTION=a subset): attention's share of a step, in PROFILE_DIR
+	for a in $(ATTENTION); do $(PY) -m pipeline fit --config experiments/configs/base.yaml \
+	  --config experiments/configs/$(PRESET).yaml --data.data_dir $(DATA) --model.ranker.attention $$a \
+	  --model.cuda_graphs false --trainer.max_steps 45 --trainer.limit_val_batches 0 \
+	  --trainer.limit_test_batches 0 --checkpoint.save_top_k 0 --checkpoint.save_last false \
+	  --perf.trace_steps '$(PROFILE_STEPS)' --perf.trace_dir $(PROFILE_DIR)/$$a $(PROFILE_ARGS) || exit 1; done
 
 clean: ## remove caches and checkpoints (keeps data/ and mlflow.db)
 	rm -rf .pytest_cache checkpoints lightning_logs
