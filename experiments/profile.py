@@ -32,7 +32,7 @@ from models.config import ATTENTIONS
 from pipeline.cli import RankerCLI
 from experiments.runs import fmt
 from pipeline.errors import command
-from pipeline.graphs import GraphedTrainStep, token_capacities
+from pipeline.cuda_graphs import GraphedTrainStep, token_capacities
 from pipeline.module import autocast_dtype
 
 ATTENTION_RANGES = ("attention/self", "attention/target")
