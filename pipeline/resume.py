@@ -27,8 +27,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipeline.errors import ConfigError
-from pipeline.store import first_line, shown
-from pipeline.tracking import flatten, tracking_uri
+from pipeline.tracking import first_line, flatten, shown, tracking_uri
 
 COMPARED = ("model.", "data.", "trainer.", "seed_everything")
 # how a run is watched or fed, never what it computes: extra callbacks (tests stop runs this way;

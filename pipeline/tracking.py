@@ -1,26 +1,29 @@
-"""MLflow: where runs go, what every run records, and who ends a run with which status.
+"""MLflow: where runs go, the store's pre-flight check, what every run records, how a run ends.
 
-- Tracking URI: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlflow.db`` (the
-  database ``make ui`` serves). It is checked before anything is trained.
-- :class:`MLflowRun` (the CLI's ``mlflow.*`` options) starts or resumes one run through
-  ``mlflow.start_run(..., log_system_metrics=True)`` (CPU/memory, and GPU utilisation/memory/
-  power where nvidia-ml-py is installed); Lightning's ``MLFlowLogger`` writes the metrics into
-  that same run. The run id travels in every checkpoint, so ``fit --ckpt_path`` continues it.
-- A run that raises is ended FAILED (``on_exception``, or :func:`fail_active_run` for errors
-  outside the trainer), never left RUNNING; a finished fit + test ends it FINISHED.
+``tracking_uri()``: ``MLFLOW_TRACKING_URI``, else ``sqlite:///<repo>/mlflow.db`` (what ``make ui``
+serves); :func:`check_tracking` raises a ConfigError before anything trains if runs cannot be
+recorded there. :class:`MLflowRun` (the CLI's ``mlflow.*`` options) starts or resumes the run; a
+run that raises is ended FAILED (KILLED when interrupted), never left RUNNING. Why the checks and
+the signal handling look as they do: docs/training.md#tracking.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import fcntl
 import importlib.metadata
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import tempfile
 import threading
+import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -32,10 +35,18 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
 from pipeline.errors import ConfigError
-from pipeline.store import check_tracking, first_line, shown  # noqa: F401  (check_tracking: re-exported)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "jagged-rankers"
+
+HTTP_BOUNDS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",  # seconds per request
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # 1 s, then 2 s between the tries
+}
+API_PROBE = "/api/2.0/mlflow/experiments/search"
+_RACE_RETRIES = 10  # one second apart
+_FIX = "unset MLFLOW_TRACKING_URI to use the local sqlite database, or start the server (`make ui`)"
 
 
 def tracking_uri() -> str:
@@ -223,3 +234,98 @@ def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: boo
         for i in range(0, len(items), 100):
             mlflow.log_params({k: v[:6000] for k, v in items[i : i + 100]})
         mlflow.log_artifact(str(meta_path), artifact_path="data")
+
+
+# --- the tracking store's pre-flight -------------------------------------------------------
+def shown(uri: str) -> str:
+    """The URI without a password (``scheme://user:***@host``)."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", uri)
+
+
+def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
+    """Raise ConfigError, saying what to do, if runs cannot be recorded at `uri`."""
+    if uri.startswith(("http://", "https://")):
+        for key, value in HTTP_BOUNDS.items():
+            os.environ.setdefault(key, value)
+        _check_server(uri.rstrip("/"), timeout_s)
+    elif uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+        if not db.parent.is_dir() or not os.access(db.parent, os.W_OK):
+            raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: directory {db.parent} does not exist or is not writable")
+        with open(db.with_name(db.name + ".lock"), "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+            open_store(uri)
+    elif uri.startswith("file:") or "://" not in uri:
+        raise ConfigError(
+            f"MLFLOW_TRACKING_URI={uri}: MLflow's file store is not supported here; "
+            f"use sqlite:///<absolute path>/mlflow.db or an http:// server"
+        )
+    else:
+        open_store(uri)
+
+
+def open_store(uri: str) -> None:
+    """Open the database store at `uri` once (creating its tables if it is new)."""
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        for attempt in range(_RACE_RETRIES + 1):
+            try:
+                MlflowClient(uri).search_experiments(max_results=1)
+                break
+            except (MlflowException, sqlalchemy.exc.SQLAlchemyError) as err:
+                if attempt == _RACE_RETRIES or not _lost_race(uri, err):
+                    raise
+                time.sleep(1.0)
+    except ImportError as err:
+        raise ConfigError(f"MLFLOW_TRACKING_URI={shown(uri)}: its database driver is not installed ({err}); "
+                          f"install it (e.g. `pip install psycopg2-binary` or `pymysql`) or use sqlite:///...") from None
+    except (MlflowException, sqlalchemy.exc.SQLAlchemyError, OSError) as err:
+        raise ConfigError(f"MLFLOW_TRACKING_URI={shown(uri)}: cannot open the tracking store: "
+                          f"{first_line(err)}") from None
+
+
+def _lost_race(uri: str, err: BaseException) -> bool:
+    """A sqlite store another process (not under our lock: ``mlflow ui``, a notebook) is
+    creating or writing at this moment: worth a retry, not an error."""
+    text = str(err).lower()
+    return uri.startswith("sqlite:") and ("already exists" in text or "database is locked" in text)
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]
+
+
+def _check_server(base: str, timeout_s: float) -> None:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=timeout_s) as resp:
+            if resp.status != 200:
+                raise OSError(f"HTTP {resp.status}")
+    except (OSError, urllib.error.URLError) as err:
+        raise ConfigError(f"MLflow tracking server {shown(base)} is unreachable ({err}): {_FIX}") from None
+    request = urllib.request.Request(base + API_PROBE, data=json.dumps({"max_results": 1}).encode(),
+                                     headers={"Content-Type": "application/json", **_auth_headers()})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            json.load(resp)
+    except urllib.error.HTTPError as err:
+        raise ConfigError(f"MLflow tracking server {shown(base)} answers /health but its API fails "
+                          f"(POST {API_PROBE}: HTTP {err.code} {err.reason}); check the server's log") from None
+    except (OSError, ValueError) as err:  # a timeout, a reset connection, a body that is not JSON
+        raise ConfigError(f"MLflow tracking server {shown(base)} answers /health but not its API "
+                          f"(POST {API_PROBE}: {err or type(err).__name__}, limit {timeout_s:g} s); "
+                          f"check the server's log and its database") from None
+
+
+def _auth_headers() -> dict[str, str]:
+    """The credentials MLflow itself would send (token, or user and password)."""
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if token:
+        return {"Authorization": f"Bearer {token}"}
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {}
