@@ -27,16 +27,13 @@ and 143 for SIGTERM (the run marked KILLED).
 
 from __future__ import annotations
 
-import dataclasses
 import errno
-import inspect
 import json
 import os
 import re
 import signal
 import sys
 import tempfile
-import typing
 from pathlib import Path
 from typing import Optional
 
@@ -73,16 +70,6 @@ from pipeline.tracking import (
     shown,
     tracking_uri,
 )
-
-
-def _as_plain_dict(value):
-    """A linked dataclass option as a plain dict (or None): jsonargparse before 4.53 passes a
-    linked dataclass group on as flattened 'name.field' keyword arguments otherwise."""
-    if value is None or isinstance(value, dict):
-        return value
-    if dataclasses.is_dataclass(value):
-        return dataclasses.asdict(value)
-    return value.as_dict() if hasattr(value, "as_dict") else dict(vars(value))
 
 
 def _seed_to_int(seed) -> int:
@@ -161,13 +148,13 @@ class RankerCLI(LightningCLI):
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed_to_int)
         parser.link_arguments("data.spec", "model.data_spec", apply_on="instantiate")
         # the ranker's user embedding option tells the data module what to join
-        parser.link_arguments("model.ranker.user_embedding", "data.user_embedding", compute_fn=_as_plain_dict)
+        parser.link_arguments("model.ranker.user_embedding", "data.user_embedding")
 
     def parse_arguments(self, parser, args) -> None:
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            raise ConfigError(parse_error(err, sys.argv[1:] if args is None else args, parser)) from None
+            raise ConfigError(parse_error(err, sys.argv[1:] if args is None else args)) from None
         # here, before Lightning replaces the requested model settings by a checkpoint's
         subcommand = self.config.get("subcommand")
         if subcommand:
@@ -304,31 +291,9 @@ class RankerCLI(LightningCLI):
     after_test = after_validate
 
 
-def _typehint(parser, argv: list[str], key: str):
-    """The type of option `key` in the parser of argv's subcommand (None where not found)."""
-    try:
-        sub = parser._subcommands_action._name_parser_map[argv[0]]
-        return sub._option_string_actions[f"--{key}"]._typehint
-    except (AttributeError, KeyError, IndexError, TypeError):
-        return None
-
-
-def _same_words(text: str, argv: list[str], parser) -> str:
-    """Older jsonargparse (the GPU machine has 4.42) words two errors otherwise than 4.53: the
-    same message whatever the version."""
-    text = re.sub(r"\bUnrecognized arguments:", "unrecognized arguments:", text)
-    m = re.search(r'Parser key "([^"]+)": Cannot take a Union of no types\.?', text)
-    hint = _typehint(parser, argv, m.group(1)) if m and parser is not None else None
-    if m and typing.get_origin(hint) is typing.Literal:
-        flag = f"--{m.group(1)}"
-        got = argv[argv.index(flag) + 1] if flag in argv[:-1] else "(from a config file)"
-        text = text.replace(m.group(0), f'Parser key "{m.group(1)}": Expected a {hint}. Got value: {got}')
-    return text
-
-
-def parse_error(err: ArgumentError, argv: list[str], parser=None) -> str:
+def parse_error(err: ArgumentError, argv: list[str]) -> str:
     """One line for a parse error, naming the config file that holds an unknown key."""
-    text = _same_words(" ".join(str(err).split()), argv, parser)
+    text = " ".join(str(err).split())
     configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
     if "Problems parsing config" in text:  # YAML syntax: jsonargparse names no file, yaml does
         for path in configs:
@@ -341,7 +306,7 @@ def parse_error(err: ArgumentError, argv: list[str], parser=None) -> str:
                 return f"{where}: {problem}; `python -m pipeline fit --help` lists the options"
             except OSError:
                 continue
-    bad = re.search(r"does not accept (?:option|nested key) '([^']+)'", text)  # 4.53 | 4.42
+    bad = re.search(r"does not accept option '([^']+)'", text)
     if bad:
         key = bad.group(1)
         for path in configs:
@@ -365,10 +330,7 @@ ALWAYS_PARAMS = {"model.ranker.attention", "data.batch_size", "data.max_seq_len"
 def resolved_config(parser, cfg, validate: bool = True) -> tuple[str, dict]:
     """(YAML, dict) of `cfg` with every key, None values included, without the keys that name an
     invocation rather than a run (ckpt_path, mlflow.run_id)."""
-    kwargs = {"skip_validation": not validate}
-    # jsonargparse 4.49 renamed skip_none to skip_unset; the GPU machine's wheel is older
-    kwargs["skip_unset" if "skip_unset" in inspect.signature(parser.dump).parameters else "skip_none"] = False
-    config_yaml = parser.dump(cfg, **kwargs)
+    config_yaml = parser.dump(cfg, skip_validation=not validate, skip_unset=False)
     params = yaml.safe_load(config_yaml)
     params.pop("ckpt_path", None)
     params.get("mlflow", {}).pop("run_id", None)
