@@ -27,47 +27,39 @@ and 143 for SIGTERM (the run marked KILLED).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
-import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import mlflow
 import torch
 import yaml
-from mlflow.exceptions import MlflowException
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.callbacks import ModelSummary as LightningModelSummary
 from pytorch_lightning.callbacks.progress import ProgressBar as ProgressBarBase
 from jsonargparse import ArgumentError
 from pytorch_lightning.cli import LightningCLI
-from pytorch_lightning.loggers import MLFlowLogger
-from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from models.config import RENAMED_KEYS, InvalidConfig
 from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar
 from pipeline.data import RankerData
 from pipeline.dist import launch_rank_zero
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, check_writable
 from pipeline.module import RankerModule
 from pipeline.resume import check_resume, checkpoint_run_id, load_checkpoint
 from pipeline.tracking import (
     MLflowRun,
-    is_interrupt,
+    RunLogger,
     check_tracking,
     end_run,
     environment_tags,
-    fail_active_run,
-    first_line,
     flatten,
     log_run_inputs,
     logged_steps,
-    shown,
+    run_command,
     tracking_uri,
 )
 
@@ -79,21 +71,6 @@ def _seed_to_int(seed) -> int:
 def run_id_from_checkpoint(path: str) -> str | None:
     """The MLflow run id a checkpoint of `pipeline fit` was written by (None if it has none)."""
     return checkpoint_run_id(load_checkpoint(path))
-
-
-def check_writable(option: str, path: str | None) -> None:
-    """ConfigError unless files can be created in `path` (or where it would be created)."""
-    target = Path(path or ".").resolve()
-    existing = next(p for p in (target, *target.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"{option} {path}: {existing} is not a directory")
-    try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise ConfigError(f"{option} {path}: cannot write into {existing} ({err.strerror or err}); "
-                          f"choose a writable directory with {option}") from None
 
 
 def _data_digest(data_dir: str) -> str | None:
@@ -212,7 +189,7 @@ class RankerCLI(LightningCLI):
             "data_dir": str(Path(cfg.data.data_dir).resolve()),
         }
         run_id = run.start(tags)
-        logger = _RunLogger(
+        logger = RunLogger(
             experiment_name=run.experiment_name, tracking_uri=tracking_uri(), run_id=run_id, log_model=False,
             logged=logged_steps(run_id) if run.resumed else None,
         )
@@ -337,83 +314,8 @@ def resolved_config(parser, cfg, validate: bool = True) -> tuple[str, dict]:
     return config_yaml, params
 
 
-class _RunLogger(MLFlowLogger):
-    """MLFlowLogger that ends an interrupted run (Ctrl-C, SIGINT, SIGTERM) KILLED, not FAILED,
-    and that does not log a resumed run's metric points a second time.
-
-    Lightning finalizes every logger with "failed" from inside its exception handlers, after
-    the callbacks' on_exception: the exception being handled tells the two apart.
-
-    Args:
-        logged: metric -> last step the run already holds. A run resumes from its last
-            checkpoint, so the steps trained between that checkpoint and the kill come again;
-            their points are in the run already (MLflow cannot delete points).
-    """
-
-    def __init__(self, *args, logged: dict[str, int] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._logged = logged or {}
-
-    def log_metrics(self, metrics, step=None) -> None:
-        if self._logged and step is not None:
-            metrics = {k: v for k, v in metrics.items() if step > self._logged.get(k, -1)}
-        if metrics:
-            super().log_metrics(metrics, step)
-
-    def finalize(self, status: str = "success") -> None:
-        if status == "failed" and is_interrupt(sys.exc_info()[1]):
-            status = "KILLED"
-        super().finalize(status)
-
-
-# no space, over quota, read-only file system, no permission: the machine's state, not a bug
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-def ending(err: BaseException) -> tuple[int, str, str] | None:
-    """(exit status, run status, one-line message) of an error that needs no traceback."""
-    cause = err
-    while cause is not None and not isinstance(cause, (ConfigError, InvalidConfig)):
-        cause = cause.__cause__  # jsonargparse wraps what a config class raised while parsing
-    if cause is not None:
-        return 2, "FAILED", f"error: {cause}"
-    if isinstance(err, FloatingPointError):  # NaN/inf loss
-        return 1, "FAILED", f"error: {err}"
-    if isinstance(err, SIGTERMException):
-        return 143, "KILLED", "stopped by SIGTERM"
-    if isinstance(err, KeyboardInterrupt) or (isinstance(err, SystemExit)
-                                              and isinstance(err.__context__, KeyboardInterrupt)):
-        return 130, "KILLED", "interrupted (Ctrl-C / SIGINT)"  # Lightning exits 1 after a Ctrl-C
-    if isinstance(err, MlflowException):
-        return 1, "FAILED", f"error: MLflow tracking at {shown(tracking_uri())} failed: {first_line(err)}"
-    if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
-        where = f": {err.filename}" if err.filename else ""
-        return 1, "FAILED", f"error: {err.strerror or first_line(err)}{where}"
-    return None
-
-
-def _sigterm_handler(signum, frame) -> None:
-    # Inside fit/test Lightning's handler runs first and calls this one too (then installed is
-    # Lightning's): the loop stops at the end of the step. Anywhere else (loading data, between
-    # fit and test) SIGTERM would kill the process before it could end its run.
-    if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
-        raise SIGTERMException()
-
-
 def main(args: list[str] | None = None) -> None:
     """The CLI entry point: one line for expected failures, FAILED/KILLED runs, the exit status."""
-    previous = signal.signal(signal.SIGTERM, _sigterm_handler)
-    try:
-        RankerCLI(args=args)
-    except BaseException as err:
-        end = ending(err)
-        # errors outside the trainer (the trainer's own callbacks have ended the run already)
-        run_id = fail_active_run(end[1] if end else "FAILED")
-        if end is None:
-            if run_id is not None:
-                print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
-            raise
-        print(end[2], file=sys.stderr)
-        raise SystemExit(end[0]) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    status = run_command(lambda: RankerCLI(args=args))
+    if status:
+        raise SystemExit(status)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import errno
 import fcntl
 import importlib.metadata
 import json
@@ -31,10 +32,12 @@ import mlflow
 import pytorch_lightning as pl
 import torch
 from mlflow.tracking import MlflowClient
+from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
+from models.config import InvalidConfig
 from pipeline.errors import ConfigError
+from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "jagged-rankers"
@@ -209,6 +212,83 @@ def fail_active_run(status: str = "FAILED") -> str | None:
                     print(f"could not mark MLflow run {run_id} {status} at {shown(tracking_uri())}: "
                           f"{first_line(err)}", file=sys.stderr)
     return run_id
+
+
+class RunLogger(MLFlowLogger):
+    """Lightning's MLFlowLogger that ends an interrupted run KILLED, not FAILED (Lightning finalizes
+    every logger "failed" from inside its exception handlers, after the callbacks' on_exception), and
+    that does not log a resumed run's metric points twice (`logged`: metric -> last step it holds)."""
+
+    def __init__(self, *args, logged: dict[str, int] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._logged = logged or {}
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if self._logged and step is not None:
+            metrics = {k: v for k, v in metrics.items() if step > self._logged.get(k, -1)}
+        if metrics:
+            super().log_metrics(metrics, step)
+
+    def finalize(self, status: str = "success") -> None:
+        if status == "failed" and is_interrupt(sys.exc_info()[1]):
+            status = "KILLED"
+        super().finalize(status)
+
+
+# no space, over quota, read-only file system, no permission: the machine's state, not a bug
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def ending(err: BaseException) -> tuple[int, str, str] | None:
+    """(exit status, run status, one-line message) of an error that needs no traceback."""
+    cause = err
+    while cause is not None and not isinstance(cause, (ConfigError, InvalidConfig)):
+        cause = cause.__cause__  # jsonargparse wraps what a config class raised while parsing
+    if cause is not None:
+        return 2, "FAILED", f"error: {cause}"
+    if isinstance(err, FloatingPointError):  # NaN/inf loss
+        return 1, "FAILED", f"error: {err}"
+    if isinstance(err, SIGTERMException):
+        return 143, "KILLED", "stopped by SIGTERM"
+    if isinstance(err, KeyboardInterrupt) or (isinstance(err, SystemExit)
+                                              and isinstance(err.__context__, KeyboardInterrupt)):
+        return 130, "KILLED", "interrupted (Ctrl-C / SIGINT)"  # Lightning exits 1 after a Ctrl-C
+    if isinstance(err, mlflow.exceptions.MlflowException):
+        return 1, "FAILED", f"error: MLflow tracking at {shown(tracking_uri())} failed: {first_line(err)}"
+    if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
+        where = f": {err.filename}" if err.filename else ""
+        return 1, "FAILED", f"error: {err.strerror or first_line(err)}{where}"
+    return None
+
+
+def _sigterm_handler(signum, frame) -> None:
+    # Inside fit/test Lightning's handler runs first and calls this one too (then installed is
+    # Lightning's): the loop stops at the end of the step. Anywhere else (loading data, between
+    # fit and test) SIGTERM would kill the process before it could end its run.
+    if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
+        raise SIGTERMException()
+
+
+def run_command(body) -> int:
+    """Run ``body()`` as a command that records an MLflow run: 0 when it returns; for an expected
+    failure (:func:`ending`) the active run ended FAILED or KILLED, one line on stderr and its exit
+    status (2 config, 1 failed, 130 SIGINT, 143 SIGTERM); anything else ends the run FAILED and is raised."""
+    previous = signal.signal(signal.SIGTERM, _sigterm_handler)
+    try:
+        body()
+        return 0
+    except BaseException as err:
+        end = ending(err)
+        # errors outside the trainer (the trainer's own callbacks have ended the run already)
+        run_id = fail_active_run(end[1] if end else "FAILED")
+        if end is None:
+            if run_id is not None:
+                print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
+            raise
+        print(end[2], file=sys.stderr)
+        return end[0]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def logged_steps(run_id: str) -> dict[str, int]:
