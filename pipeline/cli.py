@@ -1,28 +1,10 @@
 """``python -m pipeline fit|validate|test --config base.yaml --config <delta>.yaml [--key value]``.
 
-A LightningCLI over :class:`pipeline.module.RankerModule` and :class:`pipeline.data.RankerData`
-with three always-present callbacks configured by their own keys: ``mlflow.*``
-(:class:`pipeline.tracking.MLflowRun`), ``perf.*`` (:class:`pipeline.callbacks.PerfMonitor`)
-and ``checkpoint.*`` (Lightning's ``ModelCheckpoint``). ``fit`` also tests on the test split, in
-the same MLflow run: the final weights, or, where ``checkpoint.monitor`` names a metric, the best
-checkpoint's (``test/weights_step`` says which step's weights were tested).
-
-Several processes: ``--trainer.strategy ddp --trainer.devices N [--trainer.num_nodes M]``
-(Lightning's DDP strategy; ``--trainer.accelerator cpu`` for Gloo on CPUs). Lightning's
-launcher runs this command again for the other ranks; every rank builds the same model and
-data, and only global rank 0 checks the tracking store, creates or resumes the MLflow run
-(tagged ``world_size``) and writes to it. The data module shards the batches itself, so
-``trainer.use_distributed_sampler`` is off.
-
-Before anything trains: unknown keys and bad types fail in the parser; a bad attention layout,
-max_seq_len, data set (every split it reads, fully validated), tracking store, output
-directory or checkpoint raises :class:`pipeline.errors.ConfigError`, whose message is printed
-alone, and the exit status is 2. ``--ckpt_path`` continues the MLflow run stored in the
-checkpoint, with exactly that run's config and data (:mod:`pipeline.resume`).
-
-Exit status: 0 done, 1 failed (NaN/inf loss, a full disk, a tracking store that fails
-mid-run: one line, the run marked FAILED), 2 before training (above), 130 for Ctrl-C/SIGINT
-and 143 for SIGTERM (the run marked KILLED).
+A LightningCLI over :class:`pipeline.module.RankerModule` and :class:`pipeline.data.RankerData` with
+the callbacks ``mlflow.*``, ``perf.*`` and ``checkpoint.*``; ``fit`` also tests, in the same MLflow
+run. Bad options, data, tracking store or checkpoint stop it before training with one line and exit
+status 2; 1 is a failed run, 130/143 an interrupted one. DDP: ``--trainer.strategy ddp
+--trainer.devices N``. How a run works and why: docs/training.md.
 """
 
 from __future__ import annotations
@@ -176,7 +158,11 @@ class RankerCLI(LightningCLI):
         callbacks = list(trainer_cfg.get("callbacks") or [])
         if trainer_cfg.get("enable_progress_bar") is not False and not any(
                 isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
-            kwargs["callbacks"] = [*callbacks, ProgressBar()]
+            callbacks.append(ProgressBar())
+        if trainer_cfg.get("enable_model_summary") is not False and not any(
+                isinstance(c, LightningModelSummary) for c in callbacks):  # no FLOPs column of zeros
+            callbacks.append(ModelSummary())
+        kwargs["callbacks"] = callbacks
         if not launch_rank_zero():
             return super().instantiate_trainer(logger=False, **kwargs)
         if run.run_name is None:
@@ -193,15 +179,6 @@ class RankerCLI(LightningCLI):
             experiment_name=run.experiment_name, tracking_uri=tracking_uri(), run_id=run_id, log_model=False,
             logged=logged_steps(run_id) if run.resumed else None,
         )
-        trainer_cfg = self._get(self.config_init, "trainer", default={})
-        callbacks = list(trainer_cfg.get("callbacks") or [])
-        if trainer_cfg.get("enable_progress_bar") is not False and not any(
-                isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
-            callbacks.append(ProgressBar())
-        if trainer_cfg.get("enable_model_summary") is not False and not any(
-                isinstance(c, LightningModelSummary) for c in callbacks):  # no FLOPs column of zeros
-            callbacks.append(ModelSummary())
-        kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(logger=logger, **kwargs)
         mlflow.set_tag("world_size", str(trainer.world_size))
         return trainer

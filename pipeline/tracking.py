@@ -120,8 +120,7 @@ class MLflowRun(pl.Callback):
 
     def start(self, tags: dict[str, str]) -> str:
         """Start (or resume) the run in this process; returns its id. SIGTERM and SIGINT wait until
-        the run is the active one: arriving inside `mlflow.start_run`, after the store has the run
-        and before it is active, they left it RUNNING for ever (nothing could end it)."""
+        the run is the active one (docs/training.md#tracking)."""
         try:
             with interrupts_deferred():
                 return self._start(tags)
@@ -157,9 +156,8 @@ class MLflowRun(pl.Callback):
 @contextmanager
 def interrupts_deferred():
     """SIGTERM and SIGINT that arrive while the block runs are held and raised again once it ends,
-    to the handlers from before. Python-level (their handlers run in the main thread whichever
-    thread the kernel delivers to; a signal mask would not hold them in a process with threads).
-    A no-op off the main thread, and for a signal whose handler was not set from Python."""
+    to the handlers from before. A no-op off the main thread, and for a signal whose handler was
+    not set from Python."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -189,14 +187,9 @@ def end_run(status: str) -> None:
 
 
 def fail_active_run(status: str = "FAILED") -> str | None:
-    """End the active run with `status` while handling another error: a tracking store that
-    fails now too is reported in one line, not raised over the error being handled.
-
-    ``mlflow.end_run`` takes the run off the active stack before the store records its status,
-    so anything raised in between (a SIGTERM or SIGINT, a store error) left the run RUNNING with
-    nothing left to end it. Signals wait until the run is ended; a failed end is tried once more
-    by the run's id. The one-line report is dropped where stderr is gone (the parent that read it,
-    a sweep, was killed: that is how a fit gets its SIGTERM)."""
+    """End the active run with `status` while handling another error (signals held meanwhile; a
+    failed end tried once more by id); a store that fails now too is one line on stderr, if any,
+    not an error raised over the one being handled. Returns the run's id (None: no active run)."""
     run = mlflow.active_run()
     if run is None:
         return None
@@ -299,12 +292,9 @@ def logged_steps(run_id: str) -> dict[str, int]:
 
 
 def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: bool) -> None:
-    """Params (`config`, nested or flat) and the YAML of the resolved config, and the data's
-    meta.json, into the active run.
-
-    A resumed run keeps its original params (MLflow forbids changing them); the config it was
-    resumed with is added as ``config_resumed.yaml``.
-    """
+    """Params (`config`, nested or flat), the resolved config's YAML and the data's meta.json into
+    the active run. A resumed run keeps its params (MLflow forbids changing them) and gets the
+    config it was resumed with as ``config_resumed.yaml``."""
     with tempfile.TemporaryDirectory() as tmp:
         name = "config_resumed.yaml" if resumed else "config.yaml"
         (Path(tmp) / name).write_text(config_yaml)
