@@ -149,15 +149,21 @@ def _device(trainer: lightning.Trainer) -> str:
     return device_name(device) if device.type == "cuda" else "CPU: " + device_name(device)
 
 
-def fit(args) -> dict:
-    data = EncoderData(args.data, args.cutoff_day, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
-                       seed=args.seed)
+def _config(args) -> EncoderConfig:
     cfg = EncoderConfig(dim=args.dim, embed_dim=args.embed_dim, num_heads=args.num_heads, num_layers=args.num_layers,
                         max_seq_len=args.max_seq_len)
     head_dim = cfg.embed_dim // cfg.num_heads
     if cfg.embed_dim % cfg.num_heads or head_dim % 8 or not 16 <= head_dim <= 256:
         raise ConfigError(f"--embed-dim / --num-heads ({cfg.embed_dim} / {cfg.num_heads}) must be a whole head "
                           "width, a multiple of 8 in [16, 256] (the attention kernels' head widths)")
+    return cfg
+
+
+def fit(args) -> dict:
+    """``python -m pipeline.user_embeddings fit``: train, validate once, write the encoder and its cost."""
+    data = EncoderData(args.data, args.cutoff_day, batch_size=args.batch_size, max_seq_len=args.max_seq_len,
+                       seed=args.seed)
+    cfg = _config(args)
     out = Path(args.out or Path(args.data) / "user_embeddings" / f"encoder-L{cfg.max_seq_len}-d{cfg.dim}.pt")
     check_tracking(tracking_uri())
     check_writable("--out", str(out.parent))
@@ -253,6 +259,7 @@ def _as_of_day(text: str, days: int) -> int:
 
 
 def export(args) -> dict:
+    """``python -m pipeline.user_embeddings export``: the embeddings as of each day (or one day)."""
     data = EncoderData(args.data, batch_size=args.batch_size)
     as_of = None if args.as_of == "all" else _as_of_day(args.as_of, data.days)
     encoder, ckpt = _load_encoder(args.encoder, data.spec["digest"])
