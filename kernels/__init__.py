@@ -1,12 +1,9 @@
 """Jagged tensor ops and jagged flash attention: torch references and Triton kernels.
 
-Jagged convention (used by every op): ``values`` is ``[T, ...]`` with the rows of each
-sequence contiguous; ``offsets`` is ``[B+1]`` int64 (int32 accepted), ``offsets[0] == 0``,
-non-decreasing, ``offsets[-1] == T``; ``max_seq_len`` is a host int. Rows of a sequence past
-``max_seq_len`` are ignored (outputs zero, gradients zero); the data pipeline truncates
-upstream, keeping the most recent items (the end of each sequence). Length-0 sequences work.
-
-Every public op takes ``backend="torch" | "triton" | "auto"``; see ``kernels._dispatch``.
+Jagged convention: ``values`` ``[T, ...]`` with each sequence's rows contiguous; ``offsets`` ``[B+1]``
+int64 (int32 accepted), from 0, non-decreasing, ending at T; ``max_seq_len`` a host int: rows past it
+are ignored (zero outputs and gradients); length-0 sequences work. Every public op takes
+``backend="torch" | "triton" | "auto"`` (``kernels._dispatch``). How they are built: docs/kernels.md.
 """
 
 from kernels._validation import set_debug_checks

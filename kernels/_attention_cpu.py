@@ -1,19 +1,9 @@
 """The torch backend of both attention ops: torch's fused CPU attention kernel per length bucket.
 
-The einsum references (``kernels._attention_reference``) are the tests' oracle and stay plain:
-they materialise the [G, H, L, L] scores and make a dozen passes over them, several times the
-time of the fused kernel that ``F.scaled_dot_product_attention`` runs on the CPU. Here the same
-math runs through that kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its
-backward) on the same length buckets (``kernels._segments.length_groups``, an additive key
-mask), in the references' compute dtype (fp32; fp64 stays fp64) and cast back, so time and
-memory follow the real lengths. A bucket's padding only repeats a row of its own sequence and
-is masked (keys) or dropped (queries; their upstream gradient is zero-filled), so sequences stay
-independent.
-
-The references do the work where the fused kernel does not fit: CUDA tensors, a bias (the
-kernel gives no bias gradient), a gradient of lse, and a float64 backward (the op's saved lse is
-fp32, too coarse to recompute fp64 probabilities from). Every query that takes part has at
-least one key here (a non-empty sequence without a bias), so no row is fully masked.
+The references' math (``kernels._attention_reference``) through
+``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, on the length buckets of
+``kernels._segments``, in fp32 (fp64 stays fp64). The references do the work where that kernel does
+not fit: CUDA tensors, a bias, a gradient of lse, a float64 backward (docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """Plain-torch references for jagged self-attention and jagged-dense (target) attention.
 
-These are the oracles of the tests, the CPU path of the public functions and a baseline for the
-benchmarks. They bucket the sequences by length (``kernels._segments.length_groups``), gather
-each bucket into a padded [G, L, H, D] block (L = the bucket's longest real length, never
-max_seq_len, so time and memory follow the real lengths), run masked softmax attention there in
-fp32 (fp64 stays fp64, for gradcheck; `upcast=False` runs in the input dtype: that is "PyTorch's
-own low-precision error" of the tolerance rule) and scatter the rows back. Padding is a zero
-fill, so sequences stay independent: a NaN in one never reaches another. Autograd through them
-gives every input gradient; the written-out backwards are differentiable too (double backward
-of the torch backend) when grad mode is on.
-
-Semantics shared with the Triton kernels:
-- sequence b owns rows offsets[b]:offsets[b+1]; only its first max_seq_len rows take part; the
-  outputs (and gradients) of the rows past max_seq_len are zero;
-- a query with no key to attend to (empty sequence, or a row whose every score is -inf through
-  the bias) gives a zero output and log-sum-exp -inf, never NaN;
-- lse is the natural-log log-sum-exp of the scaled (and biased) scores, in fp32 (fp64 for fp64).
+The tests' oracles, the CPU path and a benchmark baseline: masked softmax attention on length
+buckets (``kernels._segments``) in fp32 (fp64 for gradcheck; ``upcast=False``: the input dtype).
+As the kernels: only a sequence's first max_seq_len rows take part (the rest get zeros); a query with
+no key gives 0 and lse -inf, never NaN; lse is the natural-log log-sum-exp of the scaled (and biased)
+scores, in fp32. More: docs/kernels.md#the-torch-path.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Triton kernels and launchers for jagged_dense_bmm and jagged_jagged_bmm.
 
-The two kernels cover all six products of the forward and backward passes (the launchers take
-any strides, so a transposed operand is a view, never a copy):
-
-    jagged_dense_bmm   y_b = x_b @ W_b            dx_b = dy_b @ W_b^T   dW_b = x_b^T @ dy_b
-    jagged_jagged_bmm  C_b = a_b^T @ c_b          da_b = c_b @ dC_b^T   dc_b = a_b @ dC_b
-
-Both accumulate tl.dot tiles in fp32 and round once on the store. fp32 inputs use IEEE
-products unless torch allows TF32 (``torch.set_float32_matmul_precision``).
+The two kernels cover all six products of the forward and backward passes (a transposed operand is
+a strided view, never a copy; docs/kernels.md#batched-matrix-products). Both accumulate tl.dot
+tiles in fp32 and round once on the store; fp32 inputs use IEEE products unless torch allows TF32.
 """
 
 from __future__ import annotations

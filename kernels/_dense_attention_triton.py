@@ -1,44 +1,11 @@
 """Triton kernels and launchers for jagged-dense (target) attention.
 
-Layout: q, out [B, Tq, H, D] (last dim contiguous, other strides free); k, v [T, H, D] jagged
-by offsets [B+1]; bias [B, H, Tq, N] (any strides: an expanded bias costs nothing), N =
-max_seq_len; lse [H, B, Tq] fp32. Sequence b's keys are its first L_b = min(len_b, N) rows;
-key rows past N get zero gradients, as do the bias columns >= L_b.
-
-Work partitioning: the forward and the dQ(+dBias) programs run one per (query block, sequence,
-head) looping over the sequence's key blocks; the dK/dV programs one per (key block, sequence,
-head) looping over the Tq queries, over the flat slot list of the self-attention kernels (grid
-sized from T and B on the host, no sync; see ``_locate``). The backward is one launch: its first
-programs do dQ, the rest dK/dV; each computes delta = rowsum(dO * O) of its few query rows
-itself (no pre-pass launch). Every output element has exactly one writer: no atomics (except
-dQ under SPLIT_DQ). dBias is dS itself (the bias enters the scores unscaled), so the dQ programs
-store it on the way.
-
-SPLIT_DQ (a launch key, on in the 16-bit hand rules up to D = 128, off under
-torch.use_deterministic_algorithms; its cost per call: docs/tuning.md, "Target attention:
-SPLIT_DQ"): the dQ programs read all of their sequence's K and V again after the dK/dV programs
-have, which for few queries is most of the backward's bytes. With SPLIT_DQ there are no dQ
-programs: each dK/dV program also computes, per query step, its key block's share dS @ K (the dS
-it has for dK) and adds it, times the scale, into a zero-initialised fp32 [B, Tq, H, D] buffer
-with fp32 atomics (relaxed: nothing reads the buffer before the launch ends); the launcher then
-casts it to q's dtype (FlashAttention-2's dQ scheme). Queries of empty sequences keep the zeros;
-key rows past max_seq_len take no part.
-Why atomics rather than a deterministic reduction (fp32 partials per key slot, summed in slot
-order, e.g. by the last-arriving program of each (sequence, head)): the partials take
-slots x H x Tq x D x 4 bytes, written and read back; at B1024 N1024 H2 D64 fill 0.25 (5.1k slots
-of 64 keys) that is 2.6 MB per query, 167 MB at Tq = 64, more than the 134 MB of K and V
-re-reads it saves. The atomics' buffer is B x Tq x H x D x 4 bytes whatever the lengths. The
-price: the fp32 sums are added in arrival order, so dQ is not bit-deterministic run to run on a
-GPU (dK, dV: the same computation as without SPLIT_DQ, bit-identical in the CPU tests).
-Not with a bias gradient (the launcher keeps the dQ programs, which write dBias = dS and its zero
-tail: B x H x Tq x N elements, then the larger stream), nor when no sequence has a key.
-
-Numerics as in the self-attention kernels (exp2 with prescaled scores, fp32 statistics and
-accumulators), plus: a query may see no finite score (empty sequence, or a bias of -inf), so the
-running max is made safe before exp2 and an empty row gives out = 0, lse = -inf; the backward
-maps lse = -inf to +inf so that such rows get P = 0. Under SPLIT_DQ the dS rows of key slots
-past the sequence are zeroed before dS @ K: k is 0 there, but their P = exp2(0 - lse) overflows
-when lse < -88.
+Layout: q, out [B, Tq, H, D] (last dim contiguous); k, v [T, H, D] jagged by offsets [B+1]; bias
+[B, H, Tq, N] (any strides), N = max_seq_len; lse [H, B, Tq] fp32. Sequence b's keys are its first
+min(len_b, N) rows. Grid: forward and dQ(+dBias) programs per (query block, sequence, head) over the
+key blocks; dK/dV programs per (key slot, head) over the Tq queries, in the same backward launch.
+No atomics, except dQ under SPLIT_DQ (fp32 atomics into a zeroed buffer: not bit-deterministic).
+Numerics as flash attention's; an empty row gives out = 0, lse = -inf. Why: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -288,10 +255,9 @@ def _dense_bwd_kernel(
 
 
 def dense_config(head_dim: int, num_queries: int, dtype: torch.dtype, backward: bool = False) -> dict:
-    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim. The 16-bit rule up
-    to D = 128 is the cost-model sweep's fastest on every one of its target-attention shapes
-    (docs/tuning.md, "First GPU sweep"); fp32 and D > 128 were not swept and keep the rule from
-    before it. The launcher drops SPLIT_DQ under torch.use_deterministic_algorithms."""
+    """Query blocks sized to Tq (>= 16 for the MMA), key blocks to the head dim: the 16-bit rule up
+    to D = 128 is the sweep's fastest on its target-attention shapes (docs/tuning.md, "First GPU
+    sweep"); fp32 and D > 128 are not swept. SPLIT_DQ is dropped under deterministic algorithms."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, M_KV=16, N_KV=16, SPLIT_DQ=0, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)
@@ -387,7 +353,7 @@ def dense_attention_bwd(
     if out.stride() != dout.stride():  # the kernel reads O with dO's strides
         out = out.contiguous()
     kw = _dense_kw(D, Tq, q.dtype, "dense_bwd", B, max_seq_len, T, H)
-    # split-K dQ (module docstring): not with dBias (the dQ programs write it), nor without keys, nor
+    # split-K dQ (docs/kernels.md): not with dBias (the dQ programs write it), nor without keys, nor
     # where torch is asked for deterministic results (the atomics add in arrival order)
     split = int(bool(kw["SPLIT_DQ"]) and not store_dbias and T > 0 and not torch.are_deterministic_algorithms_enabled())
     if split != kw["SPLIT_DQ"]:

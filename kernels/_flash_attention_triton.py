@@ -1,26 +1,11 @@
 """Triton kernels and launchers for jagged self-attention (FlashAttention-2 on jagged rows).
 
-Layout: q, k, v, out [T, H, D] (last dim contiguous, any row/head strides); offsets [B+1];
-lse and delta [H, T] fp32. Sequence b is rows offsets[b]:offsets[b+1]; only its first
-L_b = min(len_b, max_seq_len) rows take part, the others get zeros (lse -inf).
-
-Work: the flat list of (block of rows, sequence) work slots of _triton_common (the grid sized on
-the host without reading offsets, at most one spare program per sequence), times H heads (head
-fastest: the heads of one token sit side by side in memory). A slot past its sequence's blocks
-zeroes its share of the truncated tail (rows past max_seq_len, usually none) and exits.
-
-Forward: one program per (query block, head) against all its keys (causal: the heaviest,
-last, blocks of a sequence first). Backward: a pre-pass computes delta = rowsum(dO * O) (minus
-dlse when lse has a gradient); then one launch whose first programs compute dK, dV of a key
-block (looping over query blocks) and whose other programs compute dQ of a query block (looping
-over key blocks), each over its own slot list: no atomics, every output element has one writer,
-and the two roles never share registers (one program doing both in turn spilled). Only the
-forward's blocks that straddle the sequence end (or the causal diagonal) carry masks; the
-backward masks every block (a split loop cost registers and spilled at D = 128).
-
-Numerics: scores are prescaled by scale * log2(e) so the softmax uses exp2; the running max,
-the running sum, the accumulators and lse are fp32; P and dS are cast to the input dtype only as
-MMA operands (as FA2 does). fp32 inputs use IEEE dots unless torch allows TF32 matmuls.
+Layout: q, k, v, out [T, H, D] (last dim contiguous); offsets [B+1]; lse and delta [H, T] fp32; only
+the first min(len_b, max_seq_len) rows of sequence b take part (the others get zeros, lse -inf).
+Grid: the work slots of _triton_common x H heads, head fastest. Forward: a program per query block
+over its keys; backward: a delta pre-pass, then one launch of dK/dV and dQ programs (no atomics).
+Numerics: exp2 of prescaled scores, fp32 statistics and accumulators, P and dS cast to the input
+dtype only as MMA operands. Why: docs/kernels.md#flash-attention-self-attention.
 """
 
 from __future__ import annotations

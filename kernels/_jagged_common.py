@@ -1,13 +1,8 @@
 """Helpers shared by every public op, and the one route each op's work takes.
 
 Every op is an ``autograd.Function`` whose forward and backward call :func:`run`: eager, the
-backend's implementation (a Triton launcher, or the torch reference / fused CPU path) is called
-directly; while torch.compile or functorch traces, the op's forward and backward custom ops
-(``jagged::<op>_fwd``, ``..._bwd``: opaque, with fakes and autocast rules) stand in for them.
-The public function checks its inputs, casts them as autocast would, and calls
-:func:`apply` (the Function where autograd records, else its forward alone).
-
-Nothing here imports Triton, so the CPU path works on machines without it.
+backend's implementation directly; while torch.compile or functorch traces, the op's custom ops
+(``jagged::<op>_fwd``, ``..._bwd``). The public function calls :func:`apply`. No Triton here.
 """
 
 from __future__ import annotations

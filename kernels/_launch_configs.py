@@ -1,17 +1,9 @@
 """The one point where a launcher's hand-rule configuration may be replaced by a measured one.
 
-Every launcher builds its launch dict (tiles, warps, stages) from the hand rules of
-docs/tuning.md and passes it through :func:`tuned` together with the family's shape features
-(:data:`FAMILIES`). With no table for this GPU (:mod:`kernels.launch_table`; a CPU has none,
-``JFA_LAUNCH_TABLE=off`` disables any), :func:`tuned` returns the hand-rule dict itself, unchanged.
-With a table, the keys of the table entry's config that the hand-rule dict has replace its
-values; the entry is looked up once per (family, features) and cached, so a call costs about a
-microsecond. Launchers bucket the features to powers of two first (:func:`p2`), which bounds the
-cache and their own launch-dict caches.
-
-:func:`forced` makes every launch of one family use a given config (the sweep's way of timing
-configurations through the real launchers); :func:`use_table` swaps the table (tests, tune_ops).
-Both clear the launchers' caches, which register themselves through :func:`register_cache`.
+Every launcher passes its hand-rule launch dict through :func:`tuned` with the family's shape
+features (:data:`FAMILIES`): unchanged without a table for this GPU, else updated from the table's
+entry (looked up once per family and features, then cached). :func:`forced` and :func:`use_table`
+override it (the sweep, tests). How: docs/kernels.md#launch-tables.
 """
 
 from __future__ import annotations

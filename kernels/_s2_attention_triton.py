@@ -1,23 +1,10 @@
 """Triton kernels of S2 attention (kernels/s2.py) on jagged sequences: forward, dQ, dK/dV.
 
-Work follows the visible key blocks, never n^2: a forward (or dQ) program takes BLOCK_M queries
-of one (sequence, head) and walks only the S2 blocks its head sees, never loading another; the
-list of blocks is arithmetic on (n, block, local_blocks, stride, the head's offset), no layout
-tensor. A dK/dV program takes BLOCK_N keys (inside one S2 block in causal mode: BLOCK_N divides
-the block) and returns zeros at once when its head sees none of them; otherwise it walks only the
-queries that see them. (Non-causal blocks count from the sequence's end, so a dK/dV chunk may
-straddle a seen and an unseen block: it loads the unseen rows and masks them, products included,
-so whatever they hold stays out.)
-
-One program per (query tile, sequence, head) over max_seq_len (idle programs exit at once).
-A forward or dQ program walks its visible blocks as one flat loop over their key chunks (the
-strided run, then the local run: two arithmetic progressions of blocks, `_visible_blocks`), so
-there is no branch per block and no nested loop for the compiler's software pipelining to stop
-at. Tiles follow the dense kernels' (`s2_tiles`), or a launch table's (families s2_fwd and
-s2_bwd of kernels/_launch_configs.py); measurements: docs/tuning.md, "S2 attention". The work
-list of the dense kernels (kernels/_flash_attention_triton.py) is not used here yet. Softmax in
-base 2 (scores scaled by scale * log2(e)); lse stored in base 2 for the backward; delta =
-rowsum(dO * O) computed by torch before the backward launch.
+Grid: one program per (query tile, sequence, head) over max_seq_len (idle programs exit at once). A
+forward or dQ program walks only the key blocks its head sees, as one flat loop (`_visible_blocks`);
+a dK/dV program takes BLOCK_N keys and walks only the queries that see them. Softmax in base 2, lse
+stored in base 2; delta computed by torch before the backward. Tiles: `s2_tiles` or the launch
+table (families s2_fwd, s2_bwd). Why: docs/kernels.md#s2-attention.
 """
 
 from __future__ import annotations

@@ -1,23 +1,9 @@
 """Index helpers of the torch path: work that follows the real lengths, not max_seq_len.
 
-Two shapes of vectorised work, both built from the host offsets (a device sync on CUDA, which
-the torch path may afford):
-- ``row_index``: one entry per row an op reads (row, its sequence, its position), for the
-  row-wise ops (softmax, elementwise, conversions): no padding at all;
-- ``length_groups``: the non-empty sequences bucketed by length (lengths in ``(2^(k-1), 2^k]``
-  share a bucket) and padded only to their bucket's longest one, for the per-sequence matrix
-  products (bmm, attention): a handful of batched calls instead of one per sequence, at most
-  2x the real rows in any bucket, and nothing sized by max_seq_len. A bucket too small to be
-  worth a call of its own (padded to the next bucket's length it would hold fewer than
-  ``MERGE_TOKENS`` rows) joins the next one: each call costs a fixed few gathers and a
-  dispatch, more than the padding of a few short sequences.
-
-A padding position reads its own sequence's first row, and ``gather_groups`` zero-fills it (a
-fill, not a product with a mask) unless the caller masks or drops padding anyway: either way a
-NaN or inf in one sequence never reaches another one's results or gradients.
-Both index builders are cached on the offsets' values (not on the tensor, whose storage may
-change behind its back): a model calls several ops per step on the same offsets.
-Nothing here imports Triton.
+``row_index``: one entry per row an op reads (the row-wise ops); ``length_groups``: the non-empty
+sequences bucketed by length and padded to their bucket's longest (the matrix products);
+``gather_groups`` zero-fills that padding, so no value crosses sequences. Built from the host
+offsets (a sync on CUDA), cached on their values. No Triton here. Why: docs/kernels.md#the-torch-path.
 """
 
 from __future__ import annotations

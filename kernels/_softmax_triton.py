@@ -1,14 +1,9 @@
 """Triton kernels and launchers for jagged_softmax (forward and backward).
 
-Grid: one program per (sequence b, column block of H), column blocks fastest (the programs of
-one sequence read neighbouring bytes of the same rows). A program owns whole columns of one
-sequence, so the reductions over the sequence need no atomics and no second launch. A sequence
-that fits in one tile (the common case) is loaded once and kept in registers, in the smallest
-tile of the ladder SMALL_N, 2 * SMALL_N, ..., BLOCK_N rows that holds it: every lane of a tile
-costs instructions whether or not it holds a row, and the per-program cost (the reductions'
-shuffles, the cross-warp exchange) is paid once per tile, so short sequences take short tiles.
-A longer one is streamed twice in STREAM_N-row tiles. Statistics in fp32; exp as exp2 of
-(x - max) * log2(e), the normalisation as one reciprocal per column.
+Grid: one program per (sequence b, column block of H), column blocks fastest; a program owns whole
+columns of one sequence (no atomics, one launch). A sequence that fits in one tile is loaded once, in
+the smallest tile of the ladder SMALL_N .. BLOCK_N that holds it; a longer one is streamed twice in
+STREAM_N-row tiles. Statistics in fp32; exp2 of (x - max) * log2(e); one reciprocal per column.
 """
 
 from __future__ import annotations

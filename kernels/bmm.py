@@ -1,9 +1,7 @@
 """jagged_dense_bmm and jagged_jagged_bmm: per-sequence matrix products.
 
-Layers: torch references, Triton kernels in ``kernels._bmm_triton``, the ops
-(custom ops ``jagged::jagged_dense_bmm`` / ``jagged::jagged_jagged_bmm`` for tracing, with
-fakes and autocast rules; an autograd.Function each, whose backward is made of the two
-products), public functions.
+Each is one autograd.Function (its backward made of the two products) over the custom op
+``jagged::<name>``; Triton kernels in ``kernels._bmm_triton``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """jagged_to_padded and padded_to_jagged: the two conversions between the layouts.
 
-Layers: torch references, Triton kernels in ``kernels._conversions_triton``, the
-ops (custom ops ``jagged::jagged_to_padded`` / ``jagged::padded_to_jagged`` for tracing, an
-autograd.Function each, whose backward is the other conversion), public functions.
+Each is one autograd.Function (its backward the other conversion) over the custom op
+``jagged::<name>``; Triton kernels in ``kernels._conversions_triton``.
 """
 
 from __future__ import annotations

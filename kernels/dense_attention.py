@@ -1,11 +1,8 @@
 """Jagged-dense attention: dense queries (e.g. candidate items) over each user's jagged sequence.
 
-Layers: the torch reference (``kernels._attention_reference``) and the torch backend's fused
-CPU path over it (``kernels._attention_cpu``), the Triton kernels and their launchers
-(``kernels._dense_attention_triton``), the op (custom ops ``jagged::dense_attention_fwd`` and
-``jagged::dense_attention_bwd``, what ``torch.compile`` sees; one autograd.Function over the
-implementations: ``kernels._jagged_common.run``), and the public function. Double backward
-works on the torch backend and raises on Triton (see ``kernels.flash_attention``).
+The public function :func:`jagged_dense_attention` (its docstring is the spec) over one
+autograd.Function and the custom ops ``jagged::dense_attention_fwd``/``_bwd``; kernels in
+``kernels._dense_attention_triton``. Double backward: torch backend only (as flash attention).
 """
 
 from __future__ import annotations

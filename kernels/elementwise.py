@@ -1,10 +1,8 @@
 """jagged_dense_elementwise_add / _mul: combine a jagged tensor with a padded dense one.
 
-Layers: torch references (forward and backward), Triton kernels in
-``kernels._elementwise_triton``, the ops (custom ops ``jagged::jagged_dense_elementwise_add``,
-``..._mul`` and ``..._backward`` for tracing, with fakes and a "promote" autocast rule; one
-autograd.Function for both), public functions. A recorded backward (``create_graph=True``, double
-backward) is the reference's, in differentiable torch ops, on either backend.
+One autograd.Function for both over the custom ops ``jagged::jagged_dense_elementwise_add``,
+``..._mul`` and ``..._backward``; Triton kernels in ``kernels._elementwise_triton``. A recorded
+backward (double backward) is the reference's, on either backend.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Jagged flash attention: softmax self-attention within each sequence of a jagged batch.
 
-Layers: the torch reference (``kernels._attention_reference``) and the torch backend's fused
-CPU path over it (``kernels._attention_cpu``), the Triton kernels and their launchers
-(``kernels._flash_attention_triton``), the op (custom ops ``jagged::flash_attention_fwd`` and
-``jagged::flash_attention_bwd``, what ``torch.compile`` sees; one autograd.Function that calls
-the implementations directly in eager mode: ``kernels._jagged_common.run``), and the public
-function.
-
-Double backward: a backward recorded with ``create_graph=True`` on the torch backend is the
-reference's, in differentiable torch ops; the Triton backward has no derivative, and
-differentiating its result raises a RuntimeError that says so (never a detached gradient).
+The public function :func:`jagged_flash_attention` (its docstring is the spec) over one
+autograd.Function and the custom ops ``jagged::flash_attention_fwd``/``_bwd``; kernels in
+``kernels._flash_attention_triton``, the torch path in ``kernels._attention_reference`` and
+``kernels._attention_cpu``. Double backward: torch backend only (Triton raises; docs/kernels.md).
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
 """Launch-configuration tables: measured picks of tiles, warps and stages per GPU and shape.
 
-A table is a committed JSON file, ``kernels/configs/<gpu-slug>.json`` (the slug of the CUDA
-device's name, ``'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'``), written by
-``python -m experiments costmodel export``. It holds one entry per (kernel family,
-shape)::
-
-    {"schema": "jfa-launch-table/1", "gpu": "...", "torch": "...", "triton": "...", "commit": "...",
-     "entries": [{"family": "flash_fwd",
-                  "shape": {"B": 1024, "N": 1024, "L": 256, "H": 2, "D": 64, "dtype": "bfloat16", "causal": 0},
-                  "config": {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-                  "source": "measured" | "predicted" | "hand", "pred_ms": 0.2}, ...]}
-
-("hand": the shape keeps its hand rule, the measured or predicted gain of any other config being
-within the export's switch margins, experiments/tuning/costmodel.py; the launchers then run the hand
-rule of the shape at hand, also where such an entry is only the nearest one.)
-
-Shape features: B sequences, N = max_seq_len (tokens), L = mean length T / B (tokens), H heads
-(or columns), Tq dense queries; these are compared in log2 space. Every other feature (D, K, M,
-dtype, causal) must match exactly. :meth:`LaunchTable.lookup` returns the exact entry, else the
-nearest entry of the family (Euclidean distance over the log2 features), else None.
-
-Which file is read (:func:`table_path`): ``$JFA_LAUNCH_TABLE`` = ``off`` (or ``0``, ``none``)
-reads none; any other value is the path of a table; unset, the file of the current CUDA device
-(none on a CPU). Only the standard library and torch are imported here: no scikit-learn at
-run time.
+A table is ``kernels/configs/<gpu-slug>.json`` (:func:`device_slug`), written by ``python -m
+experiments costmodel export``: one entry per (kernel family, shape). :meth:`LaunchTable.lookup`
+returns the exact entry, else the nearest of its family (log2 shape features), else None;
+:func:`table_path` says which file is read (``$JFA_LAUNCH_TABLE``: off, or a path; unset: the CUDA
+device's). Format and matching: docs/kernels.md#launch-tables.
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """S2 attention (per-head strided context shards) for jagged sequences: the spec and its oracle.
 
-Sparsely-Sharded Attention (S2-Attention, 2024) lets each head attend only to a strided subset
-of key blocks plus a local window; heads take different offsets of the stride, so together they
-keep the whole context while each skips most of it. ``S2Shards(block, local_blocks, stride,
-head_offsets)`` describes the layout; in a sequence of length n (after truncation to
-max_seq_len, row 0 the oldest):
-
-- non-causal: key row t lies in block ``j = (n - 1 - t) // block`` (block 0 holds the ``block``
-  most recent rows, where a ranker's signal is densest). Head h lets every query of the
-  sequence see key t iff ``j < local_blocks`` or ``(j + o_h) % stride == 0``.
-- causal: blocks count from the start, ``j = t // block`` and ``i = s // block`` for query s.
-  Head h lets query s see key t iff ``t <= s`` and (``i - j < local_blocks`` or
-  ``(j + o_h) % stride == 0``).
-- A query that sees no key (possible with ``local_blocks=0``) gets zeros, as an empty sequence.
-
-``o_h`` is ``head_offsets[h]``, by default ``(h * max(1, stride // H)) % stride``: heads spread
-over the residues. ``s2_coverage`` says which fraction of the residues some head sees (1.0:
-the heads together keep every block). ``s2_attention_reference`` is the masked dense
-reference (the oracle of the Triton kernels to come, and today's torch backend).
+``S2Shards`` is the layout (its docstring: which keys each head's queries see);
+``s2_attention_reference`` the masked dense reference (the Triton kernels' oracle and the torch
+backend); ``s2_coverage`` the fraction of block residues some head sees. Why: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -32,8 +17,16 @@ from kernels._segments import keep_in_graph
 
 @dataclass(frozen=True)
 class S2Shards:
-    """The S2 layout: key blocks of ``block`` rows, the ``local_blocks`` nearest always seen,
-    every ``stride``-th block at each head's offset (``head_offsets``, one per head)."""
+    """The S2 layout: key blocks of ``block`` rows, the ``local_blocks`` nearest always seen, every
+    ``stride``-th block at each head's offset o_h (``head_offsets[h]``; default
+    ``(h * max(1, stride // H)) % stride``). In a sequence of n rows (after truncation, row 0 the oldest):
+
+    - non-causal: key t is in block ``j = (n - 1 - t) // block`` (block 0: the most recent rows);
+      every query of head h sees key t iff ``j < local_blocks`` or ``(j + o_h) % stride == 0``;
+    - causal: ``j = t // block``, ``i = s // block``; query s of head h sees key t iff ``t <= s``
+      and (``i - j < local_blocks`` or ``(j + o_h) % stride == 0``);
+    - a query that sees no key (possible with ``local_blocks=0``) gets zeros, as an empty sequence.
+    """
 
     block: int
     local_blocks: int

@@ -1,10 +1,8 @@
 """jagged_softmax: softmax over the rows of each sequence, independently per column.
 
-Layers: torch reference (forward and backward), Triton kernels in
-``kernels._softmax_triton``, the op (custom ops ``jagged::jagged_softmax`` and
-``jagged::jagged_softmax_backward`` for tracing, one autograd.Function), public function.
-A recorded backward (``create_graph=True``, double backward) is the reference's, in
-differentiable torch ops, on either backend.
+One autograd.Function over the custom ops ``jagged::jagged_softmax`` and ``..._backward``; Triton
+kernels in ``kernels._softmax_triton``. A recorded backward (double backward) is the reference's,
+on either backend.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""``fit --help`` without the wait: the CLI's help text cached by what produces it.
+"""``fit --help`` without the wait: the CLI's help text cached under a key of what produces it.
 
-Building the help imports Lightning, torch and MLflow and walks every Trainer option (about 9 s
-on a 2-core machine). The text depends only on the project's code and the installed versions of
-the packages that describe options, so the first ``--help`` of a subcommand writes it to
-``$XDG_CACHE_HOME/jagged-attn/`` (default ``~/.cache``) under a key of those, and later ones
-print it from there in a fraction of a second. Any change of code or version makes a new key.
+The first ``--help`` of a subcommand writes it to ``$XDG_CACHE_HOME/jagged-attn/`` (default
+``~/.cache``), keyed by the project's code and the versions of the packages that describe options;
+later ones print it from there.
 """
 
 from __future__ import annotations

@@ -1,46 +1,10 @@
-"""Speed and memory of a run, measured where the numbers mean something.
+"""Callbacks of a run: speed and memory (:class:`PerfMonitor`, the ``perf.*`` options), Lightning's
+progress bar and model summary made fit for jagged batches.
 
-:class:`PerfMonitor` times every training step and logs, through the trainer's loggers:
-
-- ``perf/train_examples_per_s``, ``perf/train_tokens_per_s`` (real history items, no padding),
-  ``perf/step_time_ms`` (mean), ``perf/step_time_median_ms``, ``perf/step_time_p90_ms`` and
-  ``perf/steady_steps``: over the steady window, the training steps after the first
-  ``warmup_steps`` of the process. Only training steps are timed: validation, checkpoints,
-  the end and start of an epoch and the test never fall inside a step's time (see below).
-- ``perf/warmup_s``: the time from the first step until step times settle, i.e. the summed
-  duration of the steps before the first step k from which every rolling median of
-  ``SETTLE_WINDOW`` consecutive step times stays within 10% of the steady window's median.
-- ``perf/host_step_ms`` and ``perf/host_gap_ms``: medians over the steady window of the host
-  (Python) time inside a step and between two steps (fetching the batch from the loader, the
-  copy to the device, Lightning's hooks). A host step close to the step time means the step
-  is bound by the host, not by the device.
-- ``perf/gc_ms``: Python garbage-collection time inside the steady window, per step.
-- ``mem/{train,val,test}_peak_allocated_mb`` and ``..._reserved_mb`` on CUDA:
-  ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after a reset at each phase start.
-- ``mem/peak_rss_mb``: the process's peak resident memory (CPU and GPU machines alike).
-- an artifact ``perf/steps.csv``: one row per training step (duration, host times, sizes).
-
-In a distributed run the examples and tokens per second are global: the steady windows'
-examples and tokens summed over every process, over the longest of their windows' durations
-(one all-reduce at the end of training; the processes step together, so the windows differ by
-little). The step times and steps.csv are rank 0's; memory is the largest over the processes.
-``perf/rank_tokens_max_over_mean`` (and ``..._worst``): over the steady window's steps, the
-mean (and the largest) ratio of the most tokens any process trained in a step to the mean over
-processes: the token balance of the real batches (1.0 is perfect; a step waits for the slowest).
-
-How a step is timed. Each step leaves a mark where it starts and where it ends: on a GPU a CUDA
-event recorded on the current stream (no synchronisation: the events are read when they have
-completed, or at the end), on a CPU the host clock. A step's duration is the time from its start
-mark to the next step's start mark, which includes the loop's own work between steps (loader,
-copy to device, hooks); when anything else ran in between (validation, a checkpoint, an epoch
-boundary) it is the time from its start to its own end mark instead. On a GPU the marks are
-device timestamps, so a device-bound step is timed by the device and a host-bound one by the
-gaps the host leaves: in both cases the time a user waits.
-
-``trace_steps: [first, count]`` also profiles the real loop: ``torch.profiler`` over ``count``
-steps from process step ``first`` (CPU and CUDA activities), then Python's ``cProfile`` over
-the next ``count`` steps (which Python functions the host time goes to); see
-:mod:`pipeline.trace`.
+PerfMonitor logs ``perf/*`` (examples and tokens per second over the steady window after
+``warmup_steps``, step times, host time in and between steps, warm-up and GC time), ``mem/*`` peaks
+and the artifact ``perf/steps.csv``; global over processes in a distributed run. What each metric
+means and how a step is timed without a device sync: docs/training.md#speed-and-memory.
 """
 
 from __future__ import annotations
@@ -122,7 +86,7 @@ def settle_steps(durations: np.ndarray, steady_median: float, window: int = SETT
 
 
 class PerfMonitor(pl.Callback):
-    """Speed and memory of the run (perf.* options; the metrics: see the module docstring).
+    """Speed and memory of the run (perf.* options; the metrics: docs/training.md#speed-and-memory).
 
     Args:
         warmup_steps: training steps excluded from the throughput window (per process).
@@ -218,8 +182,8 @@ class PerfMonitor(pl.Callback):
         return out
 
     def global_throughput(self, device: torch.device) -> dict[str, float]:
-        """Throughput over every process and the token balance of their batches (see the module
-        docstring); every process must call it, after the same number of steps."""
+        """Throughput over every process and the token balance of their batches; every process
+        must call it, after the same number of steps."""
         window = self.table()[self.warmup_steps:]
         if len(window) == 0:
             return {}
@@ -343,12 +307,8 @@ def log_text(trainer: pl.Trainer, text: str, artifact_file: str) -> None:
 
 
 class ProgressBar(TQDMProgressBar):
-    """Lightning's progress bar, with the training loss read only when the bar refreshes.
-
-    A value logged with ``prog_bar=True`` is read after every step (``.item()``: a device sync
-    that serialises the host and the GPU); this bar reads the last logged ``train/loss_step``
-    when it redraws instead. The training CLI adds it unless another progress bar is configured.
-    """
+    """Lightning's progress bar, reading the last logged ``train/loss_step`` only when it redraws
+    (a ``prog_bar=True`` value is read after every step: a device sync)."""
 
     def get_metrics(self, trainer, pl_module) -> dict:
         items = super().get_metrics(trainer, pl_module)
@@ -360,8 +320,7 @@ class ProgressBar(TQDMProgressBar):
 
 
 class ModelSummary(LightningModelSummary):
-    """Lightning's model summary without its FLOPs column and total: Lightning counts FLOPs only
-    on an example input array, which a jagged batch is not, so they always read 0."""
+    """Lightning's model summary without its FLOPs column, which reads 0 for a jagged batch."""
 
     @staticmethod
     def summarize(summary_data, total_parameters, trainable_parameters, model_size, total_training_modes,

@@ -1,88 +1,48 @@
 """``python -m pipeline fit|validate|test --config base.yaml --config <delta>.yaml [--key value]``.
 
-A LightningCLI over :class:`pipeline.module.RankerModule` and :class:`pipeline.data.RankerData`
-with three always-present callbacks configured by their own keys: ``mlflow.*``
-(:class:`pipeline.tracking.MLflowRun`), ``perf.*`` (:class:`pipeline.callbacks.PerfMonitor`)
-and ``checkpoint.*`` (Lightning's ``ModelCheckpoint``). ``fit`` also tests on the test split, in
-the same MLflow run: the final weights, or, where ``checkpoint.monitor`` names a metric, the best
-checkpoint's (``test/weights_step`` says which step's weights were tested).
-
-Several processes: ``--trainer.strategy ddp --trainer.devices N [--trainer.num_nodes M]``
-(Lightning's DDP strategy; ``--trainer.accelerator cpu`` for Gloo on CPUs). Lightning's
-launcher runs this command again for the other ranks; every rank builds the same model and
-data, and only global rank 0 checks the tracking store, creates or resumes the MLflow run
-(tagged ``world_size``) and writes to it. The data module shards the batches itself, so
-``trainer.use_distributed_sampler`` is off.
-
-Before anything trains: unknown keys and bad types fail in the parser; a bad attention layout,
-max_seq_len, data set (every split it reads, fully validated), tracking store, output
-directory or checkpoint raises :class:`pipeline.errors.ConfigError`, whose message is printed
-alone, and the exit status is 2. ``--ckpt_path`` continues the MLflow run stored in the
-checkpoint, with exactly that run's config and data (:mod:`pipeline.resume`).
-
-Exit status: 0 done, 1 failed (NaN/inf loss, a full disk, a tracking store that fails
-mid-run: one line, the run marked FAILED), 2 before training (above), 130 for Ctrl-C/SIGINT
-and 143 for SIGTERM (the run marked KILLED).
+A LightningCLI over :class:`pipeline.module.RankerModule` and :class:`pipeline.data.RankerData` with
+the callbacks ``mlflow.*``, ``perf.*`` and ``checkpoint.*``; ``fit`` also tests, in the same MLflow
+run. Bad options, data, tracking store or checkpoint stop it before training with one line and exit
+status 2; 1 is a failed run, 130/143 an interrupted one. DDP: ``--trainer.strategy ddp
+--trainer.devices N``. How a run works and why: docs/training.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import inspect
 import json
 import os
 import re
-import signal
 import sys
-import tempfile
-import typing
 from pathlib import Path
 from typing import Optional
 
 import mlflow
 import torch
 import yaml
-from mlflow.exceptions import MlflowException
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.callbacks import ModelSummary as LightningModelSummary
 from pytorch_lightning.callbacks.progress import ProgressBar as ProgressBarBase
 from jsonargparse import ArgumentError
 from pytorch_lightning.cli import LightningCLI
-from pytorch_lightning.loggers import MLFlowLogger
-from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from models.config import InvalidConfig
 from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar
 from pipeline.data import RankerData
 from pipeline.dist import launch_rank_zero
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, check_writable
 from pipeline.module import RankerModule
 from pipeline.resume import check_resume, checkpoint_run_id, load_checkpoint
 from pipeline.tracking import (
     MLflowRun,
-    is_interrupt,
+    RunLogger,
     check_tracking,
     end_run,
     environment_tags,
-    fail_active_run,
-    first_line,
     flatten,
     log_run_inputs,
     logged_steps,
-    shown,
+    run_command,
     tracking_uri,
 )
-
-
-def _as_plain_dict(value):
-    """A linked dataclass option as a plain dict (or None): jsonargparse before 4.53 passes a
-    linked dataclass group on as flattened 'name.field' keyword arguments otherwise."""
-    if value is None or isinstance(value, dict):
-        return value
-    if dataclasses.is_dataclass(value):
-        return dataclasses.asdict(value)
-    return value.as_dict() if hasattr(value, "as_dict") else dict(vars(value))
 
 
 def _seed_to_int(seed) -> int:
@@ -92,21 +52,6 @@ def _seed_to_int(seed) -> int:
 def run_id_from_checkpoint(path: str) -> str | None:
     """The MLflow run id a checkpoint of `pipeline fit` was written by (None if it has none)."""
     return checkpoint_run_id(load_checkpoint(path))
-
-
-def check_writable(option: str, path: str | None) -> None:
-    """ConfigError unless files can be created in `path` (or where it would be created)."""
-    target = Path(path or ".").resolve()
-    existing = next(p for p in (target, *target.parents) if p.exists())
-    if not existing.is_dir():
-        raise ConfigError(f"{option} {path}: {existing} is not a directory")
-    try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise ConfigError(f"{option} {path}: cannot write into {existing} ({err.strerror or err}); "
-                          f"choose a writable directory with {option}") from None
 
 
 def _data_digest(data_dir: str) -> str | None:
@@ -161,13 +106,13 @@ class RankerCLI(LightningCLI):
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed_to_int)
         parser.link_arguments("data.spec", "model.data_spec", apply_on="instantiate")
         # the ranker's user embedding option tells the data module what to join
-        parser.link_arguments("model.ranker.user_embedding", "data.user_embedding", compute_fn=_as_plain_dict)
+        parser.link_arguments("model.ranker.user_embedding", "data.user_embedding")
 
     def parse_arguments(self, parser, args) -> None:
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as err:
-            raise ConfigError(parse_error(err, sys.argv[1:] if args is None else args, parser)) from None
+            raise ConfigError(parse_error(err, sys.argv[1:] if args is None else args)) from None
         # here, before Lightning replaces the requested model settings by a checkpoint's
         subcommand = self.config.get("subcommand")
         if subcommand:
@@ -212,7 +157,11 @@ class RankerCLI(LightningCLI):
         callbacks = list(trainer_cfg.get("callbacks") or [])
         if trainer_cfg.get("enable_progress_bar") is not False and not any(
                 isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
-            kwargs["callbacks"] = [*callbacks, ProgressBar()]
+            callbacks.append(ProgressBar())
+        if trainer_cfg.get("enable_model_summary") is not False and not any(
+                isinstance(c, LightningModelSummary) for c in callbacks):  # no FLOPs column of zeros
+            callbacks.append(ModelSummary())
+        kwargs["callbacks"] = callbacks
         if not launch_rank_zero():
             return super().instantiate_trainer(logger=False, **kwargs)
         if run.run_name is None:
@@ -225,19 +174,10 @@ class RankerCLI(LightningCLI):
             "data_dir": str(Path(cfg.data.data_dir).resolve()),
         }
         run_id = run.start(tags)
-        logger = _RunLogger(
+        logger = RunLogger(
             experiment_name=run.experiment_name, tracking_uri=tracking_uri(), run_id=run_id, log_model=False,
             logged=logged_steps(run_id) if run.resumed else None,
         )
-        trainer_cfg = self._get(self.config_init, "trainer", default={})
-        callbacks = list(trainer_cfg.get("callbacks") or [])
-        if trainer_cfg.get("enable_progress_bar") is not False and not any(
-                isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
-            callbacks.append(ProgressBar())
-        if trainer_cfg.get("enable_model_summary") is not False and not any(
-                isinstance(c, LightningModelSummary) for c in callbacks):  # no FLOPs column of zeros
-            callbacks.append(ModelSummary())
-        kwargs["callbacks"] = callbacks
         trainer = super().instantiate_trainer(logger=logger, **kwargs)
         mlflow.set_tag("world_size", str(trainer.world_size))
         return trainer
@@ -304,31 +244,9 @@ class RankerCLI(LightningCLI):
     after_test = after_validate
 
 
-def _typehint(parser, argv: list[str], key: str):
-    """The type of option `key` in the parser of argv's subcommand (None where not found)."""
-    try:
-        sub = parser._subcommands_action._name_parser_map[argv[0]]
-        return sub._option_string_actions[f"--{key}"]._typehint
-    except (AttributeError, KeyError, IndexError, TypeError):
-        return None
-
-
-def _same_words(text: str, argv: list[str], parser) -> str:
-    """Older jsonargparse (the GPU machine has 4.42) words two errors otherwise than 4.53: the
-    same message whatever the version."""
-    text = re.sub(r"\bUnrecognized arguments:", "unrecognized arguments:", text)
-    m = re.search(r'Parser key "([^"]+)": Cannot take a Union of no types\.?', text)
-    hint = _typehint(parser, argv, m.group(1)) if m and parser is not None else None
-    if m and typing.get_origin(hint) is typing.Literal:
-        flag = f"--{m.group(1)}"
-        got = argv[argv.index(flag) + 1] if flag in argv[:-1] else "(from a config file)"
-        text = text.replace(m.group(0), f'Parser key "{m.group(1)}": Expected a {hint}. Got value: {got}')
-    return text
-
-
-def parse_error(err: ArgumentError, argv: list[str], parser=None) -> str:
+def parse_error(err: ArgumentError, argv: list[str]) -> str:
     """One line for a parse error, naming the config file that holds an unknown key."""
-    text = _same_words(" ".join(str(err).split()), argv, parser)
+    text = " ".join(str(err).split())
     configs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
     if "Problems parsing config" in text:  # YAML syntax: jsonargparse names no file, yaml does
         for path in configs:
@@ -341,7 +259,7 @@ def parse_error(err: ArgumentError, argv: list[str], parser=None) -> str:
                 return f"{where}: {problem}; `python -m pipeline fit --help` lists the options"
             except OSError:
                 continue
-    bad = re.search(r"does not accept (?:option|nested key) '([^']+)'", text)  # 4.53 | 4.42
+    bad = re.search(r"does not accept option '([^']+)'", text)
     if bad:
         key = bad.group(1)
         for path in configs:
@@ -362,93 +280,15 @@ ALWAYS_PARAMS = {"model.ranker.attention", "data.batch_size", "data.max_seq_len"
 def resolved_config(parser, cfg, validate: bool = True) -> tuple[str, dict]:
     """(YAML, dict) of `cfg` with every key, None values included, without the keys that name an
     invocation rather than a run (ckpt_path, mlflow.run_id)."""
-    kwargs = {"skip_validation": not validate}
-    # jsonargparse 4.49 renamed skip_none to skip_unset; the GPU machine's wheel is older
-    kwargs["skip_unset" if "skip_unset" in inspect.signature(parser.dump).parameters else "skip_none"] = False
-    config_yaml = parser.dump(cfg, **kwargs)
+    config_yaml = parser.dump(cfg, skip_validation=not validate, skip_unset=False)
     params = yaml.safe_load(config_yaml)
     params.pop("ckpt_path", None)
     params.get("mlflow", {}).pop("run_id", None)
     return config_yaml, params
 
 
-class _RunLogger(MLFlowLogger):
-    """MLFlowLogger that ends an interrupted run (Ctrl-C, SIGINT, SIGTERM) KILLED, not FAILED,
-    and that does not log a resumed run's metric points a second time.
-
-    Lightning finalizes every logger with "failed" from inside its exception handlers, after
-    the callbacks' on_exception: the exception being handled tells the two apart.
-
-    Args:
-        logged: metric -> last step the run already holds. A run resumes from its last
-            checkpoint, so the steps trained between that checkpoint and the kill come again;
-            their points are in the run already (MLflow cannot delete points).
-    """
-
-    def __init__(self, *args, logged: dict[str, int] | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._logged = logged or {}
-
-    def log_metrics(self, metrics, step=None) -> None:
-        if self._logged and step is not None:
-            metrics = {k: v for k, v in metrics.items() if step > self._logged.get(k, -1)}
-        if metrics:
-            super().log_metrics(metrics, step)
-
-    def finalize(self, status: str = "success") -> None:
-        if status == "failed" and is_interrupt(sys.exc_info()[1]):
-            status = "KILLED"
-        super().finalize(status)
-
-
-# no space, over quota, read-only file system, no permission: the machine's state, not a bug
-_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
-
-
-def ending(err: BaseException) -> tuple[int, str, str] | None:
-    """(exit status, run status, one-line message) of an error that needs no traceback."""
-    cause = err
-    while cause is not None and not isinstance(cause, (ConfigError, InvalidConfig)):
-        cause = cause.__cause__  # jsonargparse wraps what a config class raised while parsing
-    if cause is not None:
-        return 2, "FAILED", f"error: {cause}"
-    if isinstance(err, FloatingPointError):  # NaN/inf loss
-        return 1, "FAILED", f"error: {err}"
-    if isinstance(err, SIGTERMException):
-        return 143, "KILLED", "stopped by SIGTERM"
-    if isinstance(err, KeyboardInterrupt) or (isinstance(err, SystemExit)
-                                              and isinstance(err.__context__, KeyboardInterrupt)):
-        return 130, "KILLED", "interrupted (Ctrl-C / SIGINT)"  # Lightning exits 1 after a Ctrl-C
-    if isinstance(err, MlflowException):
-        return 1, "FAILED", f"error: MLflow tracking at {shown(tracking_uri())} failed: {first_line(err)}"
-    if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
-        where = f": {err.filename}" if err.filename else ""
-        return 1, "FAILED", f"error: {err.strerror or first_line(err)}{where}"
-    return None
-
-
-def _sigterm_handler(signum, frame) -> None:
-    # Inside fit/test Lightning's handler runs first and calls this one too (then installed is
-    # Lightning's): the loop stops at the end of the step. Anywhere else (loading data, between
-    # fit and test) SIGTERM would kill the process before it could end its run.
-    if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
-        raise SIGTERMException()
-
-
 def main(args: list[str] | None = None) -> None:
     """The CLI entry point: one line for expected failures, FAILED/KILLED runs, the exit status."""
-    previous = signal.signal(signal.SIGTERM, _sigterm_handler)
-    try:
-        RankerCLI(args=args)
-    except BaseException as err:
-        end = ending(err)
-        # errors outside the trainer (the trainer's own callbacks have ended the run already)
-        run_id = fail_active_run(end[1] if end else "FAILED")
-        if end is None:
-            if run_id is not None:
-                print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
-            raise
-        print(end[2], file=sys.stderr)
-        raise SystemExit(end[0]) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    status = run_command(lambda: RankerCLI(args=args))
+    if status:
+        raise SystemExit(status)

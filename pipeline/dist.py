@@ -1,11 +1,8 @@
 """The few torch.distributed calls the pipeline makes itself, each a no-op in one process.
 
-Lightning's DDP strategy starts the processes and the process group (``--trainer.strategy ddp``);
-these helpers only read it. :func:`launch_rank_zero` answers "is this global rank 0?" before any
-trainer exists: Lightning's launcher re-executes the command line for the other local ranks
-with ``LOCAL_RANK`` set, and the processes of further nodes carry ``NODE_RANK`` (or a cluster's
-``RANK``), so the CLI can keep everything that must happen once (the MLflow run, the tracking
-store's checks) on rank 0.
+Lightning's DDP strategy starts the processes and the process group; these helpers read it.
+:func:`launch_rank_zero` tells global rank 0 from the environment before any trainer exists
+(docs/training.md#several-processes-ddp).
 """
 
 from __future__ import annotations
@@ -56,13 +53,8 @@ def all_gather(values: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def gloo_worker(rank: int, world: int, rendezvous: str) -> Iterator[None]:
     """The process group of one process started by ``torch.multiprocessing`` (Gloo, rendezvous
-    through the file `rendezvous`: a free TCP port could be taken by another job first).
-
-    On success the process ends inside this block, without interpreter finalization: a Gloo
-    worker thread may still be releasing the last collective's tensors, which takes the GIL, and
-    a thread that takes the GIL while the interpreter finalizes aborts the whole process
-    ("terminate called without an active exception", SIGABRT; pytorch/pytorch#179291, seen here
-    in about one run in three). An exception still propagates, so the launcher reports it."""
+    through the file `rendezvous`). On success the process ends inside the block, without
+    interpreter finalization (a Gloo thread could abort it then: docs/training.md)."""
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         yield
@@ -79,13 +71,9 @@ SIGTERM_CHECK_EVERY = 50  # training steps between two checks of rank 0's SIGTER
 
 
 def throttle_sigterm_check(epoch_loop, every: int = SIGTERM_CHECK_EVERY) -> bool:
-    """Make Lightning's per-step SIGTERM broadcast (``_TrainingEpochLoop._broadcast_sigterm_tensor``
-    in Lightning 2.5-2.6: a broadcast from rank 0 read back with ``.item()``, i.e. a host wait for
-    the whole step's GPU work on every step of a multi-process run) happen on one step in `every`.
-
-    Every rank counts its own calls, and the ranks step in lockstep, so they all take part in the
-    same broadcasts; a SIGTERM on rank 0 stops every rank at most `every` steps later. Returns
-    False (and changes nothing) where the loop has no such method (other Lightning versions)."""
+    """Make Lightning's per-step SIGTERM broadcast (``_broadcast_sigterm_tensor``, Lightning 2.5-2.6:
+    a host wait for the step's GPU work) happen on one step in `every`, on every rank alike.
+    False (nothing changed) where the loop has no such method."""
     original = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
     if original is None or every <= 1:
         return False

@@ -1,9 +1,13 @@
-"""The one error type of the pipeline's pre-flight checks, and the commands' handling of it."""
+"""The one error type of the pipeline's pre-flight checks, the commands' handling of it, and the
+check of an output directory."""
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -26,3 +30,18 @@ def command(main):
             return 2
 
     return run
+
+
+def check_writable(option: str, path: str | None) -> None:
+    """ConfigError unless files can be created in `path` (or where it would be created)."""
+    target = Path(path or ".").resolve()
+    existing = next(p for p in (target, *target.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"{option} {path}: {existing} is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise ConfigError(f"{option} {path}: cannot write into {existing} ({err.strerror or err}); "
+                          f"choose a writable directory with {option}") from None

@@ -1,40 +1,9 @@
-"""Gradients across processes: the embedding-gradient modes and the all-reduce done by hand.
+"""Gradients across processes: the item table's gradient modes and the all-reduce done by hand.
 
-Under Lightning's DDP strategy, torch's ``DistributedDataParallel`` reducer averages gradients
-from hooks that fire inside ``backward``. :class:`GradSync` averages the ones it cannot, after
-the backward and before the optimizer step:
-
-- the item table when ``model.embedding_grad`` is ``sparse`` or ``densify`` (its gradient is
-  sparse; the table is then left out of the reducer), or when CUDA graphs are configured;
-- every gradient of a CUDA-graph step: the replayed backward is ``torch.autograd.grad``, which
-  fires no reducer hooks. The gradients go through one bucketed all-reduce (large tensors in
-  place, the small ones flattened into buckets of ``BUCKET_BYTES``, as the reducer would).
-
-The item table's gradient (``model.embedding_grad``), shared by history and candidate lookups:
-
-- ``dense``: ``nn.Embedding``'s default: a ``[V, D]`` tensor, zeros outside the rows the batch
-  looked up, all-reduced like every other gradient.
-- ``sparse``: ``nn.Embedding(sparse=True)``: only the looked-up rows. Each process coalesces
-  it (one row per distinct id) and all-gathers its indices and values (their counts first,
-  then both padded to the largest count); the sum is sparse again, so a sparse-aware optimizer
-  touches only those rows. Gloo's own sparse all-reduce is the same all-gather; NCCL has no
-  sparse collective but all-gathers dense tensors, so this one path runs on both.
-- ``densify``: the sparse gradient turned dense (``to_dense``) and all-reduced once, the method
-  of "Densifying Assumed-sparse Tensors" (Horovod): the bytes of ``dense``, never more.
-
-How a dense table gradient crosses processes (``model.table_sync``, dense mode only):
-
-- ``allreduce`` (default): the whole ``[V, D]`` tensor, in DDP's reducer or by hand.
-- ``rows``: only its nonzero rows (the rows the batch looked up), all-gathered as indices and
-  values like the sparse mode's, then summed back into the dense tensor in place. The rows no
-  process touched are zero everywhere, so the mean is the all-reduce's (up to the order of a
-  floating-point sum), with the bytes of ``sparse``, and any optimizer and CUDA graphs still
-  apply. Finding the rows reads the tensor once and costs one host sync per step.
-
-Bytes sent per process and step, with ring algorithms over W processes: an all-reduce of N
-bytes sends 2 (W - 1) / W x N, an all-gather of n bytes per process sends (W - 1) x n. Dense:
-N = V x D x 4; sparse: n = (the largest count of distinct rows) x (D x 4 + 8). Sparse sends
-less while W x (fraction of the table's rows a step touches) stays below about 2.
+:class:`GradSync` averages, after the backward and before the optimizer step, what DDP's reducer
+cannot: the item table's gradient in ``sparse``/``densify`` mode (``model.embedding_grad``) or
+``rows`` sync (``model.table_sync``), and every gradient of a CUDA-graph step (no reducer hooks
+fire in a replay). The modes, their bytes and why they train alike: docs/training.md#gradient-sync.
 """
 
 from __future__ import annotations
@@ -127,7 +96,7 @@ def allreduce_mean(grads: list[torch.Tensor], world: int, bucket_bytes: int = BU
 
 
 class GradSync:
-    """The gradient averaging this process does itself (see the module docstring).
+    """The gradient averaging this process does itself.
 
     Args:
         mode: ``model.embedding_grad``.

@@ -1,12 +1,7 @@
-"""Ranking metrics of our own as torchmetrics ``Metric``s, all fed with logits.
-
-- ``LogLoss``: mean binary cross-entropy (natural log).
-- ``NormalizedEntropy``: log loss / entropy of a base CTR (the TRAINING CTR): 1.0 is what
-  always predicting the base rate scores; lower is better.
-- ``Calibration``: sum of predicted probabilities / sum of labels (1.0 is calibrated).
-
-States are float64 sums, so results do not drift over large evaluation sets, and they reduce
-by summation across processes.
+"""Ranking metrics as torchmetrics ``Metric``s, all fed with logits: ``AUC``, ``LogLoss``,
+``NormalizedEntropy`` (log loss / entropy of the TRAINING CTR: 1.0 is always predicting the base
+rate) and ``Calibration`` (predicted / actual clicks). States are float64 sums reduced by summation
+across processes.
 """
 
 from __future__ import annotations

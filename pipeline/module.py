@@ -32,7 +32,7 @@ from models import Ranker, RankerConfig, feature_width
 from pipeline.dist import all_reduce, rank, throttle_sigterm_check, world_size
 from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
-from pipeline.graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
+from pipeline.cuda_graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
 from pipeline.optim import OPTIMIZERS, build_optimizer
 

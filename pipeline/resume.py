@@ -1,17 +1,8 @@
 """``fit --ckpt_path``: which checkpoints can be resumed, and only with the config they were made with.
 
-Checked before anything trains (each failure is a :class:`ConfigError`, one line, exit 2):
-
-- the file is a checkpoint written by ``pipeline fit``: a missing, empty, truncated or foreign
-  file (another program's, or one holding arbitrary Python objects, which is never unpickled)
-  is named as such, without torch.load's traceback;
-- its MLflow run is not FINISHED: a finished run was trained and tested; resuming it would
-  reopen it and log a second copy of its metrics;
-- the command asks for exactly the run's configuration: every ``model.*``, ``data.*`` and
-  ``trainer.*`` value and the seed equal the run's resolved config (its ``config.yaml``
-  artifact; for a checkpoint without a run: its hyper-parameters), and the data directory holds
-  the data the run trained on (its ``data_digest`` tag). A resume cannot change what is trained: Lightning would silently take
-  the model settings from the checkpoint and the rest from the command.
+:func:`load_checkpoint` reads only a checkpoint of ``pipeline fit`` (never unpickling objects);
+:func:`check_resume` raises a ConfigError unless its MLflow run is unfinished and the command
+asks for exactly that run's config and data (docs/training.md#resume).
 """
 
 from __future__ import annotations
@@ -27,16 +18,12 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from pipeline.errors import ConfigError
-from pipeline.store import first_line, shown
-from pipeline.tracking import flatten, tracking_uri
+from pipeline.tracking import first_line, flatten, shown, tracking_uri
 
 COMPARED = ("model.", "data.", "trainer.", "seed_everything")
-# how a run is watched or fed, never what it computes: extra callbacks (tests stop runs this way;
-# the pipeline's own callbacks have keys of their own; EarlyStopping decides when a run ends, but
-# converge.yaml, which adds it, keeps no last.ckpt: such a run restarts), the console, loader processes (the
-# sampler hands whole batches to workers, so the batches are the same for any worker count), and
-# Lightning's distributed sampler (always off: the data module shards batches itself; runs made
-# before it was turned off logged it on, to no effect in one process)
+# how a run is watched or fed, never what it computes: extra callbacks (EarlyStopping among them:
+# converge.yaml keeps no last.ckpt, so such a run restarts), the console, loader workers (they get
+# whole batches from the sampler), Lightning's distributed sampler (always off)
 NOT_COMPARED = {"trainer.callbacks", "trainer.enable_progress_bar", "trainer.enable_model_summary",
                 "data.num_workers", "trainer.use_distributed_sampler"}
 _MAX_SHOWN = 6

@@ -1,26 +1,30 @@
-"""MLflow: where runs go, what every run records, and who ends a run with which status.
+"""MLflow: where runs go, the store's pre-flight check, what every run records, how a run ends.
 
-- Tracking URI: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<repo>/mlflow.db`` (the
-  database ``make ui`` serves). It is checked before anything is trained.
-- :class:`MLflowRun` (the CLI's ``mlflow.*`` options) starts or resumes one run through
-  ``mlflow.start_run(..., log_system_metrics=True)`` (CPU/memory, and GPU utilisation/memory/
-  power where nvidia-ml-py is installed); Lightning's ``MLFlowLogger`` writes the metrics into
-  that same run. The run id travels in every checkpoint, so ``fit --ckpt_path`` continues it.
-- A run that raises is ended FAILED (``on_exception``, or :func:`fail_active_run` for errors
-  outside the trainer), never left RUNNING; a finished fit + test ends it FINISHED.
+``tracking_uri()``: ``MLFLOW_TRACKING_URI``, else ``sqlite:///<repo>/mlflow.db`` (what ``make ui``
+serves); :func:`check_tracking` raises a ConfigError before anything trains if runs cannot be
+recorded there. :class:`MLflowRun` (the CLI's ``mlflow.*`` options) starts or resumes the run; a
+run that raises is ended FAILED (KILLED when interrupted), never left RUNNING. Why the checks and
+the signal handling look as they do: docs/training.md#tracking.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import errno
+import fcntl
 import importlib.metadata
 import json
 import os
 import platform
+import re
 import signal
 import sys
 import tempfile
 import threading
+import time
+import urllib.error
+import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,14 +32,24 @@ import mlflow
 import pytorch_lightning as pl
 import torch
 from mlflow.tracking import MlflowClient
+from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
+from models.config import InvalidConfig
 from pipeline.errors import ConfigError
-from pipeline.store import check_tracking, first_line, shown  # noqa: F401  (check_tracking: re-exported)
+from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "jagged-rankers"
+
+HTTP_BOUNDS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",  # seconds per request
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # 1 s, then 2 s between the tries
+}
+API_PROBE = "/api/2.0/mlflow/experiments/search"
+_RACE_RETRIES = 10  # one second apart
+_FIX = "unset MLFLOW_TRACKING_URI to use the local sqlite database, or start the server (`make ui`)"
 
 
 def tracking_uri() -> str:
@@ -106,8 +120,7 @@ class MLflowRun(pl.Callback):
 
     def start(self, tags: dict[str, str]) -> str:
         """Start (or resume) the run in this process; returns its id. SIGTERM and SIGINT wait until
-        the run is the active one: arriving inside `mlflow.start_run`, after the store has the run
-        and before it is active, they left it RUNNING for ever (nothing could end it)."""
+        the run is the active one (docs/training.md#tracking)."""
         try:
             with interrupts_deferred():
                 return self._start(tags)
@@ -143,9 +156,8 @@ class MLflowRun(pl.Callback):
 @contextmanager
 def interrupts_deferred():
     """SIGTERM and SIGINT that arrive while the block runs are held and raised again once it ends,
-    to the handlers from before. Python-level (their handlers run in the main thread whichever
-    thread the kernel delivers to; a signal mask would not hold them in a process with threads).
-    A no-op off the main thread, and for a signal whose handler was not set from Python."""
+    to the handlers from before. A no-op off the main thread, and for a signal whose handler was
+    not set from Python."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -175,14 +187,9 @@ def end_run(status: str) -> None:
 
 
 def fail_active_run(status: str = "FAILED") -> str | None:
-    """End the active run with `status` while handling another error: a tracking store that
-    fails now too is reported in one line, not raised over the error being handled.
-
-    ``mlflow.end_run`` takes the run off the active stack before the store records its status,
-    so anything raised in between (a SIGTERM or SIGINT, a store error) left the run RUNNING with
-    nothing left to end it. Signals wait until the run is ended; a failed end is tried once more
-    by the run's id. The one-line report is dropped where stderr is gone (the parent that read it,
-    a sweep, was killed: that is how a fit gets its SIGTERM)."""
+    """End the active run with `status` while handling another error (signals held meanwhile; a
+    failed end tried once more by id); a store that fails now too is one line on stderr, if any,
+    not an error raised over the one being handled. Returns the run's id (None: no active run)."""
     run = mlflow.active_run()
     if run is None:
         return None
@@ -200,6 +207,83 @@ def fail_active_run(status: str = "FAILED") -> str | None:
     return run_id
 
 
+class RunLogger(MLFlowLogger):
+    """Lightning's MLFlowLogger that ends an interrupted run KILLED, not FAILED (Lightning finalizes
+    every logger "failed" from inside its exception handlers, after the callbacks' on_exception), and
+    that does not log a resumed run's metric points twice (`logged`: metric -> last step it holds)."""
+
+    def __init__(self, *args, logged: dict[str, int] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._logged = logged or {}
+
+    def log_metrics(self, metrics, step=None) -> None:
+        if self._logged and step is not None:
+            metrics = {k: v for k, v in metrics.items() if step > self._logged.get(k, -1)}
+        if metrics:
+            super().log_metrics(metrics, step)
+
+    def finalize(self, status: str = "success") -> None:
+        if status == "failed" and is_interrupt(sys.exc_info()[1]):
+            status = "KILLED"
+        super().finalize(status)
+
+
+# no space, over quota, read-only file system, no permission: the machine's state, not a bug
+_DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def ending(err: BaseException) -> tuple[int, str, str] | None:
+    """(exit status, run status, one-line message) of an error that needs no traceback."""
+    cause = err
+    while cause is not None and not isinstance(cause, (ConfigError, InvalidConfig)):
+        cause = cause.__cause__  # jsonargparse wraps what a config class raised while parsing
+    if cause is not None:
+        return 2, "FAILED", f"error: {cause}"
+    if isinstance(err, FloatingPointError):  # NaN/inf loss
+        return 1, "FAILED", f"error: {err}"
+    if isinstance(err, SIGTERMException):
+        return 143, "KILLED", "stopped by SIGTERM"
+    if isinstance(err, KeyboardInterrupt) or (isinstance(err, SystemExit)
+                                              and isinstance(err.__context__, KeyboardInterrupt)):
+        return 130, "KILLED", "interrupted (Ctrl-C / SIGINT)"  # Lightning exits 1 after a Ctrl-C
+    if isinstance(err, mlflow.exceptions.MlflowException):
+        return 1, "FAILED", f"error: MLflow tracking at {shown(tracking_uri())} failed: {first_line(err)}"
+    if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
+        where = f": {err.filename}" if err.filename else ""
+        return 1, "FAILED", f"error: {err.strerror or first_line(err)}{where}"
+    return None
+
+
+def _sigterm_handler(signum, frame) -> None:
+    # Inside fit/test Lightning's handler runs first and calls this one too (then installed is
+    # Lightning's): the loop stops at the end of the step. Anywhere else (loading data, between
+    # fit and test) SIGTERM would kill the process before it could end its run.
+    if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
+        raise SIGTERMException()
+
+
+def run_command(body) -> int:
+    """Run ``body()`` as a command that records an MLflow run: 0 when it returns; for an expected
+    failure (:func:`ending`) the active run ended FAILED or KILLED, one line on stderr and its exit
+    status (2 config, 1 failed, 130 SIGINT, 143 SIGTERM); anything else ends the run FAILED and is raised."""
+    previous = signal.signal(signal.SIGTERM, _sigterm_handler)
+    try:
+        body()
+        return 0
+    except BaseException as err:
+        end = ending(err)
+        # errors outside the trainer (the trainer's own callbacks have ended the run already)
+        run_id = fail_active_run(end[1] if end else "FAILED")
+        if end is None:
+            if run_id is not None:
+                print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
+            raise
+        print(end[2], file=sys.stderr)
+        return end[0]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def logged_steps(run_id: str) -> dict[str, int]:
     """The last step of every metric the run holds (what a resumed run must not log again)."""
     client = MlflowClient(tracking_uri())
@@ -208,12 +292,9 @@ def logged_steps(run_id: str) -> dict[str, int]:
 
 
 def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: bool) -> None:
-    """Params (`config`, nested or flat) and the YAML of the resolved config, and the data's
-    meta.json, into the active run.
-
-    A resumed run keeps its original params (MLflow forbids changing them); the config it was
-    resumed with is added as ``config_resumed.yaml``.
-    """
+    """Params (`config`, nested or flat), the resolved config's YAML and the data's meta.json into
+    the active run. A resumed run keeps its params (MLflow forbids changing them) and gets the
+    config it was resumed with as ``config_resumed.yaml``."""
     with tempfile.TemporaryDirectory() as tmp:
         name = "config_resumed.yaml" if resumed else "config.yaml"
         (Path(tmp) / name).write_text(config_yaml)
@@ -223,3 +304,98 @@ def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: boo
         for i in range(0, len(items), 100):
             mlflow.log_params({k: v[:6000] for k, v in items[i : i + 100]})
         mlflow.log_artifact(str(meta_path), artifact_path="data")
+
+
+# --- the tracking store's pre-flight -------------------------------------------------------
+def shown(uri: str) -> str:
+    """The URI without a password (``scheme://user:***@host``)."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", uri)
+
+
+def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
+    """Raise ConfigError, saying what to do, if runs cannot be recorded at `uri`."""
+    if uri.startswith(("http://", "https://")):
+        for key, value in HTTP_BOUNDS.items():
+            os.environ.setdefault(key, value)
+        _check_server(uri.rstrip("/"), timeout_s)
+    elif uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+        if not db.parent.is_dir() or not os.access(db.parent, os.W_OK):
+            raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: directory {db.parent} does not exist or is not writable")
+        with open(db.with_name(db.name + ".lock"), "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+            open_store(uri)
+    elif uri.startswith("file:") or "://" not in uri:
+        raise ConfigError(
+            f"MLFLOW_TRACKING_URI={uri}: MLflow's file store is not supported here; "
+            f"use sqlite:///<absolute path>/mlflow.db or an http:// server"
+        )
+    else:
+        open_store(uri)
+
+
+def open_store(uri: str) -> None:
+    """Open the database store at `uri` once (creating its tables if it is new)."""
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        for attempt in range(_RACE_RETRIES + 1):
+            try:
+                MlflowClient(uri).search_experiments(max_results=1)
+                break
+            except (MlflowException, sqlalchemy.exc.SQLAlchemyError) as err:
+                if attempt == _RACE_RETRIES or not _lost_race(uri, err):
+                    raise
+                time.sleep(1.0)
+    except ImportError as err:
+        raise ConfigError(f"MLFLOW_TRACKING_URI={shown(uri)}: its database driver is not installed ({err}); "
+                          f"install it (e.g. `pip install psycopg2-binary` or `pymysql`) or use sqlite:///...") from None
+    except (MlflowException, sqlalchemy.exc.SQLAlchemyError, OSError) as err:
+        raise ConfigError(f"MLFLOW_TRACKING_URI={shown(uri)}: cannot open the tracking store: "
+                          f"{first_line(err)}") from None
+
+
+def _lost_race(uri: str, err: BaseException) -> bool:
+    """A sqlite store another process (not under our lock: ``mlflow ui``, a notebook) is
+    creating or writing at this moment: worth a retry, not an error."""
+    text = str(err).lower()
+    return uri.startswith("sqlite:") and ("already exists" in text or "database is locked" in text)
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]
+
+
+def _check_server(base: str, timeout_s: float) -> None:
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=timeout_s) as resp:
+            if resp.status != 200:
+                raise OSError(f"HTTP {resp.status}")
+    except (OSError, urllib.error.URLError) as err:
+        raise ConfigError(f"MLflow tracking server {shown(base)} is unreachable ({err}): {_FIX}") from None
+    request = urllib.request.Request(base + API_PROBE, data=json.dumps({"max_results": 1}).encode(),
+                                     headers={"Content-Type": "application/json", **_auth_headers()})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            json.load(resp)
+    except urllib.error.HTTPError as err:
+        raise ConfigError(f"MLflow tracking server {shown(base)} answers /health but its API fails "
+                          f"(POST {API_PROBE}: HTTP {err.code} {err.reason}); check the server's log") from None
+    except (OSError, ValueError) as err:  # a timeout, a reset connection, a body that is not JSON
+        raise ConfigError(f"MLflow tracking server {shown(base)} answers /health but not its API "
+                          f"(POST {API_PROBE}: {err or type(err).__name__}, limit {timeout_s:g} s); "
+                          f"check the server's log and its database") from None
+
+
+def _auth_headers() -> dict[str, str]:
+    """The credentials MLflow itself would send (token, or user and password)."""
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if token:
+        return {"Authorization": f"Bearer {token}"}
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    return {}

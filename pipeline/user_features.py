@@ -1,21 +1,10 @@
 """User embeddings as ranker features: the file, its checks, and the as-of join.
 
-An embedding file (written by ``python -m pipeline.user_embeddings export``) is a Parquet table
-
-    user_id int64, as_of_day int32, history_time float64, embedding fixed_size_list<float32>[dim]
-
-and a manifest ``<file>.json`` beside it: the file's sha256, the digest of the data set it was
-computed from, dim, rows, and the encoder run that made it. An embedding "as of day d" is
-computed from the logs before day d starts (impression times < d - 1, in days since the start
-of day 1); history_time is the time of the newest log it read, so every row must have
-history_time < as_of_day - 1. The ranker never sees a later log than its impression: an
-impression on day t reads the newest embedding with as_of_day <= t - lag.
-
-Checks before training (each a ConfigError naming the file): a missing or corrupt file (sha256
-against the manifest), another data set (digest), another width (dim), a row computed from logs
-at or after its as-of day (leakage), a repeated (user_id, as_of_day). Users without an
-embedding as of their impression are not an error: they get the ranker's learned "unknown"
-vector, and their count is logged (``JoinStats``).
+The file (``python -m pipeline.user_embeddings export``) is a Parquet table ``user_id, as_of_day,
+history_time, embedding[dim]`` with a manifest ``<file>.json``; :func:`read_embeddings` checks it
+(sha256, data digest, dim, no row read from logs at or after its as-of day, no repeated user-day)
+and :func:`join_as_of` gives each impression on day t its user's newest embedding with
+``as_of_day <= t - lag``. Format and rules: docs/training.md#the-user-encoder.
 """
 
 from __future__ import annotations
@@ -104,8 +93,8 @@ def write_embeddings(path: str | Path, user: np.ndarray, as_of_day: np.ndarray, 
 
 
 def read_embeddings(path: str | Path, *, data_digest: str, dim: int) -> UserEmbeddings:
-    """The embedding file at `path`, checked (see the module's docstring) for the data set with
-    this digest and embeddings of this width."""
+    """The embedding file at `path`, checked for the data set with this digest and embeddings of
+    this width (ConfigError naming the file otherwise)."""
     path = Path(path)
     where = f"user embedding file {str(path)!r}"
     if not path.is_file():

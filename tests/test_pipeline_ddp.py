@@ -14,7 +14,7 @@ import pytorch_lightning as pl
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main, run_id_from_checkpoint
-from pipeline.graphs import loss_and_grads, model_inputs
+from pipeline.cuda_graphs import loss_and_grads, model_inputs
 from test_pipeline_cli import QUALITY, all_runs, fit_args, fresh_tracking_uri, history
 from test_pipeline_data import tiny_data_dir
 

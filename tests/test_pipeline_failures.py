@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
 from pipeline.errors import ConfigError
-from pipeline.store import HTTP_BOUNDS
+from pipeline.tracking import HTTP_BOUNDS
 from test_pipeline_cli import all_runs, fit_args, fresh_tracking_uri
 from test_pipeline_data import tiny_data_dir
 
@@ -133,7 +133,7 @@ def test_every_tracking_call_is_bounded_and_ends_in_one_line(tiny, tmp_path, ser
 def test_http_calls_get_bounds_unless_the_user_set_some(monkeypatch, server):
     from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
 
-    from pipeline.store import check_tracking
+    from pipeline.tracking import check_tracking
 
     for key in HTTP_BOUNDS:  # recorded, so that what check_tracking sets is undone afterwards
         monkeypatch.setenv(key, "")
@@ -183,7 +183,7 @@ def test_a_store_another_program_is_creating_is_waited_for(tmp_path, monkeypatch
     """`mlflow ui` on the same fresh file migrates it outside our lock: a race is retried, nothing else."""
     import sqlalchemy.exc
 
-    from pipeline import store
+    from pipeline import tracking as store
 
     tries = []
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from models import ATTENTIONS, Ranker, RankerConfig
-from pipeline.graphs import GraphedTrainStep, StaticBatch, loss_and_grads, model_inputs, token_capacities
+from pipeline.cuda_graphs import GraphedTrainStep, StaticBatch, loss_and_grads, model_inputs, token_capacities
 
 VOCAB, N_ACTIONS, N_DENSE = 53, 3, 4
 
@@ -131,7 +131,7 @@ def test_graph_replays_give_the_eager_loss_and_gradients(attention, amp, caplog)
     for lengths in ([40, 0, 64, 70, 10, 33], [64, 64, 100, 64, 64, 64], [3, 7, 64, 1, 0, 9],
                     [100, 100, 100, 100, 100, 100]):
         batch = _on_cuda(_batch(lengths, 64))
-        with caplog.at_level(logging.WARNING, logger="pipeline.graphs"):
+        with caplog.at_level(logging.WARNING, logger="pipeline.cuda_graphs"):
             loss = steps(batch)
         got = [g.clone() for g in steps.grads]
         ref_loss, ref_grads = loss_and_grads(_loss_fn(model), model_inputs(batch), batch["label"], params, amp)

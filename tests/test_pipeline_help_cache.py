@@ -43,3 +43,12 @@ def test_the_second_help_comes_from_the_cache_and_reads_the_same(tmp_path):
     assert cached.read_text() == first
     cached.write_text(first + "served from the cache\n")  # proves the second call read the file
     assert run() == first + "served from the cache\n"
+
+
+def test_the_encoder_commands_help_imports_neither_torch_nor_lightning_nor_mlflow():
+    """`python -m pipeline.user_embeddings ... --help` answers at once: the heavy imports wait for a command."""
+    code = ("import sys\nfrom pipeline.user_embeddings import main\ntry:\n    main(['fit', '--help'])\n"
+            "except SystemExit:\n    pass\n"
+            "print('heavy:', sorted({'torch', 'pytorch_lightning', 'mlflow'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "--max-seq-len" in out.stdout and out.stdout.splitlines()[-1] == "heavy: []", out.stdout[-2000:] + out.stderr

@@ -348,7 +348,7 @@ def test_the_head_offsets_reach_the_device_once():
 
 @pytest.mark.gpu
 def test_s2_forward_and_backward_replay_in_a_cuda_graph():
-    """The training loop's CUDA graphs (pipeline.graphs: warm up, then capture) take S2 layers:
+    """The training loop's CUDA graphs (pipeline.cuda_graphs: warm up, then capture) take S2 layers:
     the replay gives the eager forward and gradients."""
     lengths, N, shards, H, D = [0, 300, 17, 129], 256, S2Shards(32, 1, 4), 4, 64
     off = offsets_from_lengths(lengths, "cuda")

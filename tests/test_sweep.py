@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from experiments import sweep
 from experiments.ablation import load
 from pipeline.errors import ConfigError
-from pipeline.store import check_tracking
+from pipeline.tracking import check_tracking
 
 REPO = Path(__file__).resolve().parents[1]
 ABLATIONS = REPO / "experiments" / "ablations"

@@ -1,10 +1,12 @@
 """User embeddings end to end on the tiny timeline: encoder fit, export, the as-of join, the ranker
-option, and every bad input the issue names (pipeline/user_embeddings.py, user_features.py)."""
+option, and every bad input the issue names (pipeline/user_embeddings.py, encoder.py, user_features.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 from dataclasses import asdict
 
 import numpy as np
@@ -219,3 +221,27 @@ def test_the_encoder_commands_refuse_bad_input_with_exit_2(exported, tiny_data, 
     assert ue_main(["export", "--data", str(timeline_data[0]), "--encoder", str(exported / "enc.pt"),
                     "--out", "x.parquet", "--as-of", "1"]) == 2
     assert "--as-of must be in [2, 7]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_stops_the_encoder_fit_and_ends_its_run_killed(timeline_data, tracking, tmp_path, capsys,  # noqa: F811
+                                                                 monkeypatch, signum, status):
+    from pipeline.encoder import EncoderModule
+
+    step = EncoderModule.training_step
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            os.kill(os.getpid(), signum)
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(EncoderModule, "training_step", training_step)
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert ue_main(["fit", "--data", str(timeline_data[0]), "--out", str(tmp_path / "enc.pt"), *ENCODER]) == status
+    finally:
+        signal.signal(signal.SIGINT, previous)  # Lightning ignores further Ctrl-C after one
+    said = "stopped by SIGTERM" if signum == signal.SIGTERM else "interrupted (Ctrl-C / SIGINT)"
+    assert said in capsys.readouterr().err
+    (run,) = all_runs(tracking).values()
+    assert run.info.status == "KILLED" and not (tmp_path / "enc.pt").exists()

@@ -1,27 +1,9 @@
-"""The training step as CUDA graphs over fixed-capacity token buckets.
+"""The training step as CUDA graphs over fixed-capacity token buckets (``model.cuda_graphs``).
 
-A jagged batch changes shape every step (T, the number of history items, varies), and a step
-of the ranker launches a few hundred kernels whose Python and dispatch cost (about 15 ms at the
-``paper`` preset) exceeds their GPU time. Replaying a captured CUDA graph costs microseconds of
-host time whatever the number of kernels, but needs fixed shapes and fixed addresses. So:
-
-- **Buckets.** A few token capacities ``C_1 < ... < C_k`` are chosen from the exact per-batch
-  token counts of the planned epochs (:func:`token_capacities`: the capacities that minimise the
-  padded rows). A batch with T tokens runs in the smallest bucket with ``C >= T``.
-- **Padding that cannot change a result.** A bucket's inputs (:class:`StaticBatch`) hold
-  ``B + 1`` sequences: the batch's B, then one extra sequence that owns the unused rows
-  ``T .. C-1``. It is a real, valid sequence (rows past ``max_seq_len`` are ignored by every
-  op, as the jagged convention says), its example is dropped before the loss, so every real
-  example's logit and every gradient is what the unpadded batch gives (tested against the
-  unpadded batch in float64 on CPU, and graph against eager on the GPU).
-- **One graph per bucket**, captured once before the first step (after a warm-up run that also
-  compiles every Triton kernel variant), all sharing one memory pool, so their activations
-  share memory. Forward, loss and ``torch.autograd.grad`` are captured; the optimizer step
-  stays outside (a fused AdamW launch, and Lightning counts it as usual). The gradients of the
-  first (largest) bucket's graph are the parameters' ``.grad`` buffers; the other graphs copy
-  theirs into those buffers, so the gradients cost no memory per bucket.
-- **Fallback.** A batch above the largest capacity runs eagerly (same loss, same gradient
-  buffers) with a warning; nothing is dropped.
+:func:`token_capacities` picks a few token capacities from the planned batches; :class:`StaticBatch`
+pads a batch to its bucket with one extra sequence that no real example reads;
+:class:`GraphedTrainStep` captures forward, loss and gradients once per bucket and replays them.
+Why each piece is as it is: docs/training.md#cuda-graphs.
 """
 
 from __future__ import annotations
