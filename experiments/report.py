@@ -32,7 +32,7 @@ from experiments.sections import (THROUGHPUT, _convergence_lines, _where, conver
                                   target_rows, targets_section, with_whole_window)
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
-from pipeline.store import check_tracking
+from pipeline.tracking import check_tracking
 
 if TYPE_CHECKING:
     import polars as pl

@@ -24,7 +24,7 @@ from experiments import proc as _proc
 from experiments import runs as runs_
 from experiments import sweep
 from pipeline.errors import ConfigError, command
-from pipeline.store import check_tracking
+from pipeline.tracking import check_tracking
 
 if TYPE_CHECKING:
     from mlflow.entities import Run

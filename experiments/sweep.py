@@ -32,7 +32,7 @@ from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_l
 from experiments.report import compare_url, parent_url, write_table
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
-from pipeline.store import check_tracking
+from pipeline.tracking import check_tracking
 
 if TYPE_CHECKING:
     from mlflow.entities import Run

@@ -141,7 +141,7 @@ class RankerCLI(LightningCLI):
         cfg.mlflow.run_id = given or stored
 
     def before_instantiate_classes(self) -> None:
-        cfg = self.config[self.subcommand] if self.subcommand else self.config  # experiments.profile: no subcommand
+        cfg = self.config[self.subcommand]
         if cfg.torch_num_threads is not None:
             if cfg.torch_num_threads <= 0:
                 raise ConfigError(f"torch_num_threads must be > 0, got {cfg.torch_num_threads}")
