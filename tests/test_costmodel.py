@@ -539,6 +539,20 @@ def test_medium_grid_extends_small_with_its_config_space():
             assert all(c in medium_space for c in space(f, s, "small"))
 
 
+def test_shape_grids_are_the_ones_the_committed_sweeps_timed():
+    """The grids (shapes.csv and the full products) give exactly the shapes, in the order, that the
+    sweeps in experiments/results were timed on: a count and a digest of every level's shape ids."""
+    import hashlib
+
+    from experiments.tuning.families import LEVELS, grid
+
+    kinds = {"attn": "flash_fwd", "dense": "dense_fwd", "softmax": "softmax_fwd", "ops": "padded_to_jagged",
+             "s2": "s2_fwd"}
+    lines = [f"{level} {kind} {s.id}" for level in LEVELS for kind, f in kinds.items() for s in grid(f, level)]
+    assert len(lines) == 525
+    assert hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16] == "2d04ccb7eb4a82fd"
+
+
 def test_sweep_bad_cli_exits_2():
     for argv in (["--families", "nope", "--device", "cpu"], ["--grid", "huge"], ["--deadline-s", "0", "--device", "cpu"]):
         with pytest.raises(SystemExit) as e:

@@ -30,9 +30,12 @@ A family is one launcher of kernels/_*_triton.py whose launch dict goes through
 
 from __future__ import annotations
 
+import csv
+import functools
 import itertools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -82,135 +85,43 @@ class SweepShape:
         return f"B{self.B}-N{self.N}-f{self.fill:g}-H{self.H}-D{self.D}-Tq{self.Tq}-{self.dtype}"
 
 
-def _attn(Ns, fills, HDs, dtypes=("bfloat16",), tokens=1 << 20) -> list[SweepShape]:
-    return [SweepShape(max(1, tokens // N), N, f, H, D, dt) for N, f, (H, D), dt
-            in itertools.product(Ns, fills, HDs, dtypes)]
-
-
-_SMALL = {
-    "attn": [SweepShape(1024, 1024, 0.25, 2, 64), SweepShape(4096, 128, 0.3, 4, 32),
-             SweepShape(256, 1024, 0.25, 4, 128), SweepShape(16384, 128, 0.3, 2, 64),
-             SweepShape(1024, 256, 0.25, 2, 64), SweepShape(2048, 512, 0.5, 2, 64)],
-    "dense": [SweepShape(1024, 1024, 0.25, 2, 64, Tq=1), SweepShape(1024, 1024, 0.25, 2, 64, Tq=16),
-              SweepShape(1024, 1024, 0.25, 2, 64, Tq=64), SweepShape(256, 2048, 0.25, 4, 128, Tq=16),
-              SweepShape(4096, 256, 0.5, 2, 64, Tq=4)],
-    "softmax": [SweepShape(1024, 1024, 0.1, 128), SweepShape(1024, 1024, 0.5, 128),
-                SweepShape(4096, 256, 0.25, 64), SweepShape(256, 4096, 0.25, 32),
-                SweepShape(1024, 512, 0.75, 256)],
-    "ops": [SweepShape(1024, 1024, 0.1, 1, 128), SweepShape(1024, 1024, 0.5, 1, 128),
-            SweepShape(4096, 512, 0.5, 1, 256), SweepShape(2048, 256, 0.25, 1, 64),
-            SweepShape(512, 2048, 0.25, 1, 128)],
-    # S2 attention over long histories, the S2 layout of the bench and the ablation (_s2_layout)
-    "s2": [SweepShape(64, 4096, 0.5, 8, 64), SweepShape(32, 8192, 0.5, 8, 64), SweepShape(16, 16384, 0.5, 8, 64),
-           SweepShape(64, 4096, 0.25, 8, 64)],
-}
-_MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, H, D and Tq
-    "attn": _SMALL["attn"] + [SweepShape((1 << 20) // N, N, f, H, D) for N, f, H, D in [
-        (128, 0.5, 2, 64), (256, 0.75, 4, 128), (512, 0.1, 4, 32), (1024, 0.75, 2, 64), (2048, 0.25, 2, 64),
-        (4096, 0.5, 4, 128)]],
-    "dense": _SMALL["dense"] + [SweepShape((1 << 20) // N, N, f, H, D, Tq=tq) for N, f, H, D, tq in [
-        (256, 0.25, 4, 128, 64), (256, 0.5, 2, 64, 16), (1024, 0.1, 2, 64, 4), (1024, 0.5, 4, 128, 1),
-        (4096, 0.1, 2, 64, 16), (4096, 0.25, 2, 64, 64),
-        # long histories, where the kernel's key loop is long (pipelining: num_stages matters most)
-        (2048, 0.5, 2, 64, 64), (4096, 0.5, 4, 128, 16), (2048, 0.1, 2, 64, 1), (8192, 0.25, 2, 64, 4),
-        (512, 0.25, 4, 128, 64),
-        # one head, as in three of the paper suite's target-attention shapes (two of them exactly)
-        (256, 0.3, 1, 64, 1), (1024, 0.25, 1, 64, 16), (4096, 0.1, 1, 128, 32), (512, 0.5, 1, 64, 4),
-        # Tq 32 and 8, between the query tiles, where the best query tile turns over (docs/tuning.md,
-        # the H200 cost model): one Tq 32 shape alone left the model nothing to learn that from
-        (1024, 0.25, 2, 64, 32), (256, 0.5, 4, 128, 32), (2048, 0.1, 2, 64, 32), (512, 0.25, 1, 64, 32),
-        (1024, 0.5, 2, 64, 8), (4096, 0.25, 4, 128, 8)]],
-    "softmax": _SMALL["softmax"] + [SweepShape((1 << 20) // N, N, f, H) for N, f, H in [
-        (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32),
-        (1024, 0.25, 32), (4096, 0.5, 32), (512, 0.25, 64), (2048, 0.75, 128), (256, 0.1, 256),
-        # ten more over the full grid's product: 15 shapes of 48 configs each were too few for the
-        # H100 model's held-out softmax_fwd picks (docs/tuning.md)
-        (512, 0.5, 128), (512, 0.75, 32), (1024, 0.1, 64), (1024, 0.75, 64), (2048, 0.1, 128),
-        (2048, 0.25, 256), (4096, 0.1, 64), (4096, 0.25, 128), (256, 0.25, 128), (256, 0.75, 32),
-        # three beside the two worst held-out softmax_fwd picks of those 25 (long rows, few heads)
-        (4096, 0.75, 32), (2048, 0.5, 64), (2048, 0.1, 64),
-        # twelve more at 32 and 64 heads, where the column block and the row tiles matter most: a
-        # held-out shape at the grid's edge (N 256, H 32) had no neighbour that shows it
-        (256, 0.25, 32), (256, 0.5, 32), (512, 0.5, 32), (1024, 0.5, 32), (2048, 0.25, 32),
-        (4096, 0.1, 32), (256, 0.75, 64), (512, 0.75, 64), (1024, 0.25, 64), (4096, 0.5, 64),
-        (256, 0.5, 128), (512, 0.1, 128),
-        # ten more at fill 0.1 and 0.75 (at fill 0.1 and long rows 4 warps beat 8 on some shapes and
-        # lost on their neighbours)
-        (4096, 0.1, 128), (4096, 0.25, 64), (4096, 0.1, 256), (2048, 0.1, 32), (2048, 0.1, 256),
-        (1024, 0.1, 32), (4096, 0.75, 64), (2048, 0.75, 64), (1024, 0.75, 32), (512, 0.1, 64)]]
-    # fourteen off the 2^20-token diagonal, where B falls as N rises and the model could not tell
-    # few programs from long rows (softmax_bwd's warp count; docs/tuning.md, "The cost model
-    # without the export's guard")
-    + [SweepShape(B, N, f, H) for B, N, f, H in [
-        (128, 4096, 0.1, 64), (512, 4096, 0.1, 64), (128, 4096, 0.1, 32), (512, 4096, 0.1, 32),
-        (128, 4096, 0.1, 128), (512, 4096, 0.1, 128), (128, 4096, 0.25, 64), (512, 4096, 0.25, 64),
-        (256, 2048, 0.1, 64), (1024, 2048, 0.1, 64), (256, 2048, 0.25, 64), (1024, 2048, 0.25, 64),
-        (512, 1024, 0.1, 64), (2048, 1024, 0.25, 128),
-        # twenty-two more where those fourteen left softmax_bwd's held-out worst picks (B 128-512,
-        # N 4096, fill 0.1-0.25, 64 heads: neighbours that want 4 and 8 warps side by side): B between
-        # the powers of two, fills between 0.1 and 0.25, the same lengths at N 2048 and 8192, and 32
-        # and 128 heads beside them (docs/tuning.md, "A denser softmax_bwd grid")
-        (192, 4096, 0.1, 64), (384, 4096, 0.1, 64), (192, 4096, 0.25, 64), (96, 4096, 0.25, 64),
-        (128, 4096, 0.15, 64), (256, 4096, 0.15, 64), (192, 4096, 0.175, 64), (384, 4096, 0.15, 64),
-        (256, 2048, 0.2, 64), (128, 2048, 0.5, 64), (256, 8192, 0.05, 64), (96, 4096, 0.1, 64),
-        (768, 4096, 0.1, 64), (192, 4096, 0.1, 32), (384, 4096, 0.1, 32), (192, 4096, 0.1, 128),
-        (384, 4096, 0.1, 128), (256, 4096, 0.15, 32), (256, 4096, 0.15, 128), (128, 4096, 0.175, 64),
-        (320, 4096, 0.1, 64), (160, 4096, 0.25, 64),
-        # fifteen more along the programs' count (B x column blocks, 192 to 640) at 32, 64, 128 and
-        # 256 heads: 4 warps won at 256 and 320 programs and lost at 192 and 384 (docs/tuning.md,
-        # "A denser softmax_bwd grid")
-        (96, 4096, 0.1, 128), (160, 4096, 0.1, 128), (224, 4096, 0.1, 128), (64, 4096, 0.1, 256),
-        (96, 4096, 0.1, 256), (128, 4096, 0.1, 256), (320, 4096, 0.1, 32), (448, 4096, 0.1, 32),
-        (640, 4096, 0.1, 32), (224, 4096, 0.1, 64), (288, 4096, 0.1, 64), (64, 4096, 0.25, 128),
-        (128, 4096, 0.25, 128), (160, 4096, 0.15, 128), (320, 4096, 0.15, 64),
-        # twenty-two more between 128 and 320 programs at fill 0.1-0.25, mostly at 128 and 256 heads
-        # (two column blocks and more): the held-out B 96, H 128 wanted 8 warps at 192 programs where
-        # its nearest neighbours, at 32 and 64 heads, wanted 4 (docs/tuning.md, "A denser
-        # softmax_bwd grid")
-        (64, 4096, 0.1, 128), (80, 4096, 0.1, 128), (88, 4096, 0.1, 128), (104, 4096, 0.1, 128),
-        (112, 4096, 0.1, 128), (120, 4096, 0.1, 128), (144, 4096, 0.1, 128), (40, 4096, 0.1, 256),
-        (48, 4096, 0.1, 256), (56, 4096, 0.1, 256), (80, 4096, 0.1, 256), (160, 4096, 0.1, 64),
-        (176, 4096, 0.1, 64), (208, 4096, 0.1, 64), (96, 4096, 0.15, 128), (128, 4096, 0.15, 128),
-        (96, 4096, 0.2, 128), (96, 4096, 0.25, 128), (160, 4096, 0.1, 32), (224, 4096, 0.1, 32),
-        (112, 4096, 0.15, 128), (80, 4096, 0.15, 128),
-        # eight more where those left the warp count's turn between 192 and 256 programs (the held-out
-        # B 208, H 64 wanted 4 warps where B 104, H 128 at as many programs wanted 8)
-        (200, 4096, 0.1, 64), (216, 4096, 0.1, 64), (240, 4096, 0.1, 64), (116, 4096, 0.1, 128),
-        (124, 4096, 0.1, 128), (52, 4096, 0.1, 256), (60, 4096, 0.1, 256), (272, 4096, 0.1, 32)]],
-    "ops": _SMALL["ops"] + [SweepShape((1 << 20) // N, N, f, 1, D) for N, f, D in [
-        (256, 0.5, 128), (512, 0.75, 64), (1024, 0.25, 256), (2048, 0.1, 256), (2048, 0.5, 64),
-        (1024, 0.5, 64), (4096, 0.1, 64), (256, 0.75, 64), (2048, 0.75, 128), (256, 0.25, 256)]],
-    "s2": _SMALL["s2"] + [SweepShape((1 << 18) // N, N, f, H, D) for N, f, H, D in [
-        (2048, 0.5, 8, 64), (8192, 0.25, 8, 64), (16384, 0.75, 8, 64), (4096, 0.5, 4, 128),
-        # head dim 128 on more than one shape: with its only one held out, the H100 model's s2_bwd
-        # pick there was the tile best at D 64 (docs/tuning.md)
-        (8192, 0.5, 4, 128), (2048, 0.25, 4, 128)]],
-}
-_TINY = {
-    "attn": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 2, 16, "float32")],
-    "dense": [SweepShape(3, 24, 0.6, 1, 16, "float32", Tq=2), SweepShape(2, 40, 0.5, 2, 16, "float32", Tq=3)],
-    "softmax": [SweepShape(3, 24, 0.6, 4, 0, "float32"), SweepShape(2, 40, 0.5, 3, 0, "float32")],
-    "ops": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 1, 16, "float32")],
-    "s2": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 2, 16, "float32")],
-}
-_FULL = {
-    "attn": _attn([128, 256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [(2, 64), (4, 32), (4, 128)]),
-    "dense": [SweepShape(max(1, (1 << 20) // N), N, f, H, D, Tq=tq) for N, f, (H, D), tq in itertools.product(
-        [256, 1024, 4096], [0.1, 0.25, 0.5], [(2, 64), (4, 128)], [1, 4, 16, 64])],
-    "softmax": [SweepShape(max(1, (1 << 20) // N), N, f, H) for N, f, H in itertools.product(
-        [256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [32, 64, 128, 256])],
-    "ops": [SweepShape(max(1, (1 << 20) // N), N, f, 1, D) for N, f, D in itertools.product(
-        [256, 512, 1024, 2048], [0.1, 0.25, 0.5, 0.75], [64, 128, 256])],
-    "s2": [SweepShape((1 << 18) // N, N, f, H, D) for N, f, (H, D) in itertools.product(
-        [2048, 4096, 8192, 16384], [0.25, 0.5, 0.75], [(8, 64), (4, 128)])],
+SHAPES_CSV = Path(__file__).with_name("shapes.csv")  # tiny, small and medium's shapes beyond small's
+_FULL = {  # kind: (N, fill, (H, D), Tq) products; B = 2^20 padded tokens / N (S2: 2^18)
+    "attn": ([128, 256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [(2, 64), (4, 32), (4, 128)], [0], 1 << 20),
+    "dense": ([256, 1024, 4096], [0.1, 0.25, 0.5], [(2, 64), (4, 128)], [1, 4, 16, 64], 1 << 20),
+    "softmax": ([256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [(h, 0) for h in (32, 64, 128, 256)], [0],
+                1 << 20),
+    "ops": ([256, 512, 1024, 2048], [0.1, 0.25, 0.5, 0.75], [(1, d) for d in (64, 128, 256)], [0], 1 << 20),
+    "s2": ([2048, 4096, 8192, 16384], [0.25, 0.5, 0.75], [(8, 64), (4, 128)], [0], 1 << 18),
 }
 _KIND = {"flash_fwd": "attn", "flash_bwd": "attn", "dense_fwd": "dense", "dense_bwd": "dense",
          "softmax_fwd": "softmax", "softmax_bwd": "softmax", "jagged_dense_bmm": "ops",
          "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops", "s2_fwd": "s2", "s2_bwd": "s2"}
 
 
+@functools.cache
+def _listed() -> dict[tuple[str, str], list[SweepShape]]:
+    """{(level, kind): shapes} of shapes.csv, in file order."""
+    out: dict[tuple[str, str], list[SweepShape]] = {}
+    with open(SHAPES_CSV, newline="") as f:
+        for r in csv.DictReader(f):
+            s = SweepShape(int(r["B"]), int(r["N"]), float(r["fill"]), int(r["H"]), int(r["D"]), r["dtype"],
+                           int(r["Tq"]))
+            out.setdefault((r["level"], r["kind"]), []).append(s)
+    return out
+
+
 def grid(family: str, level: str) -> list[SweepShape]:
-    return list({"tiny": _TINY, "small": _SMALL, "medium": _MEDIUM, "full": _FULL}[level][_KIND[family]])
+    """The shapes of `family` at `level`; medium is small's shapes and then more."""
+    kind = _KIND[family]
+    if level == "full":
+        Ns, fills, HDs, Tqs, tokens = _FULL[kind]
+        return [SweepShape(max(1, tokens // N), N, f, H, D, Tq=tq)
+                for N, f, (H, D), tq in itertools.product(Ns, fills, HDs, Tqs)]
+    listed = _listed()
+    if level == "medium":
+        return listed[("small", kind)] + listed[("medium", kind)]
+    return list(listed[(level, kind)])
 
 
 # keys a family gained after sweeps were recorded -> the value its kernel ran with before them
