@@ -354,22 +354,6 @@ def test_kernel_time_beside_call_time(monkeypatch):
     assert njt.no_graph and all(p.no_graph is None for p in runner.ATTENTION_PROVIDERS if p is not njt)
 
 
-def test_tune_ops_machinery_on_cpu(capsys):
-    """The ops tuning script (experiments.tuning.tune_ops) through the interpreter: every candidate of
-    one op is checked against the reference and restored afterwards; no timing is asserted."""
-    from kernels import _conversions_triton
-    from experiments.tuning import tune_ops
-
-    before = dict(_conversions_triton.P2J_CONFIG)
-    argv = ["--device", "cpu", "--shape", "5,40,24", "--ops", "padded_to_jagged", "--densities", "0.5",
-            "--warmup", "0", "--rep", "1", "--budget-s", "120"]
-    assert tune_ops.main(argv) == 0
-    out = capsys.readouterr().out
-    assert f"{len(tune_ops.CANDIDATES['padded_to_jagged'][2])} rows, 0 not ok" in out
-    assert "best config per op" in out and "-> {'BLOCK_N'" in out
-    assert _conversions_triton.P2J_CONFIG == before  # the module's launch dict is restored
-
-
 def test_host_glue_bench_reaches_every_mocked_launcher(capsys):
     """The glue bench times the Triton path: every launcher stand-in is called, every op has a row."""
     from experiments.bench import host_glue

@@ -539,6 +539,29 @@ def test_medium_grid_extends_small_with_its_config_space():
             assert all(c in medium_space for c in space(f, s, "small"))
 
 
+def test_the_elementwise_ops_are_a_sweep_family_timed_through_their_module_dict(tmp_path, capsys):
+    """The elementwise forward launcher reads its module's dict, not the launch table: the sweep puts
+    each config in that dict for the call (and restores it), every config computes the hand
+    config's output, and the export leaves the family out of the table."""
+    from kernels import _elementwise_triton
+    from experiments.tuning.families import FAMILIES, MODULE_DICTS, grid, launching, space
+
+    assert set(FAMILIES) - set(MODULE_DICTS) == set(lc.FAMILIES)
+    before = dict(_elementwise_triton.FWD_CONFIG)
+    with launching("elementwise_mul", {"BLOCK_N": 16, "num_warps": 8}):
+        assert _elementwise_triton.FWD_CONFIG == {**before, "BLOCK_N": 16, "num_warps": 8}
+    assert _elementwise_triton.FWD_CONFIG == before
+    out, fams = tmp_path / "s.parquet", ("elementwise_add", "elementwise_mul")
+    assert sweep.main(["--grid", "tiny", "--device", "cpu", "--families", ",".join(fams), "--out", str(out),
+                       "--warmup-ms", "0", "--rep-ms", "1"]) == 0
+    df = pl.read_parquet(out)
+    assert df.height == sum(len(space(f, s, "tiny")) for f in fams for s in grid(f, "tiny")) > 4
+    assert set(df["status"]) == {"ok"} and (df["rel_err"] <= 1e-3).all() and df["is_hand"].sum() == 4
+    assert _elementwise_triton.FWD_CONFIG == before
+    assert costmodel.export_entries(costmodel.load(out), {}) == []
+    assert "elementwise_add: its launcher reads kernels/_elementwise_triton.py's dict" in capsys.readouterr().out
+
+
 def test_shape_grids_are_the_ones_the_committed_sweeps_timed():
     """The grids (shapes.csv and the full products) give exactly the shapes, in the order, that the
     sweeps in experiments/results were timed on: a count and a digest of every level's shape ids."""

@@ -4,8 +4,7 @@
 # wheels), with OUT set to a folder that comes back and GIT_COMMIT set
 # (the GPU machine has no .git). Everything lands in $OUT/bench (JSON, markdown, PNG: at most
 # 7 files) and $OUT/run.log, so a call cut short still returns what was measured.
-# PARTS picks what runs: tests, tune_ops (experiments.tuning.tune_ops, TUNE_BUDGET s, log in
-# $OUT/tune_ops.log), bench_paper, bench_recsys_long, graph_paper (self-attention on the paper
+# PARTS picks what runs: tests, bench_paper, bench_recsys_long, graph_paper (self-attention on the paper
 # suite, ours and varlen_attn, each row also as a CUDA-graph replay: the kernels' own time beside
 # the call's), bench_paper_hand (the paper suite with the hand rules, JFA_LAUNCH_TABLE=off, into
 # $OUT/hand: the run a launch table's is set against, `python -m experiments bench-compare`),
@@ -20,7 +19,7 @@
 # alternates processes, the repeats into $OUT/hand-2, $OUT/table-2, ..., all compared together;
 # AB_MODES=fwd_bwd times that mode alone; AB_CPUS=0-3 pins each run to those cores, to see whether
 # the host-bound rows' call times move less between processes so);
-# default all but tune_ops, graph_paper, bench_paper_hand, target_ab and split_ab. One 10-minute
+# default all but graph_paper, bench_paper_hand, target_ab and split_ab. One 10-minute
 # call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
 # workers; 438 tests took 119 s with 16 on 2026-11-26 (TEST_WORKERS to change). GRAPH_MS=1:
 # bench_paper, bench_paper_hand and bench_recsys_long also time every row as a CUDA-graph replay
@@ -41,11 +40,6 @@ if [[ $PARTS == *" tests "* ]]; then
     >> "$log" 2>&1
   echo "gpu tests rc=$?" | tee -a "$log"
   grep -E "passed|failed" "$log" | tail -2
-fi
-if [[ $PARTS == *" tune_ops "* ]]; then  # candidates of the ops kernels' launch dicts (docs/tuning.md)
-  timeout $(( ${TUNE_BUDGET:-200} + 90 )) python3 -m experiments tune-ops --budget-s "${TUNE_BUDGET:-200}" \
-    > "$OUT/tune_ops.log" 2>&1
-  echo "tune_ops rc=$?" | tee -a "$log"; grep -A20 "best config per op" "$OUT/tune_ops.log" | tee -a "$log"
 fi
 mkdir -p "$OUT/bench"
 graph=(); [ "${GRAPH_MS:-0}" = 1 ] && graph=(--graph-ms)

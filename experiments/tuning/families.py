@@ -1,37 +1,18 @@
-"""What `experiments.tuning.sweep` sweeps: kernel families, their shape grids and launch-config spaces.
+"""Kernel families of the launch-config sweep: shape grids, config spaces, hand rules, cases.
 
-A family is one launcher of kernels/_*_triton.py whose launch dict goes through
-``kernels._launch_configs.tuned`` (the same names as ``_launch_configs.FAMILIES``). For each:
-
-- ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small``, ``medium``
-  (small's shapes and config space, softmax also with 64-column programs, and more shapes spread
-  over the full grid's ranges: held-out shapes the model has neighbours for; on an H200 the whole
-  medium grid took two calls of about 8 minutes, compile warm-up, kernel timing and 0.5 s energy
-  readings included) or ``full`` (every shape and a larger config space: several resumed calls).
-  The S2 families (s2_fwd, s2_bwd: S2 attention in the layout of experiments.bench.s2 and the s2
-  ablation, block 64, 4 local blocks, stride 8) add 4 shapes and 232 configs to small, 8 shapes
-  and 464 configs to medium. Lengths are drawn as in the benchmark harness
-  (``experiments.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
-  Now (with softmax's tile-ladder rung SMALL_N 32 and streamed tile STREAM_N 64 / 256, and
-  jagged_jagged_bmm's split-T, T_SPLITS 1 or 4, and dense_fwd's hand num_stages 2 beside the
-  3s, ``_with_hand_values``, in the space): small 55 shapes / 1,078 configs, medium 155 / 3,726.
-- ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
-  ``FLAGS``: dense_bwd's SPLIT_DQ, both settings; jagged_jagged_bmm's T_SPLITS), with the
-  combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
-  and the hand rule's config always included.
-- ``hand_config(family, shape)``: the hand rule's config, computed by the very function the
-  launcher calls (so the comparison cannot drift from the code).
-- ``AUTOTUNE[family]``: the candidate list a ``triton.autotune`` decorator would carry (the
-  configs of FA2-style Triton kernels, generative-recommenders' HSTU list, and ours): the
-  cost model's evaluation compares against the best of these, and charges their timing time.
-- ``make_case(family, shape, device)``: a zero-argument function calling the launcher on fresh
-  inputs of the shape (outputs returned, for the check against the hand config's output).
+A family is one launcher of kernels/_*_triton.py: those of ``kernels._launch_configs.FAMILIES``
+and the elementwise ops' forward, whose launcher reads its module's dict (``MODULE_DICTS``).
+``grid(family, level)`` gives the shapes, ``space`` the configs to time (hand rule's first),
+``hand_config`` the launcher's own rule, ``make_case`` a call on fresh inputs and ``launching``
+puts a config in force. docs/tuning.md ("Launch configs from a measured cost model") says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
+import importlib
 import itertools
 import math
 from dataclasses import dataclass
@@ -39,8 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-
-from kernels._launch_configs import FAMILIES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LEVELS = ("tiny", "small", "medium", "full")
@@ -58,8 +37,14 @@ TUNABLE = {
     "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
     "s2_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
     "s2_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages"),
+    "elementwise_add": ("BLOCK_N", "BLOCK_D", "num_warps"),
+    "elementwise_mul": ("BLOCK_N", "BLOCK_D", "num_warps"),
 }
-assert TUNABLE.keys() == FAMILIES.keys()
+FAMILIES = tuple(TUNABLE)
+# families whose launcher reads a module-level dict, not the launch table: (module, dict name);
+# a config is put in force by updating that dict, and the cost model exports no entry for them
+MODULE_DICTS = {"elementwise_add": ("_elementwise_triton", "FWD_CONFIG"),
+                "elementwise_mul": ("_elementwise_triton", "FWD_CONFIG")}
 FLAGS = ("SPLIT_DQ",)  # tunable keys that are 0/1 switches (the others are powers of two)
 # the families whose hand rules were retuned on the small grid's shapes (docs/tuning.md, "First
 # GPU sweep"): on those shapes the rules are in-sample, so the cost model's comparison with them
@@ -96,7 +81,8 @@ _FULL = {  # kind: (N, fill, (H, D), Tq) products; B = 2^20 padded tokens / N (S
 }
 _KIND = {"flash_fwd": "attn", "flash_bwd": "attn", "dense_fwd": "dense", "dense_bwd": "dense",
          "softmax_fwd": "softmax", "softmax_bwd": "softmax", "jagged_dense_bmm": "ops",
-         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops", "s2_fwd": "s2", "s2_bwd": "s2"}
+         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops", "s2_fwd": "s2", "s2_bwd": "s2",
+         "elementwise_add": "ops", "elementwise_mul": "ops"}
 
 
 @functools.cache
@@ -159,6 +145,8 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
             "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
             "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1], [1, 2]),
             "padded_to_jagged": _product(k, [16, 32], [16], [4]),
+            "elementwise_add": _product(k, [16, 32], [16], [4]),
+            "elementwise_mul": _product(k, [16, 32], [16], [4]),
             "s2_fwd": _product(k, [16, 32], [16], [4], [1]),
             "s2_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)]],
         }[family]
@@ -189,7 +177,7 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
         dq = [(64, 32), (64, 16), (128, 32), (128, 64), (32, 32)]
         kv = [(32, 64), (16, 64), (32, 128), (64, 64)]
         return [dict(zip(k, (*a, *b, w, st))) for a, b, w, st in itertools.product(dq, kv, warps, stages)]
-    return _product(k, [32, 64, 128], [64, 128, 256] if full else [128], warps)  # padded_to_jagged
+    return _product(k, [32, 64, 128], [64, 128, 256] if full else [128], warps)  # padded_to_jagged, elementwise
 
 
 def valid(family: str, cfg: dict, s: SweepShape) -> bool:
@@ -204,7 +192,7 @@ def valid(family: str, cfg: dict, s: SweepShape) -> bool:
         return cfg["BLOCK_M"] <= max(16, 2 * s.Tq) and cfg["M_KV"] <= max(16, 2 * s.Tq)
     if family.startswith("softmax"):
         return cfg["SMALL_N"] <= cfg["BLOCK_N"]
-    if family == "padded_to_jagged":
+    if family == "padded_to_jagged" or family in MODULE_DICTS:
         return cfg["BLOCK_D"] <= max(16, 2 * s.D)
     if family.startswith("s2"):  # key chunks inside the layout's block (the sweep times non-causal S2)
         from kernels._s2_attention_triton import fits
@@ -260,7 +248,7 @@ def programs(family: str, B: int, H: int, cfg: dict) -> int:
 
 def hand_config(family: str, s: SweepShape) -> dict:
     """The hand rule's launch config for the shape, from the launchers' own functions."""
-    from kernels import _bmm_triton, _conversions_triton, _softmax_triton
+    from kernels import _bmm_triton, _conversions_triton, _elementwise_triton, _softmax_triton
     from kernels._dense_attention_triton import dense_config
     from kernels._flash_attention_triton import bwd_config, fwd_config
 
@@ -277,6 +265,8 @@ def hand_config(family: str, s: SweepShape) -> dict:
         cfg = _softmax_triton.softmax_config(s.B, int(make_lengths(s.B, s.N, s.fill, 0).sum()))  # make_case's T
     elif family == "padded_to_jagged":
         cfg = _conversions_triton.P2J_CONFIG
+    elif family in MODULE_DICTS:
+        cfg = _elementwise_triton.FWD_CONFIG
     elif family.startswith("s2"):
         from kernels._s2_attention_triton import s2_tiles
 
@@ -303,6 +293,8 @@ AUTOTUNE = {
     "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
     "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3], [1]),
     "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),
+    "elementwise_add": _product(TUNABLE["elementwise_add"], [32, 64, 128], [128], [4, 8]),
+    "elementwise_mul": _product(TUNABLE["elementwise_mul"], [32, 64, 128], [128], [4, 8]),
     "s2_fwd": _product(TUNABLE["s2_fwd"], [64, 128], [32, 64], [4, 8], [3]),
     "s2_bwd": [dict(zip(TUNABLE["s2_bwd"], v)) for v in
                [(64, 32, 32, 64, 4, 3), (128, 32, 32, 128, 8, 3), (64, 16, 16, 64, 4, 3), (128, 64, 64, 64, 8, 3)]],
@@ -400,6 +392,13 @@ def _p2j(s, T, off, rand):
     return lambda: padded_to_jagged_triton(padded, off, T)
 
 
+def _elementwise(s, T, off, rand, mul: bool):
+    from kernels._elementwise_triton import jagged_dense_elementwise_fwd_triton
+
+    x, dense = rand(T, s.D), rand(s.B, s.N, s.D)
+    return lambda: jagged_dense_elementwise_fwd_triton(x, off, dense, mul)
+
+
 _BUILDERS = {
     "flash_fwd": lambda *a: _flash(*a, bwd=False), "flash_bwd": lambda *a: _flash(*a, bwd=True),
     "dense_fwd": lambda *a: _dense(*a, bwd=False), "dense_bwd": lambda *a: _dense(*a, bwd=True),
@@ -407,4 +406,25 @@ _BUILDERS = {
     "jagged_dense_bmm": lambda *a: _bmm(*a, jagged=False), "jagged_jagged_bmm": lambda *a: _bmm(*a, jagged=True),
     "padded_to_jagged": _p2j,
     "s2_fwd": lambda *a: _s2(*a, bwd=False), "s2_bwd": lambda *a: _s2(*a, bwd=True),
+    "elementwise_add": lambda *a: _elementwise(*a, mul=False), "elementwise_mul": lambda *a: _elementwise(*a, mul=True),
 }
+
+
+@contextlib.contextmanager
+def launching(family: str, cfg: dict):
+    """Within the block, every launch of `family` uses `cfg`'s keys over its hand rule."""
+    if family not in MODULE_DICTS:
+        from kernels._launch_configs import forced
+
+        with forced(family, cfg):
+            yield
+        return
+    module, name = MODULE_DICTS[family]
+    table = getattr(importlib.import_module(f"kernels.{module}"), name)
+    saved = dict(table)
+    table.update((k, v) for k, v in cfg.items() if k in table)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)

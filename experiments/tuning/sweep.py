@@ -1,55 +1,11 @@
-"""Launch-config sweep: every valid config of every kernel family on a grid of shapes,
-timed with the harness's rules and with board power sampled through NVML; one Parquet row each.
+"""Launch-config sweep: every valid config of every kernel family on a grid of shapes, one Parquet row each.
 
-    python -m experiments config-sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400] [--energy-s 1]
-                                  [--out runs/costmodel/sweep-<gpu>.parquet] [--mlflow]
+    python -m experiments config-sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400]
+        [--out runs/costmodel/sweep-<gpu>.parquet] [--compile-workers N] [--mlflow]
 
-What is measured per (family, shape, config): ``ms`` the median time of a call, by default
-(``--timing graph``) of the kernels alone, calls replayed as a CUDA graph
-(``experiments.bench.measure.graph_ms``, the kernel benchmark's "kernels" column): a launch config
-changes the kernels, not the host's launch path, and many swept calls are shorter than their
-launch, so timing whole calls ranked configs by host noise (the first H200 sweeps: the hand
-target-attention forward at 0.077 ms a call where its kernel takes 0.043 ms). ``--timing call``:
-the do_bench median of whole calls (CUDA events, L2 flushed, after warm-up;
-``experiments.bench.measure.bench_ms``); the CPU interpreter always times calls with a host clock.
-Column ``timing`` says which; a resume re-times rows of another timing. ``power_w`` the mean
-sampled board power during that timing (``experiments.tuning.power``; too coarse for a 40 ms window,
-kept for reference), ``energy_j`` the energy per call from the board's energy counter over at
-least ``--energy-s`` of back-to-back calls (``energy_src`` = counter; measured for the up to 3
-fastest configs within 5% of the shape's fastest and the hand rule's, NaN for the others and
-without NVML),
-``compile_s`` the first call's wall seconds (Triton compile; with ``--compile-workers``, the
-warm-up worker's first call, where the compile happened: ``cached_call_s`` is then the timing
-pass's first call, a load from Triton's disk cache), ``bench_s``
-the wall seconds the timing took (what an autotuner spends on this candidate), ``rel_err`` of
-the outputs against the hand-rule config's outputs, ``spills`` (registers spilled, where Triton
-reports it). ``status``: ok, mismatch (rel_err over the bench's tolerance), out_of_resources,
-compile_error, error. Configs go through the real launchers (``kernels._launch_configs.forced``).
-
-The run is resumable (rows already in --out are skipped) and bounded (--deadline-s: no new
-config is started after it). Compiling is most of a sweep's time (about 3/4 of the first H200
-sweep's) and needs no quiet GPU: ``--compile-workers N`` first runs every config to be timed once
-in N spawned processes (a config over all its family's shapes, untimed), filling Triton's disk
-cache, for at most ``--compile-budget-s`` (default: half the deadline); the timing pass then runs
-alone on the GPU and loads the kernels from the cache. Shapes are visited round-robin over the families, so a cut run
-holds the first shapes of every family. The Parquet is rewritten after every shape; columns
-also carry the GPU, torch/triton/CUDA versions and the git commit (``--commit``, else
-$GIT_COMMIT, else HEAD). Families, grids and config spaces: ``experiments.tuning.families``.
-
-GPU command sequence (``experiments/gpu/costmodel.sh`` runs it, with OUT and GIT_COMMIT set, on a
-machine with the project installed; it also resumes from the committed Parquet of the GPU and
-judges the medium grid on its new shapes, ``--judge-on new``)::
-
-    slug=$(python3 -c "import torch; from kernels.launch_table import device_slug; print(device_slug())")
-    python3 -m experiments config-sweep --grid medium --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
-    python3 -m experiments costmodel eval   --data $OUT/sweep-$slug.parquet --out $OUT/eval-$slug.json
-    python3 -m experiments costmodel report --data $OUT/sweep-$slug.parquet --out $OUT/report
-    python3 -m experiments costmodel export --data $OUT/sweep-$slug.parquet --out $OUT/configs/$slug.json
-
-then, here: copy ``report/*`` to experiments/results/ and ``configs/<gpu>.json`` to kernels/configs/
-(the launchers read it from then on), rerun the gpu tests and the kernel benchmark on it.
-(rerun the sweep line with the same --out to extend a cut sweep). CPU check of the machinery:
-``TRITON_INTERPRET=1 python -m experiments config-sweep --grid tiny --device cpu --out /tmp/s.parquet``.
+Resumable (rows already in --out are skipped) and bounded (--deadline-s). What each column means
+and how a GPU call runs it (experiments/gpu/costmodel.sh): docs/tuning.md, "The sweep's rows".
+CPU check: ``TRITON_INTERPRET=1 python -m experiments config-sweep --grid tiny --device cpu``.
 """
 
 from __future__ import annotations
@@ -64,12 +20,11 @@ from pathlib import Path
 
 import torch
 
-from kernels._launch_configs import FAMILIES, forced
 from experiments.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms, rel_err, sync
-from experiments.tuning.power import EnergyMeter, PowerSampler
 from experiments.bench.stamp import make_stamp
-from experiments.tuning.families import (DTYPES, ENERGY_SLACK, LEVELS, SweepShape, complete, grid, hand_config,
-                                         make_case, space)
+from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, LEVELS, SweepShape, complete, grid,
+                                         hand_config, launching, make_case, space)
+from experiments.tuning.power import EnergyMeter, PowerSampler
 
 KEY = ("family", "shape_id", "config_id")
 _KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
@@ -84,6 +39,8 @@ _KERNELS = {  # the @triton.jit functions behind each family (for the spill coun
     "padded_to_jagged": ("_conversions_triton", "_padded_to_jagged_kernel"),
     "s2_fwd": ("_s2_attention_triton", "_s2_fwd"),
     "s2_bwd": ("_s2_attention_triton", "_s2_bwd_dq", "_s2_bwd_dkdv"),
+    "elementwise_add": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
+    "elementwise_mul": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
 }
 
 
@@ -152,7 +109,7 @@ def warm_config(task: tuple) -> list[tuple]:
         if not _WORKER_POISONED:
             try:
                 fn, _ = make_case(family, s, device, seed)
-                with forced(family, cfg):
+                with launching(family, cfg):
                     t0 = time.perf_counter()
                     fn()
                     sync(device)
@@ -213,7 +170,7 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
     row = dict(status="ok", error="", ms=math.nan, power_w=math.nan, n_power=0, energy_j=math.nan, energy_src="none",
                energy_window_s=math.nan, energy_calls=0, compile_s=math.nan, bench_s=math.nan, rel_err=math.nan,
                spills=math.nan)
-    with forced(family, cfg):
+    with launching(family, cfg):
         before = _compiled(family)
         t0 = time.perf_counter()
         try:
@@ -282,7 +239,7 @@ def measure_energy(family: str, fn, rows: list[dict], device: torch.device, mete
         chunk = max(1, min(1000, math.ceil(args.energy_s * 1e3 / r["ms"] / 20)))  # ~20 checks of the clock
         calls = 0
         try:
-            with forced(family, complete(family, json.loads(r["config"]))):
+            with launching(family, complete(family, json.loads(r["config"]))):
                 fn()
                 sync(device)
                 e0, t0 = meter.read_j(), time.perf_counter()
@@ -365,7 +322,7 @@ def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device
     configs it compiled."""
     fn, info = make_case(family, s, device, args.seed)
     dtype = DTYPES[s.dtype]
-    with forced(family, hand):
+    with launching(family, hand):
         ref = [o.detach().clone() for o in _outputs(fn())]
     rows, sticky, complete = [], False, True
     for cfg in todo:
