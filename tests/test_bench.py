@@ -109,7 +109,7 @@ def test_smoke_end_to_end_on_cpu(tmp_path):
     argv = ["all", "--suite", "smoke", "--device", "cpu", "--out", str(out), "--warmup", "0", "--rep", "1",
             "--max-shapes", "1", "--commit", "abc1234test"]
     assert main(argv) == 0
-    doc = json.loads((out / "bench-cpu-all-smoke.json").read_text())
+    doc = json.loads((out / "bench-all-smoke.json").read_text())
     assert doc["schema"] == "jagged-bench/1" and doc["stamp"]["commit"] == "abc1234test"
     assert doc["stamp"]["torch"] == torch.__version__ and doc["ceilings"]["copy_gbps"] > 0
     rows = doc["rows"]
@@ -136,39 +136,42 @@ def test_smoke_end_to_end_on_cpu(tmp_path):
     assert by[("ops", "jagged_to_padded", "torch_padded", "fwd")]["status"] == "ok"
     assert by[("ops", "jagged_to_padded", "torch_padded", "fwd")]["gbps"] > 0
     assert by[("ops", "jagged_dense_bmm", "torch_padded", "fwd")]["tflops"] > 0
-    md = (out / "kernels-cpu.md").read_text()
+    md = (out / "report.md").read_text()
     assert "abc1234test" in md and f"torch {torch.__version__}" in md and "## Targets" in md
     assert "### Jagged self-attention: suite `smoke`" in md
     from PIL import Image
 
     pngs = sorted(out.glob("*.png"))
-    assert {p.name for p in pngs} >= {"attention-vs-N-cpu.png", "attention-vs-density-cpu.png",
-                                      "dense-attention-vs-Tq-cpu.png", "ops-bandwidth-cpu.png"}
+    assert {p.name for p in pngs} >= {"attention-vs-N.png", "attention-vs-density.png",
+                                      "dense-attention-vs-Tq.png", "ops-bandwidth.png"}
     for p in pngs:
         assert "abc1234test" in Image.open(p).text["Description"]
-    (out / "kernels-cpu.md").unlink()
+    report = json.loads((out / "report.json").read_text())  # the targets as data, beside the markdown
+    assert report["stamp"]["commit"] == "abc1234test" and report["files"] == ["bench-all-smoke.json"]
+    assert {t["target"] for t in report["targets"]} == {t["target"] for t in targets.evaluate(rows, doc["ceilings"])}
+    (out / "report.md").unlink()
     assert main(["report", "--out", str(out)]) == 0  # the report alone rebuilds from the JSON
-    rebuilt = (out / "kernels-cpu.md").read_text()
+    rebuilt = (out / "report.md").read_text()
     assert "abc1234test" in rebuilt
-    src, gz = out / "bench-cpu-all-smoke.json", out / "bench-cpu-all-smoke.json.gz"
+    src, gz = out / "bench-all-smoke.json", out / "bench-all-smoke.json.gz"
     gz.write_bytes(gzip.compress(src.read_bytes()))
     src.unlink()
     assert main(["report", "--out", str(out)]) == 0  # a gzipped result file (the committed ones are) reads as itself
-    assert (out / "kernels-cpu.md").read_text() == rebuilt.replace(src.name, gz.name)
+    assert (out / "report.md").read_text() == rebuilt.replace(src.name, gz.name)
     src.write_bytes(gzip.decompress(gz.read_bytes()))
     gz.unlink()
-    later = json.loads((out / "bench-cpu-all-smoke.json").read_text())  # a second file: the ops again
+    later = json.loads((out / "bench-all-smoke.json").read_text())  # a second file: the ops again
     later["stamp"].update(commit="def5678later", launch_table="cpu.json: 3 entries")
     later["rows"] = [r for r in later["rows"] if r["kind"] == "ops"]
-    (out / "bench-cpu-ops-smoke.json").write_text(json.dumps(later))
+    (out / "bench-ops-smoke.json").write_text(json.dumps(later))
     assert main(["report", "--out", str(out)]) == 0
     for p in pngs:  # plots of merged rows name both files' commits and launch tables, not the newest only
         text = Image.open(p).text["Description"]
         assert "abc1234test + def5678later" in text and "none (hand rules) + cpu.json: 3 entries" in text, text
-    later["rows"] = json.loads((out / "bench-cpu-all-smoke.json").read_text())["rows"]  # now every row
-    (out / "bench-cpu-ops-smoke.json").write_text(json.dumps(later))
+    later["rows"] = json.loads((out / "bench-all-smoke.json").read_text())["rows"]  # now every row
+    (out / "bench-ops-smoke.json").write_text(json.dumps(later))
     assert main(["report", "--out", str(out)]) == 0
-    text = Image.open(out / "ops-bandwidth-cpu.png").text["Description"]
+    text = Image.open(out / "ops-bandwidth.png").text["Description"]
     assert "def5678later" in text and "abc1234test" not in text  # the first file gives no row any more
 
 

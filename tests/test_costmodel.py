@@ -906,10 +906,10 @@ def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_
     from experiments.tuning.costmodel_report import write_report
 
     rows = synthetic_rows()
-    counted = write_report([dict(r, energy_src="counter") for r in rows], str(tmp_path / "a"), folds=7)
-    assert [Path(p).name for p in counted] == ["costmodel-synthetic.md", "costmodel-pred-synthetic.png",
-                                               "costmodel-slowdown-synthetic.png", "costmodel-importance-synthetic.png",
-                                               "costmodel-energy-synthetic.png"]
+    counted = write_report([dict(r, energy_src="counter") for r in rows], str(tmp_path / "a" / "<gpu>"), folds=7)
+    assert [Path(p).name for p in counted] == ["costmodel.md", "costmodel-pred.png", "costmodel-slowdown.png",
+                                               "costmodel-importance.png", "costmodel-energy.png"]
+    assert {Path(p).parent for p in counted} == {tmp_path / "a" / "synthetic"}  # <gpu>: the rows' GPU
     md = Path(counted[0]).read_text()
     assert "| flash_fwd | 14 |" in md and f"Energy: {len(rows)} rows" in md
     assert "7 folds" in md and "model, 5 folds" in md  # the verdicts' folds and the 5-fold column beside
@@ -956,7 +956,7 @@ def test_rows_of_an_older_sweep_get_the_keys_added_since_as_their_kernel_ran():
     assert complete("jagged_jagged_bmm", {"BLOCK_K": 64})["T_SPLITS"] == 1
     recorded = {"BLOCK_N": 256, "STREAM_N": 64}
     assert complete("softmax_bwd", recorded) is recorded  # a key the row has is kept
-    rows = load(Path(__file__).resolve().parents[1] / "experiments" / "results" / "costmodel-sweep-h200.parquet")
+    rows = load(Path(__file__).resolve().parents[1] / "experiments" / "results" / "tuning" / "h200" / "sweep.parquet")
     assert {r["family"] for r in rows} >= {"softmax_fwd", "jagged_jagged_bmm"}
     for r in rows:
         assert set(TUNABLE[r["family"]]) <= set(r["cfg"]), (r["family"], r["cfg"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
 import sys
 import time
@@ -29,6 +30,7 @@ from experiments.bench.targets import evaluate, geomean_table
 
 # `all` runs the quick kinds first, so that a --deadline-s cut lands on self-attention shapes
 ALL_ORDER = ("ops", "dense_attention", "attention")
+OUT = "experiments/results/kernels/<gpu>"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -38,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--suite", default="paper", help=f"one or more of {SUITE_NAMES}, comma-separated")
     p.add_argument("--providers", default=None, help="peers to run, comma-separated (ours always runs)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
-    p.add_argument("--out", default="experiments/results", help="folder, or a .json file (report goes beside it)")
+    p.add_argument("--out", default=OUT, help="folder (<gpu>: the GPU's slug; report: every GPU's folder), or a "
+                   ".json file (the report goes beside it)")
     p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd and/or fwd_bwd (ops run fwd only)")
     p.add_argument("--max-shapes", type=int, default=None, help="only the first N shapes of each suite")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
@@ -87,10 +90,11 @@ def parse_force(specs: list[str]) -> dict[str, dict[str, int]]:
 
 
 def _paths(out: str, slug: str, what: str, suites: list[str]) -> tuple[str, str]:
+    out = out.replace("<gpu>", slug)
     if out.endswith(".json"):
         return out, os.path.dirname(os.path.abspath(out))
     # '_' joins suites: result files keep to [A-Za-z0-9._-] so every copier and transfer keeps them
-    return os.path.join(out, f"bench-{slug}-{what}-{'_'.join(suites)}.json"), out
+    return os.path.join(out, f"bench-{what}-{'_'.join(suites)}.json"), out
 
 
 def print_summary(rows: list[dict], ceilings: dict | None) -> None:
@@ -108,7 +112,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     if args.what == "report":
-        for path in write_report(args.out):
+        folders = sorted(glob.glob(args.out.replace("<gpu>", "*"))) if "<gpu>" in args.out else [args.out]
+        for path in (p for folder in folders for p in write_report(folder)):
             print(f"wrote {path}")
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -105,7 +105,6 @@ def _fmt(x, spec=".3f", unit="") -> str:
 
 def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    name = f"s2-{stamp['gpu_slug']}"
     lines = ["# S2 attention vs dense jagged attention and varlen_attn (forward + backward)", "",
              f"- {stamp_line(stamp)}",
              f"- command: `python -m experiments bench-s2 {' '.join(sys.argv[1:])}`",
@@ -118,7 +117,7 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
         lines.append(f"| {r['N']} | {r['B']} | {r['stride']} | {_fmt(r['dense_ms'])} | {_fmt(r['varlen_ms'])} | "
                      f"{_fmt(r['s2_ms'])} | {_fmt(r['speedup_dense'], '.2f', 'x')} | {_fmt(r['speedup_varlen'], '.2f', 'x')} | "
                      f"{r['ideal']:.2f}x | {_fmt(r['efficiency'], '.2f')} | {r['max_err']:.1e} |")
-    md = out / f"{name}.md"
+    md = out / "s2.md"
     md.write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -136,13 +135,13 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
     ax.set_title(f"S2 attention fwd+bwd, {stamp['gpu']}, commit {stamp['commit']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_png(fig, out / f"{name}.png", dpi=120, tight=False)
+    save_png(fig, out / "s2.png", dpi=120, tight=False)
     return md
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench-s2", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="experiments/results")
+    p.add_argument("--out", default="experiments/results/kernels/<gpu>", help="folder (<gpu>: the GPU's slug)")
     p.add_argument("--strides", default="2,4,8,16", help="comma-separated S2 strides")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -166,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                       padded_tokens=512)
     else:
         results = run(device, ROWS, strides, dtype, args.warmup_ms, args.rep_ms)
-    md = write(results, make_stamp(device, args.commit), Path(args.out), args)
+    stamp = make_stamp(device, args.commit)
+    md = write(results, stamp, Path(args.out.replace("<gpu>", stamp["gpu_slug"])), args)
     print(md.read_text())
     return 0
 

@@ -3,7 +3,7 @@
 # Run from the repo root on the GPU machine with the project installed (offline: from
 # wheels), with OUT set to a folder that comes back and GIT_COMMIT set
 # (the GPU machine has no .git). Everything lands in $OUT/bench (JSON, markdown, PNG: at most
-# 7 files) and $OUT/run.log, so a call cut short still returns what was measured.
+# 8 files) and $OUT/run.log, so a call cut short still returns what was measured.
 # PARTS picks what runs: tests, bench_paper, bench_recsys_long, graph_paper (self-attention on the paper
 # suite, ours and varlen_attn, each row also as a CUDA-graph replay: the kernels' own time beside
 # the call's), bench_paper_hand (the paper suite with the hand rules, JFA_LAUNCH_TABLE=off, into
