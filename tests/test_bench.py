@@ -452,7 +452,7 @@ def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_pat
         seen.append({f: dict(c) for f, c in _launch_configs._forced.items()})
         return []
 
-    monkeypatch.setattr(bench_main, "run_kind", fake_run_kind)
+    monkeypatch.setattr(runner, "run_kind", fake_run_kind)
     out = tmp_path / "r.json"
     argv = ["dense_attention", "--suite", "smoke", "--device", "cpu", "--out", str(out), "--warmup", "0", "--rep", "1",
             "--no-report", "--force", "dense_bwd:SPLIT_DQ=0,M_KV=32", "--force", "softmax_fwd:SMALL_N=16"]
@@ -469,31 +469,23 @@ def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_pat
         assert exc.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_same_ptx_tells_a_refactor_that_keeps_the_code_from_one_that_changes_it(tmp_path, capsys):
-    """experiments/gpu/same_ptx.py: equal only where every kernel of the prefix has the same set of
-    PTX texts in both Triton caches (cache folders and file names are hashes that differ)."""
-    import importlib.util
+def test_every_bench_and_tuning_verb_answers_help_without_the_heavy_imports():
+    """`python -m experiments <verb> --help` for the harness and tuning verbs: exit status 0, and
+    neither the kernels (Triton) nor scikit-learn, matplotlib, MLflow, Lightning or polars imported."""
+    import os
+    import subprocess
+    import sys
 
-    script = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "same_ptx.py"
-    spec = importlib.util.spec_from_file_location("same_ptx", script)
-    same_ptx = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(same_ptx)
-
-    def cache(name: str, kernels: dict[str, list[str]]) -> Path:
-        for k, (kernel, texts) in enumerate(kernels.items()):
-            for i, text in enumerate(texts):
-                folder = tmp_path / name / f"{k:02x}{i:02x}"
-                folder.mkdir(parents=True)
-                (folder / f"{kernel}.ptx").write_text(text)
-                (folder / f"{kernel}.json").write_text(json.dumps({"name": kernel}))
-        return tmp_path / name
-
-    old = cache("old", {"_s2_fwd": ["fwd fp32", "fwd bf16"], "_s2_bwd_dq": ["dq"], "_other": ["x"]})
-    assert same_ptx.main([str(old), str(cache("new", {"_s2_fwd": ["fwd bf16", "fwd fp32"], "_s2_bwd_dq": ["dq"]})),
-                          "--kernels", "_s2_"]) == 0
-    changed = cache("changed", {"_s2_fwd": ["fwd fp32", "fwd bf16 reordered"], "_s2_bwd_dq": ["dq"]})
-    assert same_ptx.main([str(old), str(changed), "--kernels", "_s2_"]) == 1
-    assert "_s2_fwd: 2 PTX before, 2 after: DIFFERENT (1 only before, 1 only after)" in capsys.readouterr().out
-    assert same_ptx.main([str(old), str(cache("fewer", {"_s2_fwd": ["fwd fp32"], "_s2_bwd_dq": ["dq"]})),
-                          "--kernels", "_s2_"]) == 1
-    assert same_ptx.main([str(tmp_path / "none"), str(tmp_path / "none2"), "--kernels", "_s2_"]) == 1
+    verbs = ("bench", "bench-compare", "bench-s2", "gpu-check", "host-glue", "config-sweep", "costmodel")
+    heavy = ("sklearn", "matplotlib", "mlflow", "lightning", "pytorch_lightning", "polars", "triton", "kernels")
+    code = ("import sys\nfrom experiments.__main__ import main\n"
+            f"for verb in {verbs!r}:\n"
+            "    try:\n        main([verb, '--help'])\n        sys.exit(f'{verb}: --help did not exit')\n"
+            "    except SystemExit as e:\n        assert e.code == 0, (verb, e.code)\n"
+            f"    print(verb, sorted(m for m in {heavy!r} if m in sys.modules))\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in verbs]
+    assert said == [f"{verb} []" for verb in verbs], proc.stdout[-2000:]

@@ -463,16 +463,14 @@ def _tiny_shape_args():
 def test_a_shape_cut_by_the_deadline_gets_no_energy_pass_until_complete():
     """Energy is read only once every config of a shape is timed: a cut shape's fastest config may
     be one not yet timed, and the readings would miss it."""
-    from experiments.tuning.power import PowerSampler
-
     s, todo, hand, args, stamp = _tiny_shape_args()
     assert len(todo) >= 2
     calls = iter([False] + [True] * 10)  # the deadline passes after the first config
-    rows, sticky = sweep.sweep_shape("flash_fwd", s, todo, hand, torch.device("cpu"), stamp, PowerSampler(None),
+    rows, sticky = sweep.sweep_shape("flash_fwd", s, todo, hand, torch.device("cpu"), stamp,
                                      _CountingMeter(), args, lambda: next(calls))
     assert len(rows) == 1 and not sticky and all(r["energy_src"] == "none" for r in rows)
     assert sweep.needs_energy(rows)
-    rest, _ = sweep.sweep_shape("flash_fwd", s, todo[1:], hand, torch.device("cpu"), stamp, PowerSampler(None),
+    rest, _ = sweep.sweep_shape("flash_fwd", s, todo[1:], hand, torch.device("cpu"), stamp,
                                 _CountingMeter(), args, lambda: False, prior=rows)
     every = rows + rest
     assert len(every) == len(todo) and not sweep.needs_energy(every)
@@ -803,33 +801,6 @@ def test_export_keeps_the_hand_rule_where_a_pick_would_launch_fewer_programs_tha
     assert predicted and all(launched(e) >= fewest for e in predicted)
 
 
-def test_table_entries_ab_times_exactly_the_shapes_whose_entry_changed():
-    """experiments/gpu/table_entries_ab.py's shape list: the export grid's shapes whose exact key
-    names another config in the new table than in the old one (or than the shape's hand rule)."""
-    import importlib.util
-
-    from kernels.launch_table import shape_key
-
-    script = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "table_entries_ab.py"
-    spec = importlib.util.spec_from_file_location("table_entries_ab", script)
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
-    rows = _rows_turning_over_at_a_total_size()
-    new = {shape_key(e["family"], e["shape"]): e["config"]
-           for e in costmodel.export_entries(rows, costmodel.fit(rows))}
-    key = next(k for k in new if "N=1024" in k)
-    old = dict(new) | {key: dict(new[key], num_warps=16)}
-    changed = ab.changed_shapes(old, new, rows, "softmax_bwd")
-    assert changed and {c_old["num_warps"] for _, c_old, _ in changed} == {16}  # that key's shapes only
-    assert all(cfg == new[key] for _, _, cfg in changed) and len({s.id for s, _, _ in changed}) == len(changed)
-    assert ab.changed_shapes(new, new, rows, "softmax_bwd") == []
-    against_hand = ab.changed_shapes(None, new, rows, "softmax_bwd")
-    assert against_hand
-    for s, hand, cfg in against_hand:
-        assert hand == sweep_families.hand_config("softmax_bwd", s)
-        assert sweep_families.complete("softmax_bwd", hand) != sweep_families.complete("softmax_bwd", cfg)
-
-
 def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys, fitted):
     """Two swept shapes are not a model: the family gets no entry (not even its measured ones, which
     the nearest-entry lookup would hand to every other shape), so its hand rule stays in force."""
@@ -854,7 +825,7 @@ def test_summary_says_not_judged_where_no_shape_is_held_out():
 
 def test_costmodel_bad_cli_exits_2(tmp_path):
     with pytest.raises(SystemExit) as e:
-        costmodel.parse_args(["fit", "--data", str(tmp_path / "missing.parquet")])
+        costmodel.parse_args(["eval", "--data", str(tmp_path / "missing.parquet")])
     assert e.value.code == 2
     with pytest.raises(SystemExit) as e:
         costmodel.parse_args(["predict", "--data", "x"])

@@ -1,7 +1,5 @@
-"""The paper's figures redrawn from our rows: time per call of ours and every peer, and the speedup
-and memory saving of ours against each peer, vs N and vs density (self-attention), vs Tq (target
-attention); and ops bandwidth. Every figure
-carries the stamp (GPU, torch, triton, CUDA, commit, date) under its title.
+"""The paper's figures from our rows: time, speedup and memory saving against each peer, vs N and
+density (self-attention) and Tq (target attention); ops bandwidth. Each carries the stamp.
 """
 
 from __future__ import annotations

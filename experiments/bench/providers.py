@@ -1,15 +1,9 @@
-"""Self-attention providers: ours and every peer, each in its own input layout.
+"""Self-attention providers, ours and every peer, each in its own input layout (``ATTENTION_PROVIDERS``).
 
-| name | layout | what runs |
-| --- | --- | --- |
-| jagged | [T, H, D] + offsets | ``kernels.jagged_flash_attention(..., backend=ours_backend)`` |
-| dense_torch | padded [B, H, N, D] + mask | matmul, mask, softmax, matmul (the paper's "dense attention") |
-| sdpa_padded_mask | padded [B, H, N, D] + mask | SDPA with a key-padding mask (the paper's "dense flash attention") |
-| varlen_attn | [T, H, D] + int32 cu_seqlens | ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen) |
-| njt_sdpa | nested jagged tensors | ``nested_tensor_from_jagged`` + SDPA |
-| flex_packed | [1, H, T, D] + block mask | compiled FlexAttention, document mask over the packed tokens |
-
-All use the default scale 1/sqrt(D) and no causal mask.
+jagged: ``kernels.jagged_flash_attention`` on [T, H, D] + offsets; dense_torch and sdpa_padded_mask:
+padded [B, H, N, D] with a key mask (the paper's dense attention and dense flash attention);
+varlen_attn: FlashAttention-2 varlen; njt_sdpa: SDPA on nested jagged tensors; flex_packed:
+compiled FlexAttention, a document mask over the packed tokens. Scale 1/sqrt(D), not causal.
 """
 
 from __future__ import annotations
@@ -95,9 +89,8 @@ def _njt(j: Jagged, cfg: RunConfig) -> Prepared:
     return Prepared(fwd, [q, k, v], [q, k, v, offsets], lambda o: o)
 
 
-# A capture that fails keeps its memory pool, and the allocator stops releasing cached blocks,
-# for the rest of the process (pytorch/pytorch#190348, torch 2.11): one such row per shape filled
-# the H200 and every later row's capture ran out of memory. So no capture is tried.
+# A capture that fails keeps its memory pool for the rest of the process (pytorch/pytorch#190348,
+# torch 2.11), and every later row's capture would run out of memory: so no capture is tried.
 NO_GRAPH_HOST_SYNC = "not captured: SDPA on nested tensors reads the lengths on the host"
 
 _FLEX = {}

@@ -1,11 +1,8 @@
-"""Target-attention providers: Tq dense queries per sequence over its jagged keys/values.
+"""Target-attention providers: Tq dense queries per sequence over its jagged keys and values.
 
-| name | layout | what runs |
-| --- | --- | --- |
-| jagged | q [B, Tq, H, D], k/v [T, H, D] + offsets | ``kernels.jagged_dense_attention(..., backend=ours_backend)`` |
-| sdpa_padded_mask | q [B, H, Tq, D], k/v padded [B, H, N, D] + mask | SDPA with a key-padding mask |
-| varlen_attn | q [B*Tq, H, D], k/v [T, H, D], cu_seq_q = arange(B+1)*Tq | ``varlen_attn`` |
-| dense_torch | as sdpa_padded_mask | matmul, mask, softmax, matmul |
+jagged: ``kernels.jagged_dense_attention`` (q [B, Tq, H, D], k/v [T, H, D] + offsets);
+sdpa_padded_mask and dense_torch: keys padded to [B, H, N, D] with a mask; varlen_attn: the
+queries as B sequences of Tq.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Result files (JSON) in, markdown tables out; plots come from experiments.bench.plots.
+"""Result files (JSON, schema ``jagged-bench/1``) in; ``report.md``, ``report.json`` and the plots out.
 
-Every run writes one JSON document (schema ``jagged-bench/1``: stamp, ceilings, config, rows).
-The report reads every such document of one GPU in a folder, keeps the newest row for each
-(kind, suite, shape, op, provider, mode), and writes ``kernels-<gpu-slug>.md`` and the PNG plots
-beside it, so runs of different suites (separate GPU commands) add up to one report.
+``write_report(folder)`` keeps the newest row of each (kind, suite, shape, op, provider, mode)
+over the folder's files, so runs of different suites add up to one report.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The cost model's report: ``costmodel-<gpu>.md`` and four PNG plots, from a sweep's Parquet.
+"""The cost model's report: ``costmodel.md`` and four PNG plots, from a sweep's Parquet.
 
-Plots (each subtitled with the GPU, torch/triton versions and the commit of the sweep):
-predicted vs measured time per call on held-out shapes; the slowdown distribution (time / best
-measured) of the model's pick, the hand rule and autotune per family; the runtime forests'
-feature importances (mean decrease in impurity); energy per call vs time per call of every
-config of each family's first shape, with the fastest and the energy-aware pick marked.
+Plots, each stamped with the sweep's GPU, versions and commits: predicted vs measured time on
+held-out shapes, the slowdown of each method's pick, the forests' feature importances, and
+energy vs time of every config of each family's first shape.
 """
 
 from __future__ import annotations

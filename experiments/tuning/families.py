@@ -121,7 +121,7 @@ _ADDED_KEYS: dict[str, dict[str, Callable[[dict], int]]] = {
 
 def complete(family: str, cfg: dict) -> dict:
     """A config as a sweep recorded it, with the keys added to its family since then set to what
-    the kernel ran with at the time (an older sweep's rows stay comparable and replayable)."""
+    the kernel ran with at the time (older rows stay comparable and replayable)."""
     added = {k: rule(cfg) for k, rule in _ADDED_KEYS.get(family, {}).items() if k not in cfg}
     return {**cfg, **added} if added else cfg
 
@@ -201,16 +201,18 @@ def valid(family: str, cfg: dict, s: SweepShape) -> bool:
     return True
 
 
+def config_id(cfg: dict) -> str:
+    """'BLOCK_M=64,BLOCK_N=32,num_stages=3,num_warps=4' (keys sorted): one config, one string."""
+    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
+
+
 def _key(cfg: dict) -> tuple:
     return tuple(sorted(cfg.items()))
 
 
 def _with_hand_values(raw: list[dict], hand: dict) -> list[dict]:
-    """`raw` and, for every key on which the hand config's value is not in the raw space, each raw
-    config with that key set to the hand's value: a value no other config carries would make the
-    hand config the only row with it, and a model would learn the hand rule's wins (or losses) as
-    that value's (dense_fwd's num_stages 2 beside a space of 3s: the H200 model kept 2 at N 4096,
-    where 3 is 1.2x faster)."""
+    """`raw` and, for every key whose hand value is not in it, each raw config with that key set to
+    the hand's value: otherwise a model learns the hand rule's wins (or losses) as that value's."""
     out = list(raw)
     for k, v in hand.items():
         if raw and v not in {c[k] for c in raw}:
@@ -219,8 +221,8 @@ def _with_hand_values(raw: list[dict], hand: dict) -> list[dict]:
 
 
 def space(family: str, s: SweepShape, level: str) -> list[dict]:
-    """The configs to time for (family, shape): valid combinations (the hand rule's value of every
-    key swept with the others, _with_hand_values), hand config first."""
+    """The configs to time for (family, shape): the valid ones of the level's space with the hand
+    rule's values swept too (_with_hand_values), the hand config first."""
     hand = hand_config(family, s)
     out = {_key(hand): hand}
     for cfg in _with_hand_values(_raw_space(family, s, level), hand):
@@ -235,8 +237,7 @@ WITH_PROGRAMS = ("softmax_fwd", "softmax_bwd")
 
 
 def programs(family: str, B: int, H: int, cfg: dict) -> int:
-    """The number of programs the family's launcher runs for `cfg` on B sequences of H columns
-    (the families of WITH_PROGRAMS)."""
+    """The programs the launcher of a WITH_PROGRAMS family runs for `cfg` on B sequences of H columns."""
     if family not in WITH_PROGRAMS:
         raise ValueError(f"{family}: no program count (only {', '.join(WITH_PROGRAMS)})")
     import triton
@@ -276,10 +277,8 @@ def hand_config(family: str, s: SweepShape) -> dict:
     return {k: cfg[k] for k in TUNABLE[family]}
 
 
-# a plausible @triton.autotune list per family, inside the small and medium sweeps' spaces, whose
-# times its verdict takes (2-stage configs, in the full space alone, left dense_bwd without one
-# and flash_bwd, dense_fwd and S2's backward with part of theirs; softmax's 512-row stream alike;
-# softmax's has the hand rule's 256-row tile too)
+# a plausible @triton.autotune list per family (FA2-style Triton kernels', HSTU's, ours), inside the
+# small and medium spaces so that the sweep's times give autotune's pick and its cost
 AUTOTUNE = {
     "flash_fwd": _product(TUNABLE["flash_fwd"], [64, 128], [32, 64], [4, 8], [3]),
     "flash_bwd": [dict(zip(TUNABLE["flash_bwd"], v)) for v in

@@ -3,9 +3,9 @@
     python -m experiments config-sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400]
         [--out runs/costmodel/sweep-<gpu>.parquet] [--compile-workers N] [--mlflow]
 
-Resumable (rows already in --out are skipped) and bounded (--deadline-s). What each column means
-and how a GPU call runs it (experiments/gpu/costmodel.sh): docs/tuning.md, "The sweep's rows".
-CPU check: ``TRITON_INTERPRET=1 python -m experiments config-sweep --grid tiny --device cpu``.
+Resumable (rows already in --out are skipped) and bounded (--deadline-s); experiments/gpu/costmodel.sh
+runs it on a GPU. The columns: docs/tuning.md ("The sweep's rows"). CPU check:
+``TRITON_INTERPRET=1 python -m experiments config-sweep --grid tiny --device cpu --out /tmp/s.parquet``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 
 from experiments.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms, rel_err, sync
 from experiments.bench.stamp import make_stamp
-from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, LEVELS, SweepShape, complete, grid,
-                                         hand_config, launching, make_case, space)
-from experiments.tuning.power import EnergyMeter, PowerSampler
+from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, LEVELS, SweepShape, complete, config_id,
+                                         grid, hand_config, launching, make_case, space)
+from experiments.tuning.power import EnergyMeter
 
 KEY = ("family", "shape_id", "config_id")
 _KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
@@ -42,11 +42,6 @@ _KERNELS = {  # the @triton.jit functions behind each family (for the spill coun
     "elementwise_add": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
     "elementwise_mul": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
 }
-
-
-def config_id(cfg: dict) -> str:
-    """'BLOCK_M=64,BLOCK_N=32,num_stages=3,num_warps=4' (keys sorted): one config, one string."""
-    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
 
 
 def _compiled(family: str) -> dict:
@@ -95,12 +90,9 @@ _WORKER_POISONED = False  # a warm-up worker whose CUDA context a config broke r
 
 
 def warm_config(task: tuple) -> list[tuple]:
-    """In a warm-up worker: run one config of a family once on each of the given shapes (Triton
-    compiles it, and its disk cache keeps it); [(family, shape_id, config_id, first call's wall s
-    or None where it failed, the error or '')]. The worker hands its allocator's cached blocks
-    back after every call: the first H100 sweep warmed 1,095 of 3,966 calls, none of softmax's
-    (the H200's warmed all), most likely because a dozen workers each kept the blocks of the
-    largest shape it had run until the 80 GB card was full (not yet confirmed on a GPU)."""
+    """In a warm-up worker: run one config once on each shape (Triton compiles it into its disk
+    cache); [(family, shape_id, config_id, first call's wall s or None, error or '')]. The
+    allocator's cached blocks go back after every call, so a dozen workers do not fill the GPU."""
     global _WORKER_POISONED
     family, cfg, shapes, device_name, seed = task
     device, out = torch.device(device_name), []
@@ -126,10 +118,8 @@ def warm_config(task: tuple) -> list[tuple]:
 
 
 def warm_cache(todo: dict[str, dict[str, tuple[dict, list[SweepShape]]]], device: torch.device, args) -> dict:
-    """Compile every config of `todo` ({family: {config_id: (config, shapes)}}) in
-    args.compile_workers spawned processes, for at most args.compile_budget_s; {(family, shape_id,
-    config_id): the worker's first-call seconds} of the calls that ran. Failed calls are counted
-    and the first one's error printed (the timing pass compiles those configs itself)."""
+    """Compile every config of `todo` ({family: {config_id: (config, shapes)}}) in spawned processes
+    for at most args.compile_budget_s; {(family, shape_id, config_id): the worker's first-call s}."""
     import concurrent.futures as cf
     import multiprocessing
 
@@ -165,9 +155,9 @@ def warm_cache(todo: dict[str, dict[str, tuple[dict, list[SweepShape]]]], device
 
 
 def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device,
-                sampler: PowerSampler, args) -> dict:
-    """One row's measurements of `fn` under `cfg` (see the module docstring)."""
-    row = dict(status="ok", error="", ms=math.nan, power_w=math.nan, n_power=0, energy_j=math.nan, energy_src="none",
+                args) -> dict:
+    """One row's measurements of `fn` under `cfg` (docs/tuning.md, "The sweep's rows")."""
+    row = dict(status="ok", error="", ms=math.nan, energy_j=math.nan, energy_src="none",
                energy_window_s=math.nan, energy_calls=0, compile_s=math.nan, bench_s=math.nan, rel_err=math.nan,
                spills=math.nan)
     with launching(family, cfg):
@@ -191,16 +181,14 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
         del outs
         t1 = time.perf_counter()
         try:
-            with sampler:
-                row["ms"] = graph_ms(fn, device, args.rep_ms) if args.timing == "graph" else \
-                    bench_ms(fn, device, args.warmup_ms, args.rep_ms)
+            row["ms"] = graph_ms(fn, device, args.rep_ms) if args.timing == "graph" else \
+                bench_ms(fn, device, args.warmup_ms, args.rep_ms)
         except Exception as exc:  # noqa: BLE001 - a call that cannot be captured (or timed) is a row
             row.update(status="error", error=f"timing: {type(exc).__name__}: {str(exc)[:190]}")
             if _sticky(exc):
                 row["sticky"] = True
             return row
         row["bench_s"] = time.perf_counter() - t1
-        row["power_w"], row["n_power"] = sampler.mean_w, len(sampler.samples)
     return row
 
 
@@ -224,13 +212,9 @@ def needs_energy(rows: list[dict]) -> bool:
 
 
 def measure_energy(family: str, fn, rows: list[dict], device: torch.device, meter: EnergyMeter, args) -> None:
-    """Energy per call (J) from the board's energy counter over back-to-back calls for at least
-    args.energy_s of wall time, for the `energy_rows` of `rows` (one shape) that have no counter
-    reading yet (a resumed shape whose fastest configs changed gets the new ones'). Alike for every
-    config of the shape: the calls run back to back without do_bench's L2 flush (a warm-cache
-    regime), and where a call's launch takes longer than its kernel (the host is the bound), idle
-    power is part of each call's energy (the window's wall time and calls are kept). A failed
-    reading leaves that row's energy NaN (energy_src 'error', measured again by a resumed sweep)."""
+    """Energy per call (J) from the board's counter over at least args.energy_s of back-to-back
+    calls (no L2 flush), for the `energy_rows` of one shape without a counter reading yet; a
+    failed reading leaves energy_src 'error' (read again by a resumed sweep)."""
     if not meter.available or args.energy_s <= 0:
         return
     for r in energy_rows(rows):
@@ -282,12 +266,8 @@ def refresh(rows: list[dict]) -> None:
 
 
 def set_aside_stale(path: Path, rows: list[dict], code: str, timing: str, families=None) -> list[dict]:
-    """The rows timed with today's kernel code (stamp's `kernel_code`) and `timing`; the others
-    (another kernel source, torch or triton, a sweep from before the code was recorded, or one that
-    timed the other way: rows without a timing timed whole calls) are timed again, and kept,
-    appended to <path stem>.stale.parquet beside the sweep, not mixed into its model. Only the
-    rows of `families` (the families this run sweeps; default all) are judged: the others keep
-    their rows and stamps, and the cost model fits each family on its own rows."""
+    """The rows timed with today's kernel code and `timing`; the others of `families` (default all)
+    are appended to <stem>.stale.parquet and timed again (each family is fitted on its own rows)."""
     def current(r: dict) -> bool:
         return ((families is not None and r.get("family") not in families)
                 or (r.get("kernel_code") == code and (r.get("timing") or "call") == timing))
@@ -314,12 +294,11 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device, stamp: dict,
-                sampler: PowerSampler, meter: EnergyMeter, args, out_of_time,
+                meter: EnergyMeter, args, out_of_time,
                 prior: list[dict] = (), warm: dict | None = None) -> tuple[list[dict], bool]:
-    """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen). Once every config
-    of the shape is timed, the energy pass runs over these and the shape's `prior` rows (a resumed
-    sweep's: updated in place). `warm`: `warm_cache`'s first-call seconds, the compile times of the
-    configs it compiled."""
+    """Rows of the configs `todo` on one shape, then (once the shape is complete) its energy pass
+    over these and the shape's `prior` rows; (rows, sticky CUDA error seen). `warm`: warm_cache's
+    first-call seconds."""
     fn, info = make_case(family, s, device, args.seed)
     dtype = DTYPES[s.dtype]
     with launching(family, hand):
@@ -329,7 +308,7 @@ def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device
         if out_of_time():
             complete = False
             break
-        m = time_config(family, fn, cfg, ref, dtype, device, sampler, args)
+        m = time_config(family, fn, cfg, ref, dtype, device, args)
         sticky = bool(m.pop("sticky", False))
         cid = config_id(cfg)
         m["cached_call_s"] = math.nan
@@ -389,11 +368,10 @@ def run(args) -> int:
     out_of_time = lambda: args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s  # noqa: E731
     grids = {f: grid(f, args.grid) for f in args.families}
     order = [(f, g[i]) for i in range(max(map(len, grids.values()))) for f, g in grids.items() if i < len(g)]
-    sampler = PowerSampler((device.index or 0) if device.type == "cuda" else None)
     meter = EnergyMeter((device.index or 0) if device.type == "cuda" else None)
     print(f"sweep {args.grid}: {len(order)} (family, shape) pairs, {len(rows)} rows already in {out}; "
           f"{stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, commit {stamp['commit']}; "
-          f"power {'NVML' if sampler.available else 'absent'}, energy counter "
+          f"energy counter "
           f"{'NVML' if meter.available else 'absent (energy NaN)'}", flush=True)
     warm = warm_cache(warm_up_todo(order, done, args.grid), device, args) if args.compile_workers > 0 else {}
     n_new = 0
@@ -409,8 +387,7 @@ def run(args) -> int:
         if out_of_time():
             print(f"deadline ({args.deadline_s:g} s) reached: {len(order) - i} shapes not finished", flush=True)
             break
-        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, sampler, meter, args, out_of_time, prior,
-                                  warm)
+        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, meter, args, out_of_time, prior, warm)
         rows += new
         n_new += len(new)
         write_rows(out, rows)
