@@ -444,7 +444,6 @@ def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_pat
     """--force FAMILY:KEY=VALUE: every launch of the family takes the keys during the run (the
     launch-config A/B through the bench itself), the result file says so; bad specs exit 2."""
     from kernels import _launch_configs
-    from experiments.bench import cli as bench_main
 
     seen = []
 

@@ -20,7 +20,7 @@ from kernels import _launch_configs as lc
 from kernels import (S2Shards, jagged_dense_attention, jagged_dense_bmm, jagged_flash_attention, jagged_jagged_bmm,
                      jagged_softmax, offsets_from_lengths, padded_to_jagged)
 from kernels._flash_attention_triton import _FWD_KW, _fwd_kw, fwd_config
-from experiments.tuning import costmodel, sweep
+from experiments.tuning import costmodel, sweep, table, warmup
 from experiments.tuning import families as sweep_families
 from kernels.launch_table import CONFIG_DIR, LaunchTable, table_path, write_table
 
@@ -303,7 +303,8 @@ def test_warm_up_workers_compile_what_the_timing_pass_then_times(tmp_path, capsy
 
 
 def test_warm_up_counts_each_config_once_over_the_shapes_left():
-    from experiments.tuning.sweep import config_id, warm_up_todo
+    from experiments.tuning.sweep import config_id
+    from experiments.tuning.warmup import warm_up_todo
     from experiments.tuning.families import grid, space
 
     order = [("softmax_fwd", s) for s in grid("softmax_fwd", "tiny")]
@@ -330,8 +331,8 @@ def test_warm_up_worker_reports_each_calls_failure():
     shapes = grid("flash_fwd", "tiny")
     good = space("flash_fwd", shapes[0], "tiny")[0]
     bad = dict(good, BLOCK_M=24)  # not a power of two: Triton refuses it
-    rows = [*sweep.warm_config(("flash_fwd", bad, shapes, "cpu", 0)),
-            *sweep.warm_config(("flash_fwd", good, shapes, "cpu", 0))]
+    rows = [*warmup.warm_config(("flash_fwd", bad, shapes, "cpu", 0)),
+            *warmup.warm_config(("flash_fwd", good, shapes, "cpu", 0))]
     assert [r[3] is None for r in rows] == [True, True, False, False]
     assert all("power of 2" in r[4] for r in rows[:2]) and rows[2][4] == rows[3][4] == ""
 
@@ -556,7 +557,7 @@ def test_the_elementwise_ops_are_a_sweep_family_timed_through_their_module_dict(
     assert df.height == sum(len(space(f, s, "tiny")) for f in fams for s in grid(f, "tiny")) > 4
     assert set(df["status"]) == {"ok"} and (df["rel_err"] <= 1e-3).all() and df["is_hand"].sum() == 4
     assert _elementwise_triton.FWD_CONFIG == before
-    assert costmodel.export_entries(costmodel.load(out), {}) == []
+    assert table.export_entries(costmodel.load(out), {}) == []
     assert "elementwise_add: its launcher reads kernels/_elementwise_triton.py's dict" in capsys.readouterr().out
 
 
@@ -743,7 +744,7 @@ def fitted() -> tuple[list[dict], dict]:
 
 def test_export_table_covers_unseen_shapes(tmp_path, fitted):
     rows, models = fitted
-    path = costmodel.export(rows, models, str(tmp_path / "<gpu>.json"), hand_fn=lambda fam, s: FIXED_HAND)
+    path = table.export(rows, models, str(tmp_path / "<gpu>.json"), hand_fn=lambda fam, s: FIXED_HAND)
     assert path.name == "synthetic.json"
     t = LaunchTable.load(path)
     swept = [e["source"] for e in t.exact.values() if "best_ms" in e]
@@ -758,7 +759,7 @@ def test_export_table_covers_unseen_shapes(tmp_path, fitted):
 
 def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(fitted):
     rows, models = fitted
-    entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: FIXED_HAND)
+    entries = table.export_entries(rows, models, hand_fn=lambda fam, s: FIXED_HAND)
     hand_id = sweep.config_id(FIXED_HAND)
     for e in entries:
         if e["source"] == "hand":  # kept: the hand rule within the margin of the best (measured or predicted)
@@ -777,7 +778,7 @@ def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(fitte
     assert near and all(90 <= e["shape"]["L"] < 350 for e in near)  # where _best_bm is 64
     # a rule right for no shape is replaced wherever the sweep measured a clear gain
     bad = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
-    entries = costmodel.export_entries(rows, models, unseen=False, hand_fn=lambda fam, s: bad)
+    entries = table.export_entries(rows, models, unseen=False, hand_fn=lambda fam, s: bad)
     assert [e["source"] for e in entries].count("measured") == 14
 
 
@@ -790,7 +791,7 @@ def test_export_keeps_the_hand_rule_where_a_pick_would_launch_fewer_programs_tha
     fewest = min(sweep_families.programs("softmax_bwd", r["B"], r["H"], r["cfg"]) for r in rows)
     models = costmodel.fit(rows)
     assert models["softmax_bwd"].fewest_programs == fewest == 128
-    entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: hand)
+    entries = table.export_entries(rows, models, hand_fn=lambda fam, s: hand)
 
     def launched(e):
         return sweep_families.programs("softmax_bwd", e["shape"]["B"], e["shape"]["H"], e["config"])
@@ -806,7 +807,7 @@ def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys, fi
     the nearest-entry lookup would hand to every other shape), so its hand rule stays in force."""
     rows, models = fitted
     rows = rows + [dict(r, family="flash_bwd") for r in rows if r["N"] in (256, 512) and r["fill"] == 0.3]
-    path = costmodel.export(rows, models, str(tmp_path / "t.json"))
+    path = table.export(rows, models, str(tmp_path / "t.json"))
     t = LaunchTable.load(path)
     assert {e["family"] for e in t.exact.values()} == {"flash_fwd"}
     assert t.lookup("flash_bwd", dict(B=512, N=512, L=154, H=2, D=64, dtype="bfloat16", causal=0)) is None

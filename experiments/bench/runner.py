@@ -26,8 +26,7 @@ from experiments.bench.measure import (
     rel_err,
     tensor_bytes,
 )
-from experiments.bench.providers import ATTENTION_PROVIDERS
-from experiments.bench.providers_dense import DENSE_ATTENTION_PROVIDERS
+from experiments.bench.providers import ATTENTION_PROVIDERS, DENSE_ATTENTION_PROVIDERS
 from experiments.bench.providers_ops import OPS
 from experiments.bench.suites import Shape, attention_flops, dense_attention_flops, get_suite
 
