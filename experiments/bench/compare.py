@@ -1,11 +1,10 @@
 """Two benchmark runs of ours side by side: did a change (a launch table, a kernel) slow any row?
 
     python -m experiments bench-compare BASE.json[.gz] NEW.json[.gz] [--noise 0.05] [--out compare.md]
-    python -m experiments bench-compare HAND1.json,HAND2.json TABLE1.json,TABLE2.json   # repeated runs
 
-Verdicts, never relaxed: no row of ours slower by more than --noise (by the kernels' time where
-both runs have --graph-ms, else by the call's), and the fwd+bwd geomean over varlen_attn not
-lower. A side of several runs takes each row's median. Exit 0 (PASS or MISS printed), 2 on bad input.
+Either side may be several runs (comma-separated; each row's median). Verdicts, never relaxed: no
+row of ours slower by more than --noise (by the kernels' time where both runs have --graph-ms,
+else by the call's), and the fwd+bwd geomean over varlen_attn not lower. Exit 0, 2 on bad input.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""A measured cost model of launch configs: fit, held-out-shape evaluation, export, report.
+"""A measured cost model of launch configs: held-out-shape evaluation, report and table export.
 
     python -m experiments costmodel eval|export|report --data sweep.parquet [--out ...] [--folds 0]
 
-Per family, on the sweep's ok rows: a power law in the shape for the log of its best time plus a
-random forest on each config's log slowdown against it (``LogModel``); evaluated on whole shapes
-held out; exported as kernels/configs/<gpu>.json. docs/tuning.md ("Launch configs from a measured
-cost model: the method") says what the features are and why a forest.
+Per family: a power law in the shape for the log of its best time plus a random forest on each
+config's log slowdown against it (``LogModel``), evaluated on whole shapes held out. Features and
+why a forest: docs/tuning.md, "Launch configs from a measured cost model: the method".
 """
 
 from __future__ import annotations

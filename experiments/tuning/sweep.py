@@ -3,9 +3,8 @@
     python -m experiments config-sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400]
         [--out runs/costmodel/sweep-<gpu>.parquet] [--compile-workers N] [--mlflow]
 
-Resumable (rows already in --out are skipped) and bounded (--deadline-s); experiments/gpu/costmodel.sh
-runs it on a GPU. The columns: docs/tuning.md ("The sweep's rows"). CPU check:
-``TRITON_INTERPRET=1 python -m experiments config-sweep --grid tiny --device cpu --out /tmp/s.parquet``.
+Resumable and bounded (--deadline-s); experiments/gpu/costmodel.sh runs it on a GPU, and
+``TRITON_INTERPRET=1 ... --grid tiny --device cpu`` on the CPU. Columns: docs/tuning.md, "The sweep's rows".
 """
 
 from __future__ import annotations
