@@ -23,7 +23,6 @@ VERBS = {  # verb: (module with main(argv), one line)
     "host-glue": ("experiments.bench.host_glue", "host time per op call, launches mocked"),
     "config-sweep": ("experiments.tuning.sweep", "time every launch config of every kernel family"),
     "costmodel": ("experiments.tuning.costmodel", "fit, evaluate and export the launch-config cost model"),
-    "tune-ops": ("experiments.tuning.tune_ops", "launch configs of the elementwise ops"),
 }
 DRIVERS = ("sweep",)  # it runs fits as children: SIGTERM must stop those too
 

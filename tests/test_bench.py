@@ -109,7 +109,7 @@ def test_smoke_end_to_end_on_cpu(tmp_path):
     argv = ["all", "--suite", "smoke", "--device", "cpu", "--out", str(out), "--warmup", "0", "--rep", "1",
             "--max-shapes", "1", "--commit", "abc1234test"]
     assert main(argv) == 0
-    doc = json.loads((out / "bench-cpu-all-smoke.json").read_text())
+    doc = json.loads((out / "bench-all-smoke.json").read_text())
     assert doc["schema"] == "jagged-bench/1" and doc["stamp"]["commit"] == "abc1234test"
     assert doc["stamp"]["torch"] == torch.__version__ and doc["ceilings"]["copy_gbps"] > 0
     rows = doc["rows"]
@@ -136,39 +136,42 @@ def test_smoke_end_to_end_on_cpu(tmp_path):
     assert by[("ops", "jagged_to_padded", "torch_padded", "fwd")]["status"] == "ok"
     assert by[("ops", "jagged_to_padded", "torch_padded", "fwd")]["gbps"] > 0
     assert by[("ops", "jagged_dense_bmm", "torch_padded", "fwd")]["tflops"] > 0
-    md = (out / "kernels-cpu.md").read_text()
+    md = (out / "report.md").read_text()
     assert "abc1234test" in md and f"torch {torch.__version__}" in md and "## Targets" in md
     assert "### Jagged self-attention: suite `smoke`" in md
     from PIL import Image
 
     pngs = sorted(out.glob("*.png"))
-    assert {p.name for p in pngs} >= {"attention-vs-N-cpu.png", "attention-vs-density-cpu.png",
-                                      "dense-attention-vs-Tq-cpu.png", "ops-bandwidth-cpu.png"}
+    assert {p.name for p in pngs} >= {"attention-vs-N.png", "attention-vs-density.png",
+                                      "dense-attention-vs-Tq.png", "ops-bandwidth.png"}
     for p in pngs:
         assert "abc1234test" in Image.open(p).text["Description"]
-    (out / "kernels-cpu.md").unlink()
+    report = json.loads((out / "report.json").read_text())  # the targets as data, beside the markdown
+    assert report["stamp"]["commit"] == "abc1234test" and report["files"] == ["bench-all-smoke.json"]
+    assert {t["target"] for t in report["targets"]} == {t["target"] for t in targets.evaluate(rows, doc["ceilings"])}
+    (out / "report.md").unlink()
     assert main(["report", "--out", str(out)]) == 0  # the report alone rebuilds from the JSON
-    rebuilt = (out / "kernels-cpu.md").read_text()
+    rebuilt = (out / "report.md").read_text()
     assert "abc1234test" in rebuilt
-    src, gz = out / "bench-cpu-all-smoke.json", out / "bench-cpu-all-smoke.json.gz"
+    src, gz = out / "bench-all-smoke.json", out / "bench-all-smoke.json.gz"
     gz.write_bytes(gzip.compress(src.read_bytes()))
     src.unlink()
     assert main(["report", "--out", str(out)]) == 0  # a gzipped result file (the committed ones are) reads as itself
-    assert (out / "kernels-cpu.md").read_text() == rebuilt.replace(src.name, gz.name)
+    assert (out / "report.md").read_text() == rebuilt.replace(src.name, gz.name)
     src.write_bytes(gzip.decompress(gz.read_bytes()))
     gz.unlink()
-    later = json.loads((out / "bench-cpu-all-smoke.json").read_text())  # a second file: the ops again
+    later = json.loads((out / "bench-all-smoke.json").read_text())  # a second file: the ops again
     later["stamp"].update(commit="def5678later", launch_table="cpu.json: 3 entries")
     later["rows"] = [r for r in later["rows"] if r["kind"] == "ops"]
-    (out / "bench-cpu-ops-smoke.json").write_text(json.dumps(later))
+    (out / "bench-ops-smoke.json").write_text(json.dumps(later))
     assert main(["report", "--out", str(out)]) == 0
     for p in pngs:  # plots of merged rows name both files' commits and launch tables, not the newest only
         text = Image.open(p).text["Description"]
         assert "abc1234test + def5678later" in text and "none (hand rules) + cpu.json: 3 entries" in text, text
-    later["rows"] = json.loads((out / "bench-cpu-all-smoke.json").read_text())["rows"]  # now every row
-    (out / "bench-cpu-ops-smoke.json").write_text(json.dumps(later))
+    later["rows"] = json.loads((out / "bench-all-smoke.json").read_text())["rows"]  # now every row
+    (out / "bench-ops-smoke.json").write_text(json.dumps(later))
     assert main(["report", "--out", str(out)]) == 0
-    text = Image.open(out / "ops-bandwidth-cpu.png").text["Description"]
+    text = Image.open(out / "ops-bandwidth.png").text["Description"]
     assert "def5678later" in text and "abc1234test" not in text  # the first file gives no row any more
 
 
@@ -354,22 +357,6 @@ def test_kernel_time_beside_call_time(monkeypatch):
     assert njt.no_graph and all(p.no_graph is None for p in runner.ATTENTION_PROVIDERS if p is not njt)
 
 
-def test_tune_ops_machinery_on_cpu(capsys):
-    """The ops tuning script (experiments.tuning.tune_ops) through the interpreter: every candidate of
-    one op is checked against the reference and restored afterwards; no timing is asserted."""
-    from kernels import _conversions_triton
-    from experiments.tuning import tune_ops
-
-    before = dict(_conversions_triton.P2J_CONFIG)
-    argv = ["--device", "cpu", "--shape", "5,40,24", "--ops", "padded_to_jagged", "--densities", "0.5",
-            "--warmup", "0", "--rep", "1", "--budget-s", "120"]
-    assert tune_ops.main(argv) == 0
-    out = capsys.readouterr().out
-    assert f"{len(tune_ops.CANDIDATES['padded_to_jagged'][2])} rows, 0 not ok" in out
-    assert "best config per op" in out and "-> {'BLOCK_N'" in out
-    assert _conversions_triton.P2J_CONFIG == before  # the module's launch dict is restored
-
-
 def test_host_glue_bench_reaches_every_mocked_launcher(capsys):
     """The glue bench times the Triton path: every launcher stand-in is called, every op has a row."""
     from experiments.bench import host_glue
@@ -457,7 +444,6 @@ def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_pat
     """--force FAMILY:KEY=VALUE: every launch of the family takes the keys during the run (the
     launch-config A/B through the bench itself), the result file says so; bad specs exit 2."""
     from kernels import _launch_configs
-    from experiments.bench import cli as bench_main
 
     seen = []
 
@@ -465,7 +451,7 @@ def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_pat
         seen.append({f: dict(c) for f, c in _launch_configs._forced.items()})
         return []
 
-    monkeypatch.setattr(bench_main, "run_kind", fake_run_kind)
+    monkeypatch.setattr(runner, "run_kind", fake_run_kind)
     out = tmp_path / "r.json"
     argv = ["dense_attention", "--suite", "smoke", "--device", "cpu", "--out", str(out), "--warmup", "0", "--rep", "1",
             "--no-report", "--force", "dense_bwd:SPLIT_DQ=0,M_KV=32", "--force", "softmax_fwd:SMALL_N=16"]
@@ -482,31 +468,23 @@ def test_force_runs_the_bench_under_a_forced_launch_config_and_stamps_it(tmp_pat
         assert exc.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_same_ptx_tells_a_refactor_that_keeps_the_code_from_one_that_changes_it(tmp_path, capsys):
-    """experiments/gpu/same_ptx.py: equal only where every kernel of the prefix has the same set of
-    PTX texts in both Triton caches (cache folders and file names are hashes that differ)."""
-    import importlib.util
+def test_every_bench_and_tuning_verb_answers_help_without_the_heavy_imports():
+    """`python -m experiments <verb> --help` for the harness and tuning verbs: exit status 0, and
+    neither the kernels (Triton) nor scikit-learn, matplotlib, MLflow, Lightning or polars imported."""
+    import os
+    import subprocess
+    import sys
 
-    script = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "same_ptx.py"
-    spec = importlib.util.spec_from_file_location("same_ptx", script)
-    same_ptx = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(same_ptx)
-
-    def cache(name: str, kernels: dict[str, list[str]]) -> Path:
-        for k, (kernel, texts) in enumerate(kernels.items()):
-            for i, text in enumerate(texts):
-                folder = tmp_path / name / f"{k:02x}{i:02x}"
-                folder.mkdir(parents=True)
-                (folder / f"{kernel}.ptx").write_text(text)
-                (folder / f"{kernel}.json").write_text(json.dumps({"name": kernel}))
-        return tmp_path / name
-
-    old = cache("old", {"_s2_fwd": ["fwd fp32", "fwd bf16"], "_s2_bwd_dq": ["dq"], "_other": ["x"]})
-    assert same_ptx.main([str(old), str(cache("new", {"_s2_fwd": ["fwd bf16", "fwd fp32"], "_s2_bwd_dq": ["dq"]})),
-                          "--kernels", "_s2_"]) == 0
-    changed = cache("changed", {"_s2_fwd": ["fwd fp32", "fwd bf16 reordered"], "_s2_bwd_dq": ["dq"]})
-    assert same_ptx.main([str(old), str(changed), "--kernels", "_s2_"]) == 1
-    assert "_s2_fwd: 2 PTX before, 2 after: DIFFERENT (1 only before, 1 only after)" in capsys.readouterr().out
-    assert same_ptx.main([str(old), str(cache("fewer", {"_s2_fwd": ["fwd fp32"], "_s2_bwd_dq": ["dq"]})),
-                          "--kernels", "_s2_"]) == 1
-    assert same_ptx.main([str(tmp_path / "none"), str(tmp_path / "none2"), "--kernels", "_s2_"]) == 1
+    verbs = ("bench", "bench-compare", "bench-s2", "gpu-check", "host-glue", "config-sweep", "costmodel")
+    heavy = ("sklearn", "matplotlib", "mlflow", "lightning", "pytorch_lightning", "polars", "triton", "kernels")
+    code = ("import sys\nfrom experiments.__main__ import main\n"
+            f"for verb in {verbs!r}:\n"
+            "    try:\n        main([verb, '--help'])\n        sys.exit(f'{verb}: --help did not exit')\n"
+            "    except SystemExit as e:\n        assert e.code == 0, (verb, e.code)\n"
+            f"    print(verb, sorted(m for m in {heavy!r} if m in sys.modules))\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in verbs]
+    assert said == [f"{verb} []" for verb in verbs], proc.stdout[-2000:]

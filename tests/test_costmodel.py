@@ -20,7 +20,7 @@ from kernels import _launch_configs as lc
 from kernels import (S2Shards, jagged_dense_attention, jagged_dense_bmm, jagged_flash_attention, jagged_jagged_bmm,
                      jagged_softmax, offsets_from_lengths, padded_to_jagged)
 from kernels._flash_attention_triton import _FWD_KW, _fwd_kw, fwd_config
-from experiments.tuning import costmodel, sweep
+from experiments.tuning import costmodel, sweep, table, warmup
 from experiments.tuning import families as sweep_families
 from kernels.launch_table import CONFIG_DIR, LaunchTable, table_path, write_table
 
@@ -303,7 +303,8 @@ def test_warm_up_workers_compile_what_the_timing_pass_then_times(tmp_path, capsy
 
 
 def test_warm_up_counts_each_config_once_over_the_shapes_left():
-    from experiments.tuning.sweep import config_id, warm_up_todo
+    from experiments.tuning.sweep import config_id
+    from experiments.tuning.warmup import warm_up_todo
     from experiments.tuning.families import grid, space
 
     order = [("softmax_fwd", s) for s in grid("softmax_fwd", "tiny")]
@@ -330,8 +331,8 @@ def test_warm_up_worker_reports_each_calls_failure():
     shapes = grid("flash_fwd", "tiny")
     good = space("flash_fwd", shapes[0], "tiny")[0]
     bad = dict(good, BLOCK_M=24)  # not a power of two: Triton refuses it
-    rows = [*sweep.warm_config(("flash_fwd", bad, shapes, "cpu", 0)),
-            *sweep.warm_config(("flash_fwd", good, shapes, "cpu", 0))]
+    rows = [*warmup.warm_config(("flash_fwd", bad, shapes, "cpu", 0)),
+            *warmup.warm_config(("flash_fwd", good, shapes, "cpu", 0))]
     assert [r[3] is None for r in rows] == [True, True, False, False]
     assert all("power of 2" in r[4] for r in rows[:2]) and rows[2][4] == rows[3][4] == ""
 
@@ -463,16 +464,14 @@ def _tiny_shape_args():
 def test_a_shape_cut_by_the_deadline_gets_no_energy_pass_until_complete():
     """Energy is read only once every config of a shape is timed: a cut shape's fastest config may
     be one not yet timed, and the readings would miss it."""
-    from experiments.tuning.power import PowerSampler
-
     s, todo, hand, args, stamp = _tiny_shape_args()
     assert len(todo) >= 2
     calls = iter([False] + [True] * 10)  # the deadline passes after the first config
-    rows, sticky = sweep.sweep_shape("flash_fwd", s, todo, hand, torch.device("cpu"), stamp, PowerSampler(None),
+    rows, sticky = sweep.sweep_shape("flash_fwd", s, todo, hand, torch.device("cpu"), stamp,
                                      _CountingMeter(), args, lambda: next(calls))
     assert len(rows) == 1 and not sticky and all(r["energy_src"] == "none" for r in rows)
     assert sweep.needs_energy(rows)
-    rest, _ = sweep.sweep_shape("flash_fwd", s, todo[1:], hand, torch.device("cpu"), stamp, PowerSampler(None),
+    rest, _ = sweep.sweep_shape("flash_fwd", s, todo[1:], hand, torch.device("cpu"), stamp,
                                 _CountingMeter(), args, lambda: False, prior=rows)
     every = rows + rest
     assert len(every) == len(todo) and not sweep.needs_energy(every)
@@ -537,6 +536,43 @@ def test_medium_grid_extends_small_with_its_config_space():
         for s in small:
             medium_space = space(f, s, "medium")
             assert all(c in medium_space for c in space(f, s, "small"))
+
+
+def test_the_elementwise_ops_are_a_sweep_family_timed_through_their_module_dict(tmp_path, capsys):
+    """The elementwise forward launcher reads its module's dict, not the launch table: the sweep puts
+    each config in that dict for the call (and restores it), every config computes the hand
+    config's output, and the export leaves the family out of the table."""
+    from kernels import _elementwise_triton
+    from experiments.tuning.families import FAMILIES, MODULE_DICTS, grid, launching, space
+
+    assert set(FAMILIES) - set(MODULE_DICTS) == set(lc.FAMILIES)
+    before = dict(_elementwise_triton.FWD_CONFIG)
+    with launching("elementwise_mul", {"BLOCK_N": 16, "num_warps": 8}):
+        assert _elementwise_triton.FWD_CONFIG == {**before, "BLOCK_N": 16, "num_warps": 8}
+    assert _elementwise_triton.FWD_CONFIG == before
+    out, fams = tmp_path / "s.parquet", ("elementwise_add", "elementwise_mul")
+    assert sweep.main(["--grid", "tiny", "--device", "cpu", "--families", ",".join(fams), "--out", str(out),
+                       "--warmup-ms", "0", "--rep-ms", "1"]) == 0
+    df = pl.read_parquet(out)
+    assert df.height == sum(len(space(f, s, "tiny")) for f in fams for s in grid(f, "tiny")) > 4
+    assert set(df["status"]) == {"ok"} and (df["rel_err"] <= 1e-3).all() and df["is_hand"].sum() == 4
+    assert _elementwise_triton.FWD_CONFIG == before
+    assert table.export_entries(costmodel.load(out), {}) == []
+    assert "elementwise_add: its launcher reads kernels/_elementwise_triton.py's dict" in capsys.readouterr().out
+
+
+def test_shape_grids_are_the_ones_the_committed_sweeps_timed():
+    """The grids (shapes.csv and the full products) give exactly the shapes, in the order, that the
+    sweeps in experiments/results were timed on: a count and a digest of every level's shape ids."""
+    import hashlib
+
+    from experiments.tuning.families import LEVELS, grid
+
+    kinds = {"attn": "flash_fwd", "dense": "dense_fwd", "softmax": "softmax_fwd", "ops": "padded_to_jagged",
+             "s2": "s2_fwd"}
+    lines = [f"{level} {kind} {s.id}" for level in LEVELS for kind, f in kinds.items() for s in grid(f, level)]
+    assert len(lines) == 525
+    assert hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16] == "2d04ccb7eb4a82fd"
 
 
 def test_sweep_bad_cli_exits_2():
@@ -708,7 +744,7 @@ def fitted() -> tuple[list[dict], dict]:
 
 def test_export_table_covers_unseen_shapes(tmp_path, fitted):
     rows, models = fitted
-    path = costmodel.export(rows, models, str(tmp_path / "<gpu>.json"), hand_fn=lambda fam, s: FIXED_HAND)
+    path = table.export(rows, models, str(tmp_path / "<gpu>.json"), hand_fn=lambda fam, s: FIXED_HAND)
     assert path.name == "synthetic.json"
     t = LaunchTable.load(path)
     swept = [e["source"] for e in t.exact.values() if "best_ms" in e]
@@ -723,7 +759,7 @@ def test_export_table_covers_unseen_shapes(tmp_path, fitted):
 
 def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(fitted):
     rows, models = fitted
-    entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: FIXED_HAND)
+    entries = table.export_entries(rows, models, hand_fn=lambda fam, s: FIXED_HAND)
     hand_id = sweep.config_id(FIXED_HAND)
     for e in entries:
         if e["source"] == "hand":  # kept: the hand rule within the margin of the best (measured or predicted)
@@ -742,7 +778,7 @@ def test_export_keeps_the_hand_rule_unless_another_config_clearly_beats_it(fitte
     assert near and all(90 <= e["shape"]["L"] < 350 for e in near)  # where _best_bm is 64
     # a rule right for no shape is replaced wherever the sweep measured a clear gain
     bad = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 3}
-    entries = costmodel.export_entries(rows, models, unseen=False, hand_fn=lambda fam, s: bad)
+    entries = table.export_entries(rows, models, unseen=False, hand_fn=lambda fam, s: bad)
     assert [e["source"] for e in entries].count("measured") == 14
 
 
@@ -755,7 +791,7 @@ def test_export_keeps_the_hand_rule_where_a_pick_would_launch_fewer_programs_tha
     fewest = min(sweep_families.programs("softmax_bwd", r["B"], r["H"], r["cfg"]) for r in rows)
     models = costmodel.fit(rows)
     assert models["softmax_bwd"].fewest_programs == fewest == 128
-    entries = costmodel.export_entries(rows, models, hand_fn=lambda fam, s: hand)
+    entries = table.export_entries(rows, models, hand_fn=lambda fam, s: hand)
 
     def launched(e):
         return sweep_families.programs("softmax_bwd", e["shape"]["B"], e["shape"]["H"], e["config"])
@@ -766,39 +802,12 @@ def test_export_keeps_the_hand_rule_where_a_pick_would_launch_fewer_programs_tha
     assert predicted and all(launched(e) >= fewest for e in predicted)
 
 
-def test_table_entries_ab_times_exactly_the_shapes_whose_entry_changed():
-    """experiments/gpu/table_entries_ab.py's shape list: the export grid's shapes whose exact key
-    names another config in the new table than in the old one (or than the shape's hand rule)."""
-    import importlib.util
-
-    from kernels.launch_table import shape_key
-
-    script = Path(__file__).resolve().parents[1] / "experiments" / "gpu" / "table_entries_ab.py"
-    spec = importlib.util.spec_from_file_location("table_entries_ab", script)
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
-    rows = _rows_turning_over_at_a_total_size()
-    new = {shape_key(e["family"], e["shape"]): e["config"]
-           for e in costmodel.export_entries(rows, costmodel.fit(rows))}
-    key = next(k for k in new if "N=1024" in k)
-    old = dict(new) | {key: dict(new[key], num_warps=16)}
-    changed = ab.changed_shapes(old, new, rows, "softmax_bwd")
-    assert changed and {c_old["num_warps"] for _, c_old, _ in changed} == {16}  # that key's shapes only
-    assert all(cfg == new[key] for _, _, cfg in changed) and len({s.id for s, _, _ in changed}) == len(changed)
-    assert ab.changed_shapes(new, new, rows, "softmax_bwd") == []
-    against_hand = ab.changed_shapes(None, new, rows, "softmax_bwd")
-    assert against_hand
-    for s, hand, cfg in against_hand:
-        assert hand == sweep_families.hand_config("softmax_bwd", s)
-        assert sweep_families.complete("softmax_bwd", hand) != sweep_families.complete("softmax_bwd", cfg)
-
-
 def test_export_leaves_out_a_family_swept_on_too_few_shapes(tmp_path, capsys, fitted):
     """Two swept shapes are not a model: the family gets no entry (not even its measured ones, which
     the nearest-entry lookup would hand to every other shape), so its hand rule stays in force."""
     rows, models = fitted
     rows = rows + [dict(r, family="flash_bwd") for r in rows if r["N"] in (256, 512) and r["fill"] == 0.3]
-    path = costmodel.export(rows, models, str(tmp_path / "t.json"))
+    path = table.export(rows, models, str(tmp_path / "t.json"))
     t = LaunchTable.load(path)
     assert {e["family"] for e in t.exact.values()} == {"flash_fwd"}
     assert t.lookup("flash_bwd", dict(B=512, N=512, L=154, H=2, D=64, dtype="bfloat16", causal=0)) is None
@@ -817,7 +826,7 @@ def test_summary_says_not_judged_where_no_shape_is_held_out():
 
 def test_costmodel_bad_cli_exits_2(tmp_path):
     with pytest.raises(SystemExit) as e:
-        costmodel.parse_args(["fit", "--data", str(tmp_path / "missing.parquet")])
+        costmodel.parse_args(["eval", "--data", str(tmp_path / "missing.parquet")])
     assert e.value.code == 2
     with pytest.raises(SystemExit) as e:
         costmodel.parse_args(["predict", "--data", "x"])
@@ -869,10 +878,10 @@ def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_
     from experiments.tuning.costmodel_report import write_report
 
     rows = synthetic_rows()
-    counted = write_report([dict(r, energy_src="counter") for r in rows], str(tmp_path / "a"), folds=7)
-    assert [Path(p).name for p in counted] == ["costmodel-synthetic.md", "costmodel-pred-synthetic.png",
-                                               "costmodel-slowdown-synthetic.png", "costmodel-importance-synthetic.png",
-                                               "costmodel-energy-synthetic.png"]
+    counted = write_report([dict(r, energy_src="counter") for r in rows], str(tmp_path / "a" / "<gpu>"), folds=7)
+    assert [Path(p).name for p in counted] == ["costmodel.md", "costmodel-pred.png", "costmodel-slowdown.png",
+                                               "costmodel-importance.png", "costmodel-energy.png"]
+    assert {Path(p).parent for p in counted} == {tmp_path / "a" / "synthetic"}  # <gpu>: the rows' GPU
     md = Path(counted[0]).read_text()
     assert "| flash_fwd | 14 |" in md and f"Energy: {len(rows)} rows" in md
     assert "7 folds" in md and "model, 5 folds" in md  # the verdicts' folds and the 5-fold column beside
@@ -919,7 +928,7 @@ def test_rows_of_an_older_sweep_get_the_keys_added_since_as_their_kernel_ran():
     assert complete("jagged_jagged_bmm", {"BLOCK_K": 64})["T_SPLITS"] == 1
     recorded = {"BLOCK_N": 256, "STREAM_N": 64}
     assert complete("softmax_bwd", recorded) is recorded  # a key the row has is kept
-    rows = load(Path(__file__).resolve().parents[1] / "experiments" / "results" / "costmodel-sweep-h200.parquet")
+    rows = load(Path(__file__).resolve().parents[1] / "experiments" / "results" / "tuning" / "h200" / "sweep.parquet")
     assert {r["family"] for r in rows} >= {"softmax_fwd", "jagged_jagged_bmm"}
     for r in rows:
         assert set(TUNABLE[r["family"]]) <= set(r["cfg"]), (r["family"], r["cfg"])

@@ -291,7 +291,7 @@ def test_bench_ideal_speedup_and_report(tmp_path):
     md = bench.write(rows, stamp, tmp_path, type("A", (), {"dtype": "bfloat16"}))
     text = md.read_text()
     assert "| 4096 | 64 | 8 | 2.000 | - | 0.250 | 8.00x | - | 9.60x | 0.83 | 1.0e-03 |" in text
-    assert (tmp_path / "s2-test-gpu.png").is_file() and "commit abc" in text
+    assert md.name == "s2.md" and (tmp_path / "s2.png").is_file() and "commit abc" in text
 
 
 def test_triton_s2_compiles_as_one_opaque_op_per_call():

@@ -5,11 +5,12 @@ from __future__ import annotations
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from experiments.bench.layouts import Jagged
+if TYPE_CHECKING:
+    from experiments.bench.layouts import Jagged
 
 OURS = "jagged"
 
@@ -67,12 +68,8 @@ def ceilings_of(row: dict, default: dict | None) -> dict:
 
 
 def op_kwargs(fn: Callable, n_positional: int, **kwargs) -> dict:
-    """The keywords of `kwargs` that `fn` accepts and that its first positionals do not bind.
-
-    Lets the harness follow the public signatures (``max_seq_len``, ``backend``) without
-    breaking when an op takes one of them positionally or not at all. Computed once, outside
-    the timed region.
-    """
+    """The keywords of `kwargs` that `fn` accepts and that its first positionals do not bind (so the
+    harness follows the public signatures); computed once, outside the timed region."""
     params = inspect.signature(fn).parameters
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     positional = [n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -1,17 +1,16 @@
-"""Command line: ``python -m experiments bench attention|dense_attention|ops|all|report [options]``.
+"""Kernel benchmarks against every peer: ``python -m experiments bench attention|dense_attention|ops|all|report``.
 
-Examples:
-    python -m experiments bench all --suite paper --out experiments/results        # GPU, ~minutes
-    python -m experiments bench attention --suite recsys --providers varlen_attn   # ours vs one peer
-    python -m experiments bench all --suite smoke --device cpu --out /tmp/bench    # CPU, seconds
-    python -m experiments bench report --out experiments/results                   # tables + plots from JSON
-    python -m experiments bench dense_attention --force dense_bwd:SPLIT_DQ=0      # a launch-config A/B
+    python -m experiments bench all --suite paper                                   # GPU, minutes
+    python -m experiments bench all --suite smoke --device cpu --out /tmp/bench     # CPU, seconds
+    python -m experiments bench report                                              # tables + plots from JSON
+    python -m experiments bench dense_attention --force dense_bwd:SPLIT_DQ=0        # a launch-config A/B
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import os
 import sys
 import time
@@ -19,16 +18,11 @@ import warnings
 
 import torch
 
-from experiments.bench.base import RunConfig
-from experiments.bench.measure import measure_ceilings
-from experiments.bench.report import SCHEMA, write_json, write_report
-from experiments.bench.runner import provider_names, run_kind
-from experiments.bench.stamp import make_stamp, stamp_line
 from experiments.bench.suites import KINDS, SUITE_NAMES
-from experiments.bench.targets import evaluate, geomean_table
 
 # `all` runs the quick kinds first, so that a --deadline-s cut lands on self-attention shapes
 ALL_ORDER = ("ops", "dense_attention", "attention")
+OUT = "experiments/results/kernels/<gpu>"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -38,7 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--suite", default="paper", help=f"one or more of {SUITE_NAMES}, comma-separated")
     p.add_argument("--providers", default=None, help="peers to run, comma-separated (ours always runs)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
-    p.add_argument("--out", default="experiments/results", help="folder, or a .json file (report goes beside it)")
+    p.add_argument("--out", default=OUT, help="folder (<gpu>: the GPU's slug; report: every GPU's folder), or a "
+                   ".json file (the report goes beside it)")
     p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd and/or fwd_bwd (ops run fwd only)")
     p.add_argument("--max-shapes", type=int, default=None, help="only the first N shapes of each suite")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
@@ -67,14 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def parse_force(specs: list[str]) -> dict[str, dict[str, int]]:
     """['dense_bwd:SPLIT_DQ=0,M_KV=32'] -> {'dense_bwd': {'SPLIT_DQ': 0, 'M_KV': 32}}; unknown
     families and keys are refused with the known ones named."""
-    from kernels._launch_configs import FAMILIES
-    from experiments.tuning.families import TUNABLE
+    from experiments.tuning.families import MODULE_DICTS, TUNABLE
 
+    families = [f for f in TUNABLE if f not in MODULE_DICTS]  # the launch table's, which forced() knows
     out: dict[str, dict[str, int]] = {}
     for spec in specs:
         family, _, pairs = spec.partition(":")
-        if family not in FAMILIES:
-            raise ValueError(f"--force {spec}: unknown kernel family {family!r}; known: {', '.join(FAMILIES)}")
+        if family not in families:
+            raise ValueError(f"--force {spec}: unknown kernel family {family!r}; known: {', '.join(families)}")
         for pair in filter(None, pairs.split(",")):
             key, eq, value = pair.partition("=")
             if not eq or key not in TUNABLE[family] or not value.lstrip("-").isdigit():
@@ -87,13 +82,16 @@ def parse_force(specs: list[str]) -> dict[str, dict[str, int]]:
 
 
 def _paths(out: str, slug: str, what: str, suites: list[str]) -> tuple[str, str]:
+    out = out.replace("<gpu>", slug)
     if out.endswith(".json"):
         return out, os.path.dirname(os.path.abspath(out))
     # '_' joins suites: result files keep to [A-Za-z0-9._-] so every copier and transfer keeps them
-    return os.path.join(out, f"bench-{slug}-{what}-{'_'.join(suites)}.json"), out
+    return os.path.join(out, f"bench-{what}-{'_'.join(suites)}.json"), out
 
 
 def print_summary(rows: list[dict], ceilings: dict | None) -> None:
+    from experiments.bench.targets import evaluate, geomean_table
+
     print("\n== geometric-mean speedup of ours (peer time / ours) ==")
     for g in geomean_table(rows):
         op = f" {g['op']}" if g["op"] else ""
@@ -104,52 +102,31 @@ def print_summary(rows: list[dict], ceilings: dict | None) -> None:
     sys.stdout.flush()
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    warnings.filterwarnings("ignore", category=UserWarning)
-    if args.what == "report":
-        for path in write_report(args.out):
-            print(f"wrote {path}")
-        return 0
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    suites = args.suite.split(",")
-    for s in suites:
-        if s not in SUITE_NAMES:
-            raise SystemExit(f"unknown suite {s!r}; one of {SUITE_NAMES}")
-    if args.providers:
-        unknown = set(args.providers.split(",")) - provider_names()
-        if unknown:
-            raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(provider_names())}")
-    modes = tuple(m for m in args.modes.split(",") if m)
-    if not set(modes) <= {"fwd", "fwd_bwd"}:
-        raise SystemExit(f"--modes takes fwd and/or fwd_bwd, got {args.modes!r}")
+def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], argv) -> tuple[str, str, str]:
+    """Every kind and suite of `args`, rows saved after each shape; (JSON path, folder, GPU slug)."""
+    from kernels._launch_configs import forced
+    from experiments.bench import runner
+    from experiments.bench.base import RunConfig
+    from experiments.bench.measure import measure_ceilings
+    from experiments.bench.report import SCHEMA, write_json
+    from experiments.bench.stamp import make_stamp, stamp_line
+
     start = time.monotonic()
     cfg = RunConfig(
-        device=device,
-        dtype=DTYPES[args.dtype],
-        modes=modes,
-        warmup_ms=args.warmup,
-        rep_ms=args.rep,
+        device=device, dtype=DTYPES[args.dtype], modes=modes, warmup_ms=args.warmup, rep_ms=args.rep,
         ours_backend=args.ours_backend or ("triton" if device.type == "cuda" else "torch"),
-        providers=frozenset(args.providers.split(",")) if args.providers else None,
-        max_shapes=args.max_shapes,
-        seed=args.seed,
-        flex_max_tokens=args.flex_max_tokens,
-        flex_budget_s=args.flex_budget_s,
-        deadline=start + args.deadline_s if args.deadline_s else None,
-        graph_ms=args.graph_ms,
+        providers=frozenset(args.providers.split(",")) if args.providers else None, max_shapes=args.max_shapes,
+        seed=args.seed, flex_max_tokens=args.flex_max_tokens, flex_budget_s=args.flex_budget_s,
+        deadline=start + args.deadline_s if args.deadline_s else None, graph_ms=args.graph_ms,
     )
     stamp = make_stamp(device, args.commit)
     if args.force:
-        forced = "; ".join(f"{fam} " + ",".join(f"{k}={v}" for k, v in kv.items()) for fam, kv in args.force.items())
-        stamp["launch_table"] = f"{stamp['launch_table']} + forced {forced}"
+        forced_text = "; ".join(f"{fam} " + ",".join(f"{k}={v}" for k, v in kv.items()) for fam, kv in args.force.items())
+        stamp["launch_table"] = f"{stamp['launch_table']} + forced {forced_text}"
     print(stamp_line(stamp), flush=True)
     ceilings = measure_ceilings(device, cfg.dtype, cfg.warmup_ms, cfg.rep_ms)
-    print(
-        f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, {ceilings['matmul_dtype']} matmul "
-        f"{ceilings['matmul_tflops']:.1f} TFLOP/s",
-        flush=True,
-    )
+    print(f"ceilings: copy {ceilings['copy_gbps']:.0f} GB/s, {ceilings['matmul_dtype']} matmul "
+          f"{ceilings['matmul_tflops']:.1f} TFLOP/s", flush=True)
     kinds = list(ALL_ORDER) if args.what == "all" else [args.what]
     json_path, folder = _paths(args.out, stamp["gpu_slug"], args.what, suites)
     config = {
@@ -164,19 +141,43 @@ def main(argv=None) -> int:
         write_json(json_path, {"schema": SCHEMA, "stamp": stamp, "ceilings": ceilings, "config": config,
                                "rows": rows + partial, "wall_s": round(time.monotonic() - start, 1)})
 
-    from kernels._launch_configs import forced
-
     with contextlib.ExitStack() as stack:
         for family, keys in args.force.items():
             stack.enter_context(forced(family, keys))
         for suite in suites:
             for kind in kinds:
-                rows += run_kind(kind, suite, cfg, on_shape=save)
+                rows += runner.run_kind(kind, suite, cfg, on_shape=save)
     save([])
     print(f"\nwrote {json_path} ({len(rows)} rows, {time.monotonic() - start:.0f} s)")
     print_summary(rows, ceilings)
+    return json_path, folder, stamp["gpu_slug"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    from experiments.bench import runner
+    from experiments.bench.report import write_report
+
+    if args.what == "report":
+        folders = sorted(glob.glob(args.out.replace("<gpu>", "*"))) if "<gpu>" in args.out else [args.out]
+        for path in (p for folder in folders for p in write_report(folder)):
+            print(f"wrote {path}")
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    suites = args.suite.split(",")
+    for s in suites:
+        if s not in SUITE_NAMES:
+            raise SystemExit(f"unknown suite {s!r}; one of {SUITE_NAMES}")
+    if args.providers:
+        unknown = set(args.providers.split(",")) - runner.provider_names()
+        if unknown:
+            raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(runner.provider_names())}")
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not set(modes) <= {"fwd", "fwd_bwd"}:
+        raise SystemExit(f"--modes takes fwd and/or fwd_bwd, got {args.modes!r}")
+    _, folder, slug = run(args, device, suites, modes, argv)
     if not args.no_report:
-        for path in write_report(folder, stamp["gpu_slug"]):
+        for path in write_report(folder, slug):
             print(f"wrote {path}")
     return 0
-

@@ -1,32 +1,10 @@
 """Two benchmark runs of ours side by side: did a change (a launch table, a kernel) slow any row?
 
-    python -m experiments bench-compare BASE.json NEW.json [--noise 0.05] [--out compare.md]
-    python -m experiments bench-compare HAND1.json,HAND2.json TABLE1.json,TABLE2.json   # repeated runs
+    python -m experiments bench-compare BASE.json[.gz] NEW.json[.gz] [--noise 0.05] [--out compare.md]
 
-(either file may be gzipped, BASE.json.gz: the committed pairs are, to keep the tree small)
-
-Either side may be several runs of the same code (comma-separated; alternate the processes,
-hand, table, hand, table): each row's time is then its median over them, and the geometric mean
-over ``varlen_attn`` of every run is printed beside the verdict, so its spread shows: a
-host-bound row's call time moves from process to process (docs/tuning.md, the H100 table).
-
-BASE and NEW are result files of ``python -m experiments bench`` (e.g. one run with
-``JFA_LAUNCH_TABLE=off``, the hand rules, and one with the table; each in its own --out folder,
-since a report folder keeps only the newest row of each shape). For every row that ours timed
-in both (kind, suite, op, shape, mode): new / base time of the call and, where both runs had
-``--graph-ms``, of the kernels alone. Verdicts, never relaxed:
-
-- no row slower than before by more than ``--noise`` (relative: 0.05 = 5%), judged by the kernels'
-  time where both runs have it, else by the call's. A launch config changes the kernels; the
-  call's time of a short op is mostly host time, which moves far more than 5% between two runs
-  of the same code (two H200 runs of the hand rules: call times 0.49-2.60x, kernel times
-  0.98-1.00x; docs/tuning.md);
-- the geometric mean of ours' speedup over ``varlen_attn`` (attention fwd+bwd, every suite both
-  runs measured) not lower than before, by call time as the suites report it (the same by the
-  kernels' time is printed beside it where the rows have it).
-
-Both runs' stamps are printed (GPU, versions, commit, launch table): times from different GPUs
-are refused. Exit status 0 (printed PASS or MISS), 2 for unreadable or incomparable files.
+Either side may be several runs (comma-separated; each row's median). Verdicts, never relaxed: no
+row of ours slower by more than --noise (by the kernels' time where both runs have --graph-ms,
+else by the call's), and the fwd+bwd geomean over varlen_attn not lower. Exit 0, 2 on bad input.
 """
 
 from __future__ import annotations

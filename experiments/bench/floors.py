@@ -1,22 +1,8 @@
 """The floor of an attention row: the least time its bytes and its FLOPs allow on the device measured.
 
-Per pass (forward; backward), ``floor = max(bytes / copy bandwidth, FLOPs / matmul rate)``, with both
-ceilings measured in the same run (``measure.measure_ceilings``: a device copy, and a large square
-matmul in the run's dtype). A fwd+bwd row's floor is the sum of the two passes' floors. The ratio
-``ours / floor`` says how far a kernel is from what the hardware allows, whatever the peers do.
-
-Bytes are the least any implementation must move: every input read once and every output written
-once, tensors in the run's dtype (e bytes an element), the log-sum-exp statistics in fp32:
-
-- target attention (``jagged_dense_attention``; q, out [B, Tq, H, D], k, v [T, H, D], lse [B, Tq, H]):
-  forward reads q, k, v and writes out, lse: ``e*(2*Q + 2*K) + 4*S``; backward reads q, k, v, out,
-  dout, lse and writes dq, dk, dv: ``e*(4*Q + 4*K) + 4*S``, with Q = B*Tq*H*D, K = T*H*D, S = B*Tq*H.
-- self-attention (``jagged_flash_attention``; q, k, v, out [T, H, D], lse [T, H]): forward
-  ``e*4*K + 4*S``; backward ``e*8*K + 4*S``, with K = T*H*D, S = T*H.
-
-FLOPs are the tables' useful FLOPs (``suites.attention_flops`` / ``dense_attention_flops``: the
-forward's two matmuls over real tokens, the backward 2.5x the forward). T is the row's real tokens
-after truncation to N.
+Per pass, ``floor = max(bytes / copy bandwidth, FLOPs / matmul rate)`` with both ceilings measured
+in the same run; a fwd+bwd row's floor is the sum of its passes'. Bytes: every input read and
+every output written once (``pass_bytes``); FLOPs: the tables' useful FLOPs over real tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +15,10 @@ KINDS = ("dense_attention", "attention")
 
 
 def pass_bytes(kind: str, shape: dict, tokens: int, elem: int) -> tuple[float, float]:
-    """(forward bytes, backward bytes) that any implementation of the row must move."""
+    """(forward bytes, backward bytes) any implementation must move: inputs read and outputs written
+    once, `elem` bytes an element, lse in fp32. Target attention (q, out [B, Tq, H, D], k, v
+    [T, H, D]): fwd e*(2Q + 2K) + 4S, bwd e*(4Q + 4K) + 4S with Q = B*Tq*H*D, K = T*H*D,
+    S = B*Tq*H; self-attention: fwd e*4K + 4S, bwd e*8K + 4S with S = T*H."""
     H, D = shape["H"], shape["D"]
     K = tokens * H * D
     if kind == "dense_attention":

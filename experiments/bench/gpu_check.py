@@ -1,16 +1,10 @@
-"""Compile every Triton kernel (attention: flash, dense, S2; the row-wise ops: softmax, conversions,
-elementwise, bmm) for a GPU target on any machine, no GPU needed.
+"""Compile every Triton kernel for a GPU target on any machine, no GPU needed.
 
     python -m experiments gpu-check [--arch 90] [--dtypes bf16,fp16,fp32] [--dims 16,48,...] [--ptxas]
 
-The launchers are run on "meta" tensors with their kernels swapped for recorders, so exactly
-the configurations the launchers would launch (block sizes, warps, stages, constexprs) are then
-compiled by Triton's own compiler down to a cubin for the chosen architecture. It catches
-compile errors before any GPU time is spent and, with --ptxas, prints registers, spills and
-shared memory per kernel: the numbers to look at when tuning block sizes. Arguments are
-specialised as Triton's launcher does (ints equal to 1 as constants, multiples of 16 and tensors
-as 16-byte aligned), so the code is what the GPU runs for these sizes; compile errors and
-resource use are what this is for.
+The launchers run on "meta" tensors with their kernels swapped for recorders; the launches they
+would make are compiled down to a cubin, specialised as Triton's launcher does. --ptxas prints
+registers and spills per kernel.
 """
 
 from __future__ import annotations
@@ -162,16 +156,17 @@ def _workloads(dtype, D):
 
 
 def main(argv=None) -> int:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments gpu-check",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--dims", default="16,24,48,64,96,128,136,200,256")
     ap.add_argument("--ptxas", action="store_true", help="report registers and spills")
     a = ap.parse_args(argv)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     target = GPUTarget("cuda", a.arch, 32)
     failures, seen = 0, set()

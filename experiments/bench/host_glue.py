@@ -1,13 +1,9 @@
-"""Host time of the public ops' glue (checks, autograd, dispatch) with the Triton launchers mocked.
-
-docs/tuning.md's host-time method: every launcher returns ready tensors of its outputs' shapes, so
-what is timed is the Python and autograd work around the kernels, per call, on this machine's
-CPU. Run on the CPU box (``TRITON_INTERPRET=1`` is set here: the Triton backend on CPU tensors):
+"""Host time of the public ops' glue (checks, autograd, dispatch), the Triton launchers mocked.
 
     python -m experiments host-glue [--calls 500] [--repeats 7]
 
-Prints, per op, the best and the median of the repeats in microseconds per call, forward alone
-(no autograd to record) and forward + backward.
+Per op, the best and median of the repeats in microseconds per call, forward alone and forward
++ backward, on this machine's CPU (``TRITON_INTERPRET=1`` is set here).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Jagged inputs, their padded copies, and the fp32 references the outputs are checked against.
 
-The harness does its own padding (a gather/scatter through a precomputed row index) so that it
-never depends on the kernels it measures. References are fp32 on upcast inputs: the project's
-torch reference (``backend="torch"``) on small cases; on large ones the oracle inside it,
-``kernels._attention_reference.padded_attention``, in chunks of sequences that keep the
-[b, H, L, L] fp32 scores and probabilities under a fixed budget.
+The harness pads by itself (a gather/scatter through a row index), never through the kernels it
+measures. References: the torch backend on small cases, else ``padded_attention`` in chunks of
+sequences whose fp32 scores stay under REF_CHUNK_BYTES.
 """
 
 from __future__ import annotations

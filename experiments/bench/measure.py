@@ -1,15 +1,9 @@
 """Timing, peak memory, the output check and the device ceilings.
 
-Timing: on CUDA, ``triton.testing.do_bench`` (CUDA events, L2 flushed before each run, median);
-do_bench calls the function once before it measures, and the harness has already called it once
-for the output check, so the first call (Triton compilation, autotuning) is never timed. On the
-CPU (smoke runs) a host clock around each call, median, after one untimed call.
-
-Kernel time (``--graph-ms``, CUDA only): the same call replayed as a CUDA graph, no host time.
-
-Peak memory (CUDA only): bytes of the provider's inputs in its own layout, plus
-``max_memory_allocated() - memory_allocated()`` around one call made after
-``reset_peak_memory_stats()`` with the inputs already allocated and the gradients cleared.
+Timing: ``triton.testing.do_bench`` on CUDA (CUDA events, L2 flushed, median; the first call,
+Triton's compile, is never timed), a host clock on the CPU; ``graph_ms`` the same call replayed
+as a CUDA graph (the kernels alone). Peak memory (CUDA): the inputs' bytes plus the peak
+allocated during one call beyond what was allocated before it.
 """
 
 from __future__ import annotations
@@ -81,9 +75,8 @@ def bench_ms(
 
 def graph_ms(fn: Callable[[], object], device: torch.device, rep_ms: float,
              grad_to_none: list[torch.Tensor] | None = None) -> float | None:
-    """Median milliseconds of `fn()` replayed as a CUDA graph (``triton.testing.do_bench_cudagraph``:
-    calls unrolled in one graph, so no host time and no launch gaps: the kernels' own time, as
-    docs/tuning.md's "gpu" columns); None off CUDA."""
+    """Median milliseconds of `fn()` replayed as a CUDA graph (``do_bench_cudagraph``: no host time,
+    no launch gaps: the kernels' own time); None off CUDA."""
     if device.type != "cuda":
         return None
     import triton.testing
@@ -141,8 +134,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-# ||out - ref|| / ||ref|| allowed when the output is checked against the fp32 reference
-# (METHOD.md: bf16 operands land between 1e-3 and 1e-2; fp32 far under 1e-3).
+# ||out - ref|| / ||ref|| allowed against the fp32 reference (bf16 operands land between 1e-3 and 1e-2)
 CHECK_TOL = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-3, torch.float64: 1e-6}
 
 

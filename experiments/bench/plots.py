@@ -1,7 +1,5 @@
-"""The paper's figures redrawn from our rows: time per call of ours and every peer, and the speedup
-and memory saving of ours against each peer, vs N and vs density (self-attention), vs Tq (target
-attention); and ops bandwidth. Every figure
-carries the stamp (GPU, torch, triton, CUDA, commit, date) under its title.
+"""The paper's figures from our rows: time, speedup and memory saving against each peer, vs N and
+density (self-attention) and Tq (target attention); ops bandwidth. Each carries the stamp.
 """
 
 from __future__ import annotations
@@ -152,7 +150,7 @@ def _bandwidth_figure(rows: list[dict], stamp: dict, path: str, copy: float | No
     return save_png(fig, path, dpi=110, metadata={"Title": "Jagged ops bandwidth", "Description": stamp_line(stamp)})
 
 
-def write_plots(rows: list[dict], stamp: dict, folder: str, slug: str, copy_gbps: float | None = None) -> list[str]:
+def write_plots(rows: list[dict], stamp: dict, folder: str, copy_gbps: float | None = None) -> list[str]:
     paths = []
     grid = _grid_rows(rows)
     if grid:
@@ -162,7 +160,7 @@ def write_plots(rows: list[dict], stamp: dict, folder: str, slug: str, copy_gbps
         paths.append(_figure(
             vs_n, "N", "N (max_seq_len)",
             f"Jagged flash attention vs peers, by N (H={s['H']}, D={s['D']}, density {d_ref:g}, B*N ~ const)",
-            stamp, os.path.join(folder, f"attention-vs-N-{slug}.png"), logx=True,
+            stamp, os.path.join(folder, "attention-vs-N.png"), logx=True,
         ))
         n_ref = _pick([r["shape"]["N"] for r in grid], 1024)
         vs_d = [r for r in grid if r["shape"]["N"] == n_ref]
@@ -170,7 +168,7 @@ def write_plots(rows: list[dict], stamp: dict, folder: str, slug: str, copy_gbps
         paths.append(_figure(
             vs_d, "density", "density (mean length / N)",
             f"Jagged flash attention vs peers, by density (B={s['B']}, N={n_ref}, H={s['H']}, D={s['D']})",
-            stamp, os.path.join(folder, f"attention-vs-density-{slug}.png"), logx=False,
+            stamp, os.path.join(folder, "attention-vs-density.png"), logx=False,
         ))
     dense = [r for r in rows if r["kind"] == "dense_attention"]
     if dense:
@@ -180,8 +178,8 @@ def write_plots(rows: list[dict], stamp: dict, folder: str, slug: str, copy_gbps
         paths.append(_figure(
             sel, "Tq", "Tq (dense queries per sequence)",
             f"jagged_dense_attention vs peers, by Tq (B={key[1]}, N={key[2]}, H={key[3]}, D={key[4]}, density {key[5]:g})",
-            stamp, os.path.join(folder, f"dense-attention-vs-Tq-{slug}.png"), logx=True,
+            stamp, os.path.join(folder, "dense-attention-vs-Tq.png"), logx=True,
         ))
     if any(r["kind"] == "ops" for r in rows):
-        paths.append(_bandwidth_figure(rows, stamp, os.path.join(folder, f"ops-bandwidth-{slug}.png"), copy_gbps))
+        paths.append(_bandwidth_figure(rows, stamp, os.path.join(folder, "ops-bandwidth.png"), copy_gbps))
     return paths

@@ -1,15 +1,10 @@
-"""Self-attention providers: ours and every peer, each in its own input layout.
+"""The attention providers, ours and every peer, each in its own input layout.
 
-| name | layout | what runs |
-| --- | --- | --- |
-| jagged | [T, H, D] + offsets | ``kernels.jagged_flash_attention(..., backend=ours_backend)`` |
-| dense_torch | padded [B, H, N, D] + mask | matmul, mask, softmax, matmul (the paper's "dense attention") |
-| sdpa_padded_mask | padded [B, H, N, D] + mask | SDPA with a key-padding mask (the paper's "dense flash attention") |
-| varlen_attn | [T, H, D] + int32 cu_seqlens | ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen) |
-| njt_sdpa | nested jagged tensors | ``nested_tensor_from_jagged`` + SDPA |
-| flex_packed | [1, H, T, D] + block mask | compiled FlexAttention, document mask over the packed tokens |
-
-All use the default scale 1/sqrt(D) and no causal mask.
+Self-attention (``ATTENTION_PROVIDERS``): jagged (ours, [T, H, D] + offsets); dense_torch and
+sdpa_padded_mask, padded [B, H, N, D] with a key mask (the paper's dense attention and dense flash
+attention); varlen_attn (FlashAttention-2 varlen); njt_sdpa (nested jagged tensors); flex_packed
+(compiled FlexAttention, a document mask over the packed tokens). Target attention
+(``DENSE_ATTENTION_PROVIDERS``): the same peers with Tq dense queries per sequence.
 """
 
 from __future__ import annotations
@@ -28,31 +23,25 @@ def leaves(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [t.detach().requires_grad_() for t in ts]
 
 
-def _ours(j: Jagged, cfg: RunConfig) -> Prepared:
-    from kernels import jagged_flash_attention
+def _ours(dense_q: bool):
+    """jagged_flash_attention on q [T, H, D], or jagged_dense_attention on q [B, Tq, H, D]."""
 
-    q, k, v = leaves(j.q, j.k, j.v)
-    # int32 offsets, as varlen_attn's cu_seqlens: the kernels read them natively (no copy)
-    offsets, N = j.offsets.to(torch.int32), j.shape.N
+    def prepare(j: Jagged, cfg: RunConfig) -> Prepared:
+        import kernels
 
-    kw = op_kwargs(jagged_flash_attention, 5, backend=cfg.ours_backend)
+        op = kernels.jagged_dense_attention if dense_q else kernels.jagged_flash_attention
+        q, k, v = leaves(j.qd if dense_q else j.q, j.k, j.v)
+        # int32 offsets, as varlen_attn's cu_seqlens: the kernels read them natively (no copy)
+        offsets, N = j.offsets.to(torch.int32), j.shape.N
+        kw = op_kwargs(op, 5, backend=cfg.ours_backend)
+        return Prepared(lambda: op(q, k, v, offsets, N, **kw), [q, k, v], [q, k, v, offsets], lambda o: o)
 
-    def fwd():
-        return jagged_flash_attention(q, k, v, offsets, N, **kw)
-
-    return Prepared(fwd, [q, k, v], [q, k, v, offsets], lambda o: o)
+    return prepare
 
 
 def padded_bhnd(j: Jagged, x: torch.Tensor) -> torch.Tensor:
     """[T, H, D] -> padded [B, H, N, D] (contiguous), zeros past each length."""
     return to_padded(x, j.pos, j.shape.B, j.shape.N).transpose(1, 2).contiguous()
-
-
-def padded_inputs(j: Jagged):
-    with torch.no_grad():
-        q, k, v = (padded_bhnd(j, t) for t in (j.q, j.k, j.v))
-    mask = key_mask(j.lengths, j.shape.N, j.q.device)  # [B, 1, 1, N]
-    return leaves(q, k, v), mask
 
 
 def dense_torch_attention(q, k, v, mask):  # q [B,H,Nq,D], k/v [B,H,N,D], mask [B,1,1,N]
@@ -61,17 +50,23 @@ def dense_torch_attention(q, k, v, mask):  # q [B,H,Nq,D], k/v [B,H,N,D], mask [
     return torch.matmul(torch.softmax(s, dim=-1), v)
 
 
-def _dense_torch(j: Jagged, cfg: RunConfig) -> Prepared:
-    (q, k, v), mask = padded_inputs(j)
-    to_ref = lambda o: from_padded(o.transpose(1, 2), j.pos)  # noqa: E731
-    return Prepared(lambda: dense_torch_attention(q, k, v, mask), [q, k, v], [q, k, v, mask], to_ref)
+def sdpa_attention(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def _sdpa_padded(j: Jagged, cfg: RunConfig) -> Prepared:
-    (q, k, v), mask = padded_inputs(j)
-    to_ref = lambda o: from_padded(o.transpose(1, 2), j.pos)  # noqa: E731
-    fwd = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # noqa: E731
-    return Prepared(fwd, [q, k, v], [q, k, v, mask], to_ref)
+def _padded(attend, dense_q: bool):
+    """A padded peer: attend(q, k, v, mask) with k, v [B, H, N, D] and a key mask, q padded as
+    well ([B, H, N, D]) or the dense queries ([B, H, Tq, D])."""
+
+    def prepare(j: Jagged, cfg: RunConfig) -> Prepared:
+        with torch.no_grad():
+            q, k, v = (padded_bhnd(j, t) for t in (j.q, j.k, j.v))
+        q, k, v = leaves(j.qd.transpose(1, 2).contiguous() if dense_q else q, k, v)
+        mask = key_mask(j.lengths, j.shape.N, j.q.device)  # [B, 1, 1, N]
+        to_ref = (lambda o: o.transpose(1, 2)) if dense_q else (lambda o: from_padded(o.transpose(1, 2), j.pos))
+        return Prepared(lambda: attend(q, k, v, mask), [q, k, v], [q, k, v, mask], to_ref)
+
+    return prepare
 
 
 def _varlen(j: Jagged, cfg: RunConfig) -> Prepared:
@@ -95,9 +90,8 @@ def _njt(j: Jagged, cfg: RunConfig) -> Prepared:
     return Prepared(fwd, [q, k, v], [q, k, v, offsets], lambda o: o)
 
 
-# A capture that fails keeps its memory pool, and the allocator stops releasing cached blocks,
-# for the rest of the process (pytorch/pytorch#190348, torch 2.11): one such row per shape filled
-# the H200 and every later row's capture ran out of memory. So no capture is tried.
+# A capture that fails keeps its memory pool for the rest of the process (pytorch/pytorch#190348,
+# torch 2.11), and every later row's capture would run out of memory: so no capture is tried.
 NO_GRAPH_HOST_SYNC = "not captured: SDPA on nested tensors reads the lengths on the host"
 
 _FLEX = {}
@@ -149,10 +143,29 @@ def _flex(j: Jagged, cfg: RunConfig) -> Prepared:
 
 
 ATTENTION_PROVIDERS = [
-    Provider(OURS, _ours),
-    Provider("dense_torch", _dense_torch),
-    Provider("sdpa_padded_mask", _sdpa_padded),
+    Provider(OURS, _ours(dense_q=False)),
+    Provider("dense_torch", _padded(dense_torch_attention, dense_q=False)),
+    Provider("sdpa_padded_mask", _padded(sdpa_attention, dense_q=False)),
     Provider("varlen_attn", _varlen, varlen_skip),
     Provider("njt_sdpa", _njt, no_graph=NO_GRAPH_HOST_SYNC),
     Provider("flex_packed", _flex, _flex_skip),
+]
+
+
+def _varlen_dense(j: Jagged, cfg: RunConfig) -> Prepared:
+    varlen_attn = varlen_fn()
+    B, Tq = j.shape.B, j.shape.Tq
+    q, k, v = leaves(j.qd.reshape(B * Tq, j.shape.H, j.shape.D), j.k, j.v)
+    cu_q = (torch.arange(B + 1, dtype=torch.int32) * Tq).to(j.q.device)
+    cu_k = j.offsets.to(torch.int32)
+    L = j.max_len
+    fwd = lambda: varlen_attn(q, k, v, cu_q, cu_k, Tq, L)  # noqa: E731
+    return Prepared(fwd, [q, k, v], [q, k, v, cu_q, cu_k], lambda o: o.view(B, Tq, j.shape.H, j.shape.D))
+
+
+DENSE_ATTENTION_PROVIDERS = [
+    Provider(OURS, _ours(dense_q=True)),
+    Provider("sdpa_padded_mask", _padded(sdpa_attention, dense_q=True)),
+    Provider("varlen_attn", _varlen_dense, varlen_skip),
+    Provider("dense_torch", _padded(dense_torch_attention, dense_q=True)),
 ]

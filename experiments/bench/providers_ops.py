@@ -1,10 +1,7 @@
-"""Jagged ops against their padded torch equivalents and torch's own jagged<->padded ops.
+"""Jagged ops (forward) against their padded torch equivalents and aten's jagged<->padded ops.
 
-Forward only. Memory-bound ops report GB/s of real data (bytes read + written that the op must
-move: the padded output of jagged_to_padded is written in full); the bmm ops report TFLOP/s of
-real tokens (2*T*K*M). Providers: ``jagged`` (ours), ``torch_padded`` (the same result computed
-on padded tensors, or a gather/scatter through a precomputed index for the conversions) and
-``aten`` (``torch.ops.aten._jagged_to_padded_dense_forward`` / ``_padded_dense_to_jagged_forward``).
+Memory-bound ops report GB/s of the bytes they must move; the bmm ops TFLOP/s of real tokens
+(2*T*K*M). Providers: ``jagged`` (ours), ``torch_padded`` and ``aten``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Result files (JSON) in, markdown tables out; plots come from experiments.bench.plots.
+"""Result files (JSON, schema ``jagged-bench/1``) in; ``report.md``, ``report.json`` and the plots out.
 
-Every run writes one JSON document (schema ``jagged-bench/1``: stamp, ceilings, config, rows).
-The report reads every such document of one GPU in a folder, keeps the newest row for each
-(kind, suite, shape, op, provider, mode), and writes ``kernels-<gpu-slug>.md`` and the PNG plots
-beside it, so runs of different suites (separate GPU commands) add up to one report.
+``write_report(folder)`` keeps the newest row of each (kind, suite, shape, op, provider, mode)
+over the folder's files, so runs of different suites add up to one report.
 """
 
 from __future__ import annotations
@@ -193,8 +191,8 @@ def render_markdown(docs: list[dict], rows: list[dict]) -> str:
     st = docs[-1]["stamp"]
     ceilings = next((d.get("ceilings") for d in reversed(docs) if d.get("ceilings")), None)
     out = [f"# Kernel benchmarks on {st['gpu']}", "", f"_{stamp_line(st)}_", ""]
-    out += ["Regenerate: `make bench SUITE=<suite>` on the GPU machine (or `python -m experiments bench all --suite <suite> "
-            "--out experiments/results`); `python -m experiments bench report --out experiments/results` rebuilds this file "
+    out += ["Regenerate: `make bench SUITE=<suite>` on the GPU machine (or `python -m experiments bench all --suite <suite>`, "
+            "into experiments/results/kernels/<gpu>/); `python -m experiments bench report` rebuilds this file, report.json "
             "and the plots from the JSON files.", ""]
     out += ["| result file | kinds | suites | GPU | torch | triton | CUDA | commit | date | launch table |",
             "|---|---|---|---|---|---|---|---|---|---|"]
@@ -230,21 +228,25 @@ def render_markdown(docs: list[dict], rows: list[dict]) -> str:
 
 
 def write_report(folder: str, slug: str | None = None) -> list[str]:
-    """Write kernels-<slug>.md and the plots for each GPU (or only `slug`) found in `folder`."""
+    """report.md, report.json (stamp, targets, geometric means) and the plots of `folder`'s result
+    files of GPU `slug` (default: the newest file's GPU; a folder holds one GPU's results)."""
     from experiments.bench.plots import write_plots
 
-    written = []
-    all_docs = load_docs(folder, slug)
-    for s in sorted({d["stamp"]["gpu_slug"] for d in all_docs}):
-        docs = [d for d in all_docs if d["stamp"]["gpu_slug"] == s]
-        rows = merge_rows(docs)
-        path = os.path.join(folder, f"kernels-{s}.md")
-        with open(path, "w") as f:
-            f.write(render_markdown(docs, rows))
-        written.append(path)
-        ceilings = next((d.get("ceilings") for d in reversed(docs) if d.get("ceilings")), None) or {}
-        written += write_plots(rows, combined_stamp(docs), folder, s, ceilings.get("copy_gbps"))
-    return written
+    docs = load_docs(folder, slug)
+    if not docs:
+        return []
+    slug = docs[-1]["stamp"]["gpu_slug"]
+    docs = [d for d in docs if d["stamp"]["gpu_slug"] == slug]
+    rows = merge_rows(docs)
+    ceilings = next((d.get("ceilings") for d in reversed(docs) if d.get("ceilings")), None) or {}
+    stamp = combined_stamp(docs)
+    path = os.path.join(folder, "report.md")
+    with open(path, "w") as f:
+        f.write(render_markdown(docs, rows))
+    write_json(os.path.join(folder, "report.json"), {"stamp": stamp, "files": [d["_file"] for d in docs],
+                                                     "targets": evaluate(rows, ceilings),
+                                                     "geomeans": geomean_table(rows)})
+    return [path, os.path.join(folder, "report.json"), *write_plots(rows, stamp, folder, ceilings.get("copy_gbps"))]
 
 
 def combined_stamp(docs: list[dict]) -> dict:

@@ -1,11 +1,8 @@
-"""Runs one kind of benchmark over one suite: shape by shape, provider by provider.
+"""One kind of benchmark over one suite, shape by shape, provider by provider: ``run_kind``.
 
-Per provider and shape: prepare the inputs in its own layout (untimed); run the forward once
-and check the output against the fp32 reference (a mismatch marks every mode FAILED, untimed);
-then per mode time it (fwd: forward under ``torch.no_grad``; fwd_bwd: forward + ``backward``
-with a fixed random grad_out in the provider's output layout, the graph rebuilt each run, the
-input gradients reset before each run) and measure its peak memory. OOM and any error are
-recorded in the row's status and the run goes on.
+Per provider: inputs in its own layout, one forward checked against the fp32 reference (a
+mismatch is FAILED, untimed), then each mode timed (fwd under no_grad; fwd_bwd with a fixed
+grad_out) and its peak memory. An OOM or error is the row's status, and the run goes on.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ from experiments.bench.measure import (
     rel_err,
     tensor_bytes,
 )
-from experiments.bench.providers import ATTENTION_PROVIDERS
-from experiments.bench.providers_dense import DENSE_ATTENTION_PROVIDERS
+from experiments.bench.providers import ATTENTION_PROVIDERS, DENSE_ATTENTION_PROVIDERS
 from experiments.bench.providers_ops import OPS
 from experiments.bench.suites import Shape, attention_flops, dense_attention_flops, get_suite
 
@@ -94,8 +90,8 @@ def _graph_time(fn, cfg: RunConfig, grads: list, extra_bytes: int | None = None)
         return {"gpu_ms": graph_ms(fn, cfg.device, min(cfg.rep_ms, 50.0), grad_to_none=grads)}
     except Exception as exc:  # noqa: BLE001 - the row's call time stands
         return {"gpu_ms": None, "gpu_ms_error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-    finally:  # a freed graph's memory pool stays cached until emptied: kept, the pools of the
-        free_memory(cfg.device)  # earlier rows filled the H200 and later rows' graphs ran out of memory
+    finally:  # a freed graph's memory pool stays cached until emptied, and later captures would run out
+        free_memory(cfg.device)
 
 
 def run_provider(prov: Provider, j: Jagged, ref: torch.Tensor, cfg: RunConfig, modes, base: dict) -> list[dict]:

@@ -1,16 +1,10 @@
 """S2 attention against dense jagged attention and varlen_attn: forward + backward time.
 
-    python -m experiments bench-s2 [--out experiments/results] [--strides 2,4,8,16] [--rep-ms 200]
+    python -m experiments bench-s2 [--out experiments/results/kernels/<gpu>] [--strides 2,4,8,16]
     TRITON_INTERPRET=1 python -m experiments bench-s2 --smoke --device cpu     # the machinery, on CPU
 
-Rows: N in {4096, 8192, 16384}, H=8, D=64, bf16, lengths of mean fill 0.5 (the bench's length
-law, B x N = 2**18 padded tokens), S2 layout block 64, local_blocks 4, each stride. Per row:
-forward+backward median ms (triton.testing.do_bench, gradients reset) of our dense jagged
-attention, of varlen_attn (FlashAttention-2 varlen) and of ours with shards; the speedups, and
-the ideal one: key blocks of all (query block, key block) pairs over the visible ones, so
-"efficiency" = speedup over dense / ideal speedup (the target asks for >= 0.7). Before timing,
-the S2 output is checked against the masked reference on the first two sequences.
-Writes ``s2-<gpu>.md`` (table, versions, commit) and ``s2-<gpu>.png`` (speedup vs stride).
+Rows: N 4096-16384, H 8, D 64, fill 0.5, S2 block 64, 4 local blocks, each stride; the ideal
+speedup counts the visible (query block, key block) pairs. Writes s2.md and s2.png.
 """
 
 from __future__ import annotations
@@ -19,16 +13,17 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from kernels import S2Shards, jagged_flash_attention, offsets_from_lengths
 from experiments.bench.base import varlen_fn
-from experiments.figures import save_png
 from experiments.bench.measure import bench_ms, free_memory, is_oom
 from experiments.bench.stamp import make_stamp, stamp_line
 from experiments.bench.suites import make_lengths
-from kernels.s2 import s2_attention_reference
+
+if TYPE_CHECKING:
+    from kernels import S2Shards
 
 ROWS = (4096, 8192, 16384)
 SMOKE_ROWS = (128,)
@@ -53,6 +48,9 @@ def visible_fraction(lengths: torch.Tensor, shards: S2Shards, num_heads: int, ca
 
 def _check(q, k, v, offsets, N, shards) -> float:
     """Max |ours - reference| over the first two sequences (fp32 reference on the inputs)."""
+    from kernels import jagged_flash_attention
+    from kernels.s2 import s2_attention_reference
+
     two = offsets[:3].clone()
     t = int(two[-1])
     with torch.no_grad():
@@ -63,6 +61,8 @@ def _check(q, k, v, offsets, N, shards) -> float:
 
 def run(device: torch.device, rows, strides, dtype, warmup_ms: float, rep_ms: float, H: int = 8, D: int = 64,
         block: int = 64, local_blocks: int = 4, padded_tokens: int = 2**18) -> list[dict]:
+    from kernels import S2Shards, jagged_flash_attention, offsets_from_lengths
+
     results = []
     varlen = varlen_fn() if device.type == "cuda" else None
     for N in rows:
@@ -105,7 +105,6 @@ def _fmt(x, spec=".3f", unit="") -> str:
 
 def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    name = f"s2-{stamp['gpu_slug']}"
     lines = ["# S2 attention vs dense jagged attention and varlen_attn (forward + backward)", "",
              f"- {stamp_line(stamp)}",
              f"- command: `python -m experiments bench-s2 {' '.join(sys.argv[1:])}`",
@@ -118,12 +117,14 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
         lines.append(f"| {r['N']} | {r['B']} | {r['stride']} | {_fmt(r['dense_ms'])} | {_fmt(r['varlen_ms'])} | "
                      f"{_fmt(r['s2_ms'])} | {_fmt(r['speedup_dense'], '.2f', 'x')} | {_fmt(r['speedup_varlen'], '.2f', 'x')} | "
                      f"{r['ideal']:.2f}x | {_fmt(r['efficiency'], '.2f')} | {r['max_err']:.1e} |")
-    md = out / f"{name}.md"
+    md = out / "s2.md"
     md.write_text("\n".join(lines) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from experiments.figures import save_png
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for N in sorted({r["N"] for r in results}):
@@ -136,13 +137,13 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
     ax.set_title(f"S2 attention fwd+bwd, {stamp['gpu']}, commit {stamp['commit']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_png(fig, out / f"{name}.png", dpi=120, tight=False)
+    save_png(fig, out / "s2.png", dpi=120, tight=False)
     return md
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench-s2", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="experiments/results")
+    p.add_argument("--out", default="experiments/results/kernels/<gpu>", help="folder (<gpu>: the GPU's slug)")
     p.add_argument("--strides", default="2,4,8,16", help="comma-separated S2 strides")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                       padded_tokens=512)
     else:
         results = run(device, ROWS, strides, dtype, args.warmup_ms, args.rep_ms)
-    md = write(results, make_stamp(device, args.commit), Path(args.out), args)
+    stamp = make_stamp(device, args.commit)
+    md = write(results, stamp, Path(args.out.replace("<gpu>", stamp["gpu_slug"])), args)
     print(md.read_text())
     return 0
 

@@ -12,14 +12,12 @@ import tokenize
 
 import torch
 
-from kernels.launch_table import device_slug
 from pipeline.runenv import REPO_ROOT, device_name, git_commit
 
 
 def code_text(source: str) -> str:
-    """Python source without its comments, docstrings, blank lines and trailing spaces: what runs.
-    Positions come from the tokenizer (comments) and the parse tree (docstrings), which agree
-    across Python versions, so two machines give one text for one code."""
+    """Python source without its comments, docstrings, blank lines and trailing spaces: what runs
+    (positions from the tokenizer and the parse tree, which agree across Python versions)."""
     lines = source.splitlines()
     cut: list[tuple[int, int, int, int]] = []  # (first line, column, last line, end column), 1-based lines
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -40,10 +38,8 @@ def code_text(source: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def kernel_code(torch_version: str | None = None, triton_version: str | None = None) -> str:
-    """12 hex digits of the kernels' code (kernels/*.py as `code_text`: comments and docstrings
-    may change) and the torch and triton versions (default:
-    the installed ones): what a kernel's timing depends on besides the GPU. Unlike a commit id it
-    ignores every other file and is the same on a machine without .git."""
+    """12 hex digits of kernels/*.py as `code_text` and the torch and triton versions (default: the
+    installed ones): what a kernel's timing depends on besides the GPU, the same without .git."""
     h = hashlib.sha256()
     for path in sorted((REPO_ROOT / "kernels").glob("*.py")):
         h.update(f"{path.name}\n{code_text(path.read_text())}\n".encode())
@@ -68,7 +64,7 @@ def make_stamp(device: torch.device, commit: str | None = None) -> dict:
     except ImportError:
         triton_version = "absent"
     from kernels import _launch_configs
-    from kernels.launch_table import describe
+    from kernels.launch_table import describe, device_slug
 
     cuda = device.type == "cuda"
     name = device_name(device) if cuda else "CPU: " + device_name(device)

@@ -1,18 +1,9 @@
-"""Benchmark shapes (suites), the seeded length generator and the useful-work formulas.
+"""Benchmark shapes (``SUITES[kind][suite]``: paper, recsys, long, smoke), lengths and FLOP formulas.
 
-Lengths are drawn as in the first side-by-side measurement of the peers: uniform integers in [1, 2*density*N], clipped
-to N, so the mean length is about density*N (a little less above density 0.5, where the clip
-bites). Every shape seeds its own generator from its id, so a shape gets the same lengths in
-every suite, run and provider.
-
-Suites (``SUITES[kind][suite]``):
-- attention/paper: every self-attention shape of that measurement (PEERS_ATTENTION), then N in {256..4096} x density
-  {0.1, 0.25, 0.5, 0.75} at H=2, D=64 with B = 2**20 // N (B*N = 1M padded tokens: B=1024 at
-  N=1024). attention/recsys: many short sequences; attention/long: N 8192-16384, small B.
-- dense_attention/paper: B=1024, N=1024, H=2, D=64, density 0.25, Tq in {1, 16, 64}, then the
-  target-attention rows of that measurement (PEERS_DENSE).
-- ops/paper: B=1024, N=1024, D=128 at four densities, plus B=4096, N=512, D=256, density 0.5.
-- smoke: tiny shapes for every kind, cheap enough for the CPU (CI).
+Lengths are uniform integers in [1, 2*density*N] clipped to N, from a generator seeded by the
+shape, so a shape gets the same lengths in every suite, run and provider. attention/paper is the
+peer table's shapes then N 256-4096 x four densities at B*N = 2^20 padded tokens; smoke is for
+the CPU.
 """
 
 from __future__ import annotations

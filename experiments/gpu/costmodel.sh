@@ -7,11 +7,11 @@
 #   sweep-<gpu>.parquet        every (family, shape, config) row: ms, power, energy, status
 #   sweep.log, run.log         the sweep's progress; this script's summary
 #   eval-<gpu>.json            per-family R^2, errors, per-shape slowdowns (model, hand, autotune)
-#   report/costmodel-<gpu>.md  + 3 or 4 PNG plots (copy to experiments/results/, the Parquet to
-#                              experiments/results/costmodel-sweep-<gpu>.parquet)
+#   report/costmodel.md        + 3 or 4 PNG plots (copy to experiments/results/tuning/<gpu>/, the
+#                              Parquet to experiments/results/tuning/<gpu>/sweep.parquet)
 #   configs/<gpu>.json         the launch table (copy to kernels/configs/ to put it in use)
 # The sweep starts no new config after SWEEP_DEADLINE s (default 400) and is resumable: it goes on
-# from RESUME=<path>, by default the committed experiments/results/costmodel-sweep-<gpu>.parquet
+# from RESUME=<path>, by default the committed experiments/results/tuning/<gpu>/sweep.parquet
 # where one exists for this GPU (commit the returned Parquet there); a RESUME it cannot read stops the
 # call (exit 2) rather than start afresh. GRID=small|medium (default)|full.
 # Shapes timed before the energy pass get their energy-counter readings when resumed.
@@ -39,7 +39,7 @@ if [ -n "${EXPECT_KERNEL_CODE:-}" ] && [ "$code" != "$EXPECT_KERNEL_CODE" ]; the
 fi
 data=$OUT/sweep-$slug.parquet
 # RESUME= (set, empty) starts afresh; unset, the committed Parquet of this GPU where there is one
-RESUME=${RESUME-$( [ -f "experiments/results/costmodel-sweep-$slug.parquet" ] && echo "experiments/results/costmodel-sweep-$slug.parquet")}
+RESUME=${RESUME-$( [ -f "experiments/results/tuning/$slug/sweep.parquet" ] && echo "experiments/results/tuning/$slug/sweep.parquet")}
 if [ -n "$RESUME" ]; then
   # a RESUME that is not there must not start afresh: that re-times every committed row
   cp "$RESUME" "$data" && chmod u+w "$data" || { echo "RESUME=$RESUME: cannot read it; stopping" | tee -a "$log"; exit 2; }

@@ -1,31 +1,24 @@
 #!/usr/bin/env bash
-# One GPU-machine call for the kernels: the gpu-marked test suite, then every benchmark suite.
-# Run from the repo root on the GPU machine with the project installed (offline: from
-# wheels), with OUT set to a folder that comes back and GIT_COMMIT set
-# (the GPU machine has no .git). Everything lands in $OUT/bench (JSON, markdown, PNG: at most
-# 7 files) and $OUT/run.log, so a call cut short still returns what was measured.
-# PARTS picks what runs: tests, tune_ops (experiments.tuning.tune_ops, TUNE_BUDGET s, log in
-# $OUT/tune_ops.log), bench_paper, bench_recsys_long, graph_paper (self-attention on the paper
-# suite, ours and varlen_attn, each row also as a CUDA-graph replay: the kernels' own time beside
-# the call's), bench_paper_hand (the paper suite with the hand rules, JFA_LAUNCH_TABLE=off, into
-# $OUT/hand: the run a launch table's is set against, `python -m experiments bench-compare`),
-# target_ab (target attention on the paper suite against varlen_attn, call and CUDA-graph times,
-# with SPLIT_DQ as shipped into $OUT/bench and forced off into $OUT/nosplit: whether the Tq 1/16
-# fwd+bwd rows' 0.5 ms over the H100 run of 9940400 is host or kernel time, and SPLIT_DQ's share),
-# split_ab (the ops on the long suite, as shipped into $OUT/long and with jagged_jagged_bmm's
-# split-T forced to 4 chunks into $OUT/split, graph times too), table_ab (each kind of AB_KINDS,
-# default "dense_attention ops", on AB_SUITE, default paper: ours and varlen_attn with the launch
-# table into $OUT/table, then with the hand rules into $OUT/hand, CUDA-graph times too, and
-# `experiments.bench.compare` of the two into $OUT/compare-<kind>.md; AB_ORDER="hand table hand table"
-# alternates processes, the repeats into $OUT/hand-2, $OUT/table-2, ..., all compared together;
-# AB_MODES=fwd_bwd times that mode alone; AB_CPUS=0-3 pins each run to those cores, to see whether
-# the host-bound rows' call times move less between processes so);
-# default all but tune_ops, graph_paper, bench_paper_hand, target_ab and split_ab. One 10-minute
-# call fits them only with short budgets: on 2026-11-23 the tests needed more than 200 s with 8
-# workers; 438 tests took 119 s with 16 on 2026-11-26 (TEST_WORKERS to change). GRAPH_MS=1:
-# bench_paper, bench_paper_hand and bench_recsys_long also time every row as a CUDA-graph replay
-# (the kernels' own time, what a launch table changes; host-bound call times moved 0.49-2.60x
-# between two runs of the same code). E.g.
+# One GPU-machine call for the kernels: the gpu-marked test suite, then benchmark suites.
+# Run from the repo root on the GPU machine with the project installed, OUT set to a folder that
+# comes back and GIT_COMMIT set (the machine has no .git). Results land in $OUT/bench (JSON,
+# report.md, report.json, PNG; copy to experiments/results/kernels/<gpu>/) and $OUT/run.log, so a
+# call cut short still returns what was measured. PARTS picks what runs (default: tests
+# bench_paper bench_recsys_long):
+#   tests             the gpu-marked tests (TEST_WORKERS, at most 16; TEST_TIMEOUT)
+#   bench_paper       every kind on the paper suite; bench_recsys_long: the recsys and long suites
+#   bench_paper_hand  the paper suite with the hand rules (JFA_LAUNCH_TABLE=off) into $OUT/hand
+#   graph_paper       self-attention on the paper suite, ours and varlen_attn, by call and by kernels
+#   target_ab         target attention with SPLIT_DQ as shipped ($OUT/bench) and forced off ($OUT/nosplit)
+#   split_ab          the ops on the long suite as shipped ($OUT/long) and with T_SPLITS=4 ($OUT/split)
+#   table_ab          each kind of AB_KINDS (default "dense_attention ops") on AB_SUITE (paper) with the
+#                     launch table ($OUT/table) and the hand rules ($OUT/hand), then bench-compare of the
+#                     two into $OUT/compare-<kind>.md; AB_ORDER="hand table hand table" alternates
+#                     processes (repeats into $OUT/hand-2, ...), AB_MODES=fwd_bwd one mode, AB_CPUS=0-3
+#                     pins each run to those cores
+# GRAPH_MS=1: bench_paper, bench_paper_hand and bench_recsys_long also time every row as a CUDA-graph
+# replay (the kernels' own time, what a launch table changes; host-bound call times move between
+# runs of the same code). E.g.
 #   PARTS="tests bench_paper" bash experiments/gpu/kernels.sh
 #   GRAPH_MS=1 PARTS="bench_paper bench_paper_hand" bash experiments/gpu/kernels.sh   # table vs hand rules
 set -uo pipefail
@@ -41,11 +34,6 @@ if [[ $PARTS == *" tests "* ]]; then
     >> "$log" 2>&1
   echo "gpu tests rc=$?" | tee -a "$log"
   grep -E "passed|failed" "$log" | tail -2
-fi
-if [[ $PARTS == *" tune_ops "* ]]; then  # candidates of the ops kernels' launch dicts (docs/tuning.md)
-  timeout $(( ${TUNE_BUDGET:-200} + 90 )) python3 -m experiments tune-ops --budget-s "${TUNE_BUDGET:-200}" \
-    > "$OUT/tune_ops.log" 2>&1
-  echo "tune_ops rc=$?" | tee -a "$log"; grep -A20 "best config per op" "$OUT/tune_ops.log" | tee -a "$log"
 fi
 mkdir -p "$OUT/bench"
 graph=(); [ "${GRAPH_MS:-0}" = 1 ] && graph=(--graph-ms)

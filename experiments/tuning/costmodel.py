@@ -1,58 +1,10 @@
-"""A measured cost model of launch configs: fit, held-out-shape evaluation, export.
+"""A measured cost model of launch configs: held-out-shape evaluation, report and table export.
 
-    python -m experiments costmodel fit    --data sweep.parquet [--model costmodel.pkl]
-    python -m experiments costmodel eval   --data sweep.parquet [--out eval.json] [--folds 0]
-    python -m experiments costmodel export --data sweep.parquet [--out kernels/configs/<gpu>.json]
-    python -m experiments costmodel report --data sweep.parquet [--out experiments/results]
+    python -m experiments costmodel eval|export|report --data sweep.parquet [--out ...] [--folds 0]
 
-Data: the Parquet of ``experiments.tuning.sweep`` (rows with status ok). One model per kernel family.
-Features: log2 of the shape (B sequences, N max_seq_len, L mean length, H, D, Tq, T tokens),
-fill = L / N, the dtype's bytes, log2 of every tunable launch key (tiles, warps, stages; the 0/1
-switches of ``sweep_families.FLAGS``, e.g. dense_bwd's SPLIT_DQ, as they are) and, per
-tile key, log2(L / tile) (tiles per sequence: where shape and config interact), and log2 of the
-elements the op reads, T*H*D (D 0 counts as 1): the sum of three shape features, so the power law
-gains nothing, but a forest's splits are on one feature at a time and could not draw that diagonal
-(softmax_bwd's 4 or 8 warps turn over at a total size, reached by few long rows or many short ones;
-docs/tuning.md, "The cost model without the export's guard"), and for the families of
-``sweep_families.WITH_PROGRAMS`` (softmax) log2 of the programs the launcher runs with the config
-(``sweep_families.programs``: its best warp count follows the programs per SM, "A denser
-softmax_bwd grid"). Targets: log
-runtime (ms per call) and log energy (J per call, from the board's energy counter: rows with
-``energy_src`` = counter; the sweep measures it for the configs near each shape's fastest).
-
-Model (``LogModel``), per family, in two parts that answer two questions. How fast can this
-shape go: a least-squares power law in the shape features for the log of the shape's best
-measured time (it extrapolates the scale to shapes outside the sweep, which a forest cannot).
-Which config gets there: scikit-learn's RandomForestRegressor (200 trees, all features per split)
-on each row's log slowdown against its shape's best, log(ms / best ms). The pick rests on the
-forest alone (within one shape the power law is a constant), and the forest learns the quantity
-the pick needs, free of the shape-to-shape scale (a forest on the power law's residual spent its
-splits on the scale the power law misses: held out one shape at a time, its picks were up to
-1.12x slower on flash_bwd, 1.02x now). Why a forest and not gradient boosting: a few hundred rows
-per family, strongly interacting features (a tile that wins at D=64 loses at D=128), and the
-picks must be safe on shapes never timed. A forest's prediction is an average of measured
-leaves, so it never predicts a slowdown below anything measured (boosting's additive corrections
-can, and such an optimistic error is exactly what makes a bad config look best); it needs no
-tuning of learning rate or depth to be decent on small data, and its impurity importances come
-for free. GPPerf (the seed paper on GEMM tile choice) used one too. Energy: the same two parts
-on log J per call.
-
-Evaluation splits by SHAPE: GroupKFold over whole shapes, so every held-out shape's configs are
-all unseen; by default one fold per shape (``--folds 0``, leave one shape out): each shape is
-judged by a model fitted on all the others, as the exported table's picks come from a model fitted
-on every swept shape (5 folds hold out 1-4 of a family's 8-20 shapes at once, often a shape's
-only neighbours; the report gives the 5-fold slowdown beside it). Reported per family: R^2 and
-the median / worst absolute error of log runtime (as a percentage, exp(|err|) - 1), and per held-out shape the slowdown (time / best measured
-time) of (a) the model's pick, (b) the hand rule (``sweep_families.hand_config``, the very
-function the launcher calls), (c) Triton autotune over ``sweep_families.AUTOTUNE`` (it finds the
-best of its candidates, at the cost of timing each: the sum of their compile + timing seconds).
-Energy: the config with the least (predicted) energy among those within 5% of the (predicted)
-fastest, with its measured time and energy beside the fastest pick's.
-
-Export: one entry per swept shape and per shape of a denser grid around them. A swept shape's
-entry keeps the hand rule's config unless another is measured clearly faster there
-(``SWITCH_MEASURED``); an unswept shape's is the model's pick, the hand rule's config where the
-model predicts it no slower (``SWITCH_PREDICTED``).
+Per family: a power law in the shape for the log of its best time plus a random forest on each
+config's log slowdown against it (``LogModel``), evaluated on whole shapes held out. Features and
+why a forest: docs/tuning.md, "Launch configs from a measured cost model: the method".
 """
 
 from __future__ import annotations
@@ -60,20 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import pickle
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from experiments.tuning.families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, SweepShape, complete,
-                                         WITH_PROGRAMS, hand_config, programs, valid)
+from experiments.tuning.families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, WITH_PROGRAMS, SweepShape,
+                                         complete, config_id, hand_config, programs, valid)
 
 SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
-
-
-def config_id(cfg: dict) -> str:
-    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
 
 
 def load(path: str | Path) -> list[dict]:
@@ -116,10 +63,9 @@ N_SHAPE_FEATURES = len(SHAPE_COLS) + 2  # the leading columns of features(): sha
 
 
 class LogModel:
-    """log target = a power law in the shape for the log of the shape's best measured value
-    (least squares on the log shape features) + a random forest over all features for each
-    row's log ratio to that best (the config effects; within one shape the picks depend on the
-    forest only). `groups` names each row's shape."""
+    """log target = a least-squares power law in the shape features for the log of the shape's best
+    value + a random forest over all features for each row's log ratio to that best (the pick
+    within a shape rests on the forest alone). `groups` names each row's shape."""
 
     def __init__(self, seed: int = 0):
         from sklearn.ensemble import RandomForestRegressor
@@ -220,8 +166,8 @@ def _shape_dict(r: dict) -> dict:
 
 
 def eval_family(family: str, rows: list[dict], folds: int = 0, seed: int = 0, hand_fn=hand_config) -> dict:
-    """Leave-shapes-out evaluation of one family (see the module docstring; folds 0: one per
-    shape); per-shape records and held-out predictions included for the report."""
+    """Leave-shapes-out evaluation of one family (folds 0: one per shape), with per-shape records and
+    the held-out predictions for the report."""
     from sklearn.metrics import r2_score
     from sklearn.model_selection import GroupKFold
 
@@ -258,6 +204,19 @@ def eval_family(family: str, rows: list[dict], folds: int = 0, seed: int = 0, ha
                           if len(ye) > 1 else math.nan),
         "shapes": per_shape, "predictions": pred_rows,
     }
+
+
+# the margins by which a measured (a swept shape) or predicted (an unswept one) config must beat
+# the hand rule's to replace it in the table: above the timing noise, and none for predictions
+# (a wider one made the held-out worst cases worse: docs/tuning.md, "Switch margins in the export")
+SWITCH_MEASURED = 1.03
+SWITCH_PREDICTED = 1.0
+
+
+def keeps_hand(hand_ms: float, other_ms: float, margin: float) -> bool:
+    """The export's switch rule: the hand config stays unless it is more than `margin` times the
+    other config's (measured or predicted) time."""
+    return hand_ms <= margin * other_ms
 
 
 def _shape_record(model: FamilyModel, rows: list[dict], hand_fn) -> dict:
@@ -331,14 +290,13 @@ def summarize(ev: dict) -> dict:
 
 
 def judged_shapes(judge_on: str):
-    """Which held-out shapes the summary counts: all, or ('new') for the families whose hand rules
-    were retuned on the small grid's shapes (sweep_families.RETUNED_ON_SMALL) only those outside
-    it, where the rules are out of sample as the model's picks are."""
+    """Which held-out shapes the summary counts: all, or ('new') for the families of
+    RETUNED_ON_SMALL only those outside the small grid, where their hand rules are out of sample."""
     if judge_on == "all":
         return lambda family, shape_id: True
-    from experiments.tuning import families as sweep_families
+    from experiments.tuning import families
 
-    small = {f: {s.id for s in sweep_families.grid(f, "small")} for f in sweep_families.RETUNED_ON_SMALL}
+    small = {f: {s.id for s in families.grid(f, "small")} for f in families.RETUNED_ON_SMALL}
     return lambda family, shape_id: shape_id not in small.get(family, ())
 
 
@@ -365,155 +323,6 @@ def evaluate(rows: list[dict], folds: int = 0, seed: int = 0, hand_fn=hand_confi
     return res
 
 
-# ---- export -------------------------------------------------------------------------------
-
-
-def _mean_length(B: int, N: int, fill: float) -> float:
-    from experiments.bench.suites import make_lengths
-
-    return float(make_lengths(B, N, fill, 0).double().mean())
-
-
-def dense_grid(family: str, rows: list[dict]) -> list[dict]:
-    """Unseen shapes around the swept ones: N in powers of two 64..8192, fills 0.1..0.75, B so
-    that B*N is 2^18 or 2^20 padded tokens, for each swept (H, D, Tq, dtype)."""
-    kinds = sorted({(r["H"], r["D"], r["Tq"], r["dtype"]) for r in rows})
-    Ns = [1 << e for e in range(6, 14)]  # 64 .. 8192
-    out = []
-    for (H, D, Tq, dtype) in kinds:
-        for N in Ns:
-            for tokens in (1 << 18, 1 << 20):
-                B = max(1, tokens // N)
-                for fill in (0.1, 0.25, 0.5, 0.75):
-                    L = _mean_length(B, N, fill)
-                    out.append(dict(B=B, N=N, L=L, H=H, D=D, Tq=Tq, T=L * B, dtype=dtype, fill=fill))
-    return out
-
-
-def table_shape(family: str, shape: dict) -> dict:
-    """The features the launchers look up (kernels._launch_configs.FAMILIES) for a shape, with B, N
-    and the mean length L in the launchers' power-of-two buckets (``_launch_configs.bucket``): an
-    entry keyed by the exact L (78) is never the launchers' exact match (they ask for 64), and a
-    nearer predicted entry would win over it."""
-    from kernels._launch_configs import FAMILIES, p2
-
-    vals = dict(shape, B=p2(int(shape["B"])), N=p2(int(shape["N"])), L=p2(max(1, int(shape["L"]))),
-                K=shape["D"], M=shape["D"], causal=0)
-    return {k: (vals[k] if k == "dtype" else int(vals[k])) for k in FAMILIES[family]}
-
-
-def _geomean(xs) -> float:
-    return float(math.exp(np.mean(np.log(list(xs)))))
-
-
-MIN_EXPORT_SHAPES = 3  # fewer swept shapes: the family keeps its hand rule (no entries at all)
-# A swept shape's entry moves off its hand rule only for a clear gain: the measured best must beat
-# the hand rule's measured time on that shape by more than the timing noise; otherwise the entry
-# names the hand rule's config itself (an absent entry would hand the shape its nearest
-# neighbour's pick instead), so a table cannot make a shape slower by a noise-level "win".
-# An unswept shape takes the model's pick, the hand rule's config where the model predicts it no
-# slower: a wider margin for the hand rule made the held-out worst cases worse, not better
-# (docs/tuning.md, "The export's 10% guard now costs more than it saves").
-SWITCH_MEASURED = 1.03
-SWITCH_PREDICTED = 1.0
-
-
-def keeps_hand(hand_ms: float, other_ms: float, margin: float) -> bool:
-    """The export's switch rule: the hand config stays unless it is more than `margin` times the
-    other config's (measured or predicted) time."""
-    return hand_ms <= margin * other_ms
-
-
-def _measured_entry(family: str, shape: dict, group: list[list[dict]], hand_fn) -> dict:
-    """The entry of one table key from the swept shapes in its bucket (each a list of its rows):
-    the config with the least geometric-mean time over them (each time against its shape's best),
-    or 'hand' (each shape's own hand rule) where the hand configs' geometric mean is within
-    SWITCH_MEASURED of it. ms, best_ms, hand_ms: geometric means over the shapes."""
-    times = [{r["config_id"]: r["ms"] for r in rows} for rows in group]
-    best = [min(t.values()) for t in times]
-    common = set.intersection(*(set(t) for t in times))
-    score = {c: _geomean(t[c] / b for t, b in zip(times, best)) for c in common}
-    pick = min(score, key=score.get)
-    hand_ids = [config_id(hand_fn(family, shape_of(rows[0]))) for rows in group]
-    has_hand = all(h in t for h, t in zip(hand_ids, times))
-    hand_score = _geomean(t[h] / b for h, t, b in zip(hand_ids, times, best)) if has_hand else math.inf
-    keep = has_hand and keeps_hand(hand_score, score[pick], SWITCH_MEASURED)
-    chosen = hand_ids if keep else [pick] * len(group)
-    cfg = next(r["cfg"] for r in group[0] if r["config_id"] == chosen[0])
-    entry = {"family": family, "shape": shape, "config": cfg, "source": "hand" if keep else "measured",
-             "ms": round(_geomean(t[c] for t, c in zip(times, chosen)), 5), "best_ms": round(_geomean(best), 5),
-             "hand_ms": round(_geomean(t[h] for h, t in zip(hand_ids, times)), 5) if has_hand else None}
-    if len(group) > 1:
-        entry["swept_shapes"] = sorted(rows[0]["shape_id"] for rows in group)
-    return entry
-
-
-def export_entries(rows: list[dict], models: dict[str, FamilyModel], unseen: bool = True,
-                   hand_fn=hand_config) -> list[dict]:
-    """Measured best per table key of the swept shapes ('measured', or 'hand' where the hand rule's
-    config is within SWITCH_MEASURED of it; _measured_entry), then the model's pick for the dense
-    grid's shapes that no swept shape already covers ('predicted', or 'hand' within
-    SWITCH_PREDICTED, or where the pick would launch fewer programs than any swept row of the family
-    did: 'beyond_sweep', docs/tuning.md). A family swept on fewer than MIN_EXPORT_SHAPES shapes
-    gets no entry: the table's nearest-entry fallback would hand one shape's best config to every
-    shape of the family, where the hand rule is the safer guess."""
-    entries, seen = [], set()
-    for fam, rs in by_family(rows).items():
-        ok = [r for r in rs if r["status"] == "ok"]
-        shape_ids = sorted({r["shape_id"] for r in ok})
-        if len(shape_ids) < MIN_EXPORT_SHAPES:
-            print(f"  {fam}: {len(shape_ids)} swept shape(s), under {MIN_EXPORT_SHAPES}: "
-                  "not in the table (hand rule)", flush=True)
-            continue
-        buckets: dict[str, list[list[dict]]] = {}  # swept shapes by the table key the launchers ask for
-        for sid in shape_ids:
-            on_shape = [r for r in ok if r["shape_id"] == sid]
-            buckets.setdefault(json.dumps([fam, table_shape(fam, _shape_dict(on_shape[0]))], sort_keys=True),
-                               []).append(on_shape)
-        for k, group in buckets.items():
-            entries.append(_measured_entry(fam, json.loads(k)[1], group, hand_fn))
-            seen.add(k)
-        if not unseen or fam not in models:
-            continue
-        todo = []  # (table shape, shape, candidates and last the hand rule's config)
-        for sh in dense_grid(fam, ok):
-            shape = table_shape(fam, sh)
-            k = json.dumps([fam, shape], sort_keys=True)
-            if k in seen:
-                continue
-            seen.add(k)
-            hand_cfg = hand_fn(fam, SweepShape(sh["B"], sh["N"], sh["fill"], sh["H"], sh["D"], sh["dtype"], sh["Tq"]))
-            todo.append((shape, sh, [*models[fam].candidates(sh), hand_cfg]))
-        predicted = models[fam].predict_ms([(sh, cfgs) for _, sh, cfgs in todo]) if todo else []
-        for (shape, sh, cfgs), ms in zip(todo, predicted):
-            i = int(np.argmin(ms[:-1])) if len(ms) > 1 else 0
-            keep = len(ms) == 1 or keeps_hand(ms[-1], ms[i], SWITCH_PREDICTED)  # no candidate: the hand rule
-            beyond = not keep and models[fam].beyond_sweep(sh, cfgs[i])
-            entries.append({"family": fam, "shape": shape, "config": cfgs[-1] if keep or beyond else cfgs[i],
-                            "source": "hand" if keep or beyond else "predicted", "pred_ms": round(float(ms[i]), 5),
-                            "pred_hand_ms": round(float(ms[-1]), 5)} | ({"beyond_sweep": True} if beyond else {}))
-    return entries
-
-
-def export(rows: list[dict], models: dict[str, FamilyModel], out: str | None, hand_fn=hand_config) -> Path:
-    from kernels.launch_table import CONFIG_DIR, write_table
-
-    r0 = rows[0]
-    meta = {k: r0[k] for k in ("gpu", "gpu_slug", "torch", "triton", "cuda")}
-    meta["commit"] = ", ".join(sorted({str(r["commit"]) for r in rows}))  # the sweep's rows may span commits
-    meta["model"] = ("power law for the shape's best + RandomForestRegressor(200) on log(ms / best), per family "
-                     "(experiments/tuning/costmodel.py)")
-    path = Path(out.replace("<gpu>", r0["gpu_slug"])) if out else CONFIG_DIR / f"{r0['gpu_slug']}.json"
-    entries = export_entries(rows, models, hand_fn=hand_fn)
-    write_table(path, entries, meta)
-    n = {src: sum(e["source"] == src for e in entries) for src in ("measured", "predicted", "hand")}
-    beyond = sum(bool(e.get("beyond_sweep")) for e in entries)
-    print(f"{len(entries)} entries ({n['measured']} measured, {n['predicted']} predicted picks; {n['hand']} keep "
-          f"the hand rule: {n['hand'] - beyond} no clear gain, {beyond} picks beyond the sweep's program counts) "
-          f"-> {path}", flush=True)
-    return path
-
-
 # ---- command line -------------------------------------------------------------------------
 
 
@@ -530,11 +339,10 @@ def _json_safe(x):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments costmodel",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("fit", "eval", "export", "report"))
+    p.add_argument("what", choices=("eval", "export", "report"))
     p.add_argument("--data", required=True, help="the sweep's Parquet file")
-    p.add_argument("--model", default=None, help="fit: where to pickle the models (default beside --data)")
     p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default "
-                   "kernels/configs/<gpu>.json); report: folder (default experiments/results)")
+                   "kernels/configs/<gpu>.json); report: folder (default experiments/results/tuning/<gpu>)")
     p.add_argument("--families", default=None, help="comma-separated subset of the data's families")
     p.add_argument("--folds", type=int, default=0,
                    help="eval, report: GroupKFold splits over shapes (at most #shapes; 0: one per shape)")
@@ -566,23 +374,21 @@ def main(argv=None) -> int:
         return 2
     print(f"{len(rows)} rows, {len({r['shape_id'] for r in rows})} shapes, "
           f"{len({r['family'] for r in rows})} families from {args.data}", flush=True)
-    if args.what == "fit":
-        models = fit(rows, args.seed)
-        path = Path(args.model or Path(args.data).with_suffix(".costmodel.pkl"))
-        path.write_bytes(pickle.dumps(models))
-        print(f"{len(models)} family models -> {path}")
-    elif args.what == "eval":
+    if args.what == "eval":
         res = evaluate(rows, args.folds, args.seed, judge_on=args.judge_on)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(_json_safe(res), indent=1))
             print(f"-> {args.out}")
     elif args.what == "export":
+        from experiments.tuning.table import export
+
         export(rows, fit(rows, args.seed), args.out)
     else:
         from experiments.tuning.costmodel_report import write_report
 
-        for p in write_report(rows, args.out or "experiments/results", args.folds, args.seed, args.judge_on):
+        for p in write_report(rows, args.out or "experiments/results/tuning/<gpu>", args.folds, args.seed,
+                              args.judge_on):
             print(f"-> {p}")
     return 0
 

@@ -1,10 +1,8 @@
-"""The cost model's report: ``costmodel-<gpu>.md`` and four PNG plots, from a sweep's Parquet.
+"""The cost model's report: ``costmodel.md`` and four PNG plots, from a sweep's Parquet.
 
-Plots (each subtitled with the GPU, torch/triton versions and the commit of the sweep):
-predicted vs measured time per call on held-out shapes; the slowdown distribution (time / best
-measured) of the model's pick, the hand rule and autotune per family; the runtime forests'
-feature importances (mean decrease in impurity); energy per call vs time per call of every
-config of each family's first shape, with the fastest and the energy-aware pick marked.
+Plots, each stamped with the sweep's GPU, versions and commits: predicted vs measured time on
+held-out shapes, the slowdown of each method's pick, the forests' feature importances, and
+energy vs time of every config of each family's first shape.
 """
 
 from __future__ import annotations
@@ -197,18 +195,18 @@ def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None =
 
 
 def write_report(rows: list[dict], out: str, folds: int = 0, seed: int = 0, judge_on: str = "all") -> list[str]:
-    """Evaluate, fit on all rows, write costmodel-<gpu>.md and its plots into `out`."""
-    folder = Path(out)
+    """Evaluate, fit on all rows, write costmodel.md and its plots into `out` (<gpu>: the rows' GPU)."""
+    folder = Path(out.replace("<gpu>", rows[0]["gpu_slug"]))
     folder.mkdir(parents=True, exist_ok=True)
-    slug, stamp = rows[0]["gpu_slug"], _stamp(rows)
+    stamp = _stamp(rows)
     res = evaluate(rows, folds, seed, judge_on=judge_on)
     res_k = evaluate(rows, 5, seed, judge_on=judge_on) if folds != 5 else None
     models = fit(rows, seed)
-    plots = [plot_pred(res, folder / f"costmodel-pred-{slug}.png", stamp),
-             plot_slowdown(res, folder / f"costmodel-slowdown-{slug}.png", stamp),
-             plot_importance(models, folder / f"costmodel-importance-{slug}.png", stamp)]
+    plots = [plot_pred(res, folder / "costmodel-pred.png", stamp),
+             plot_slowdown(res, folder / "costmodel-slowdown.png", stamp),
+             plot_importance(models, folder / "costmodel-importance.png", stamp)]
     if any(r.get("energy_src") == "counter" for r in rows):  # else _energy_note says why there is none
-        plots.append(plot_energy(rows, folder / f"costmodel-energy-{slug}.png", stamp))
-    md = folder / f"costmodel-{slug}.md"
+        plots.append(plot_energy(rows, folder / "costmodel-energy.png", stamp))
+    md = folder / "costmodel.md"
     md.write_text(markdown(rows, res, plots, res_k))
     return [str(md), *plots]

@@ -1,43 +1,25 @@
-"""What `experiments.tuning.sweep` sweeps: kernel families, their shape grids and launch-config spaces.
+"""Kernel families of the launch-config sweep: shape grids, config spaces, hand rules, cases.
 
-A family is one launcher of kernels/_*_triton.py whose launch dict goes through
-``kernels._launch_configs.tuned`` (the same names as ``_launch_configs.FAMILIES``). For each:
-
-- ``grid(level)``: the shapes, level ``tiny`` (the CPU interpreter, CI), ``small``, ``medium``
-  (small's shapes and config space, softmax also with 64-column programs, and more shapes spread
-  over the full grid's ranges: held-out shapes the model has neighbours for; on an H200 the whole
-  medium grid took two calls of about 8 minutes, compile warm-up, kernel timing and 0.5 s energy
-  readings included) or ``full`` (every shape and a larger config space: several resumed calls).
-  The S2 families (s2_fwd, s2_bwd: S2 attention in the layout of experiments.bench.s2 and the s2
-  ablation, block 64, 4 local blocks, stride 8) add 4 shapes and 232 configs to small, 8 shapes
-  and 464 configs to medium. Lengths are drawn as in the benchmark harness
-  (``experiments.bench.suites.make_lengths``: uniform in [1, 2 * fill * N], clipped to N).
-  Now (with softmax's tile-ladder rung SMALL_N 32 and streamed tile STREAM_N 64 / 256, and
-  jagged_jagged_bmm's split-T, T_SPLITS 1 or 4, and dense_fwd's hand num_stages 2 beside the
-  3s, ``_with_hand_values``, in the space): small 55 shapes / 1,078 configs, medium 155 / 3,726.
-- ``space(family, shape, level)``: every launch config tried (tiles, warps, stages, and the
-  ``FLAGS``: dense_bwd's SPLIT_DQ, both settings; jagged_jagged_bmm's T_SPLITS), with the
-  combinations the kernels cannot run skipped by rule (a BLOCK_M not a multiple of BLOCK_N, ...),
-  and the hand rule's config always included.
-- ``hand_config(family, shape)``: the hand rule's config, computed by the very function the
-  launcher calls (so the comparison cannot drift from the code).
-- ``AUTOTUNE[family]``: the candidate list a ``triton.autotune`` decorator would carry (the
-  configs of FA2-style Triton kernels, generative-recommenders' HSTU list, and ours): the
-  cost model's evaluation compares against the best of these, and charges their timing time.
-- ``make_case(family, shape, device)``: a zero-argument function calling the launcher on fresh
-  inputs of the shape (outputs returned, for the check against the hand config's output).
+A family is one launcher of kernels/_*_triton.py: those of ``kernels._launch_configs.FAMILIES``
+and the elementwise ops' forward, whose launcher reads its module's dict (``MODULE_DICTS``).
+``grid(family, level)`` gives the shapes, ``space`` the configs to time (hand rule's first),
+``hand_config`` the launcher's own rule, ``make_case`` a call on fresh inputs and ``launching``
+puts a config in force. docs/tuning.md ("Launch configs from a measured cost model") says why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import functools
+import importlib
 import itertools
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
-
-from kernels._launch_configs import FAMILIES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LEVELS = ("tiny", "small", "medium", "full")
@@ -55,8 +37,14 @@ TUNABLE = {
     "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
     "s2_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
     "s2_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages"),
+    "elementwise_add": ("BLOCK_N", "BLOCK_D", "num_warps"),
+    "elementwise_mul": ("BLOCK_N", "BLOCK_D", "num_warps"),
 }
-assert TUNABLE.keys() == FAMILIES.keys()
+FAMILIES = tuple(TUNABLE)
+# families whose launcher reads a module-level dict, not the launch table: (module, dict name);
+# a config is put in force by updating that dict, and the cost model exports no entry for them
+MODULE_DICTS = {"elementwise_add": ("_elementwise_triton", "FWD_CONFIG"),
+                "elementwise_mul": ("_elementwise_triton", "FWD_CONFIG")}
 FLAGS = ("SPLIT_DQ",)  # tunable keys that are 0/1 switches (the others are powers of two)
 # the families whose hand rules were retuned on the small grid's shapes (docs/tuning.md, "First
 # GPU sweep"): on those shapes the rules are in-sample, so the cost model's comparison with them
@@ -82,135 +70,44 @@ class SweepShape:
         return f"B{self.B}-N{self.N}-f{self.fill:g}-H{self.H}-D{self.D}-Tq{self.Tq}-{self.dtype}"
 
 
-def _attn(Ns, fills, HDs, dtypes=("bfloat16",), tokens=1 << 20) -> list[SweepShape]:
-    return [SweepShape(max(1, tokens // N), N, f, H, D, dt) for N, f, (H, D), dt
-            in itertools.product(Ns, fills, HDs, dtypes)]
-
-
-_SMALL = {
-    "attn": [SweepShape(1024, 1024, 0.25, 2, 64), SweepShape(4096, 128, 0.3, 4, 32),
-             SweepShape(256, 1024, 0.25, 4, 128), SweepShape(16384, 128, 0.3, 2, 64),
-             SweepShape(1024, 256, 0.25, 2, 64), SweepShape(2048, 512, 0.5, 2, 64)],
-    "dense": [SweepShape(1024, 1024, 0.25, 2, 64, Tq=1), SweepShape(1024, 1024, 0.25, 2, 64, Tq=16),
-              SweepShape(1024, 1024, 0.25, 2, 64, Tq=64), SweepShape(256, 2048, 0.25, 4, 128, Tq=16),
-              SweepShape(4096, 256, 0.5, 2, 64, Tq=4)],
-    "softmax": [SweepShape(1024, 1024, 0.1, 128), SweepShape(1024, 1024, 0.5, 128),
-                SweepShape(4096, 256, 0.25, 64), SweepShape(256, 4096, 0.25, 32),
-                SweepShape(1024, 512, 0.75, 256)],
-    "ops": [SweepShape(1024, 1024, 0.1, 1, 128), SweepShape(1024, 1024, 0.5, 1, 128),
-            SweepShape(4096, 512, 0.5, 1, 256), SweepShape(2048, 256, 0.25, 1, 64),
-            SweepShape(512, 2048, 0.25, 1, 128)],
-    # S2 attention over long histories, the S2 layout of the bench and the ablation (_s2_layout)
-    "s2": [SweepShape(64, 4096, 0.5, 8, 64), SweepShape(32, 8192, 0.5, 8, 64), SweepShape(16, 16384, 0.5, 8, 64),
-           SweepShape(64, 4096, 0.25, 8, 64)],
-}
-_MEDIUM = {  # small's shapes, and more over the full grid's ranges of N, fill, H, D and Tq
-    "attn": _SMALL["attn"] + [SweepShape((1 << 20) // N, N, f, H, D) for N, f, H, D in [
-        (128, 0.5, 2, 64), (256, 0.75, 4, 128), (512, 0.1, 4, 32), (1024, 0.75, 2, 64), (2048, 0.25, 2, 64),
-        (4096, 0.5, 4, 128)]],
-    "dense": _SMALL["dense"] + [SweepShape((1 << 20) // N, N, f, H, D, Tq=tq) for N, f, H, D, tq in [
-        (256, 0.25, 4, 128, 64), (256, 0.5, 2, 64, 16), (1024, 0.1, 2, 64, 4), (1024, 0.5, 4, 128, 1),
-        (4096, 0.1, 2, 64, 16), (4096, 0.25, 2, 64, 64),
-        # long histories, where the kernel's key loop is long (pipelining: num_stages matters most)
-        (2048, 0.5, 2, 64, 64), (4096, 0.5, 4, 128, 16), (2048, 0.1, 2, 64, 1), (8192, 0.25, 2, 64, 4),
-        (512, 0.25, 4, 128, 64),
-        # one head, as in three of the paper suite's target-attention shapes (two of them exactly)
-        (256, 0.3, 1, 64, 1), (1024, 0.25, 1, 64, 16), (4096, 0.1, 1, 128, 32), (512, 0.5, 1, 64, 4),
-        # Tq 32 and 8, between the query tiles, where the best query tile turns over (docs/tuning.md,
-        # the H200 cost model): one Tq 32 shape alone left the model nothing to learn that from
-        (1024, 0.25, 2, 64, 32), (256, 0.5, 4, 128, 32), (2048, 0.1, 2, 64, 32), (512, 0.25, 1, 64, 32),
-        (1024, 0.5, 2, 64, 8), (4096, 0.25, 4, 128, 8)]],
-    "softmax": _SMALL["softmax"] + [SweepShape((1 << 20) // N, N, f, H) for N, f, H in [
-        (512, 0.1, 32), (2048, 0.25, 64), (4096, 0.75, 128), (256, 0.5, 256), (2048, 0.5, 32),
-        (1024, 0.25, 32), (4096, 0.5, 32), (512, 0.25, 64), (2048, 0.75, 128), (256, 0.1, 256),
-        # ten more over the full grid's product: 15 shapes of 48 configs each were too few for the
-        # H100 model's held-out softmax_fwd picks (docs/tuning.md)
-        (512, 0.5, 128), (512, 0.75, 32), (1024, 0.1, 64), (1024, 0.75, 64), (2048, 0.1, 128),
-        (2048, 0.25, 256), (4096, 0.1, 64), (4096, 0.25, 128), (256, 0.25, 128), (256, 0.75, 32),
-        # three beside the two worst held-out softmax_fwd picks of those 25 (long rows, few heads)
-        (4096, 0.75, 32), (2048, 0.5, 64), (2048, 0.1, 64),
-        # twelve more at 32 and 64 heads, where the column block and the row tiles matter most: a
-        # held-out shape at the grid's edge (N 256, H 32) had no neighbour that shows it
-        (256, 0.25, 32), (256, 0.5, 32), (512, 0.5, 32), (1024, 0.5, 32), (2048, 0.25, 32),
-        (4096, 0.1, 32), (256, 0.75, 64), (512, 0.75, 64), (1024, 0.25, 64), (4096, 0.5, 64),
-        (256, 0.5, 128), (512, 0.1, 128),
-        # ten more at fill 0.1 and 0.75 (at fill 0.1 and long rows 4 warps beat 8 on some shapes and
-        # lost on their neighbours)
-        (4096, 0.1, 128), (4096, 0.25, 64), (4096, 0.1, 256), (2048, 0.1, 32), (2048, 0.1, 256),
-        (1024, 0.1, 32), (4096, 0.75, 64), (2048, 0.75, 64), (1024, 0.75, 32), (512, 0.1, 64)]]
-    # fourteen off the 2^20-token diagonal, where B falls as N rises and the model could not tell
-    # few programs from long rows (softmax_bwd's warp count; docs/tuning.md, "The cost model
-    # without the export's guard")
-    + [SweepShape(B, N, f, H) for B, N, f, H in [
-        (128, 4096, 0.1, 64), (512, 4096, 0.1, 64), (128, 4096, 0.1, 32), (512, 4096, 0.1, 32),
-        (128, 4096, 0.1, 128), (512, 4096, 0.1, 128), (128, 4096, 0.25, 64), (512, 4096, 0.25, 64),
-        (256, 2048, 0.1, 64), (1024, 2048, 0.1, 64), (256, 2048, 0.25, 64), (1024, 2048, 0.25, 64),
-        (512, 1024, 0.1, 64), (2048, 1024, 0.25, 128),
-        # twenty-two more where those fourteen left softmax_bwd's held-out worst picks (B 128-512,
-        # N 4096, fill 0.1-0.25, 64 heads: neighbours that want 4 and 8 warps side by side): B between
-        # the powers of two, fills between 0.1 and 0.25, the same lengths at N 2048 and 8192, and 32
-        # and 128 heads beside them (docs/tuning.md, "A denser softmax_bwd grid")
-        (192, 4096, 0.1, 64), (384, 4096, 0.1, 64), (192, 4096, 0.25, 64), (96, 4096, 0.25, 64),
-        (128, 4096, 0.15, 64), (256, 4096, 0.15, 64), (192, 4096, 0.175, 64), (384, 4096, 0.15, 64),
-        (256, 2048, 0.2, 64), (128, 2048, 0.5, 64), (256, 8192, 0.05, 64), (96, 4096, 0.1, 64),
-        (768, 4096, 0.1, 64), (192, 4096, 0.1, 32), (384, 4096, 0.1, 32), (192, 4096, 0.1, 128),
-        (384, 4096, 0.1, 128), (256, 4096, 0.15, 32), (256, 4096, 0.15, 128), (128, 4096, 0.175, 64),
-        (320, 4096, 0.1, 64), (160, 4096, 0.25, 64),
-        # fifteen more along the programs' count (B x column blocks, 192 to 640) at 32, 64, 128 and
-        # 256 heads: 4 warps won at 256 and 320 programs and lost at 192 and 384 (docs/tuning.md,
-        # "A denser softmax_bwd grid")
-        (96, 4096, 0.1, 128), (160, 4096, 0.1, 128), (224, 4096, 0.1, 128), (64, 4096, 0.1, 256),
-        (96, 4096, 0.1, 256), (128, 4096, 0.1, 256), (320, 4096, 0.1, 32), (448, 4096, 0.1, 32),
-        (640, 4096, 0.1, 32), (224, 4096, 0.1, 64), (288, 4096, 0.1, 64), (64, 4096, 0.25, 128),
-        (128, 4096, 0.25, 128), (160, 4096, 0.15, 128), (320, 4096, 0.15, 64),
-        # twenty-two more between 128 and 320 programs at fill 0.1-0.25, mostly at 128 and 256 heads
-        # (two column blocks and more): the held-out B 96, H 128 wanted 8 warps at 192 programs where
-        # its nearest neighbours, at 32 and 64 heads, wanted 4 (docs/tuning.md, "A denser
-        # softmax_bwd grid")
-        (64, 4096, 0.1, 128), (80, 4096, 0.1, 128), (88, 4096, 0.1, 128), (104, 4096, 0.1, 128),
-        (112, 4096, 0.1, 128), (120, 4096, 0.1, 128), (144, 4096, 0.1, 128), (40, 4096, 0.1, 256),
-        (48, 4096, 0.1, 256), (56, 4096, 0.1, 256), (80, 4096, 0.1, 256), (160, 4096, 0.1, 64),
-        (176, 4096, 0.1, 64), (208, 4096, 0.1, 64), (96, 4096, 0.15, 128), (128, 4096, 0.15, 128),
-        (96, 4096, 0.2, 128), (96, 4096, 0.25, 128), (160, 4096, 0.1, 32), (224, 4096, 0.1, 32),
-        (112, 4096, 0.15, 128), (80, 4096, 0.15, 128),
-        # eight more where those left the warp count's turn between 192 and 256 programs (the held-out
-        # B 208, H 64 wanted 4 warps where B 104, H 128 at as many programs wanted 8)
-        (200, 4096, 0.1, 64), (216, 4096, 0.1, 64), (240, 4096, 0.1, 64), (116, 4096, 0.1, 128),
-        (124, 4096, 0.1, 128), (52, 4096, 0.1, 256), (60, 4096, 0.1, 256), (272, 4096, 0.1, 32)]],
-    "ops": _SMALL["ops"] + [SweepShape((1 << 20) // N, N, f, 1, D) for N, f, D in [
-        (256, 0.5, 128), (512, 0.75, 64), (1024, 0.25, 256), (2048, 0.1, 256), (2048, 0.5, 64),
-        (1024, 0.5, 64), (4096, 0.1, 64), (256, 0.75, 64), (2048, 0.75, 128), (256, 0.25, 256)]],
-    "s2": _SMALL["s2"] + [SweepShape((1 << 18) // N, N, f, H, D) for N, f, H, D in [
-        (2048, 0.5, 8, 64), (8192, 0.25, 8, 64), (16384, 0.75, 8, 64), (4096, 0.5, 4, 128),
-        # head dim 128 on more than one shape: with its only one held out, the H100 model's s2_bwd
-        # pick there was the tile best at D 64 (docs/tuning.md)
-        (8192, 0.5, 4, 128), (2048, 0.25, 4, 128)]],
-}
-_TINY = {
-    "attn": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 2, 16, "float32")],
-    "dense": [SweepShape(3, 24, 0.6, 1, 16, "float32", Tq=2), SweepShape(2, 40, 0.5, 2, 16, "float32", Tq=3)],
-    "softmax": [SweepShape(3, 24, 0.6, 4, 0, "float32"), SweepShape(2, 40, 0.5, 3, 0, "float32")],
-    "ops": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 1, 16, "float32")],
-    "s2": [SweepShape(3, 24, 0.6, 1, 16, "float32"), SweepShape(2, 40, 0.5, 2, 16, "float32")],
-}
-_FULL = {
-    "attn": _attn([128, 256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [(2, 64), (4, 32), (4, 128)]),
-    "dense": [SweepShape(max(1, (1 << 20) // N), N, f, H, D, Tq=tq) for N, f, (H, D), tq in itertools.product(
-        [256, 1024, 4096], [0.1, 0.25, 0.5], [(2, 64), (4, 128)], [1, 4, 16, 64])],
-    "softmax": [SweepShape(max(1, (1 << 20) // N), N, f, H) for N, f, H in itertools.product(
-        [256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [32, 64, 128, 256])],
-    "ops": [SweepShape(max(1, (1 << 20) // N), N, f, 1, D) for N, f, D in itertools.product(
-        [256, 512, 1024, 2048], [0.1, 0.25, 0.5, 0.75], [64, 128, 256])],
-    "s2": [SweepShape((1 << 18) // N, N, f, H, D) for N, f, (H, D) in itertools.product(
-        [2048, 4096, 8192, 16384], [0.25, 0.5, 0.75], [(8, 64), (4, 128)])],
+SHAPES_CSV = Path(__file__).with_name("shapes.csv")  # tiny, small and medium's shapes beyond small's
+_FULL = {  # kind: (N, fill, (H, D), Tq) products; B = 2^20 padded tokens / N (S2: 2^18)
+    "attn": ([128, 256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [(2, 64), (4, 32), (4, 128)], [0], 1 << 20),
+    "dense": ([256, 1024, 4096], [0.1, 0.25, 0.5], [(2, 64), (4, 128)], [1, 4, 16, 64], 1 << 20),
+    "softmax": ([256, 512, 1024, 2048, 4096], [0.1, 0.25, 0.5, 0.75], [(h, 0) for h in (32, 64, 128, 256)], [0],
+                1 << 20),
+    "ops": ([256, 512, 1024, 2048], [0.1, 0.25, 0.5, 0.75], [(1, d) for d in (64, 128, 256)], [0], 1 << 20),
+    "s2": ([2048, 4096, 8192, 16384], [0.25, 0.5, 0.75], [(8, 64), (4, 128)], [0], 1 << 18),
 }
 _KIND = {"flash_fwd": "attn", "flash_bwd": "attn", "dense_fwd": "dense", "dense_bwd": "dense",
          "softmax_fwd": "softmax", "softmax_bwd": "softmax", "jagged_dense_bmm": "ops",
-         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops", "s2_fwd": "s2", "s2_bwd": "s2"}
+         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops", "s2_fwd": "s2", "s2_bwd": "s2",
+         "elementwise_add": "ops", "elementwise_mul": "ops"}
+
+
+@functools.cache
+def _listed() -> dict[tuple[str, str], list[SweepShape]]:
+    """{(level, kind): shapes} of shapes.csv, in file order."""
+    out: dict[tuple[str, str], list[SweepShape]] = {}
+    with open(SHAPES_CSV, newline="") as f:
+        for r in csv.DictReader(f):
+            s = SweepShape(int(r["B"]), int(r["N"]), float(r["fill"]), int(r["H"]), int(r["D"]), r["dtype"],
+                           int(r["Tq"]))
+            out.setdefault((r["level"], r["kind"]), []).append(s)
+    return out
 
 
 def grid(family: str, level: str) -> list[SweepShape]:
-    return list({"tiny": _TINY, "small": _SMALL, "medium": _MEDIUM, "full": _FULL}[level][_KIND[family]])
+    """The shapes of `family` at `level`; medium is small's shapes and then more."""
+    kind = _KIND[family]
+    if level == "full":
+        Ns, fills, HDs, Tqs, tokens = _FULL[kind]
+        return [SweepShape(max(1, tokens // N), N, f, H, D, Tq=tq)
+                for N, f, (H, D), tq in itertools.product(Ns, fills, HDs, Tqs)]
+    listed = _listed()
+    if level == "medium":
+        return listed[("small", kind)] + listed[("medium", kind)]
+    return list(listed[(level, kind)])
 
 
 # keys a family gained after sweeps were recorded -> the value its kernel ran with before them
@@ -224,7 +121,7 @@ _ADDED_KEYS: dict[str, dict[str, Callable[[dict], int]]] = {
 
 def complete(family: str, cfg: dict) -> dict:
     """A config as a sweep recorded it, with the keys added to its family since then set to what
-    the kernel ran with at the time (an older sweep's rows stay comparable and replayable)."""
+    the kernel ran with at the time (older rows stay comparable and replayable)."""
     added = {k: rule(cfg) for k, rule in _ADDED_KEYS.get(family, {}).items() if k not in cfg}
     return {**cfg, **added} if added else cfg
 
@@ -248,6 +145,8 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
             "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
             "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1], [1, 2]),
             "padded_to_jagged": _product(k, [16, 32], [16], [4]),
+            "elementwise_add": _product(k, [16, 32], [16], [4]),
+            "elementwise_mul": _product(k, [16, 32], [16], [4]),
             "s2_fwd": _product(k, [16, 32], [16], [4], [1]),
             "s2_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)]],
         }[family]
@@ -278,7 +177,7 @@ def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
         dq = [(64, 32), (64, 16), (128, 32), (128, 64), (32, 32)]
         kv = [(32, 64), (16, 64), (32, 128), (64, 64)]
         return [dict(zip(k, (*a, *b, w, st))) for a, b, w, st in itertools.product(dq, kv, warps, stages)]
-    return _product(k, [32, 64, 128], [64, 128, 256] if full else [128], warps)  # padded_to_jagged
+    return _product(k, [32, 64, 128], [64, 128, 256] if full else [128], warps)  # padded_to_jagged, elementwise
 
 
 def valid(family: str, cfg: dict, s: SweepShape) -> bool:
@@ -293,7 +192,7 @@ def valid(family: str, cfg: dict, s: SweepShape) -> bool:
         return cfg["BLOCK_M"] <= max(16, 2 * s.Tq) and cfg["M_KV"] <= max(16, 2 * s.Tq)
     if family.startswith("softmax"):
         return cfg["SMALL_N"] <= cfg["BLOCK_N"]
-    if family == "padded_to_jagged":
+    if family == "padded_to_jagged" or family in MODULE_DICTS:
         return cfg["BLOCK_D"] <= max(16, 2 * s.D)
     if family.startswith("s2"):  # key chunks inside the layout's block (the sweep times non-causal S2)
         from kernels._s2_attention_triton import fits
@@ -302,16 +201,18 @@ def valid(family: str, cfg: dict, s: SweepShape) -> bool:
     return True
 
 
+def config_id(cfg: dict) -> str:
+    """'BLOCK_M=64,BLOCK_N=32,num_stages=3,num_warps=4' (keys sorted): one config, one string."""
+    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
+
+
 def _key(cfg: dict) -> tuple:
     return tuple(sorted(cfg.items()))
 
 
 def _with_hand_values(raw: list[dict], hand: dict) -> list[dict]:
-    """`raw` and, for every key on which the hand config's value is not in the raw space, each raw
-    config with that key set to the hand's value: a value no other config carries would make the
-    hand config the only row with it, and a model would learn the hand rule's wins (or losses) as
-    that value's (dense_fwd's num_stages 2 beside a space of 3s: the H200 model kept 2 at N 4096,
-    where 3 is 1.2x faster)."""
+    """`raw` and, for every key whose hand value is not in it, each raw config with that key set to
+    the hand's value: otherwise a model learns the hand rule's wins (or losses) as that value's."""
     out = list(raw)
     for k, v in hand.items():
         if raw and v not in {c[k] for c in raw}:
@@ -320,8 +221,8 @@ def _with_hand_values(raw: list[dict], hand: dict) -> list[dict]:
 
 
 def space(family: str, s: SweepShape, level: str) -> list[dict]:
-    """The configs to time for (family, shape): valid combinations (the hand rule's value of every
-    key swept with the others, _with_hand_values), hand config first."""
+    """The configs to time for (family, shape): the valid ones of the level's space with the hand
+    rule's values swept too (_with_hand_values), the hand config first."""
     hand = hand_config(family, s)
     out = {_key(hand): hand}
     for cfg in _with_hand_values(_raw_space(family, s, level), hand):
@@ -336,8 +237,7 @@ WITH_PROGRAMS = ("softmax_fwd", "softmax_bwd")
 
 
 def programs(family: str, B: int, H: int, cfg: dict) -> int:
-    """The number of programs the family's launcher runs for `cfg` on B sequences of H columns
-    (the families of WITH_PROGRAMS)."""
+    """The programs the launcher of a WITH_PROGRAMS family runs for `cfg` on B sequences of H columns."""
     if family not in WITH_PROGRAMS:
         raise ValueError(f"{family}: no program count (only {', '.join(WITH_PROGRAMS)})")
     import triton
@@ -349,7 +249,7 @@ def programs(family: str, B: int, H: int, cfg: dict) -> int:
 
 def hand_config(family: str, s: SweepShape) -> dict:
     """The hand rule's launch config for the shape, from the launchers' own functions."""
-    from kernels import _bmm_triton, _conversions_triton, _softmax_triton
+    from kernels import _bmm_triton, _conversions_triton, _elementwise_triton, _softmax_triton
     from kernels._dense_attention_triton import dense_config
     from kernels._flash_attention_triton import bwd_config, fwd_config
 
@@ -366,6 +266,8 @@ def hand_config(family: str, s: SweepShape) -> dict:
         cfg = _softmax_triton.softmax_config(s.B, int(make_lengths(s.B, s.N, s.fill, 0).sum()))  # make_case's T
     elif family == "padded_to_jagged":
         cfg = _conversions_triton.P2J_CONFIG
+    elif family in MODULE_DICTS:
+        cfg = _elementwise_triton.FWD_CONFIG
     elif family.startswith("s2"):
         from kernels._s2_attention_triton import s2_tiles
 
@@ -375,10 +277,8 @@ def hand_config(family: str, s: SweepShape) -> dict:
     return {k: cfg[k] for k in TUNABLE[family]}
 
 
-# a plausible @triton.autotune list per family, inside the small and medium sweeps' spaces, whose
-# times its verdict takes (2-stage configs, in the full space alone, left dense_bwd without one
-# and flash_bwd, dense_fwd and S2's backward with part of theirs; softmax's 512-row stream alike;
-# softmax's has the hand rule's 256-row tile too)
+# a plausible @triton.autotune list per family (FA2-style Triton kernels', HSTU's, ours), inside the
+# small and medium spaces so that the sweep's times give autotune's pick and its cost
 AUTOTUNE = {
     "flash_fwd": _product(TUNABLE["flash_fwd"], [64, 128], [32, 64], [4, 8], [3]),
     "flash_bwd": [dict(zip(TUNABLE["flash_bwd"], v)) for v in
@@ -392,6 +292,8 @@ AUTOTUNE = {
     "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
     "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3], [1]),
     "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),
+    "elementwise_add": _product(TUNABLE["elementwise_add"], [32, 64, 128], [128], [4, 8]),
+    "elementwise_mul": _product(TUNABLE["elementwise_mul"], [32, 64, 128], [128], [4, 8]),
     "s2_fwd": _product(TUNABLE["s2_fwd"], [64, 128], [32, 64], [4, 8], [3]),
     "s2_bwd": [dict(zip(TUNABLE["s2_bwd"], v)) for v in
                [(64, 32, 32, 64, 4, 3), (128, 32, 32, 128, 8, 3), (64, 16, 16, 64, 4, 3), (128, 64, 64, 64, 8, 3)]],
@@ -489,6 +391,13 @@ def _p2j(s, T, off, rand):
     return lambda: padded_to_jagged_triton(padded, off, T)
 
 
+def _elementwise(s, T, off, rand, mul: bool):
+    from kernels._elementwise_triton import jagged_dense_elementwise_fwd_triton
+
+    x, dense = rand(T, s.D), rand(s.B, s.N, s.D)
+    return lambda: jagged_dense_elementwise_fwd_triton(x, off, dense, mul)
+
+
 _BUILDERS = {
     "flash_fwd": lambda *a: _flash(*a, bwd=False), "flash_bwd": lambda *a: _flash(*a, bwd=True),
     "dense_fwd": lambda *a: _dense(*a, bwd=False), "dense_bwd": lambda *a: _dense(*a, bwd=True),
@@ -496,4 +405,25 @@ _BUILDERS = {
     "jagged_dense_bmm": lambda *a: _bmm(*a, jagged=False), "jagged_jagged_bmm": lambda *a: _bmm(*a, jagged=True),
     "padded_to_jagged": _p2j,
     "s2_fwd": lambda *a: _s2(*a, bwd=False), "s2_bwd": lambda *a: _s2(*a, bwd=True),
+    "elementwise_add": lambda *a: _elementwise(*a, mul=False), "elementwise_mul": lambda *a: _elementwise(*a, mul=True),
 }
+
+
+@contextlib.contextmanager
+def launching(family: str, cfg: dict):
+    """Within the block, every launch of `family` uses `cfg`'s keys over its hand rule."""
+    if family not in MODULE_DICTS:
+        from kernels._launch_configs import forced
+
+        with forced(family, cfg):
+            yield
+        return
+    module, name = MODULE_DICTS[family]
+    table = getattr(importlib.import_module(f"kernels.{module}"), name)
+    saved = dict(table)
+    table.update((k, v) for k, v in cfg.items() if k in table)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)

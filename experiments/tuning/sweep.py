@@ -1,55 +1,10 @@
-"""Launch-config sweep: every valid config of every kernel family on a grid of shapes,
-timed with the harness's rules and with board power sampled through NVML; one Parquet row each.
+"""Launch-config sweep: every valid config of every kernel family on a grid of shapes, one Parquet row each.
 
-    python -m experiments config-sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400] [--energy-s 1]
-                                  [--out runs/costmodel/sweep-<gpu>.parquet] [--mlflow]
+    python -m experiments config-sweep [--grid tiny|small|medium|full] [--families a,b] [--deadline-s 400]
+        [--out runs/costmodel/sweep-<gpu>.parquet] [--compile-workers N] [--mlflow]
 
-What is measured per (family, shape, config): ``ms`` the median time of a call, by default
-(``--timing graph``) of the kernels alone, calls replayed as a CUDA graph
-(``experiments.bench.measure.graph_ms``, the kernel benchmark's "kernels" column): a launch config
-changes the kernels, not the host's launch path, and many swept calls are shorter than their
-launch, so timing whole calls ranked configs by host noise (the first H200 sweeps: the hand
-target-attention forward at 0.077 ms a call where its kernel takes 0.043 ms). ``--timing call``:
-the do_bench median of whole calls (CUDA events, L2 flushed, after warm-up;
-``experiments.bench.measure.bench_ms``); the CPU interpreter always times calls with a host clock.
-Column ``timing`` says which; a resume re-times rows of another timing. ``power_w`` the mean
-sampled board power during that timing (``experiments.tuning.power``; too coarse for a 40 ms window,
-kept for reference), ``energy_j`` the energy per call from the board's energy counter over at
-least ``--energy-s`` of back-to-back calls (``energy_src`` = counter; measured for the up to 3
-fastest configs within 5% of the shape's fastest and the hand rule's, NaN for the others and
-without NVML),
-``compile_s`` the first call's wall seconds (Triton compile; with ``--compile-workers``, the
-warm-up worker's first call, where the compile happened: ``cached_call_s`` is then the timing
-pass's first call, a load from Triton's disk cache), ``bench_s``
-the wall seconds the timing took (what an autotuner spends on this candidate), ``rel_err`` of
-the outputs against the hand-rule config's outputs, ``spills`` (registers spilled, where Triton
-reports it). ``status``: ok, mismatch (rel_err over the bench's tolerance), out_of_resources,
-compile_error, error. Configs go through the real launchers (``kernels._launch_configs.forced``).
-
-The run is resumable (rows already in --out are skipped) and bounded (--deadline-s: no new
-config is started after it). Compiling is most of a sweep's time (about 3/4 of the first H200
-sweep's) and needs no quiet GPU: ``--compile-workers N`` first runs every config to be timed once
-in N spawned processes (a config over all its family's shapes, untimed), filling Triton's disk
-cache, for at most ``--compile-budget-s`` (default: half the deadline); the timing pass then runs
-alone on the GPU and loads the kernels from the cache. Shapes are visited round-robin over the families, so a cut run
-holds the first shapes of every family. The Parquet is rewritten after every shape; columns
-also carry the GPU, torch/triton/CUDA versions and the git commit (``--commit``, else
-$GIT_COMMIT, else HEAD). Families, grids and config spaces: ``experiments.tuning.families``.
-
-GPU command sequence (``experiments/gpu/costmodel.sh`` runs it, with OUT and GIT_COMMIT set, on a
-machine with the project installed; it also resumes from the committed Parquet of the GPU and
-judges the medium grid on its new shapes, ``--judge-on new``)::
-
-    slug=$(python3 -c "import torch; from kernels.launch_table import device_slug; print(device_slug())")
-    python3 -m experiments config-sweep --grid medium --deadline-s 400 --out $OUT/sweep-$slug.parquet --commit $GIT_COMMIT
-    python3 -m experiments costmodel eval   --data $OUT/sweep-$slug.parquet --out $OUT/eval-$slug.json
-    python3 -m experiments costmodel report --data $OUT/sweep-$slug.parquet --out $OUT/report
-    python3 -m experiments costmodel export --data $OUT/sweep-$slug.parquet --out $OUT/configs/$slug.json
-
-then, here: copy ``report/*`` to experiments/results/ and ``configs/<gpu>.json`` to kernels/configs/
-(the launchers read it from then on), rerun the gpu tests and the kernel benchmark on it.
-(rerun the sweep line with the same --out to extend a cut sweep). CPU check of the machinery:
-``TRITON_INTERPRET=1 python -m experiments config-sweep --grid tiny --device cpu --out /tmp/s.parquet``.
+Resumable and bounded (--deadline-s); experiments/gpu/costmodel.sh runs it on a GPU, and
+``TRITON_INTERPRET=1 ... --grid tiny --device cpu`` on the CPU. Columns: docs/tuning.md, "The sweep's rows".
 """
 
 from __future__ import annotations
@@ -64,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from kernels._launch_configs import FAMILIES, forced
 from experiments.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms, rel_err, sync
-from experiments.tuning.power import EnergyMeter, PowerSampler
 from experiments.bench.stamp import make_stamp
-from experiments.tuning.families import (DTYPES, ENERGY_SLACK, LEVELS, SweepShape, complete, grid, hand_config,
-                                         make_case, space)
+from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, LEVELS, SweepShape, complete, config_id,
+                                         grid, hand_config, launching, make_case, space)
+from experiments.tuning.power import EnergyMeter
+from experiments.tuning.warmup import sticky, warm_cache, warm_up_todo
 
 KEY = ("family", "shape_id", "config_id")
 _KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
@@ -84,12 +39,9 @@ _KERNELS = {  # the @triton.jit functions behind each family (for the spill coun
     "padded_to_jagged": ("_conversions_triton", "_padded_to_jagged_kernel"),
     "s2_fwd": ("_s2_attention_triton", "_s2_fwd"),
     "s2_bwd": ("_s2_attention_triton", "_s2_bwd_dq", "_s2_bwd_dkdv"),
+    "elementwise_add": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
+    "elementwise_mul": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
 }
-
-
-def config_id(cfg: dict) -> str:
-    """'BLOCK_M=64,BLOCK_N=32,num_stages=3,num_warps=4' (keys sorted): one config, one string."""
-    return ",".join(f"{k}={cfg[k]}" for k in sorted(cfg))
 
 
 def _compiled(family: str) -> dict:
@@ -128,92 +80,13 @@ def _status(exc: BaseException) -> str:
     return "error"
 
 
-def _sticky(exc: BaseException) -> bool:
-    """A CUDA error that poisons the context (every later launch would fail)."""
-    msg = str(exc).lower()
-    return "illegal memory access" in msg or "unspecified launch failure" in msg or "device-side assert" in msg
-
-
-_WORKER_POISONED = False  # a warm-up worker whose CUDA context a config broke runs nothing more
-
-
-def warm_config(task: tuple) -> list[tuple]:
-    """In a warm-up worker: run one config of a family once on each of the given shapes (Triton
-    compiles it, and its disk cache keeps it); [(family, shape_id, config_id, first call's wall s
-    or None where it failed, the error or '')]. The worker hands its allocator's cached blocks
-    back after every call: the first H100 sweep warmed 1,095 of 3,966 calls, none of softmax's
-    (the H200's warmed all), most likely because a dozen workers each kept the blocks of the
-    largest shape it had run until the 80 GB card was full (not yet confirmed on a GPU)."""
-    global _WORKER_POISONED
-    family, cfg, shapes, device_name, seed = task
-    device, out = torch.device(device_name), []
-    for s in shapes:
-        secs, err, fn = None, "", None
-        if not _WORKER_POISONED:
-            try:
-                fn, _ = make_case(family, s, device, seed)
-                with forced(family, cfg):
-                    t0 = time.perf_counter()
-                    fn()
-                    sync(device)
-                    secs = time.perf_counter() - t0
-            except Exception as exc:  # noqa: BLE001 - the timing pass records what fails
-                _WORKER_POISONED = _sticky(exc)
-                err = f"{type(exc).__name__}: {str(exc)[:160]}"
-            finally:
-                del fn
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-        out.append((family, s.id, config_id(cfg), secs, err))
-    return out
-
-
-def warm_cache(todo: dict[str, dict[str, tuple[dict, list[SweepShape]]]], device: torch.device, args) -> dict:
-    """Compile every config of `todo` ({family: {config_id: (config, shapes)}}) in
-    args.compile_workers spawned processes, for at most args.compile_budget_s; {(family, shape_id,
-    config_id): the worker's first-call seconds} of the calls that ran. Failed calls are counted
-    and the first one's error printed (the timing pass compiles those configs itself)."""
-    import concurrent.futures as cf
-    import multiprocessing
-
-    tasks = [(f, cfg, shapes, str(device), args.seed) for f, by_id in todo.items() for cfg, shapes in by_id.values()]
-    if not tasks:
-        return {}
-    t0, warm, failed = time.monotonic(), {}, []
-    print(f"warming Triton's cache: {len(tasks)} configs, {sum(len(t[2]) for t in tasks)} calls, "
-          f"{args.compile_workers} processes, at most {args.compile_budget_s:g} s", flush=True)
-    from experiments.tuning import sweep as this  # by its module's name: under `python -m` this file is __main__
-
-    pool = cf.ProcessPoolExecutor(args.compile_workers, mp_context=multiprocessing.get_context("spawn"))
-    futures = [pool.submit(this.warm_config, t) for t in tasks]
-    budget = None if math.isinf(args.compile_budget_s) else args.compile_budget_s
-    try:
-        for fut in cf.as_completed(futures, timeout=budget):
-            for f, sid, cid, secs, err in fut.result():
-                if secs is not None:
-                    warm[(f, sid, cid)] = secs
-                else:
-                    failed.append(f"{f} {sid} {cid}: {err or 'not run (a CUDA error broke the worker)'}")
-    except cf.TimeoutError:
-        print("  warm-up budget spent: the configs left compile in the timing pass", flush=True)
-    except cf.process.BrokenProcessPool as exc:  # a worker died (a crash, not an exception)
-        print(f"  a warm-up process died ({exc}): the configs left compile in the timing pass", flush=True)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)  # nothing of the warm-up may run beside the timing
-    print(f"  {len(warm)} calls compiled and ran in {time.monotonic() - t0:.0f} s", flush=True)
-    if failed:
-        print(f"  {len(failed)} calls failed in the warm-up (compiled in the timing pass), first: {failed[0]}",
-              flush=True)
-    return warm
-
-
 def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device,
-                sampler: PowerSampler, args) -> dict:
-    """One row's measurements of `fn` under `cfg` (see the module docstring)."""
-    row = dict(status="ok", error="", ms=math.nan, power_w=math.nan, n_power=0, energy_j=math.nan, energy_src="none",
+                args) -> dict:
+    """One row's measurements of `fn` under `cfg` (docs/tuning.md, "The sweep's rows")."""
+    row = dict(status="ok", error="", ms=math.nan, energy_j=math.nan, energy_src="none",
                energy_window_s=math.nan, energy_calls=0, compile_s=math.nan, bench_s=math.nan, rel_err=math.nan,
                spills=math.nan)
-    with forced(family, cfg):
+    with launching(family, cfg):
         before = _compiled(family)
         t0 = time.perf_counter()
         try:
@@ -221,7 +94,7 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
             sync(device)
         except Exception as exc:  # noqa: BLE001 - a config that does not run is a row
             row.update(status=_status(exc), error=f"{type(exc).__name__}: {str(exc)[:200]}")
-            if _sticky(exc):
+            if sticky(exc):
                 row["sticky"] = True
             return row
         row["compile_s"] = time.perf_counter() - t0
@@ -234,16 +107,14 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
         del outs
         t1 = time.perf_counter()
         try:
-            with sampler:
-                row["ms"] = graph_ms(fn, device, args.rep_ms) if args.timing == "graph" else \
-                    bench_ms(fn, device, args.warmup_ms, args.rep_ms)
+            row["ms"] = graph_ms(fn, device, args.rep_ms) if args.timing == "graph" else \
+                bench_ms(fn, device, args.warmup_ms, args.rep_ms)
         except Exception as exc:  # noqa: BLE001 - a call that cannot be captured (or timed) is a row
             row.update(status="error", error=f"timing: {type(exc).__name__}: {str(exc)[:190]}")
-            if _sticky(exc):
+            if sticky(exc):
                 row["sticky"] = True
             return row
         row["bench_s"] = time.perf_counter() - t1
-        row["power_w"], row["n_power"] = sampler.mean_w, len(sampler.samples)
     return row
 
 
@@ -267,13 +138,9 @@ def needs_energy(rows: list[dict]) -> bool:
 
 
 def measure_energy(family: str, fn, rows: list[dict], device: torch.device, meter: EnergyMeter, args) -> None:
-    """Energy per call (J) from the board's energy counter over back-to-back calls for at least
-    args.energy_s of wall time, for the `energy_rows` of `rows` (one shape) that have no counter
-    reading yet (a resumed shape whose fastest configs changed gets the new ones'). Alike for every
-    config of the shape: the calls run back to back without do_bench's L2 flush (a warm-cache
-    regime), and where a call's launch takes longer than its kernel (the host is the bound), idle
-    power is part of each call's energy (the window's wall time and calls are kept). A failed
-    reading leaves that row's energy NaN (energy_src 'error', measured again by a resumed sweep)."""
+    """Energy per call (J) from the board's counter over at least args.energy_s of back-to-back
+    calls (no L2 flush), for the `energy_rows` of one shape without a counter reading yet; a
+    failed reading leaves energy_src 'error' (read again by a resumed sweep)."""
     if not meter.available or args.energy_s <= 0:
         return
     for r in energy_rows(rows):
@@ -282,7 +149,7 @@ def measure_energy(family: str, fn, rows: list[dict], device: torch.device, mete
         chunk = max(1, min(1000, math.ceil(args.energy_s * 1e3 / r["ms"] / 20)))  # ~20 checks of the clock
         calls = 0
         try:
-            with forced(family, complete(family, json.loads(r["config"]))):
+            with launching(family, complete(family, json.loads(r["config"]))):
                 fn()
                 sync(device)
                 e0, t0 = meter.read_j(), time.perf_counter()
@@ -325,12 +192,8 @@ def refresh(rows: list[dict]) -> None:
 
 
 def set_aside_stale(path: Path, rows: list[dict], code: str, timing: str, families=None) -> list[dict]:
-    """The rows timed with today's kernel code (stamp's `kernel_code`) and `timing`; the others
-    (another kernel source, torch or triton, a sweep from before the code was recorded, or one that
-    timed the other way: rows without a timing timed whole calls) are timed again, and kept,
-    appended to <path stem>.stale.parquet beside the sweep, not mixed into its model. Only the
-    rows of `families` (the families this run sweeps; default all) are judged: the others keep
-    their rows and stamps, and the cost model fits each family on its own rows."""
+    """The rows timed with today's kernel code and `timing`; the others of `families` (default all)
+    are appended to <stem>.stale.parquet and timed again (each family is fitted on its own rows)."""
     def current(r: dict) -> bool:
         return ((families is not None and r.get("family") not in families)
                 or (r.get("kernel_code") == code and (r.get("timing") or "call") == timing))
@@ -357,22 +220,21 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def sweep_shape(family: str, s: SweepShape, todo: list[dict], hand: dict, device, stamp: dict,
-                sampler: PowerSampler, meter: EnergyMeter, args, out_of_time,
+                meter: EnergyMeter, args, out_of_time,
                 prior: list[dict] = (), warm: dict | None = None) -> tuple[list[dict], bool]:
-    """Rows of the configs `todo` on one shape; (rows, sticky CUDA error seen). Once every config
-    of the shape is timed, the energy pass runs over these and the shape's `prior` rows (a resumed
-    sweep's: updated in place). `warm`: `warm_cache`'s first-call seconds, the compile times of the
-    configs it compiled."""
+    """Rows of the configs `todo` on one shape, then (once the shape is complete) its energy pass
+    over these and the shape's `prior` rows; (rows, sticky CUDA error seen). `warm`: warm_cache's
+    first-call seconds."""
     fn, info = make_case(family, s, device, args.seed)
     dtype = DTYPES[s.dtype]
-    with forced(family, hand):
+    with launching(family, hand):
         ref = [o.detach().clone() for o in _outputs(fn())]
     rows, sticky, complete = [], False, True
     for cfg in todo:
         if out_of_time():
             complete = False
             break
-        m = time_config(family, fn, cfg, ref, dtype, device, sampler, args)
+        m = time_config(family, fn, cfg, ref, dtype, device, args)
         sticky = bool(m.pop("sticky", False))
         cid = config_id(cfg)
         m["cached_call_s"] = math.nan
@@ -405,16 +267,6 @@ def _progress(family: str, s: SweepShape, rows: list[dict], n_left: int, elapsed
           f"{n_left} shapes left, {elapsed:.0f} s", flush=True)
 
 
-def warm_up_todo(order: list[tuple[str, SweepShape]], done: set, level: str) -> dict:
-    """{family: {config_id: (config, [the shapes, in sweep order, where it is still to be timed])}}."""
-    todo: dict[str, dict[str, tuple[dict, list]]] = {}
-    for family, s in order:
-        for cfg in space(family, s, level):
-            if (family, s.id, config_id(cfg)) not in done:
-                todo.setdefault(family, {}).setdefault(config_id(cfg), (cfg, []))[1].append(s)
-    return todo
-
-
 def run(args) -> int:
     device = torch.device(args.device)
     stamp = make_stamp(device, args.commit)
@@ -432,11 +284,10 @@ def run(args) -> int:
     out_of_time = lambda: args.deadline_s is not None and time.monotonic() - t0 > args.deadline_s  # noqa: E731
     grids = {f: grid(f, args.grid) for f in args.families}
     order = [(f, g[i]) for i in range(max(map(len, grids.values()))) for f, g in grids.items() if i < len(g)]
-    sampler = PowerSampler((device.index or 0) if device.type == "cuda" else None)
     meter = EnergyMeter((device.index or 0) if device.type == "cuda" else None)
     print(f"sweep {args.grid}: {len(order)} (family, shape) pairs, {len(rows)} rows already in {out}; "
           f"{stamp['gpu']}, torch {stamp['torch']}, triton {stamp['triton']}, commit {stamp['commit']}; "
-          f"power {'NVML' if sampler.available else 'absent'}, energy counter "
+          f"energy counter "
           f"{'NVML' if meter.available else 'absent (energy NaN)'}", flush=True)
     warm = warm_cache(warm_up_todo(order, done, args.grid), device, args) if args.compile_workers > 0 else {}
     n_new = 0
@@ -452,8 +303,7 @@ def run(args) -> int:
         if out_of_time():
             print(f"deadline ({args.deadline_s:g} s) reached: {len(order) - i} shapes not finished", flush=True)
             break
-        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, sampler, meter, args, out_of_time, prior,
-                                  warm)
+        new, sticky = sweep_shape(family, s, todo, hand, device, stamp, meter, args, out_of_time, prior, warm)
         rows += new
         n_new += len(new)
         write_rows(out, rows)
