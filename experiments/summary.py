@@ -22,7 +22,7 @@ from pipeline.runenv import REPO_ROOT
 
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
 # experiments.bench's result files (a glob under the results root) and each GPU's report beside them
-KERNELS = ("bench-*.json*", "kernels-{slug}.md")
+KERNELS = ("kernels/*/bench-*.json*", "report.md")
 EXPECTED = ["seq_len", "sparsity", "batch_size", "compile", "auc_parity", "history_value", "model"]
 BEYOND = ["s2", "alure"]  # the seeds' other systems: listed once they have run
 PAPER_CLAIMS = [  # (level, claim, how ours is measured, where)
