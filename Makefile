@@ -92,16 +92,16 @@ experiment: data ## the main job: dense, sdpa and jagged rankers (ATTENTION=a su
 ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default; the same database as the runs)
 	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(PORT)
 
-bench: setup ## kernel benchmarks against every peer (SUITE=paper|recsys|long|smoke; GPU; BENCH_ARGS=...)
-	$(PY) -m experiments bench all --suite $(SUITE) --out experiments/results $(BENCH_ARGS)
+bench: setup ## kernel benchmarks against every peer into runs/kernels/<gpu>/ (SUITE=paper|recsys|long|smoke; GPU; RESULTS=experiments/results for the committed ones)
+	$(PY) -m experiments bench all --suite $(SUITE) --out '$(or $(RESULTS),runs)/kernels/<gpu>' $(BENCH_ARGS)
 
 config-sweep: setup ## time every launch config of every kernel family on GRID=small|medium|full shapes (GPU; tiny: CPU interpreter) into SWEEP_OUT, resumable (CONFIG_SWEEP_ARGS="--deadline-s 400 --families a,b --mlflow")
 	$(if $(filter tiny,$(GRID)),TRITON_INTERPRET=1 )$(PY) -m experiments config-sweep --grid $(GRID) --out $(SWEEP_OUT) \
 	  $(if $(filter tiny,$(GRID)),--device cpu) $(CONFIG_SWEEP_ARGS)
 
-costmodel: setup ## cost model from SWEEP_OUT: leave-shapes-out eval, experiments/results/costmodel-<gpu>.md + plots, kernels/configs/<gpu>.json
+costmodel: setup ## cost model from SWEEP_OUT: leave-shapes-out eval, runs/tuning/<gpu>/costmodel.md + plots (RESULTS=root), kernels/configs/<gpu>.json
 	$(PY) -m experiments costmodel eval --data $(SWEEP_OUT) --out $(basename $(SWEEP_OUT))-eval.json $(COSTMODEL_ARGS)
-	$(PY) -m experiments costmodel report --data $(SWEEP_OUT) --out experiments/results $(COSTMODEL_ARGS)
+	$(PY) -m experiments costmodel report --data $(SWEEP_OUT) --out '$(or $(RESULTS),runs)/tuning/<gpu>' $(COSTMODEL_ARGS)
 	$(PY) -m experiments costmodel export --data $(SWEEP_OUT) $(COSTMODEL_ARGS)
 
 sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|auc_parity|compile|smoke; SWEEP_ARGS=...)

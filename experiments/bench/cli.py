@@ -22,7 +22,7 @@ from experiments.bench.suites import KINDS, SUITE_NAMES
 
 # `all` runs the quick kinds first, so that a --deadline-s cut lands on self-attention shapes
 ALL_ORDER = ("ops", "dense_attention", "attention")
-OUT = "experiments/results/kernels/<gpu>"
+OUT = "runs/kernels/<gpu>"  # experiments/results/kernels/<gpu>: the committed results
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

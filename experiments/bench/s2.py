@@ -143,7 +143,7 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench-s2", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="experiments/results/kernels/<gpu>", help="folder (<gpu>: the GPU's slug)")
+    p.add_argument("--out", default="runs/kernels/<gpu>", help="folder (<gpu>: the GPU's slug)")
     p.add_argument("--strides", default="2,4,8,16", help="comma-separated S2 strides")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))

@@ -10,7 +10,7 @@
 #   PARTS="auc_parity history_value model profile reproduce" bash experiments/gpu/ablations.sh
 #
 # The accuracy parts may share the call with the GPU kernel tests (both are correctness only;
-# never with tune_ops or the benchmarks, whose timings need the GPU alone):
+# never with the benchmarks, whose timings need the GPU alone):
 #   PARTS=tests bash experiments/gpu/kernels.sh & PARTS="auc_parity history_value" bash experiments/gpu/ablations.sh; wait
 # Parts (NAME, or NAME@axis=label,...[@axis=label,...]: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), alure
 # (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), s2 (dense vs

@@ -342,7 +342,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("what", choices=("eval", "export", "report"))
     p.add_argument("--data", required=True, help="the sweep's Parquet file")
     p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default "
-                   "kernels/configs/<gpu>.json); report: folder (default experiments/results/tuning/<gpu>)")
+                   "kernels/configs/<gpu>.json); report: folder (default runs/tuning/<gpu>)")
     p.add_argument("--families", default=None, help="comma-separated subset of the data's families")
     p.add_argument("--folds", type=int, default=0,
                    help="eval, report: GroupKFold splits over shapes (at most #shapes; 0: one per shape)")
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
     else:
         from experiments.tuning.costmodel_report import write_report
 
-        for p in write_report(rows, args.out or "experiments/results/tuning/<gpu>", args.folds, args.seed,
+        for p in write_report(rows, args.out or "runs/tuning/<gpu>", args.folds, args.seed,
                               args.judge_on):
             print(f"-> {p}")
     return 0
