@@ -32,7 +32,6 @@ from experiments.sections import (THROUGHPUT, _convergence_lines, _where, conver
                                   target_rows, targets_section, with_whole_window)
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
-from pipeline.tracking import check_tracking
 
 if TYPE_CHECKING:
     import polars as pl
@@ -389,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking import check_tracking, tracking_uri  # MLflow: not imported for --help
 
     mlflow.set_tracking_uri(tracking_uri())
     check_tracking(tracking_uri())

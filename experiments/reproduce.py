@@ -24,7 +24,6 @@ from experiments import proc as _proc
 from experiments import runs as runs_
 from experiments import sweep
 from pipeline.errors import ConfigError, command
-from pipeline.tracking import check_tracking
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -105,7 +104,7 @@ def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None
     import torch
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking import check_tracking, tracking_uri  # MLflow: not imported for --help
 
     check_tracking(tracking_uri())
     mlflow.set_tracking_uri(tracking_uri())

@@ -32,7 +32,6 @@ from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_l
 from experiments.report import compare_url, parent_url, write_table
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
-from pipeline.tracking import check_tracking
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -435,7 +434,7 @@ def execute(sweep: Sweep) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking import check_tracking, tracking_uri  # MLflow: not imported for --help
 
     check_tracking(tracking_uri())
     sweep = Sweep(abl, args)
