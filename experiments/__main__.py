@@ -22,7 +22,7 @@ VERBS = {  # verb: (module with main(argv), one line)
     "gpu-check": ("experiments.bench.gpu_check", "compile every Triton kernel for a GPU target, no GPU needed"),
     "host-glue": ("experiments.bench.host_glue", "host time per op call, launches mocked"),
     "config-sweep": ("experiments.tuning.sweep", "time every launch config of every kernel family"),
-    "costmodel": ("experiments.tuning.costmodel", "fit, evaluate and export the launch-config cost model"),
+    "costmodel": ("experiments.tuning.costmodel", "evaluate, report and export the launch-config cost model"),
 }
 DRIVERS = ("sweep",)  # it runs fits as children: SIGTERM must stop those too
 
