@@ -24,7 +24,7 @@ VERBS = {  # verb: (module with main(argv), one line)
     "config-sweep": ("experiments.tuning.sweep", "time every launch config of every kernel family"),
     "costmodel": ("experiments.tuning.costmodel", "fit, evaluate and export the launch-config cost model"),
 }
-DRIVERS = ("sweep",)  # it runs fits as children: SIGTERM must stop those too
+DRIVERS = ("sweep",)  # it runs fits as children: SIGTERM or a reader that goes away must not orphan them
 
 
 def usage() -> str:
@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown verb {verb!r}\n\n{usage()}", file=sys.stderr, end="")
         return 2
     if verb in DRIVERS:
-        from experiments.proc import sigterm_as_interrupt
+        from experiments.proc import outlive_readers, sigterm_as_interrupt
 
         sigterm_as_interrupt()
+        outlive_readers()
     module = importlib.import_module(VERBS[verb][0])
     return module.main(rest) or 0
 
