@@ -137,7 +137,7 @@ class Ablation:
     def config_hash(self, point: Point, digest: str | None) -> str:
         """Same configs, overrides, data digest and code -> same hash (comments and order do not
         count): a point is done only if it ran with this code (:func:`code_version`)."""
-        configs = [yaml.safe_load(p.read_text()) or {} for p in self.configs]
+        configs = [yaml_of(p.read_text(), str(p)) or {} for p in self.configs]
         d = point.dataset  # data not made yet: its recipe stands in for its digest
         data = digest or {"dir": str(d.dir), "preset": d.preset, "seed": d.seed, "overrides": d.overrides}
         blob = json.dumps({"configs": configs, "set": point.overrides, "data": data, "code": code_version()},
@@ -200,8 +200,19 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected key=value (e.g. trainer.max_steps=50)")
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = yaml_of(value, f"--set {item}")
     return out
+
+
+def yaml_of(text: str, where: str) -> Any:
+    """`text` read as YAML (safe_load: no tag builds an object); a syntax error or a tag such as
+    !!python/object is a one-line ConfigError naming `where` and the line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f", line {mark.line + 1}" if mark else ""
+        raise ConfigError(" ".join(f"{where}{at}: {getattr(err, 'problem', None) or err}".split())) from None
 
 
 def config_path(name: str) -> Path:
@@ -215,7 +226,10 @@ def read(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         known = sorted(p.stem for p in (REPO_ROOT / "experiments" / "ablations").glob("*.yaml"))
         raise ConfigError(f"no ablation file {path}; the shipped ones: {', '.join(known)}")
-    return yaml.safe_load(path.read_text()) or {}
+    raw = yaml_of(path.read_text(), str(path)) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: an ablation file is a mapping of keys (name, grid, ...), got {type(raw).__name__}")
+    return raw
 
 
 def load(path: str | Path, data_root: Path, data_dir: str | None = None,

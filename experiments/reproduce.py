@@ -24,7 +24,6 @@ from experiments import proc as _proc
 from experiments import runs as runs_
 from experiments import sweep
 from pipeline.errors import ConfigError, command
-from pipeline.tracking import check_tracking
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -105,7 +104,7 @@ def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None
     import torch
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking import check_tracking, tracking_uri
 
     check_tracking(tracking_uri())
     mlflow.set_tracking_uri(tracking_uri())
@@ -132,7 +131,7 @@ def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None
            "--mlflow.parent_run_id", "null", "--mlflow.run_name", f"reproduce-{run.info.run_name}"]
     print(f"rerunning {run_id} ({run.info.run_name}) from its config.yaml on {data_dir}\n  " + " ".join(cmd[1:]), flush=True)
     experiments = [e.experiment_id for e in client.search_experiments()]
-    query = f"tags.reproduces = {runs_.quote(run_id)}"
+    query = f"tags.reproduces = '{run.info.run_id}'"  # the store's own (hex) id: no quoting
     known = {r.info.run_id for r in client.search_runs(experiments, query)}
     rc, output, _ = _proc.stream(cmd, _proc.child_env({"reproduces": run_id}), None)
     new = runs_.new_run(client, [e.experiment_id for e in client.search_experiments()], query, known)
@@ -170,5 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="results root: also write the verdict to DIR/training/<device>/reproduce.json")
     args = p.parse_args(argv)
-    return reproduce(args.run, args.data, args.rtol, args.out)
+    with runs_.store_errors():
+        return reproduce(args.run, args.data, args.rtol, args.out)
 

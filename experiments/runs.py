@@ -6,6 +6,7 @@ reads them: docs/experiments.md. mlflow and polars are imported by the functions
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from typing import TYPE_CHECKING
@@ -35,13 +36,23 @@ _STATUS_ORDER = {"OK": 0, "OOM": 1}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-def quote(value: str) -> str:
-    return "'" + value.replace("'", "\\'") + "'"
+@contextlib.contextmanager
+def store_errors():
+    """A tracking store that cannot be read (a damaged database, a broken server) as one line."""
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.tracking import first_line, tracking_uri
+
+    try:
+        yield
+    except (MlflowException, sqlalchemy.exc.SQLAlchemyError) as err:
+        raise ConfigError(f"the tracking store {tracking_uri()} cannot be read: {first_line(err)}") from None
 
 
 def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None = None) -> Run:
-    """A sweep's parent run by id, or by name (the newest parent of that name); the id of any
-    other run is refused with what to ask for instead."""
+    """A sweep's parent run by id, or by name (the newest parent of that name, matched here: a name
+    is never put in a filter string); the id of any other run is refused with what to ask for instead."""
     import mlflow
 
     if _RUN_ID.match(ref):
@@ -59,13 +70,12 @@ def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None
                                   f"(make report PARENT={tags['mlflow.parentRunId']})")
             raise ConfigError(f"run {ref} ({run.info.run_name}) is not the parent run of a sweep")
     ids = experiment_ids or [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(
-        ids, filter_string=f"tags.mlflow.runName = {quote(ref)} and tags.`sweep.role` = 'parent'",
-        order_by=["attributes.start_time DESC"], max_results=1,
-    )
-    if not runs:
+    runs = client.search_runs(ids, filter_string="tags.`sweep.role` = 'parent'",
+                              order_by=["attributes.start_time DESC"])
+    found = next((r for r in runs if r.info.run_name == ref), None)
+    if found is None:
         raise ConfigError(f"no sweep parent run with id or name {ref!r} at {mlflow.get_tracking_uri()}")
-    return runs[0]
+    return found
 
 
 def child_runs(parent: Run) -> list[Run]:
@@ -73,7 +83,7 @@ def child_runs(parent: Run) -> list[Run]:
 
     return mlflow.search_runs(
         experiment_ids=[parent.info.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = {quote(parent.info.run_id)}",
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",  # a hex id: no quoting
         order_by=["attributes.start_time ASC"], output_format="list",
     )
 

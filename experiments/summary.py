@@ -1,7 +1,7 @@
 """One page of the committed results: experiments/results/REPORT.md.
 
     python -m experiments summary [--results experiments/results] [--out FILE]
-    make summary
+    make summary [RESULTS=experiments/results]      # runs/REPORT.md, or the committed one
 
 Reads committed JSON only (report.json, kernel benchmark results, profiles, reproductions); a
 missing source is said, never skipped; rewritten only when its content changes (docs/experiments.md).
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shlex
 import statistics
 import sys
@@ -18,6 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 from experiments import parser
+from experiments.bench.report import read_json
+from pipeline.errors import command
 from pipeline.runenv import REPO_ROOT
 
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
@@ -63,7 +67,7 @@ def reports(results: Path) -> dict[str, dict]:
     """Each ablation's newest report.json (``ablations/<name>/<device>/``), its folder as ``path``."""
     found: dict[str, dict] = {}
     for path in sorted(results.glob("ablations/*/*/report.json")):
-        doc = {**json.loads(path.read_text()), "path": str(path.parent.relative_to(results))}
+        doc = {**read_json(path), "path": str(path.parent.relative_to(results))}
         name = path.parent.parent.name
         if name not in found or doc.get("written", "") >= found[name].get("written", ""):
             found[name] = doc
@@ -71,9 +75,9 @@ def reports(results: Path) -> dict[str, dict]:
 
 
 def _spec(name: str) -> dict:
-    import yaml
+    from experiments.ablation import read
 
-    return yaml.safe_load((ABLATIONS / f"{name}.yaml").read_text()) or {}
+    return read(ABLATIONS / f"{name}.yaml")
 
 
 def budget_state(name: str, doc: dict) -> str:
@@ -135,13 +139,13 @@ def profile_rows(results: Path) -> list[dict]:
     loop traces, one per layout (``training/<device>/profile*/<attention>/loop_summary.json``)."""
     rows = []
     for path in sorted(results.glob("training/*/profile*.json")):
-        data = json.loads(path.read_text())
+        data = read_json(path)
         rows += [{"file": str(path.relative_to(results)), "device": data.get("device", "?"),
                   "commit": str(data.get("commit", "?"))[:7],
                   **{k: r.get(k) for k in ("attention", "batch_size", "graph_step_ms", "attn_ms")},
                   "busy_ms": r.get("gpu_ms") or r.get("prof_step_ms")} for r in data.get("results", [])]
     for path in sorted(results.glob("training/*/profile*/*/loop_summary.json")):
-        t = json.loads(path.read_text())
+        t = read_json(path)
         rows.append({"file": str(path.parent.parent.relative_to(results)), "device": t.get("device_name", "?"),
                      "commit": str(t.get("commit", "?"))[:7], "attention": t.get("attention") or path.parent.name,
                      "batch_size": t.get("batch_size"), "graph_step_ms": None, "attn_ms": t.get("attention_ms_per_step"),
@@ -154,7 +158,7 @@ def reproduce_rows(results: Path) -> list[dict]:
     and verdict, linked to the document beside it where there is one."""
     rows = []
     for path in sorted(results.glob("training/*/reproduce*.json")):
-        doc, md = json.loads(path.read_text()), path.with_suffix(".md")
+        doc, md = read_json(path), path.with_suffix(".md")
         rows.append({"file": str((md if md.is_file() else path).relative_to(results)),
                      "device": doc.get("device", "?"), "result": doc.get("result", "no result")})
     return rows
@@ -373,19 +377,24 @@ def build(results: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     p = parser("summary", __doc__)
-    p.add_argument("--results", default=str(REPO_ROOT / "experiments" / "results"), help="the committed results folder")
-    p.add_argument("--out", default=None, help="output file (default RESULTS/REPORT.md)")
+    p.add_argument("--results", default=None, help="the results folder to read (default: experiments/results)")
+    p.add_argument("--out", default=None, help="output file (default RESULTS/REPORT.md where --results is given, "
+                                               "else runs/REPORT.md)")
     args = p.parse_args(argv)
-    results = Path(args.results)
+    results = Path(args.results or REPO_ROOT / "experiments" / "results")
     if not results.is_dir():
         print(f"error: no results folder {results}", file=sys.stderr)
         return 2
-    out, text = Path(args.out) if args.out else results / "REPORT.md", build(results)
+    out = Path(args.out or (results if args.results else REPO_ROOT / "runs") / "REPORT.md")
+    rel = os.path.relpath(results.resolve(), out.resolve().parent)  # the page's links, seen from its folder
+    text = re.sub(r"\]\((?![a-z]+:|#|/)", f"]({rel}/", build(results)) if rel != "." else build(results)
     if out.is_file() and out.read_text() == text:
         print(f"{out} is up to date")
         return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")
     return 0

@@ -28,11 +28,10 @@ from experiments import parser
 from experiments import runs as runs_
 from experiments.ablation import Ablation, Point, cli_value, code_version, load, parse_set, split_set
 from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
-                              lock_path, stream)
+                              lock_path, safe_name, sqlite_file, stream)
 from experiments.report import compare_url, parent_url, write_table
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
-from pipeline.tracking import check_tracking
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
@@ -62,11 +61,14 @@ class Sweep:
 
     def __init__(self, abl: Ablation, args: argparse.Namespace):
         import mlflow
+        import psutil
         from mlflow.tracking import MlflowClient
 
         from pipeline.tracking import tracking_uri
 
         self.abl, self.args, self.uri = abl, args, tracking_uri()
+        # --end-s and --deadline-s count from the process's start: the caller's clock started then
+        self.t_start = time.monotonic() - (time.time() - psutil.Process().create_time())
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(self.uri)
         exp = self.client.get_experiment_by_name(abl.experiment)
@@ -96,8 +98,10 @@ class Sweep:
     def open_parent(self) -> str:
         from pipeline.tracking import environment_tags
 
-        if self.experiment_id is None:
-            self.experiment_id = self.client.create_experiment(self.abl.experiment)
+        if self.experiment_id is None:  # artifacts beside a sqlite store, wherever the sweep starts
+            db = sqlite_file(self.uri)
+            self.experiment_id = self.client.create_experiment(
+                self.abl.experiment, artifact_location=str(db.parent / "mlruns") if db else None)
         parent = self.existing_parent()
         axes = {a: list(dict.fromkeys(p.labels[a] for p in self.abl.points)) for a in self.abl.axes}
         tags = {
@@ -176,12 +180,14 @@ class Sweep:
     def find_child(self, config_hash: str, known: set[str]) -> Run | None:
         """The run the child process created: the newest with this hash that was not there before."""
         return runs_.new_run(self.client, [self.experiment_id],
-                             f"tags.mlflow.parentRunId = {runs_.quote(self.parent.info.run_id)} and "
-                             f"tags.`sweep.config_hash` = {runs_.quote(config_hash)}", known)
+                             f"tags.mlflow.parentRunId = '{self.parent.info.run_id}' and "  # hex ids: no quoting
+                             f"tags.`sweep.config_hash` = '{config_hash}'", known)
 
     def record(self, point: Point, config_hash: str, child: Run | None, status: str, output: str,
-               error: str | None, wall_s: float | None, tags: dict[str, str] | None = None) -> str:
-        """Tag the child with its outcome; a run that never started gets a record of its own."""
+               error: str | None, wall_s: float | None, tags: dict[str, str] | None = None,
+               log: Path | None = None) -> str:
+        """Tag the child with its outcome (`log`: its whole output); a run that never started gets a
+        record of its own."""
         if child is None:
             child = self.client.create_run(
                 self.experiment_id, run_name=self.abl.run_name(point),
@@ -190,6 +196,8 @@ class Sweep:
         self.client.set_tag(run_id, "status", status)
         if wall_s is not None:
             self.client.log_metric(run_id, "sweep/process_wall_s", wall_s)
+        if log is not None:
+            self.client.log_artifact(run_id, str(log), "sweep")
         if status != "OK":
             self.client.set_tag(run_id, "sweep.error", error or "")
             self.client.log_text(run_id, output[-TAIL_BYTES:], "sweep/output_tail.txt")
@@ -214,16 +222,17 @@ class Sweep:
             env["CUDA_VISIBLE_DEVICES"] = slot.gpu
             cmd = slot.pin(cmd)
         known = {r.info.run_id for r in runs_.child_runs(self.parent)}
-        t0 = time.perf_counter()
+        log, t0 = self._logs / f"{self.abl.points.index(point) + 1:03d}-{safe_name(point.name)}.log", time.perf_counter()
         try:
-            rc, output, timed_out = stream(cmd, env, self.timeout_s,
-                                           prefix=f"[{point.name}] " if self.parallel > 1 else "",
-                                           stop=self._stop, pass_fds=self.lock_fds)
+            with open(log, "wb") as out:
+                rc, output, timed_out = stream(cmd, env, self.timeout_s,
+                                               prefix=f"[{point.name}] " if self.parallel > 1 else "",
+                                               stop=self._stop, pass_fds=self.lock_fds, log=out, quiet=True)
         except KeyboardInterrupt:  # a run that FINISHED before the signal is a result; else it is KILLED
             child = self.find_child(config_hash, known)
             done = child is not None and child.info.status == "FINISHED"
             self.record(point, config_hash, child, "OK" if done else "KILLED", "", "interrupted (Ctrl-C)",
-                        time.perf_counter() - t0, tags)
+                        time.perf_counter() - t0, tags, log)
             raise
         wall = time.perf_counter() - t0
         child = self.find_child(config_hash, known)
@@ -236,7 +245,7 @@ class Sweep:
         else:
             status = "FAILED"
             error = failure_line(rc, output) if rc != 0 else "exited 0 without a FINISHED MLflow run"
-        self.record(point, config_hash, child, status, output, error, wall, tags)
+        self.record(point, config_hash, child, status, output, error, wall, tags, log)
         return status
 
     # --- the whole grid --------------------------------------------------------------------
@@ -285,7 +294,9 @@ class Sweep:
             raise ConfigError(f"{self.abl.path}: {len(invalid)} point(s) would be refused by `pipeline fit`, "
                               f"e.g. {name}: {error}")
         parent_id = self.open_parent()
-        self._previous, self._executed, self._t_start = self.previous(), 0, time.monotonic()
+        self._previous, self._executed = self.previous(), 0
+        self._logs = Path(tempfile.mkdtemp(prefix=f"sweep-{safe_name(self.abl.name)}-"))
+        print(f"every run's whole output: {self._logs}/ (and in its MLflow artifacts, sweep/)")
         self._needs = self.expected_seconds()
         self._lock, self._stop = threading.Lock(), threading.Event()
         jobs = [(f"=== [{i + 1}/{len(points)}] {self.abl.name}: {p.name}", p) for i, p in enumerate(points)]
@@ -327,7 +338,7 @@ class Sweep:
             print(f"{head}: skipped, already {done} (hash {h})", flush=True)
             return done
         with self._lock:
-            elapsed = time.monotonic() - self._t_start
+            elapsed = time.monotonic() - self.t_start
             late = self.args.deadline_s is not None and elapsed > self.args.deadline_s
             need = self._needs.get(point.name)
             short = self.args.end_s is not None and need is not None and elapsed + need > self.args.end_s
@@ -363,7 +374,7 @@ class Sweep:
               f"(the comparison), http://127.0.0.1:5000/{compare} (side by side)")
         if self.args.results:
             print(write_table(Path(self.args.results), self.abl, self.client.get_run(parent_id), self._frame,
-                              (header, rows), time.monotonic() - self._t_start))
+                              (header, rows), time.monotonic() - self.t_start))
         print(f"report: python -m experiments report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
         return 1 if bad else 0
 
@@ -425,7 +436,7 @@ def execute(sweep: Sweep) -> int:
     """Run `sweep` holding its ablation's lock: one sweep of an ablation at a time; its runs hold
     the lock too, so a sweep killed outright keeps it until they have ended."""
     abl = sweep.abl
-    with hold_lock(lock_path(f"sweep-{abl.name}", sweep.uri, abl.experiment, abl.name),
+    with hold_lock(lock_path(f"sweep-{abl.name}", abl.experiment, abl.name),
                    f"a sweep of {abl.name}") as held:
         sweep.lock_fds = (held.fileno(),)
         return sweep.run()
@@ -435,11 +446,10 @@ def execute(sweep: Sweep) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
-    from pipeline.tracking import tracking_uri
+    from pipeline.tracking import check_tracking, tracking_uri
 
     check_tracking(tracking_uri())
-    sweep = Sweep(abl, args)
-    if args.dry_run:
-        return sweep.plan()
-    return execute(sweep)
+    with runs_.store_errors():
+        sweep = Sweep(abl, args)
+        return sweep.plan() if args.dry_run else execute(sweep)
 

@@ -21,7 +21,8 @@ def _bench(root, slug: str, date: str, peers: dict[str, tuple[float, float]]) ->
             for p, (ms, mib) in {"jagged": (1.0, 1.0), **peers}.items()]
     doc = {"schema": "jagged-bench/1", "stamp": {"gpu_slug": slug, "gpu": f"GPU {slug}", "date": date},
            "ceilings": {}, "config": {}, "rows": rows}
-    (root / f"bench-{slug}.json").write_text(json.dumps(doc))
+    (root / "kernels" / slug).mkdir(parents=True, exist_ok=True)
+    (root / "kernels" / slug / f"bench-{slug}.json").write_text(json.dumps(doc))
 
 
 def _report(root, name: str, rows: list[dict], budget: dict | None = None, targets=(), **facts) -> None:
@@ -134,12 +135,12 @@ def test_a_partial_kernels_run_adds_to_a_full_one_instead_of_hiding_it(tmp_path)
     rows = {r[0].split(" vs ")[1].split(":")[0]: r for r in summary.kernel_targets(tmp_path) if r[0].startswith("headline")
             and "fwd_bwd" in r[0]}
     assert rows["dense_torch"][1:] == ["PASS", "speed 50.00x (1 vs 50 ms), memory 25.00x less (ours 1 MiB, dense_torch "
-                                       "25 MiB)", "kernels-a.md"]
+                                       "25 MiB)", "kernels/a/report.md"]
     assert rows["sdpa_padded_mask"][1:] == ["PASS", "speed 3.50x (1 vs 3.5 ms), memory 3.00x less (ours 1 MiB, "
-                                            "sdpa_padded_mask 3 MiB)", "kernels-b.md"]
+                                            "sdpa_padded_mask 3 MiB)", "kernels/b/report.md"]
     text = summary.build(tmp_path)
-    assert f"[kernels-a.md](kernels-a.md) | headline {HEADLINE} fwd_bwd vs dense_torch" in text
-    assert f"[kernels-b.md](kernels-b.md) | headline {HEADLINE} fwd_bwd vs sdpa_padded_mask" in text
+    assert f"[kernels/a/report.md](kernels/a/report.md) | headline {HEADLINE} fwd_bwd vs dense_torch" in text
+    assert f"[kernels/b/report.md](kernels/b/report.md) | headline {HEADLINE} fwd_bwd vs sdpa_padded_mask" in text
 
 
 def test_the_seeds_other_systems_are_listed_once_they_have_run(tmp_path):

@@ -18,7 +18,9 @@ import warnings
 
 import torch
 
+from experiments.bench.base import OURS
 from experiments.bench.suites import KINDS, SUITE_NAMES
+from pipeline.errors import ConfigError, command
 
 # `all` runs the quick kinds first, so that a --deadline-s cut lands on self-attention shapes
 ALL_ORDER = ("ops", "dense_attention", "attention")
@@ -102,8 +104,8 @@ def print_summary(rows: list[dict], ceilings: dict | None) -> None:
     sys.stdout.flush()
 
 
-def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], argv) -> tuple[str, str, str]:
-    """Every kind and suite of `args`, rows saved after each shape; (JSON path, folder, GPU slug)."""
+def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], argv) -> tuple[str, str, list[dict]]:
+    """Every kind and suite of `args`, rows saved after each shape; (folder, GPU slug, the rows)."""
     from kernels._launch_configs import forced
     from experiments.bench import runner
     from experiments.bench.base import RunConfig
@@ -150,9 +152,10 @@ def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], a
     save([])
     print(f"\nwrote {json_path} ({len(rows)} rows, {time.monotonic() - start:.0f} s)")
     print_summary(rows, ceilings)
-    return json_path, folder, stamp["gpu_slug"]
+    return folder, stamp["gpu_slug"], rows
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -165,6 +168,8 @@ def main(argv=None) -> int:
             print(f"wrote {path}")
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here (--device cpu times the torch path)")
     suites = args.suite.split(",")
     for s in suites:
         if s not in SUITE_NAMES:
@@ -176,8 +181,12 @@ def main(argv=None) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if not set(modes) <= {"fwd", "fwd_bwd"}:
         raise SystemExit(f"--modes takes fwd and/or fwd_bwd, got {args.modes!r}")
-    _, folder, slug = run(args, device, suites, modes, argv)
+    folder, slug, rows = run(args, device, suites, modes, argv)
     if not args.no_report:
         for path in write_report(folder, slug):
             print(f"wrote {path}")
-    return 0
+    failed = [r for r in rows if r["provider"] == OURS and (r["status"] == "FAILED" or r["status"].startswith("error"))]
+    for r in failed:  # a result file that holds them is written, but the command failed
+        print(f"error: ours {r['status']} at {r['kind']} {r.get('op') or ''} {r['suite']} {r['shape_id']} {r['mode']}: "
+              f"{r.get('error', '')}", file=sys.stderr)
+    return 1 if failed else 0

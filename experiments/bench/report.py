@@ -15,6 +15,7 @@ from experiments.bench.base import OURS, ceilings_of
 from experiments.bench.floors import floor_table
 from experiments.bench.stamp import stamp_line
 from experiments.bench.targets import evaluate, geomean_table
+from pipeline.errors import ConfigError
 
 SCHEMA = "jagged-bench/1"
 MiB = 1 << 20
@@ -33,11 +34,18 @@ def write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: str) -> object:
-    """A result file's JSON, gzipped (``.json.gz``, as the committed ones may be) or not."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
+def read_json(path) -> dict:
+    """A result file's JSON object, gzipped (``.json.gz``, as the committed ones may be) or not;
+    ConfigError naming the file when it is truncated or damaged."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        doc = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
+    except (OSError, EOFError, ValueError) as err:
+        raise ConfigError(f"{path}: a damaged result file ({type(err).__name__}: {err})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: a damaged result file (not a JSON object)")
+    return doc
 
 
 def load_docs(folder: str, slug: str | None = None) -> list[dict]:
@@ -46,11 +54,8 @@ def load_docs(folder: str, slug: str | None = None) -> list[dict]:
     for name in sorted(os.listdir(folder)):
         if not name.endswith((".json", ".json.gz")):
             continue
-        try:
-            doc = read_json(os.path.join(folder, name))
-        except (OSError, EOFError, ValueError):
-            continue
-        if isinstance(doc, dict) and doc.get("schema") == SCHEMA and (slug is None or doc["stamp"]["gpu_slug"] == slug):
+        doc = read_json(os.path.join(folder, name))
+        if doc.get("schema") == SCHEMA and (slug is None or doc["stamp"]["gpu_slug"] == slug):
             doc["_file"] = name
             docs.append(doc)
     return sorted(docs, key=lambda d: d["stamp"]["date"])
