@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from experiments.figures import save_png  # noqa: E402
+from experiments.figures import finish, legend_outside  # noqa: E402
 from pipeline.gradsync import EMBEDDING_GRADS  # noqa: E402
 from pipeline.runenv import device_name, git_commit  # noqa: E402
 
@@ -88,11 +88,9 @@ def plot_sweep(rows: list[dict], cross: list[dict], path: Path) -> None:
             ax.set_ylabel(unit)
             ax.set_title(f"{c['world']} processes")
             ax.grid(True, alpha=0.3)
-    axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
-    axes[1][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8)
-    fig.suptitle(f"Embedding gradients across processes: {SWEEP_NAME}\n{_subtitle()}", fontsize=10)
-    fig.tight_layout()
-    save_png(fig, path, dpi=110)
+    legend_outside(axes[0][-1], 8)
+    legend_outside(axes[1][-1], 8)
+    finish(fig, path, f"Embedding gradients across processes: {SWEEP_NAME}", _subtitle())
 
 
 SWEEP_NAME = "100k x 32 table, distinct ids per process"
@@ -115,10 +113,8 @@ def plot_presets(rows: list[dict], path: Path) -> None:
         ax.set_yscale("log")
         ax.set_ylabel(label)
         ax.grid(True, axis="y", alpha=0.3)
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    fig.suptitle(f"Embedding gradients at the presets' tables and batches\n{_subtitle()}", fontsize=10)
-    fig.tight_layout()
-    save_png(fig, path, dpi=110)
+    legend_outside(axes[-1], 8)
+    finish(fig, path, "Embedding gradients at the presets' tables and batches", _subtitle())
 
 
 _PRESET_ORDER = ("tiny", "small", "paper")

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
 
-from experiments.figures import fit_to_width, save_png  # noqa: E402
+from experiments.figures import finish, legend_outside, mark_missing  # noqa: E402
 
 _MISSING_MARK = {"OOM": "X", "FAILED": "x", "KILLED": "x", "NOT RUN": "1"}
 
@@ -73,25 +73,15 @@ def series_groups(df: pl.DataFrame, series: list[str]) -> dict[str, pl.DataFrame
 def _finish(fig, title: str, subtitle: str, path: Path) -> Path:
     for ax in fig.axes:
         handles, labels = ax.get_legend_handles_labels()
-        if handles and labels != [ONE_SERIES]:  # outside the axes: a legend never covers a point; none for one series
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    fig.suptitle(title, fontsize=11)
-    if subtitle:
-        fig.text(0.5, 0.005, fit_to_width(fig, subtitle, 7), ha="center", va="bottom", fontsize=7, color="dimgray")
-    fig.tight_layout(rect=(0, 0.05 if subtitle else 0, 1, 1))
-    return save_png(fig, path, dpi=120)
+        if handles and labels != [ONE_SERIES]:  # none for one series
+            legend_outside(ax)
+    return finish(fig, path, title, subtitle, dpi=120)
 
 
 def _mark_missing(ax, xs: list, statuses: list[str], color, name: str) -> None:
-    """Points without a number: a marker on the x axis and the status above it (side by side
-    when several series miss the same x)."""
-    stacked = ax.__dict__.setdefault("_missing_at", {})
+    """Points without a number, marked by status, and one legend entry saying which."""
     for xv, status in zip(xs, statuses):
-        level = stacked[xv] = stacked.get(xv, -1) + 1
-        ax.plot([xv], [0.0], marker=_MISSING_MARK.get(status, "x"), color=color, markersize=9,
-                transform=ax.get_xaxis_transform(), clip_on=False, linestyle="none")
-        ax.annotate(status, (xv, 0.0), xycoords=("data", "axes fraction"), xytext=(-4 + 9 * level, 9),
-                    textcoords="offset points", ha="center", va="bottom", rotation=90, fontsize=7, color=color)
+        mark_missing(ax, [(xv, status)], color, _MISSING_MARK.get(status, "x"))
     if xs:
         ax.plot([], [], marker="X", color=color, linestyle="none",
                 label=f"{name}: no number ({', '.join(dict.fromkeys(statuses))})")

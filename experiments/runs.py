@@ -142,8 +142,9 @@ def grid_frame(parent: Run, hashes: list[str] | None) -> pl.DataFrame:
     return df.sort(keys) if keys else df
 
 
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def fmt(value, spec: str = ".2f", unit: str = "") -> str:
+    """`value` formatted, '-' where there is no number (None, NaN)."""
+    return "-" if value is None or value != value else format(value, spec) + unit
 
 
 def memory_metric(df: pl.DataFrame) -> tuple[str, str]:

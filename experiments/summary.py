@@ -21,6 +21,7 @@ from pathlib import Path
 
 from experiments import parser
 from experiments.bench.report import read_json
+from experiments.runs import fmt
 from pipeline.errors import command
 from pipeline.runenv import REPO_ROOT
 
@@ -164,10 +165,6 @@ def reproduce_rows(results: Path) -> list[dict]:
     return rows
 
 
-def _fmt(x, spec: str = ".2f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 def _ok(doc: dict | None) -> list[dict]:
     return [r for r in (doc or {}).get("rows") or [] if r["status"] == "OK"]
 
@@ -186,15 +183,15 @@ def model_level(found: dict[str, dict]) -> list[str]:
             j, s = get["jagged"], get.get("sdpa")
             jx, jm = j["perf/train_examples_per_s"], j["mem/train_peak_allocated_mb"]
             sx, sm = (s["perf/train_examples_per_s"], s["mem/train_peak_allocated_mb"]) if s else (None, None)
-            lines.append(f"| {b} | {jx:,.0f} | {_fmt(sx, ',.0f')} | {_fmt(sx and jx / sx)}x | {jm:,.0f} | "
-                         f"{_fmt(sm, ',.0f')} | {_fmt(sm and jm / sm)}x |" + ("" if s else " sdpa: no finished run"))
+            lines.append(f"| {b} | {jx:,.0f} | {fmt(sx, ',.0f')} | {fmt(sx and jx / sx)}x | {jm:,.0f} | "
+                         f"{fmt(sm, ',.0f')} | {fmt(sm and jm / sm)}x |" + ("" if s else " sdpa: no finished run"))
     if "auc_parity" in found:
         doc = found["auc_parity"]
         lines += ["", "| attention | seeds | mean test AUC | std | min | max |", "|---|---:|---:|---:|---:|---:|"]
         for attention in dict.fromkeys(r["attention"] for r in _ok(doc)):
             a = [r["test/auc"] for r in _ok(doc) if r["attention"] == attention and r["test/auc"] is not None]
             std = statistics.stdev(a) if len(a) > 1 else None
-            lines.append(f"| {attention} | {len(a)} | {statistics.mean(a):.4f} | {_fmt(std, '.4f')} | {min(a):.4f} | "
+            lines.append(f"| {attention} | {len(a)} | {statistics.mean(a):.4f} | {fmt(std, '.4f')} | {min(a):.4f} | "
                          f"{max(a):.4f} |")
         if doc.get("converged"):
             lines += ["", f"Convergence ([auc_parity/report.md]({doc['path']}/report.md), validation AUC at every check): "
@@ -218,8 +215,8 @@ def history_lines(found: dict[str, dict]) -> list[str]:
              "|---:|---:|---:|---:|---:|"]
     for i, (k, m, o) in enumerate(num):
         pm, po = (num[i - 1][1], num[i - 1][2]) if i else (None, None)
-        lines.append(f"| {k} | {_fmt(m, '.4f')} | {_fmt(_diff(m, pm), '+.4f')} | {_fmt(o, '.4f')} | "
-                     f"{_fmt(_diff(o, po), '+.4f')} |")
+        lines.append(f"| {k} | {fmt(m, '.4f')} | {fmt(_diff(m, pm), '+.4f')} | {fmt(o, '.4f')} | "
+                     f"{fmt(_diff(o, po), '+.4f')} |")
     ran = [r for r in num if r[1] is not None]
     if ran:
         best_k, best, best_oracle = max(ran, key=lambda r: r[1])
@@ -230,7 +227,7 @@ def history_lines(found: dict[str, dict]) -> list[str]:
             k, m, o = longer[-1]
             said += (f"; at {k} it is {m - best:+.4f} against that: on this data and budget, history beyond "
                      f"{best_k} items did not raise the model's AUC (the oracle's own gain there: "
-                     f"{_fmt(_diff(o, best_oracle), '+.4f')})")
+                     f"{fmt(_diff(o, best_oracle), '+.4f')})")
         lines += ["", said + "."]
     return lines
 
@@ -251,8 +248,8 @@ def model_ablation_lines(found: dict[str, dict]) -> list[str]:
              "", "| variant | status | test AUC | against the baseline |", "|---|---|---:|---:|"]
     for r in doc["rows"]:
         a = r.get("test/auc") if r["status"] == "OK" else None
-        vs = "baseline" if r["variant"] == "baseline" else _fmt(_diff(a, b), "+.4f")
-        lines.append(f"| {r['variant']} | {r['status']} | {_fmt(a, '.4f')} | {vs} |")
+        vs = "baseline" if r["variant"] == "baseline" else fmt(_diff(a, b), "+.4f")
+        lines.append(f"| {r['variant']} | {r['status']} | {fmt(a, '.4f')} | {vs} |")
     return lines
 
 
@@ -368,8 +365,8 @@ def build(results: Path) -> str:
                 "of one step and the attention kernels' time in it (forward and backward).", "",
                 "| profile | device | batch | attention | graph step ms | GPU-busy ms | attention ms | attention share |",
                 "|---|---|---:|---|---:|---:|---:|---:|"]
-        out += [f"| {r['file']} | {r['device']} | {r['batch_size']} | {r['attention']} | {_fmt(r['graph_step_ms'])} | "
-                f"{_fmt(r['busy_ms'])} | {_fmt(r['attn_ms'])} | {_fmt(r['attn_ms'] and r['attn_ms'] / r['busy_ms'], '.0%')} |"
+        out += [f"| {r['file']} | {r['device']} | {r['batch_size']} | {r['attention']} | {fmt(r['graph_step_ms'])} | "
+                f"{fmt(r['busy_ms'])} | {fmt(r['attn_ms'])} | {fmt(r['attn_ms'] and r['attn_ms'] / r['busy_ms'], '.0%')} |"
                 for r in prof]
         out += ["", *amdahl_lines(prof)]
     else:

@@ -61,6 +61,18 @@ def test_paper_suite_has_peers_and_grid():
     assert len(get_suite("attention", "paper", max_shapes=3)) == 3
 
 
+def test_the_suites_are_the_shapes_they_always_were():
+    """suites.csv holds the shapes the suites were built from in code: same shapes, tags and order."""
+    import hashlib
+
+    from experiments.bench.suites import KINDS, SUITE_NAMES
+
+    suites = {k: {s: [x.as_dict() for x in get_suite(k, s)] for s in SUITE_NAMES} for k in KINDS}
+    assert sum(len(v) for d in suites.values() for v in d.values()) == 67
+    digest = hashlib.sha256(json.dumps(suites, sort_keys=True).encode()).hexdigest()
+    assert digest == "f0f5e2fab2d0433c1ffe51ef00ea867cf49a1ec679f0c16ae56c32396b306a41"
+
+
 def test_padded_reference_matches_project_reference(monkeypatch):
     monkeypatch.setattr(layouts, "SMALL_REF_TOKENS", 0)
     monkeypatch.setattr(layouts, "REF_CHUNK_BYTES", 1)  # one sequence per chunk

@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from experiments import parser
 from experiments.bench.base import OURS
 from experiments.bench.suites import KINDS, SUITE_NAMES
 from pipeline.errors import ConfigError, command
@@ -29,7 +30,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench", description=__doc__.split("\n")[0])
+    p = parser("bench", __doc__)
     p.add_argument("what", choices=KINDS + ("all", "report"))
     p.add_argument("--suite", default="paper", help=f"one or more of {SUITE_NAMES}, comma-separated")
     p.add_argument("--providers", default=None, help="peers to run, comma-separated (ours always runs)")

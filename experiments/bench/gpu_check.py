@@ -9,13 +9,14 @@ registers and spills per kernel.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import subprocess
+import tempfile
 import time
 
 import torch
+from experiments import parser
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int64: "i64", torch.int32: "i32"}
@@ -86,11 +87,11 @@ def _ptxas_report(ptx: str, arch: int) -> str:
     import triton
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    path = "/tmp/_jagged_gpu_check.ptx"
-    with open(path, "w") as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # a private name: nothing planted is written
         f.write(ptx)
-    res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", "/dev/null"],
-                         capture_output=True, text=True)
+        f.flush()
+        res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True)
     text = res.stderr + res.stdout
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
@@ -156,8 +157,7 @@ def _workloads(dtype, D):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments gpu-check",
-                                 description=__doc__.splitlines()[0])
+    ap = parser("gpu-check", __doc__)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--dims", default="16,24,48,64,96,128,136,200,256")

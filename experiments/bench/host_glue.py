@@ -8,7 +8,6 @@ Per op, the best and median of the repeats in microseconds per call, forward alo
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -18,6 +17,7 @@ from unittest import mock
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from experiments import parser  # noqa: E402
 
 T, H, D, B, N, K = 64, 2, 32, 4, 32, 8
 LENGTHS = (10, 20, 10, 24)
@@ -81,7 +81,7 @@ def _time(fn, calls: int, repeats: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments host-glue", description=__doc__.split("\n")[0])
+    p = parser("host-glue", __doc__)
     p.add_argument("--calls", type=int, default=500, help="calls per timed repeat")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per op and mode")
     args = p.parse_args(argv)

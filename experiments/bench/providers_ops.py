@@ -108,24 +108,16 @@ def _rand_like_dense(j: Jagged, *size) -> torch.Tensor:
     return torch.randn(*size, device=j.q.device, dtype=j.q.dtype, generator=gen)
 
 
-def _inputs(*names: str) -> Callable[[Jagged], dict]:
-    def make(j: Jagged) -> dict:
-        B, N, D = j.shape.B, j.shape.N, j.shape.D
-        out = {}
-        for name in names:
-            if name == "padded":
-                out[name] = _pad(j, j.q)
-            elif name == "padded_b":
-                out[name] = _pad(j, j.k)
-            elif name == "padded_neg_inf":
-                out[name] = _pad(j, j.q, float("-inf"))
-            elif name == "dense":
-                out[name] = _rand_like_dense(j, B, N, D)
-            elif name == "dense_km":
-                out[name] = _rand_like_dense(j, B, D, D)
-        return out
+_INPUTS = {  # the dense inputs of the ops, by name
+    "padded": lambda j: _pad(j, j.q), "padded_b": lambda j: _pad(j, j.k),
+    "padded_neg_inf": lambda j: _pad(j, j.q, float("-inf")),
+    "dense": lambda j: _rand_like_dense(j, j.shape.B, j.shape.N, j.shape.D),
+    "dense_km": lambda j: _rand_like_dense(j, j.shape.B, j.shape.D, j.shape.D),
+}
 
-    return make
+
+def _inputs(*names: str) -> Callable[[Jagged], dict]:
+    return lambda j: {name: _INPUTS[name](j) for name in names}
 
 
 def _softmax_ref(j: Jagged) -> torch.Tensor:

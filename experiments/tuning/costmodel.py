@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments import parser
 from experiments.tuning.families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, WITH_PROGRAMS, SweepShape,
                                          complete, config_id, hand_config, programs, valid)
 
@@ -337,12 +338,12 @@ def _json_safe(x):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments costmodel",
-                                description=__doc__.split("\n")[0])
+    p = parser("costmodel", __doc__)
     p.add_argument("what", choices=("eval", "export", "report"))
     p.add_argument("--data", required=True, help="the sweep's Parquet file")
-    p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default "
-                   "kernels/configs/<gpu>.json); report: folder (default runs/tuning/<gpu>)")
+    p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default runs/tuning/<gpu>/"
+                   "launch-table.json; the launchers read kernels/configs/<gpu>.json); report: folder (default "
+                   "runs/tuning/<gpu>)")
     p.add_argument("--families", default=None, help="comma-separated subset of the data's families")
     p.add_argument("--folds", type=int, default=0,
                    help="eval, report: GroupKFold splits over shapes (at most #shapes; 0: one per shape)")
@@ -383,7 +384,7 @@ def main(argv=None) -> int:
     elif args.what == "export":
         from experiments.tuning.table import export
 
-        export(rows, fit(rows, args.seed), args.out)
+        export(rows, fit(rows, args.seed), args.out or "runs/tuning/<gpu>/launch-table.json")
     else:
         from experiments.tuning.costmodel_report import write_report
 

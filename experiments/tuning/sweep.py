@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from experiments import parser
 from experiments.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms, rel_err, sync
 from experiments.bench.stamp import make_stamp
 from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, LEVELS, SweepShape, complete, config_id,
@@ -338,8 +339,7 @@ def log_mlflow(path: Path, rows: list[dict], n_new: int, stamp: dict, args) -> s
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments config-sweep",
-                                description=__doc__.split("\n")[0])
+    p = parser("config-sweep", __doc__)
     p.add_argument("--grid", default="small", choices=LEVELS)
     p.add_argument("--families", default="all", help=f"comma-separated, of: {', '.join(FAMILIES)}")
     p.add_argument("--out", default="runs/costmodel/sweep-<gpu>.parquet", help="Parquet file (<gpu>: the GPU's slug)")
