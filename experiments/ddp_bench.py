@@ -144,8 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--presets", nargs="*", default=list(PRESETS), help="which preset points (none: only the sweep)")
     p.add_argument("--fractions", type=float, nargs="*", default=list(FRACTIONS), help="the sweep's fractions")
-    p.add_argument("--out", default="runs", help="results root: the files go to OUT/ddp/cpu/ (default: runs, outside "
-                                                 "the tracked files; experiments/results to update the committed ones)")
+    p.add_argument("--out", default="runs", help="results root of OUT/ddp/cpu/")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     from experiments.ddp_report import write_report  # matplotlib only where the report is written

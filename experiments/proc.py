@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -34,16 +35,10 @@ _ECHO_LOCK = threading.Lock()
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _libc_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl()  # looked up here: a forked child must not load libraries before exec
+try:  # looked up here: a forked child must not load libraries before exec
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _PRCTL = None
 
 
 def die_with_parent() -> Callable[[], None] | None:
@@ -269,18 +264,18 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+@dataclasses.dataclass
 class Slot:
     """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), how many slots share it,
     and this slot's share of the CPU cores (taskset): runs on different GPUs share neither."""
 
-    def __init__(self, gpu: str, sharing: int, cores: list[int]):
-        self.gpu, self.sharing, self.cores = gpu, sharing, cores
+    gpu: str
+    sharing: int
+    cores: list[int]
 
     def pin(self, cmd: list[str]) -> list[str]:
         taskset = shutil.which("taskset")
-        if not taskset or not self.cores:
-            return cmd
-        return [taskset, "-c", ",".join(map(str, self.cores)), *cmd]
+        return [taskset, "-c", ",".join(map(str, self.cores)), *cmd] if taskset and self.cores else cmd
 
 
 def device_slots(gpus: str | None) -> list[Slot]:

@@ -392,9 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     p = parser("report", __doc__)
     p.add_argument("--parent", required=True, help="the sweep's parent run: id or name (the ablation's name)")
-    p.add_argument("--out", default=str(REPO_ROOT / "runs"),
-                   help="results root: the files go to OUT/ablations/<name>/<device>/ (default: runs, outside the "
-                        "tracked files; experiments/results to update the committed reports)")
+    p.add_argument("--out", default=str(REPO_ROOT / "runs"), help="results root of OUT/ablations/<name>/<device>/")
     p.add_argument("--commit", default=None, help="git commit to state when the runs recorded 'unknown'")
     p.add_argument("--no-log", action="store_true", help="do not log the files to the parent run")
     args = p.parse_args(argv)

@@ -414,13 +414,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="override of every run (trainer.max_steps=50), or of a top-level key of the file (name=x)")
     p.add_argument("--where", action="append", default=[], metavar="AXIS=LABEL[,LABEL]",
                    help="only the points with these labels, e.g. max_seq_len=1024,4096")
-    p.add_argument("--end-s", type=float, default=None,
-                   help="the caller stops the sweep then: skip a point whose earlier runs needed more than is left")
+    p.add_argument("--end-s", type=float, default=None, help="the caller stops the sweep then (from the start)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default: the file's timeout_s)")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="run N points at once on the same device")
-    p.add_argument("--gpus", default=None, metavar="LIST",
-                   help="one run at a time per entry, on that GPU and its share of the cores: 0,1 or 0,0,1,1")
+    p.add_argument("--gpus", default=None, metavar="LIST", help="a run at once per entry (GPU): 0,1 or 0,0,1,1")
     p.add_argument("--retry-oom", action="store_true", help="rerun points recorded as OOM")
     p.add_argument("--new", action="store_true", help="start a new parent run instead of resuming")
     args = p.parse_args(argv)

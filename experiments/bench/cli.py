@@ -35,25 +35,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--suite", default="paper", help=f"one or more of {SUITE_NAMES}, comma-separated")
     p.add_argument("--providers", default=None, help="peers to run, comma-separated (ours always runs)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
-    p.add_argument("--out", default=OUT, help="folder (<gpu>: the GPU's slug; report: every GPU's folder), or a "
-                   ".json file (the report goes beside it)")
+    p.add_argument("--out", default=OUT, help="folder (<gpu>: the GPU's slug; report: every GPU's), or a .json file")
     p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd and/or fwd_bwd (ops run fwd only)")
     p.add_argument("--max-shapes", type=int, default=None, help="only the first N shapes of each suite")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--ours-backend", default=None, help="backend= for ours (default: triton on CUDA, torch on CPU)")
     p.add_argument("--flex-max-tokens", type=int, default=300_000, help="skip FlexAttention above this many tokens")
     p.add_argument("--flex-budget-s", type=float, default=120.0, help="wall seconds FlexAttention may use per run")
     p.add_argument("--deadline-s", type=float, default=None, help="start no new shape after this many seconds")
     p.add_argument("--commit", default=None, help="git commit to stamp (the GPU machine has no .git)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-report", action="store_true", help="write the JSON only")
-    p.add_argument("--graph-ms", action="store_true",
-                   help="also time every row as a CUDA-graph replay (the kernels alone, no host time): gpu_ms")
+    p.add_argument("--graph-ms", action="store_true", help="also time each row as a CUDA-graph replay: gpu_ms")
     p.add_argument("--force", action="append", default=[], metavar="FAMILY:KEY=VALUE[,KEY=VALUE]",
-                   help="launch every kernel of FAMILY (e.g. dense_bwd) with these keys over its hand rule or "
-                        "table pick; repeatable; stamped into the results")
+                   help="every launch of FAMILY (e.g. dense_bwd) takes these keys; repeatable, stamped")
     args = p.parse_args(argv)
     try:
         args.force = parse_force(args.force)
@@ -117,7 +113,7 @@ def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], a
     start = time.monotonic()
     cfg = RunConfig(
         device=device, dtype=DTYPES[args.dtype], modes=modes, warmup_ms=args.warmup, rep_ms=args.rep,
-        ours_backend=args.ours_backend or ("triton" if device.type == "cuda" else "torch"),
+        ours_backend="triton" if device.type == "cuda" else "torch",
         providers=frozenset(args.providers.split(",")) if args.providers else None, max_shapes=args.max_shapes,
         seed=args.seed, flex_max_tokens=args.flex_max_tokens, flex_budget_s=args.flex_budget_s,
         deadline=start + args.deadline_s if args.deadline_s else None, graph_ms=args.graph_ms,

@@ -1,7 +1,6 @@
 """S2 attention against dense jagged attention and varlen_attn: forward + backward time.
 
-    python -m experiments bench-s2 [--out experiments/results/kernels/<gpu>] [--strides 2,4,8,16]
-    TRITON_INTERPRET=1 python -m experiments bench-s2 --smoke --device cpu     # the machinery, on CPU
+    python -m experiments bench-s2 [--out experiments/results/kernels/<gpu>]       # GPU
 
 Rows: N 4096-16384, H 8, D 64, fill 0.5, S2 block 64, 4 local blocks, each stride; the ideal
 speedup counts the visible (query block, key block) pairs. Writes s2.md and s2.png.
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
     from kernels import S2Shards
 
 ROWS = (4096, 8192, 16384)
-SMOKE_ROWS = (128,)
+STRIDES = (2, 4, 8, 16)
 
 
 def visible_fraction(lengths: torch.Tensor, shards: S2Shards, num_heads: int, causal: bool = False) -> float:
@@ -139,31 +138,17 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = parser("bench-s2", __doc__)
     p.add_argument("--out", default="runs/kernels/<gpu>", help="folder (<gpu>: the GPU's slug)")
-    p.add_argument("--strides", default="2,4,8,16", help="comma-separated S2 strides")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--warmup-ms", type=float, default=50.0)
     p.add_argument("--rep-ms", type=float, default=200.0)
-    p.add_argument("--smoke", action="store_true", help="one tiny row (N=128, H=2, D=16, block 16): the machinery")
     p.add_argument("--commit", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device (use --device cpu with TRITON_INTERPRET=1 and --smoke)", file=sys.stderr)
+    if not torch.cuda.is_available():
+        print("error: bench-s2 times the Triton kernels: it needs a CUDA device", file=sys.stderr)
         return 2
-    try:
-        strides = [int(s) for s in args.strides.split(",")]
-    except ValueError:
-        print(f"error: --strides must be comma-separated ints, got {args.strides!r}", file=sys.stderr)
-        return 2
-    dtype = getattr(torch, args.dtype)
-    if args.smoke:
-        results = run(device, SMOKE_ROWS, strides, dtype, 1.0, 3.0, H=2, D=16, block=16, local_blocks=1,
-                      padded_tokens=512)
-    else:
-        results = run(device, ROWS, strides, dtype, args.warmup_ms, args.rep_ms)
+    device = torch.device("cuda")
+    results = run(device, ROWS, STRIDES, getattr(torch, args.dtype), args.warmup_ms, args.rep_ms)
     stamp = make_stamp(device, args.commit)
     md = write(results, stamp, Path(args.out.replace("<gpu>", stamp["gpu_slug"])), args)
     print(md.read_text())
     return 0
-

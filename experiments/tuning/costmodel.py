@@ -342,14 +342,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("what", choices=("eval", "export", "report"))
     p.add_argument("--data", required=True, help="the sweep's Parquet file")
     p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default runs/tuning/<gpu>/"
-                   "launch-table.json; the launchers read kernels/configs/<gpu>.json); report: folder (default "
-                   "runs/tuning/<gpu>)")
+                   "launch-table.json; kernels/configs/<gpu>.json is read); report: folder (runs/tuning/<gpu>)")
     p.add_argument("--families", default=None, help="comma-separated subset of the data's families")
-    p.add_argument("--folds", type=int, default=0,
-                   help="eval, report: GroupKFold splits over shapes (at most #shapes; 0: one per shape)")
+    p.add_argument("--folds", type=int, default=0, help="GroupKFold splits over shapes (0: one per shape)")
     p.add_argument("--judge-on", default="all", choices=("all", "new"),
-                   help="eval, report: the held-out shapes the slowdowns count: all, or, for the families whose hand "
-                   "rules were retuned on the small grid, only those outside it")
+                   help="new: the families retuned on the small grid count held-out shapes outside it only")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.folds == 1 or args.folds < 0:

@@ -347,15 +347,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up, ms (call timing)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time, ms")
     p.add_argument("--timing", choices=("graph", "call"), default=None,
-                   help="graph: the kernels alone, calls replayed as a CUDA graph (default on CUDA); call: whole "
-                        "calls, host included (always on the CPU)")
-    p.add_argument("--energy-s", type=float, default=1.0,
-                   help="seconds of back-to-back calls per energy reading (0: no energy pass)")
+                   help="graph: CUDA-graph replays, the kernels alone (default on CUDA); call: whole calls")
+    p.add_argument("--energy-s", type=float, default=1.0, help="seconds of calls per energy reading (0: none)")
     p.add_argument("--compile-workers", type=int, default=None,
-                   help="processes that compile the configs before the timing pass (default: on CUDA, the "
-                        "CPU cores less 2, at most 12; 0 on the CPU interpreter, or to compile while timing)")
-    p.add_argument("--compile-budget-s", type=float, default=None,
-                   help="seconds the warm-up may take (default: half of --deadline-s, else unbounded)")
+                   help="processes compiling the configs before timing (default: CUDA cores-2 up to 12; CPU 0)")
+    p.add_argument("--compile-budget-s", type=float, default=None, help="warm-up seconds (default: deadline / 2)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--commit", default=None, help="git commit to record (default $GIT_COMMIT, else HEAD)")
     p.add_argument("--seed", type=int, default=0)
