@@ -20,7 +20,6 @@ VERBS = {  # verb: (module with main(argv), one line)
     "bench-compare": ("experiments.bench.compare", "compare two kernel benchmark result files"),
     "bench-s2": ("experiments.bench.s2", "S2 shards against dense attention: speed and error"),
     "gpu-check": ("experiments.bench.gpu_check", "compile every Triton kernel for a GPU target, no GPU needed"),
-    "host-glue": ("experiments.bench.host_glue", "host time per op call, launches mocked"),
     "config-sweep": ("experiments.tuning.sweep", "time every launch config of every kernel family"),
     "costmodel": ("experiments.tuning.costmodel", "fit, evaluate and export the launch-config cost model"),
 }
