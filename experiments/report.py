@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
-import os
 import re
 import tempfile
 import time
@@ -389,24 +388,14 @@ def write_table(root: Path, abl, parent: Run, df: pl.DataFrame, table: tuple[lis
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     p = parser("report", __doc__)
     p.add_argument("--parent", required=True, help="the sweep's parent run: id or name (the ablation's name)")
     p.add_argument("--out", default=str(REPO_ROOT / "runs"), help="results root of OUT/ablations/<name>/<device>/")
     p.add_argument("--commit", default=None, help="git commit to state when the runs recorded 'unknown'")
     p.add_argument("--no-log", action="store_true", help="do not log the files to the parent run")
     args = p.parse_args(argv)
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.tracking import tracking_uri
-
-    from pipeline.tracking import check_tracking
-
-    mlflow.set_tracking_uri(tracking_uri())
-    check_tracking(tracking_uri())
     with runs_.store_errors():
-        parent = runs_.find_parent(MlflowClient(tracking_uri()), args.parent)
+        parent = runs_.find_parent(runs_.open_store(), args.parent)
         out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
     print((out / "report.md").read_text())
     print(f"written to {out}/ and logged to parent run {parent.info.run_id} (artifacts: report/)"

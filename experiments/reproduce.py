@@ -10,7 +10,6 @@ Exit 0 when every compared metric matches, 1 when one does not, 2 for bad input.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -102,13 +101,10 @@ def compare(orig: dict[str, float], new: dict[str, float], rtol: float) -> tuple
 def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None = None) -> int:
     import mlflow
     import torch
-    from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import check_tracking, tracking_uri
+    from pipeline.tracking import tracking_uri
 
-    check_tracking(tracking_uri())
-    mlflow.set_tracking_uri(tracking_uri())
-    client = MlflowClient(tracking_uri())
+    client = runs_.open_store()
     try:
         run = client.get_run(run_id)
     except mlflow.exceptions.MlflowException:
@@ -160,7 +156,6 @@ def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     p = parser("reproduce", __doc__)
     p.add_argument("--run", required=True, help="MLflow run id")
     p.add_argument("--data", default=None, help="data directory (default: the one in the run's config)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,20 @@ ENV_TAGS = ("device", "accelerator", "torch_version", "triton_version", "cuda_ve
             "lightning_version", "git_commit", "data_digest", "data_dir", "attention")
 _STATUS_ORDER = {"OK": 0, "OOM": 1}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def open_store() -> MlflowClient:
+    """The tracking store (pipeline.tracking.tracking_uri), checked before anything runs and made
+    mlflow's current one: its client."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import check_tracking, tracking_uri
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    check_tracking(tracking_uri())
+    mlflow.set_tracking_uri(tracking_uri())
+    return MlflowClient(tracking_uri())
 
 
 @contextlib.contextmanager

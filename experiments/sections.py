@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,8 +51,7 @@ def _div(a, b):
 
 def _where(df: pl.DataFrame, **equal) -> pl.DataFrame:
     """The rows whose columns equal the given values (every row for none)."""
-    masks = [df[col] == value for col, value in equal.items()]
-    return df.filter(reduce(lambda a, b: a & b, masks)) if masks else df
+    return df.filter(**equal) if equal else df
 
 
 def ratio_section(rat: dict[str, dict[str, list]], x: str) -> list[str]:

@@ -60,17 +60,14 @@ class Sweep:
     lock_fds: tuple[int, ...] = ()  # the sweep's lock, inherited by every run it starts
 
     def __init__(self, abl: Ablation, args: argparse.Namespace):
-        import mlflow
         import psutil
-        from mlflow.tracking import MlflowClient
 
         from pipeline.tracking import tracking_uri
 
         self.abl, self.args, self.uri = abl, args, tracking_uri()
         # --end-s and --deadline-s count from the process's start: the caller's clock started then
         self.t_start = time.monotonic() - (time.time() - psutil.Process().create_time())
-        mlflow.set_tracking_uri(self.uri)
-        self.client = MlflowClient(self.uri)
+        self.client = runs_.open_store()
         exp = self.client.get_experiment_by_name(abl.experiment)
         self.experiment_id = exp.experiment_id if exp else None  # created when the sweep runs
         self.parent: Run | None = None
@@ -444,9 +441,6 @@ def execute(sweep: Sweep) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
-    from pipeline.tracking import check_tracking, tracking_uri
-
-    check_tracking(tracking_uri())
     with runs_.store_errors():
         sweep = Sweep(abl, args)
         return sweep.plan() if args.dry_run else execute(sweep)

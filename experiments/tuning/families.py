@@ -133,23 +133,8 @@ def _product(keys: tuple, *values) -> list[dict]:
 def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
     """All combinations of the level, before the validity rules."""
     k = TUNABLE[family]
-    if level == "tiny":  # the interpreter: warps and stages mean nothing there
-        return {
-            "flash_fwd": _product(k, [16, 32], [16], [4], [1]),
-            "flash_bwd": [dict(zip(k, v)) for v in [(32, 16, 32, 16, 4, 1), (16, 16, 16, 16, 4, 1)]],
-            "dense_fwd": _product(k, [16], [16, 32], [4], [1]),
-            "dense_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1, 0), (16, 32, 16, 32, 4, 1, 0),
-                                                    (16, 16, 16, 16, 4, 1, 1)]],
-            "softmax_fwd": _product(k, [32], [16, 32], [16], [4], [16, 32]),
-            "softmax_bwd": _product(k, [32], [16, 32], [16], [4], [16, 32]),
-            "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
-            "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1], [1, 2]),
-            "padded_to_jagged": _product(k, [16, 32], [16], [4]),
-            "elementwise_add": _product(k, [16, 32], [16], [4]),
-            "elementwise_mul": _product(k, [16, 32], [16], [4]),
-            "s2_fwd": _product(k, [16, 32], [16], [4], [1]),
-            "s2_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)]],
-        }[family]
+    if level == "tiny":  # the interpreter's configs
+        return [dict(c) for c in _listed_configs("tiny")[family]]
     full = level == "full"
     warps, stages = [4, 8], ([2, 3, 4] if full else [3])
     if family in ("flash_fwd", "dense_fwd"):
@@ -277,27 +262,17 @@ def hand_config(family: str, s: SweepShape) -> dict:
     return {k: cfg[k] for k in TUNABLE[family]}
 
 
-# a plausible @triton.autotune list per family (FA2-style Triton kernels', HSTU's, ours), inside the
-# small and medium spaces so that the sweep's times give autotune's pick and its cost
-AUTOTUNE = {
-    "flash_fwd": _product(TUNABLE["flash_fwd"], [64, 128], [32, 64], [4, 8], [3]),
-    "flash_bwd": [dict(zip(TUNABLE["flash_bwd"], v)) for v in
-                  [(64, 32, 64, 32, 4, 3), (64, 16, 64, 16, 4, 3), (128, 32, 128, 32, 8, 3), (32, 32, 32, 32, 4, 3)]],
-    "dense_fwd": _product(TUNABLE["dense_fwd"], [16, 64], [32, 64], [4, 8], [3]),
-    "dense_bwd": [dict(zip(TUNABLE["dense_bwd"], (*v, sp))) for v, sp in itertools.product(  # both dQ schemes
-                  [(16, 64, 16, 64, 4, 3), (64, 64, 64, 64, 8, 3), (32, 64, 32, 64, 4, 3), (64, 32, 64, 32, 4, 3)],
-                  [0, 1])],
-    "softmax_fwd": _product(TUNABLE["softmax_fwd"], [256, 512, 1024], [128], [16], [4, 8], [256]),
-    "softmax_bwd": _product(TUNABLE["softmax_bwd"], [256, 512, 1024], [128], [16], [4, 8], [256]),
-    "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
-    "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3], [1]),
-    "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),
-    "elementwise_add": _product(TUNABLE["elementwise_add"], [32, 64, 128], [128], [4, 8]),
-    "elementwise_mul": _product(TUNABLE["elementwise_mul"], [32, 64, 128], [128], [4, 8]),
-    "s2_fwd": _product(TUNABLE["s2_fwd"], [64, 128], [32, 64], [4, 8], [3]),
-    "s2_bwd": [dict(zip(TUNABLE["s2_bwd"], v)) for v in
-               [(64, 32, 32, 64, 4, 3), (128, 32, 32, 128, 8, 3), (64, 16, 16, 64, 4, 3), (128, 64, 64, 64, 8, 3)]],
-}
+@functools.cache
+def _listed_configs(which: str) -> dict[str, list[dict]]:
+    """spaces.yaml's `which` ('tiny', 'autotune'): family -> configs."""
+    import yaml
+
+    return {f: _product(TUNABLE[f], *spec["product"]) if "product" in spec else [dict(zip(TUNABLE[f], v))
+                                                                                for v in spec["configs"]]
+            for f, spec in yaml.safe_load(Path(__file__).with_name("spaces.yaml").read_text())[which].items()}
+
+
+AUTOTUNE = _listed_configs("autotune")  # a plausible @triton.autotune list per family (spaces.yaml)
 
 
 def make_case(family: str, s: SweepShape, device: torch.device, seed: int = 0) -> tuple[Callable[[], object], dict]:
