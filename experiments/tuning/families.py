@@ -20,26 +20,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import yaml
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LEVELS = ("tiny", "small", "medium", "full")
 ENERGY_SLACK = 1.05  # the energy-aware choice: least energy among the configs within 5% of the fastest
-# the keys of each family's launch dict that the sweep varies (the others come from the launcher)
-TUNABLE = {
-    "flash_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-    "flash_bwd": ("BLOCK_N1", "BLOCK_M1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"),
-    "dense_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-    "dense_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages", "SPLIT_DQ"),
-    "softmax_fwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps", "STREAM_N"),
-    "softmax_bwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps", "STREAM_N"),
-    "jagged_dense_bmm": ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages"),
-    "jagged_jagged_bmm": ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages", "T_SPLITS"),
-    "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
-    "s2_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-    "s2_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages"),
-    "elementwise_add": ("BLOCK_N", "BLOCK_D", "num_warps"),
-    "elementwise_mul": ("BLOCK_N", "BLOCK_D", "num_warps"),
-}
+_SPEC = yaml.safe_load(Path(__file__).with_name("families.yaml").read_text())  # every family: keys, grid, ...
+TUNABLE = {family: tuple(spec["keys"]) for family, spec in _SPEC.items()}  # the keys the sweep varies
+KERNELS = {family: tuple(spec["kernels"]) for family, spec in _SPEC.items()}  # module, @triton.jit functions
 FAMILIES = tuple(TUNABLE)
 # families whose launcher reads a module-level dict, not the launch table: (module, dict name);
 # a config is put in force by updating that dict, and the cost model exports no entry for them
@@ -79,12 +67,6 @@ _FULL = {  # kind: (N, fill, (H, D), Tq) products; B = 2^20 padded tokens / N (S
     "ops": ([256, 512, 1024, 2048], [0.1, 0.25, 0.5, 0.75], [(1, d) for d in (64, 128, 256)], [0], 1 << 20),
     "s2": ([2048, 4096, 8192, 16384], [0.25, 0.5, 0.75], [(8, 64), (4, 128)], [0], 1 << 18),
 }
-_KIND = {"flash_fwd": "attn", "flash_bwd": "attn", "dense_fwd": "dense", "dense_bwd": "dense",
-         "softmax_fwd": "softmax", "softmax_bwd": "softmax", "jagged_dense_bmm": "ops",
-         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops", "s2_fwd": "s2", "s2_bwd": "s2",
-         "elementwise_add": "ops", "elementwise_mul": "ops"}
-
-
 @functools.cache
 def _listed() -> dict[tuple[str, str], list[SweepShape]]:
     """{(level, kind): shapes} of shapes.csv, in file order."""
@@ -99,7 +81,7 @@ def _listed() -> dict[tuple[str, str], list[SweepShape]]:
 
 def grid(family: str, level: str) -> list[SweepShape]:
     """The shapes of `family` at `level`; medium is small's shapes and then more."""
-    kind = _KIND[family]
+    kind = _SPEC[family]["shapes"]
     if level == "full":
         Ns, fills, HDs, Tqs, tokens = _FULL[kind]
         return [SweepShape(max(1, tokens // N), N, f, H, D, Tq=tq)
@@ -264,15 +246,12 @@ def hand_config(family: str, s: SweepShape) -> dict:
 
 @functools.cache
 def _listed_configs(which: str) -> dict[str, list[dict]]:
-    """spaces.yaml's `which` ('tiny', 'autotune'): family -> configs."""
-    import yaml
-
-    return {f: _product(TUNABLE[f], *spec["product"]) if "product" in spec else [dict(zip(TUNABLE[f], v))
-                                                                                for v in spec["configs"]]
-            for f, spec in yaml.safe_load(Path(__file__).with_name("spaces.yaml").read_text())[which].items()}
+    """families.yaml's `which` lists ('tiny', 'autotune'): family -> configs."""
+    return {f: _product(TUNABLE[f], *spec[which]["product"]) if "product" in spec[which]
+            else [dict(zip(TUNABLE[f], v)) for v in spec[which]["configs"]] for f, spec in _SPEC.items()}
 
 
-AUTOTUNE = _listed_configs("autotune")  # a plausible @triton.autotune list per family (spaces.yaml)
+AUTOTUNE = _listed_configs("autotune")
 
 
 def make_case(family: str, s: SweepShape, device: torch.device, seed: int = 0) -> tuple[Callable[[], object], dict]:

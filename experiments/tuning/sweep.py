@@ -22,34 +22,17 @@ import torch
 from experiments import parser
 from experiments.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms, rel_err, sync
 from experiments.bench.stamp import make_stamp
-from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, LEVELS, SweepShape, complete, config_id,
-                                         grid, hand_config, launching, make_case, space)
+from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, KERNELS, LEVELS, SweepShape, complete,
+                                         config_id, grid, hand_config, launching, make_case, space)
 from experiments.tuning.power import EnergyMeter
 from experiments.tuning.warmup import sticky, warm_cache, warm_up_todo
 
 KEY = ("family", "shape_id", "config_id")
-_KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
-    "flash_fwd": ("_flash_attention_triton", "_flash_fwd_kernel"),
-    "flash_bwd": ("_flash_attention_triton", "_flash_bwd_kernel"),
-    "dense_fwd": ("_dense_attention_triton", "_dense_fwd_kernel"),
-    "dense_bwd": ("_dense_attention_triton", "_dense_bwd_kernel"),
-    "softmax_fwd": ("_softmax_triton", "_jagged_softmax_fwd_kernel"),
-    "softmax_bwd": ("_softmax_triton", "_jagged_softmax_bwd_kernel"),
-    "jagged_dense_bmm": ("_bmm_triton", "_jagged_dense_bmm_kernel"),
-    "jagged_jagged_bmm": ("_bmm_triton", "_jagged_jagged_bmm_kernel"),
-    "padded_to_jagged": ("_conversions_triton", "_padded_to_jagged_kernel"),
-    "s2_fwd": ("_s2_attention_triton", "_s2_fwd"),
-    "s2_bwd": ("_s2_attention_triton", "_s2_bwd_dq", "_s2_bwd_dkdv"),
-    "elementwise_add": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
-    "elementwise_mul": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
-}
-
-
 def _compiled(family: str) -> dict:
     """{cache key: CompiledKernel} of the family's kernel (empty where Triton hides it)."""
     import importlib
 
-    mod, *names = _KERNELS[family]
+    mod, *names = KERNELS[family]
     out = {}
     for name in names:  # a family may launch several kernels: the most any of them spills
         fn = getattr(importlib.import_module(f"kernels.{mod}"), name)
@@ -357,32 +340,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mlflow", action="store_true", help="log an MLflow run with the Parquet as its artifact")
     args = p.parse_args(argv)
-    fams = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
-    bad = [f for f in fams if f not in FAMILIES]
-    if bad or not fams:
-        p.error(f"unknown families {bad}; known: {', '.join(FAMILIES)}")
-    args.families = fams
+    args.families = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device not in ("cuda", "cpu"):
-        p.error(f"--device must be cuda or cpu, not {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here")
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        p.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
-    if args.deadline_s is not None and args.deadline_s <= 0:
-        p.error("--deadline-s must be positive")
-    if args.timing is None:
-        args.timing = "graph" if args.device == "cuda" else "call"
-    if args.timing == "graph" and args.device != "cuda":
-        p.error("--timing graph replays CUDA graphs: it needs --device cuda")
+    args.timing = args.timing or ("graph" if args.device == "cuda" else "call")
     if args.compile_workers is None:
         args.compile_workers = min(12, max(0, (os.cpu_count() or 1) - 2)) if args.device == "cuda" else 0
-    if args.compile_workers < 0:
-        p.error("--compile-workers must be 0 or more")
     if args.compile_budget_s is None:
         args.compile_budget_s = args.deadline_s / 2 if args.deadline_s is not None else math.inf
-    if args.compile_budget_s <= 0:
-        p.error("--compile-budget-s must be positive")
+    for bad, why in (
+            (not args.families or set(args.families) - set(FAMILIES),
+             f"unknown families {sorted(set(args.families) - set(FAMILIES))}; known: {', '.join(FAMILIES)}"),
+            (args.device not in ("cuda", "cpu"), f"--device must be cuda or cpu, not {args.device!r}"),
+            (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device here"),
+            (args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+             "--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1"),
+            (args.deadline_s is not None and args.deadline_s <= 0, "--deadline-s must be positive"),
+            (args.timing == "graph" and args.device != "cuda", "--timing graph replays CUDA graphs: it needs --device cuda"),
+            (args.compile_workers < 0, "--compile-workers must be 0 or more"),
+            (args.compile_budget_s <= 0, "--compile-budget-s must be positive")):
+        if bad:
+            p.error(why)
     return args
 
 
