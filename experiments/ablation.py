@@ -8,12 +8,15 @@ The file format (every key, datasets, targets, recovery) is described in docs/ex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import itertools
 import json
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -351,3 +354,51 @@ def _check_targets(path: Path, report: dict, points: list) -> None:
 def cli_value(value: Any) -> str:
     """A config value as one `--key value` argument that jsonargparse reads back the same."""
     return value if isinstance(value, str) else json.dumps(value)
+
+
+# ---- would `pipeline fit` accept a point's arguments? ---------------------------------------------
+_PARSER = None  # the fit CLI's parser, built once per process (a second or so)
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parser():
+    global _PARSER
+    if _PARSER is None:
+        from pipeline.cli import RankerCLI
+
+        class ParseOnly(RankerCLI):
+            def parse_arguments(self, parser, args) -> None:
+                global _PARSER
+                _PARSER = parser
+                raise _Parsed
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # LightningCLI warns about args beside sys.argv
+                ParseOnly(args=["fit"], run=True)
+        except _Parsed:
+            pass
+    return _PARSER
+
+
+def fit_args_error(args: list[str]) -> str | None:
+    """None if ``python -m pipeline fit`` would accept `args` (what follows ``fit``), else its parser's
+    error: a grid value of the wrong type or an unknown key is the ablation file's error, found
+    before any run starts. Only the parser is asked (types, keys, config files), not the data."""
+    from jsonargparse import ArgumentError
+
+    parser = _parser()
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(["fit", *args])
+    except ArgumentError as error:  # the fit parser raises its errors (exit_on_error=False)
+        return "error: " + " ".join(str(error).split())[:500]
+    except SystemExit:
+        lines = [ln.strip() for ln in err.getvalue().splitlines() if ln.strip()]
+        found = [ln for ln in lines if ln.startswith("error:")] or lines[-1:] or ["rejected by the fit parser"]
+        return found[0][:500]
+    return None

@@ -25,7 +25,7 @@ from experiments import parser
 from experiments import ablation
 from experiments import runs as runs_
 from experiments.proc import safe_name
-from experiments.sections import (THROUGHPUT, _convergence_lines, _where, convergence_rows, oracle_section,
+from experiments.sections import (THROUGHPUT, _where, convergence_lines, convergence_rows, oracle_section,
                                   profile_section, ratio_section, ratios, recovery_section, seeds_section,
                                   target_rows, targets_section, with_whole_window)
 from pipeline.errors import ConfigError, command
@@ -202,7 +202,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     lines += seeds_section(df, seeds, names)
     tol = float(spec.get("converged_within", 0.002))
     converged = convergence_rows(client, df, names, tol)
-    lines += _convergence_lines(converged, names, tol)
+    lines += convergence_lines(converged, names, tol)
     lines += targets_section(df, spec, mem)
     lines += recovery_section(df, x, spec, mem, out)
     lines += profile_section(out_root, spec.get("profile"))

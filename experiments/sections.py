@@ -204,14 +204,10 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
             *table_lines([*keys, "runs", "mean", "std", "min", "max"], rows)]
 
 
-def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[str]:
-    """Validation AUC at each check of every finished run that validated more than once, and
-    whether it converged (the rule: the section's text)."""
-    return _convergence_lines(convergence_rows(client, df, axes, tol), axes, tol)
-
-
 def convergence_rows(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[list[str]]:
-    """[axis labels..., last interval, curve, change, tested at step, verdict] per finished run."""
+    """Validation AUC at each check of every finished run that validated more than once: [axis
+    labels..., last interval, curve, change, tested at step, verdict] per run (the rule:
+    :func:`convergence_lines`' text)."""
     ok = _where(df, status="OK")
     rows = []
     for r in ok.iter_rows(named=True):
@@ -228,7 +224,7 @@ def convergence_rows(client: MlflowClient, df: pl.DataFrame, axes: list[str], to
     return rows
 
 
-def _convergence_lines(rows: list[list[str]], axes: list[str], tol: float) -> list[str]:
+def convergence_lines(rows: list[list[str]], axes: list[str], tol: float) -> list[str]:
     if not rows:
         return []
     done = sum(row[-1] != "rising" for row in rows)

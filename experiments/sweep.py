@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 from experiments import parser
 from experiments import runs as runs_
-from experiments.ablation import Ablation, Point, cli_value, code_version, load, parse_set, split_set
+from experiments.ablation import (Ablation, Point, cli_value, code_version, fit_args_error, load, parse_set,
+                                 split_set)
 from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
                               lock_path, safe_name, sqlite_file, stream)
 from experiments.report import compare_url, parent_url, write_table
@@ -278,8 +279,6 @@ class Sweep:
 
     def invalid_points(self, points: list[Point]) -> dict[str, str]:
         """Point name -> why `pipeline fit` would refuse its arguments (a value's type, a key)."""
-        from experiments.argcheck import fit_args_error
-
         errors = {p.name: fit_args_error(fit_command(self.abl, p, "<parent>")[len(FIT_COMMAND):]) for p in points}
         return {name: error for name, error in errors.items() if error}
 

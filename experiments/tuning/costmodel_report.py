@@ -112,7 +112,7 @@ def _energy_note(rows: list[dict]) -> str:
     if not counted:
         return ("Energy: no row has a reading of the board's energy counter (a sweep from before the energy pass, or "
                 "no NVML), so the energy columns are empty; sampled power over a 40 ms timing is not used "
-                "(experiments/tuning/power.py says why).")
+                "(docs/tuning.md says why).")
     windows = [r["energy_window_s"] for r in rows if r.get("energy_src") == "counter" and r.get("energy_window_s")]
     least = f"{min(windows):.2g} s or more" if windows else "a window"
     return (f"Energy: {counted} rows (up to 3 configs within 5% of each shape's fastest, and the hand rule's) have the "

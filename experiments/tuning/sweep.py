@@ -24,7 +24,6 @@ from experiments.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms
 from experiments.bench.stamp import make_stamp
 from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, KERNELS, LEVELS, SweepShape, complete,
                                          config_id, grid, hand_config, launching, make_case, space)
-from experiments.tuning.power import EnergyMeter
 from experiments.tuning.warmup import sticky, warm_cache, warm_up_todo
 
 KEY = ("family", "shape_id", "config_id")
@@ -100,6 +99,42 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
             return row
         row["bench_s"] = time.perf_counter() - t1
     return row
+
+
+def nvml_handle(nv, device_index: int):
+    """NVML's handle of torch's CUDA device `device_index`, matched by UUID (NVML numbers every board
+    of the host, torch the visible ones); by index only where no board is hidden, else None."""
+    try:
+        uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+        return nv.nvmlDeviceGetHandleByUUID((uuid if uuid.startswith("GPU-") else "GPU-" + uuid).encode())
+    except Exception:  # noqa: BLE001 - an old torch or driver without UUIDs
+        return None if os.environ.get("CUDA_VISIBLE_DEVICES") else nv.nvmlDeviceGetHandleByIndex(device_index)
+
+
+class EnergyMeter:
+    """Board energy (J) from NVML's total-energy counter; `available` is False without NVML or a
+    counter (pre-Volta boards, some virtualised GPUs): energy is NaN then."""
+
+    def __init__(self, device_index: int | None = 0):
+        self._nvml = self._handle = None
+        if device_index is None:
+            return
+        try:
+            import pynvml as nv
+
+            nv.nvmlInit()
+            handle = nvml_handle(nv, device_index)
+            nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+            self._nvml, self._handle = nv, handle
+        except Exception:  # noqa: BLE001 - no NVML, driver, device or counter
+            pass
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def read_j(self) -> float:
+        return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1e3  # mJ -> J
 
 
 ENERGY_MAX_CONFIGS = 3  # per shape, besides the hand rule's: about 4 s of energy readings a shape
