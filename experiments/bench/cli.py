@@ -167,17 +167,14 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device here (--device cpu times the torch path)")
-    suites = args.suite.split(",")
-    for s in suites:
-        if s not in SUITE_NAMES:
-            raise SystemExit(f"unknown suite {s!r}; one of {SUITE_NAMES}")
-    if args.providers:
-        unknown = set(args.providers.split(",")) - runner.provider_names()
-        if unknown:
-            raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(runner.provider_names())}")
-    modes = tuple(m for m in args.modes.split(",") if m)
+    suites, modes = args.suite.split(","), tuple(m for m in args.modes.split(",") if m)
+    unknown = set(args.providers.split(",")) - runner.provider_names() if args.providers else set()
+    if set(suites) - set(SUITE_NAMES):
+        raise ConfigError(f"unknown suite {sorted(set(suites) - set(SUITE_NAMES))}; one of {SUITE_NAMES}")
+    if unknown:
+        raise ConfigError(f"unknown providers {sorted(unknown)}; known: {sorted(runner.provider_names())}")
     if not set(modes) <= {"fwd", "fwd_bwd"}:
-        raise SystemExit(f"--modes takes fwd and/or fwd_bwd, got {args.modes!r}")
+        raise ConfigError(f"--modes takes fwd and/or fwd_bwd, got {args.modes!r}")
     folder, slug, rows = run(args, device, suites, modes, argv)
     if not args.no_report:
         for path in write_report(folder, slug):
