@@ -134,35 +134,24 @@ def _bandwidth_figure(rows: list[dict], stamp: dict, path: str, copy: float | No
 
 
 def write_plots(rows: list[dict], stamp: dict, folder: str, copy_gbps: float | None = None) -> list[str]:
-    paths = []
+    paths, at = [], lambda name: os.path.join(folder, name)  # noqa: E731
     grid = _grid_rows(rows)
     if grid:
-        d_ref = _pick([r["shape"]["density"] for r in grid], 0.25)
-        vs_n = [r for r in grid if r["shape"]["density"] == d_ref]
-        s = vs_n[0]["shape"]
-        paths.append(_figure(
-            vs_n, "N", "N (max_seq_len)",
-            f"Jagged flash attention vs peers, by N (H={s['H']}, D={s['D']}, density {d_ref:g}, B*N ~ const)",
-            stamp, os.path.join(folder, "attention-vs-N.png"), logx=True,
-        ))
-        n_ref = _pick([r["shape"]["N"] for r in grid], 1024)
-        vs_d = [r for r in grid if r["shape"]["N"] == n_ref]
-        s = vs_d[0]["shape"]
-        paths.append(_figure(
-            vs_d, "density", "density (mean length / N)",
-            f"Jagged flash attention vs peers, by density (B={s['B']}, N={n_ref}, H={s['H']}, D={s['D']})",
-            stamp, os.path.join(folder, "attention-vs-density.png"), logx=False,
-        ))
+        d_ref, n_ref = _pick([r["shape"]["density"] for r in grid], 0.25), _pick([r["shape"]["N"] for r in grid], 1024)
+        vs_n, vs_d = [r for r in grid if r["shape"]["density"] == d_ref], [r for r in grid if r["shape"]["N"] == n_ref]
+        s, t = vs_n[0]["shape"], vs_d[0]["shape"]
+        paths += [_figure(vs_n, "N", "N (max_seq_len)", f"Jagged flash attention vs peers, by N (H={s['H']}, "
+                          f"D={s['D']}, density {d_ref:g}, B*N ~ const)", stamp, at("attention-vs-N.png"), logx=True),
+                  _figure(vs_d, "density", "density (mean length / N)", f"Jagged flash attention vs peers, by "
+                          f"density (B={t['B']}, N={n_ref}, H={t['H']}, D={t['D']})", stamp,
+                          at("attention-vs-density.png"), logx=False)]
     dense = [r for r in rows if r["kind"] == "dense_attention"]
     if dense:
-        groups = [(r["suite"], r["shape"]["B"], r["shape"]["N"], r["shape"]["H"], r["shape"]["D"], r["shape"]["density"]) for r in dense]
+        groups = [(r["suite"], *(r["shape"][k] for k in ("B", "N", "H", "D", "density"))) for r in dense]
         key = _pick(groups, ("paper", 1024, 1024, 2, 64, 0.25))
-        sel = [r for r, g in zip(dense, groups) if g == key]
-        paths.append(_figure(
-            sel, "Tq", "Tq (dense queries per sequence)",
-            f"jagged_dense_attention vs peers, by Tq (B={key[1]}, N={key[2]}, H={key[3]}, D={key[4]}, density {key[5]:g})",
-            stamp, os.path.join(folder, "dense-attention-vs-Tq.png"), logx=True,
-        ))
+        paths.append(_figure([r for r, g in zip(dense, groups) if g == key], "Tq", "Tq (dense queries per sequence)",
+                             f"jagged_dense_attention vs peers, by Tq (B={key[1]}, N={key[2]}, H={key[3]}, D={key[4]}, "
+                             f"density {key[5]:g})", stamp, at("dense-attention-vs-Tq.png"), logx=True))
     if any(r["kind"] == "ops" for r in rows):
-        paths.append(_bandwidth_figure(rows, stamp, os.path.join(folder, "ops-bandwidth.png"), copy_gbps))
+        paths.append(_bandwidth_figure(rows, stamp, at("ops-bandwidth.png"), copy_gbps))
     return paths
