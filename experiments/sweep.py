@@ -426,21 +426,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def execute(sweep: Sweep) -> int:
-    """Run `sweep` holding its ablation's lock: one sweep of an ablation at a time; its runs hold
-    the lock too, so a sweep killed outright keeps it until they have ended."""
-    abl = sweep.abl
-    with hold_lock(lock_path(f"sweep-{abl.name}", abl.experiment, abl.name),
-                   f"a sweep of {abl.name}") as held:
-        sweep.lock_fds = (held.fileno(),)
-        return sweep.run()
-
-
 @command
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
     with runs_.store_errors():
         sweep = Sweep(abl, args)
-        return sweep.plan() if args.dry_run else execute(sweep)
-
+        if args.dry_run:
+            return sweep.plan()
+        # one sweep of an ablation at a time: its runs inherit the lock, so that a sweep killed outright
+        # keeps it until they have ended
+        with hold_lock(lock_path(f"sweep-{abl.name}", abl.experiment, abl.name), f"a sweep of {abl.name}") as held:
+            sweep.lock_fds = (held.fileno(),)
+            return sweep.run()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import numpy as np
 from experiments import parser
 from experiments.tuning.families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, WITH_PROGRAMS, SweepShape,
                                          complete, config_id, hand_config, programs, valid)
+from pipeline.errors import ConfigError, command
 
 SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
 
@@ -356,20 +356,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows = load(args.data)
-    if args.families:
-        fams = [f for f in args.families.split(",") if f]
-        known = {r["family"] for r in rows}
-        if not set(fams) <= known:
-            print(f"error: families {sorted(set(fams) - known)} not in {args.data} (it has {sorted(known)})",
-                  file=sys.stderr)
-            return 2
-        rows = [r for r in rows if r["family"] in fams]
+    rows, fams = load(args.data), set(filter(None, (args.families or "").split(",")))
+    if fams - {r["family"] for r in rows}:
+        raise ConfigError(f"families {sorted(fams - {r['family'] for r in rows})} not in {args.data} "
+                          f"(it has {sorted({r['family'] for r in rows})})")
+    rows = [r for r in rows if not fams or r["family"] in fams]
     if not any(r["status"] == "ok" for r in rows):
-        print(f"error: {args.data} has no ok rows", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{args.data} has no ok rows")
     print(f"{len(rows)} rows, {len({r['shape_id'] for r in rows})} shapes, "
           f"{len({r['family'] for r in rows})} families from {args.data}", flush=True)
     if args.what == "eval":
@@ -385,8 +381,7 @@ def main(argv=None) -> int:
     else:
         from experiments.tuning.costmodel_report import write_report
 
-        for p in write_report(rows, args.out or "runs/tuning/<gpu>", args.folds, args.seed,
-                              args.judge_on):
+        for p in write_report(rows, args.out or "runs/tuning/<gpu>", args.folds, args.seed, args.judge_on):
             print(f"-> {p}")
     return 0
 
