@@ -9,13 +9,16 @@ registers and spills per kernel.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import tempfile
 import time
+from unittest import mock
 
 import torch
+
 from experiments import parser
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -36,19 +39,14 @@ def _record(run) -> list:
                          _flash_attention_triton, _s2_attention_triton, _softmax_triton)
 
     calls: list = []
-    saved = []
-    for mod in (_flash_attention_triton, _dense_attention_triton, _s2_attention_triton, _softmax_triton,
-                _conversions_triton, _elementwise_triton, _bmm_triton):
-        for name in dir(mod):
-            obj = getattr(mod, name)
-            if (name.endswith("_kernel") or name.startswith("_s2_")) and hasattr(obj, "arg_names"):
-                saved.append((mod, name, obj))
-                setattr(mod, name, _Recorder(obj, calls))
-    try:
+    with contextlib.ExitStack() as stack:
+        for mod in (_flash_attention_triton, _dense_attention_triton, _s2_attention_triton, _softmax_triton,
+                    _conversions_triton, _elementwise_triton, _bmm_triton):
+            for name in dir(mod):
+                obj = getattr(mod, name)
+                if (name.endswith("_kernel") or name.startswith("_s2_")) and hasattr(obj, "arg_names"):
+                    stack.enter_context(mock.patch.object(mod, name, _Recorder(obj, calls)))
         run()
-    finally:
-        for mod, name, obj in saved:
-            setattr(mod, name, obj)
     return calls
 
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import torch
 import yaml
@@ -374,10 +375,5 @@ def launching(family: str, cfg: dict):
         return
     module, name = MODULE_DICTS[family]
     table = getattr(importlib.import_module(f"kernels.{module}"), name)
-    saved = dict(table)
-    table.update((k, v) for k, v in cfg.items() if k in table)
-    try:
+    with mock.patch.dict(table, {k: v for k, v in cfg.items() if k in table}):
         yield
-    finally:
-        table.clear()
-        table.update(saved)
