@@ -12,12 +12,6 @@ import textwrap
 from pathlib import Path
 
 
-def fit_to_width(fig, text: str, fontsize: float) -> str:
-    """`text` broken into lines as wide as the figure (matplotlib's ``wrap=True`` does nothing under
-    the tight bounding box `save_png` uses); a character is about 0.6 of the font size wide."""
-    return textwrap.fill(text, width=int(fig.get_figwidth() * 72 / (0.6 * fontsize)))
-
-
 def legend_outside(ax, fontsize: float = 7) -> None:
     """The legend right of the axes: it never covers a point."""
     ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
@@ -36,10 +30,11 @@ def mark_missing(ax, points: list[tuple[float, str]], color, marker: str = "x") 
 
 
 def finish(fig, path: str | Path, title: str, stamp: str, dpi: int = 110) -> Path:
-    """The title, the stamp under it (what the numbers depend on: device, versions, commit, ...) as
-    wide as the figure, then `save_png` with both as the file's Title and Description."""
+    """The title, the stamp under it (what the numbers depend on: device, versions, commit, ...) broken
+    to the figure's width (``wrap=True`` does nothing under the tight bounding box; a character is
+    about 0.6 of the font size wide), then `save_png` with both as the file's Title and Description."""
     fig.suptitle(title, fontsize=11)
-    text = fit_to_width(fig, stamp, 8)
+    text = textwrap.fill(stamp, width=int(fig.get_figwidth() * 72 / (0.6 * 8)))
     fig.text(0.5, 0.94, text, ha="center", va="top", fontsize=8, color="dimgray")
     fig.tight_layout(rect=(0, 0, 1, 0.92 - 0.025 * text.count("\n")))
     return save_png(fig, path, dpi, {"Title": title, "Description": stamp})
