@@ -337,11 +337,8 @@ def log_comparison(client: MlflowClient, parent: Run, df: pl.DataFrame, axes: li
             f"({compare_url(exp, children)}) · headline metrics of every point are this run's metrics "
             "(`<point>.examples_per_s`, `<point>.<baseline>_over_<other>.speedup`, ...)\n")
     client.set_tag(run_id, "mlflow.note.content", note)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "comparison.md").write_text(f"# {title}\n\n{md}\n")
-        (Path(tmp) / "comparison.html").write_text(html_table(header, rows))
-        for name in ("comparison.md", "comparison.html"):
-            client.log_artifact(run_id, str(Path(tmp) / name), artifact_path="comparison")
+    client.log_text(run_id, f"# {title}\n\n{md}\n", "comparison/comparison.md")
+    client.log_text(run_id, html_table(header, rows), "comparison/comparison.html")
     return metrics
 
 
@@ -394,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit", default=None, help="git commit to state when the runs recorded 'unknown'")
     p.add_argument("--no-log", action="store_true", help="do not log the files to the parent run")
     args = p.parse_args(argv)
-    with runs_.store_errors():
-        parent = runs_.find_parent(runs_.open_store(), args.parent)
+    with runs_.tracking_store() as client:
+        parent = runs_.find_parent(client, args.parent)
         out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
     print((out / "report.md").read_text())
     print(f"written to {out}/ and logged to parent run {parent.info.run_id} (artifacts: report/)"

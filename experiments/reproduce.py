@@ -98,13 +98,12 @@ def compare(orig: dict[str, float], new: dict[str, float], rtol: float) -> tuple
     return rows, ok, worst
 
 
-def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None = None) -> int:
+def reproduce(client: MlflowClient, run_id: str, data: str | None, rtol: float | None, out: str | None = None) -> int:
     import mlflow
     import torch
 
     from pipeline.tracking import tracking_uri
 
-    client = runs_.open_store()
     try:
         run = client.get_run(run_id)
     except mlflow.exceptions.MlflowException:
@@ -164,6 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="results root: also write the verdict to DIR/training/<device>/reproduce.json")
     args = p.parse_args(argv)
-    with runs_.store_errors():
-        return reproduce(args.run, args.data, args.rtol, args.out)
+    with runs_.tracking_store() as client:
+        return reproduce(client, args.run, args.data, args.rtol, args.out)
 

@@ -37,30 +37,22 @@ _STATUS_ORDER = {"OK": 0, "OOM": 1}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-def open_store() -> MlflowClient:
-    """The tracking store (pipeline.tracking.tracking_uri), checked before anything runs and made
-    mlflow's current one: its client."""
+@contextlib.contextmanager
+def tracking_store():
+    """The tracking store's client (pipeline.tracking.tracking_uri), checked before anything runs and
+    made mlflow's; a store that cannot be read (a damaged database, a broken server) is one line."""
     import mlflow
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import check_tracking, tracking_uri
+    from pipeline.tracking import check_tracking, first_line, tracking_uri
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     check_tracking(tracking_uri())
     mlflow.set_tracking_uri(tracking_uri())
-    return MlflowClient(tracking_uri())
-
-
-@contextlib.contextmanager
-def store_errors():
-    """A tracking store that cannot be read (a damaged database, a broken server) as one line."""
-    import sqlalchemy.exc
-    from mlflow.exceptions import MlflowException
-
-    from pipeline.tracking import first_line, tracking_uri
-
     try:
-        yield
+        yield MlflowClient(tracking_uri())
     except (MlflowException, sqlalchemy.exc.SQLAlchemyError) as err:
         raise ConfigError(f"the tracking store {tracking_uri()} cannot be read: {first_line(err)}") from None
 

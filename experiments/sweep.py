@@ -36,6 +36,7 @@ from pipeline.runenv import REPO_ROOT
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
+    from mlflow.tracking import MlflowClient
 
 
 FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapper that injects failures
@@ -60,7 +61,7 @@ def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
 class Sweep:
     lock_fds: tuple[int, ...] = ()  # the sweep's lock, inherited by every run it starts
 
-    def __init__(self, abl: Ablation, args: argparse.Namespace):
+    def __init__(self, abl: Ablation, args: argparse.Namespace, client: MlflowClient):
         import psutil
 
         from pipeline.tracking import tracking_uri
@@ -68,7 +69,7 @@ class Sweep:
         self.abl, self.args, self.uri = abl, args, tracking_uri()
         # --end-s and --deadline-s count from the process's start: the caller's clock started then
         self.t_start = time.monotonic() - (time.time() - psutil.Process().create_time())
-        self.client = runs_.open_store()
+        self.client = client
         exp = self.client.get_experiment_by_name(abl.experiment)
         self.experiment_id = exp.experiment_id if exp else None  # created when the sweep runs
         self.parent: Run | None = None
@@ -430,8 +431,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
-    with runs_.store_errors():
-        sweep = Sweep(abl, args)
+    with runs_.tracking_store() as client:
+        sweep = Sweep(abl, args, client)
         if args.dry_run:
             return sweep.plan()
         # one sweep of an ablation at a time: its runs inherit the lock, so that a sweep killed outright
