@@ -287,10 +287,6 @@ def compare_url(experiment_id: str, run_ids: list[str]) -> str:
     return f"#/compare-runs?runs={runs}&experiments={urllib.parse.quote(json.dumps([experiment_id]))}"
 
 
-def parent_url(experiment_id: str, run_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs/{run_id}"
-
-
 def headline_metrics(df: pl.DataFrame, axes: list[str], series: str | None, ratios: dict,
                      ratio_axes: list[str]) -> dict[str, float]:
     """The parent's metrics; `ratio_axes` name the labels of each ratio's key (report.ratios)."""

@@ -32,22 +32,16 @@ if TYPE_CHECKING:
 QUALITY_PREFIXES = ("train/", "val/", "test/")
 INFO_PREFIXES = ("perf/", "mem/")
 GPU_RTOL = 5e-3
-OLD_KEYS = {"model.ranker.backend": "model.ranker.attention"}  # keys of runs recorded by earlier versions
 
 
 def rename_old_keys(config: dict) -> list[str]:
-    """Renames OLD_KEYS in a nested config in place (a run recorded before the rename);
-    returns 'old -> new' per key renamed."""
-    done = []
-    for old, new in OLD_KEYS.items():
-        *path, leaf = old.split(".")
-        node = config
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
-            node[new.rsplit(".", 1)[1]] = node.pop(leaf)
-            done.append(f"{old} -> {new}")
-    return done
+    """model.ranker.backend renamed model.ranker.attention in a nested config, in place (a run
+    recorded before the rename); returns 'old -> new' per key renamed."""
+    ranker = (config.get("model") or {}).get("ranker")
+    if not isinstance(ranker, dict) or "backend" not in ranker:
+        return []
+    ranker["attention"] = ranker.pop("backend")
+    return ["model.ranker.backend -> model.ranker.attention"]
 
 
 def regenerate_hint(client: MlflowClient, run: Run, data_dir: str) -> str:

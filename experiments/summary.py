@@ -10,7 +10,6 @@ missing source is said, never skipped; rewritten only when its content changes (
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shlex

@@ -30,7 +30,7 @@ from experiments.ablation import (Ablation, Point, cli_value, code_version, fit_
                                  split_set)
 from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
                               lock_path, safe_name, sqlite_file, stream)
-from experiments.report import compare_url, parent_url, write_table
+from experiments.report import compare_url, write_table
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
 
@@ -160,11 +160,7 @@ class Sweep:
 
     def done_status(self, previous: list[Run]) -> str | None:
         statuses = {runs_.run_status(r) for r in previous}
-        if "OK" in statuses:
-            return "OK"
-        if "OOM" in statuses and not self.args.retry_oom:
-            return "OOM"
-        return None
+        return "OK" if "OK" in statuses else "OOM" if "OOM" in statuses and not self.args.retry_oom else None
 
     # --- one point -----------------------------------------------------------------------
     def child_tags(self, point: Point, config_hash: str, slot: Slot | None = None) -> dict[str, str]:
@@ -367,7 +363,7 @@ class Sweep:
         print(f"\n{runs_.text_table(header, rows)}\n")
         print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
         print(f"MLflow tracking URI: {self.uri}; experiment '{self.abl.experiment}', parent run {parent_id}")
-        print(f"  in `make ui`: http://127.0.0.1:5000/{parent_url(self.experiment_id, parent_id)} "
+        print(f"  in `make ui`: http://127.0.0.1:5000/#/experiments/{self.experiment_id}/runs/{parent_id} "
               f"(the comparison), http://127.0.0.1:5000/{compare} (side by side)")
         if self.args.results:
             print(write_table(Path(self.args.results), self.abl, self.client.get_run(parent_id), self._frame,

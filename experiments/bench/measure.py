@@ -18,9 +18,8 @@ import torch
 
 
 def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or (isinstance(exc, RuntimeError)
+                                                            and "out of memory" in str(exc).lower())
 
 
 def sync(device: torch.device) -> None:

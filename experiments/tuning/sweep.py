@@ -27,6 +27,8 @@ from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, KERNELS
 from experiments.tuning.warmup import sticky, warm_cache, warm_up_todo
 
 KEY = ("family", "shape_id", "config_id")
+
+
 def _compiled(family: str) -> dict:
     """{cache key: CompiledKernel} of the family's kernel (empty where Triton hides it)."""
     import importlib
@@ -44,9 +46,7 @@ def _compiled(family: str) -> dict:
 
 
 def _spills(before: dict, after: dict) -> float:
-    new = [k for key, k in after.items() if key not in before]
-    vals = [getattr(k, "n_spills", None) for k in new]
-    vals = [v for v in vals if v is not None]
+    vals = [k.n_spills for key, k in after.items() if key not in before and getattr(k, "n_spills", None) is not None]
     return float(max(vals)) if vals else math.nan
 
 
