@@ -25,8 +25,7 @@ from pipeline.errors import command
 from pipeline.runenv import REPO_ROOT
 
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
-# experiments.bench's result files (a glob under the results root) and each GPU's report beside them
-KERNELS = ("kernels/*/bench-*.json*", "report.md")
+KERNELS = "kernels/*/bench-*.json*"  # experiments.bench's result files; each GPU's report.md beside them
 EXPECTED = ["seq_len", "sparsity", "batch_size", "compile", "auc_parity", "history_value", "model"]
 BEYOND = ["s2", "alure"]  # the seeds' other systems: listed once they have run
 PAPER_CLAIMS = [  # (level, claim, how ours is measured, where)
@@ -48,14 +47,13 @@ def kernel_targets(results: Path) -> list[list[str]]:
     from experiments.bench.report import load_docs, merge_rows
     from experiments.bench.targets import evaluate
 
-    pattern, report = KERNELS
     rows: dict[str, list[str]] = {}
-    for folder in sorted({p.parent for p in results.glob(pattern)}):
+    for folder in sorted({p.parent for p in results.glob(KERNELS)}):
         docs = load_docs(str(folder))
         for slug in sorted({d["stamp"]["gpu_slug"] for d in docs}):
             mine = [d for d in docs if d["stamp"]["gpu_slug"] == slug]
             ceilings = next((d["ceilings"] for d in reversed(mine) if d.get("ceilings")), None)
-            link = str((folder / report.format(slug=slug)).relative_to(results))
+            link = str((folder / "report.md").relative_to(results))
             for t in evaluate(merge_rows(mine), ceilings):
                 row = [t["target"], t["status"], t["detail"], link]
                 if t["target"] not in rows or row[1] in ("PASS", "MISS") or rows[row[0]][1] not in ("PASS", "MISS"):
