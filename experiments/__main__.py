@@ -20,11 +20,10 @@ VERBS = {  # verb: (module with main(argv), one line)
     "bench-compare": ("experiments.bench.compare", "compare two kernel benchmark result files"),
     "bench-s2": ("experiments.bench.s2", "S2 shards against dense attention: speed and error"),
     "gpu-check": ("experiments.bench.gpu_check", "compile every Triton kernel for a GPU target, no GPU needed"),
-    "host-glue": ("experiments.bench.host_glue", "host time per op call, launches mocked"),
     "config-sweep": ("experiments.tuning.sweep", "time every launch config of every kernel family"),
     "costmodel": ("experiments.tuning.costmodel", "evaluate, report and export the launch-config cost model"),
 }
-DRIVERS = ("sweep",)  # it runs fits as children: SIGTERM must stop those too
+DRIVERS = ("sweep",)  # it runs fits as children: SIGTERM or a reader that goes away must not orphan them
 
 
 def usage() -> str:
@@ -43,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown verb {verb!r}\n\n{usage()}", file=sys.stderr, end="")
         return 2
     if verb in DRIVERS:
-        from experiments.proc import sigterm_as_interrupt
+        from experiments.proc import outlive_readers, sigterm_as_interrupt
 
         sigterm_as_interrupt()
+        outlive_readers()
     module = importlib.import_module(VERBS[verb][0])
     return module.main(rest) or 0
 

@@ -8,12 +8,15 @@ The file format (every key, datasets, targets, recovery) is described in docs/ex
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import io
 import itertools
 import json
 import subprocess
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,7 +140,7 @@ class Ablation:
     def config_hash(self, point: Point, digest: str | None) -> str:
         """Same configs, overrides, data digest and code -> same hash (comments and order do not
         count): a point is done only if it ran with this code (:func:`code_version`)."""
-        configs = [yaml.safe_load(p.read_text()) or {} for p in self.configs]
+        configs = [yaml_of(p.read_text(), str(p)) or {} for p in self.configs]
         d = point.dataset  # data not made yet: its recipe stands in for its digest
         data = digest or {"dir": str(d.dir), "preset": d.preset, "seed": d.seed, "overrides": d.overrides}
         blob = json.dumps({"configs": configs, "set": point.overrides, "data": data, "code": code_version()},
@@ -200,8 +203,19 @@ def parse_set(items: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected key=value (e.g. trainer.max_steps=50)")
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = yaml_of(value, f"--set {item}")
     return out
+
+
+def yaml_of(text: str, where: str) -> Any:
+    """`text` read as YAML (safe_load: no tag builds an object); a syntax error or a tag such as
+    !!python/object is a one-line ConfigError naming `where` and the line."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f", line {mark.line + 1}" if mark else ""
+        raise ConfigError(" ".join(f"{where}{at}: {getattr(err, 'problem', None) or err}".split())) from None
 
 
 def config_path(name: str) -> Path:
@@ -215,7 +229,10 @@ def read(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         known = sorted(p.stem for p in (REPO_ROOT / "experiments" / "ablations").glob("*.yaml"))
         raise ConfigError(f"no ablation file {path}; the shipped ones: {', '.join(known)}")
-    return yaml.safe_load(path.read_text()) or {}
+    raw = yaml_of(path.read_text(), str(path)) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: an ablation file is a mapping of keys (name, grid, ...), got {type(raw).__name__}")
+    return raw
 
 
 def load(path: str | Path, data_root: Path, data_dir: str | None = None,
@@ -337,3 +354,51 @@ def _check_targets(path: Path, report: dict, points: list) -> None:
 def cli_value(value: Any) -> str:
     """A config value as one `--key value` argument that jsonargparse reads back the same."""
     return value if isinstance(value, str) else json.dumps(value)
+
+
+# ---- would `pipeline fit` accept a point's arguments? ---------------------------------------------
+_PARSER = None  # the fit CLI's parser, built once per process (a second or so)
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parser():
+    global _PARSER
+    if _PARSER is None:
+        from pipeline.cli import RankerCLI
+
+        class ParseOnly(RankerCLI):
+            def parse_arguments(self, parser, args) -> None:
+                global _PARSER
+                _PARSER = parser
+                raise _Parsed
+
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # LightningCLI warns about args beside sys.argv
+                ParseOnly(args=["fit"], run=True)
+        except _Parsed:
+            pass
+    return _PARSER
+
+
+def fit_args_error(args: list[str]) -> str | None:
+    """None if ``python -m pipeline fit`` would accept `args` (what follows ``fit``), else its parser's
+    error: a grid value of the wrong type or an unknown key is the ablation file's error, found
+    before any run starts. Only the parser is asked (types, keys, config files), not the data."""
+    from jsonargparse import ArgumentError
+
+    parser = _parser()
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(["fit", *args])
+    except ArgumentError as error:  # the fit parser raises its errors (exit_on_error=False)
+        return "error: " + " ".join(str(error).split())[:500]
+    except SystemExit:
+        lines = [ln.strip() for ln in err.getvalue().splitlines() if ln.strip()]
+        found = [ln for ln in lines if ln.startswith("error:")] or lines[-1:] or ["rejected by the fit parser"]
+        return found[0][:500]
+    return None

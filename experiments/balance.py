@@ -9,7 +9,6 @@ consecutive slices of rows; per batch the most tokens of a rank over the mean (d
 
 from __future__ import annotations
 
-import argparse
 import shlex
 import sys
 import time
@@ -46,10 +45,9 @@ def summary(loads: np.ndarray) -> dict[str, float]:
             "efficiency": float((loads.mean(axis=1) / np.maximum(loads.max(axis=1), 1.0)).mean())}
 
 
-def report(data_dir: str, batch_size: int, max_seq_len: int, worlds: list[int], seed: int, cache: bool,
-           command: str) -> str:
+def report(data_dir: str, batch_size: int, max_seq_len: int, worlds: list[int], seed: int, command: str) -> str:
     meta = load_meta(data_dir)
-    lengths = load_split(data_dir, "train", int(meta["config"]["n_dense"]), cache=cache).lengths(max_seq_len)
+    lengths = load_split(data_dir, "train", int(meta["config"]["n_dense"]), cache=True).lengths(max_seq_len)
     lines = ["| world size | global batches | split | max/mean mean | p99 | worst | largest spread (tokens) "
              "| mean/max (efficiency bound) | split time per epoch |", "|" + " --- |" * 9]
     for world in worlds:
@@ -85,13 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="use (and write) the data's decoded-array cache; --no-cache reads the shards only")
     p.add_argument("--out", help="write the table here (markdown) as well as to stdout")
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
     command = shlex.join(["python", "-m", "experiments", "balance", *argv])
-    text = report(args.data, args.batch_size, args.max_seq_len, args.world_sizes, args.seed, args.cache, command)
+    text = report(args.data, args.batch_size, args.max_seq_len, args.world_sizes, args.seed, command)
     print(text)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

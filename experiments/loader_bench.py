@@ -9,7 +9,7 @@ import os
 import time
 
 from experiments import parser
-from pipeline.errors import ConfigError
+from pipeline.errors import command
 
 
 def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batches: int) -> dict:
@@ -36,23 +36,17 @@ def bench(data_dir: str, batch_size: int, workers: int, max_seq_len: int, batche
     return {"batches_per_s": n / dt, "examples_per_s": n * batch_size / dt, "tokens_per_s": tokens / dt}
 
 
-def main(argv: list[str] | None = None) -> None:
+@command
+def main(argv: list[str] | None = None) -> int:
     p = parser("loader-bench", __doc__)
-    b = p
-    b.add_argument("--data", required=True, help="data directory (meta.json + splits)")
-    b.add_argument("--batch-size", type=int, default=512)
-    b.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
-    b.add_argument("--max-seq-len", type=int, default=256)
-    b.add_argument("--batches", type=int, default=200, help="timed batches after the first")
+    p.add_argument("--data", required=True, help="data directory (meta.json + splits)")
+    p.add_argument("--batch-size", type=int, default=512)
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
+    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--batches", type=int, default=200, help="timed batches after the first")
     args = p.parse_args(argv)
-    try:
-        res = bench(args.data, args.batch_size, args.workers, args.max_seq_len, args.batches)
-    except ConfigError as err:
-        raise SystemExit(f"error: {err}") from None
-    print(
-        f"loader bench: data={args.data} batch_size={args.batch_size} workers={args.workers} "
-        f"max_seq_len={args.max_seq_len}\n"
-        f"  {res['batches_per_s']:.1f} batches/s  {res['examples_per_s']:.0f} examples/s  "
-        f"{res['tokens_per_s']:.0f} tokens/s"
-    )
-
+    res = bench(args.data, args.batch_size, args.workers, args.max_seq_len, args.batches)
+    print(f"loader bench: data={args.data} batch_size={args.batch_size} workers={args.workers} "
+          f"max_seq_len={args.max_seq_len}\n  {res['batches_per_s']:.1f} batches/s  {res['examples_per_s']:.0f} "
+          f"examples/s  {res['tokens_per_s']:.0f} tokens/s")
+    return 0

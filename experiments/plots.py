@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
 
-from experiments.figures import fit_to_width, save_png  # noqa: E402
+from experiments.figures import finish, legend_outside, mark_missing  # noqa: E402
 
 _MISSING_MARK = {"OOM": "X", "FAILED": "x", "KILLED": "x", "NOT RUN": "1"}
 
@@ -73,25 +73,15 @@ def series_groups(df: pl.DataFrame, series: list[str]) -> dict[str, pl.DataFrame
 def _finish(fig, title: str, subtitle: str, path: Path) -> Path:
     for ax in fig.axes:
         handles, labels = ax.get_legend_handles_labels()
-        if handles and labels != [ONE_SERIES]:  # outside the axes: a legend never covers a point; none for one series
-            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
-    fig.suptitle(title, fontsize=11)
-    if subtitle:
-        fig.text(0.5, 0.005, fit_to_width(fig, subtitle, 7), ha="center", va="bottom", fontsize=7, color="dimgray")
-    fig.tight_layout(rect=(0, 0.05 if subtitle else 0, 1, 1))
-    return save_png(fig, path, dpi=120)
+        if handles and labels != [ONE_SERIES]:  # none for one series
+            legend_outside(ax)
+    return finish(fig, path, title, subtitle, dpi=120)
 
 
 def _mark_missing(ax, xs: list, statuses: list[str], color, name: str) -> None:
-    """Points without a number: a marker on the x axis and the status above it (side by side
-    when several series miss the same x)."""
-    stacked = ax.__dict__.setdefault("_missing_at", {})
+    """Points without a number, marked by status, and one legend entry saying which."""
     for xv, status in zip(xs, statuses):
-        level = stacked[xv] = stacked.get(xv, -1) + 1
-        ax.plot([xv], [0.0], marker=_MISSING_MARK.get(status, "x"), color=color, markersize=9,
-                transform=ax.get_xaxis_transform(), clip_on=False, linestyle="none")
-        ax.annotate(status, (xv, 0.0), xycoords=("data", "axes fraction"), xytext=(-4 + 9 * level, 9),
-                    textcoords="offset points", ha="center", va="bottom", rotation=90, fontsize=7, color=color)
+        mark_missing(ax, [(xv, status)], color, _MISSING_MARK.get(status, "x"))
     if xs:
         ax.plot([], [], marker="X", color=color, linestyle="none",
                 label=f"{name}: no number ({', '.join(dict.fromkeys(statuses))})")
@@ -113,16 +103,24 @@ def _points(rows: pl.DataFrame, x: str, order: list[str], metric: str, seeds: st
     return have, missing
 
 
+def zoomed(ax, ylabel: str, baseline: float) -> None:
+    """The y label, saying so where the axis starts above the metric's natural baseline (0; AUC 0.5):
+    there a gap looks larger than it is, to be read against the seeds' spread."""
+    lo = ax.get_ylim()[0]
+    ax.set_ylabel(ylabel if lo <= baseline else f"{ylabel}\nzoomed: the axis starts at {lo:.4g}, not {baseline:g}")
+
+
 def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], metric: str, ylabel: str,
               title: str, path: Path, oracle: dict | None = None, subtitle: str = "",
-              seeds: str | None = None) -> Path | None:
+              seeds: str | None = None, baseline: float = 0.0) -> Path | None:
     """`metric` vs `x` per series (the `seeds` axis, if any, averaged: error bars from min to max) and
-    `oracle`'s lines. With the seeds axis as x, a line across seeds means nothing: :func:`seed_spread_plot`."""
+    `oracle`'s lines; without seeds the title says there is no spread. With the seeds axis as x, a
+    line across seeds means nothing: :func:`seed_spread_plot`."""
     if metric not in df.columns or df[metric].is_null().all():
         return None
     series = [s for s in series if s != seeds]
     if seeds and x == seeds:
-        return seed_spread_plot(df, seeds, series, metric, ylabel, title, path, subtitle)
+        return seed_spread_plot(df, seeds, series, metric, ylabel, title, path, subtitle, baseline)
     fig, ax = plt.subplots(figsize=(8, 4.6))
     style = _categories_first(ax, order)
     for name, rows in series_groups(df, series).items():
@@ -140,12 +138,12 @@ def line_plot(df: pl.DataFrame, x: str, order: list[str], series: list[str], met
     if oracle:
         oracle_lines(ax, oracle)
     _style_x(ax, x, order, tuple(oracle_ks(oracle)) if oracle else ())
-    ax.set_ylabel(ylabel)
-    return _finish(fig, title, subtitle, path)
+    zoomed(ax, ylabel, baseline)
+    return _finish(fig, title if seeds else f"{title} (one run per point: no seed spread)", subtitle, path)
 
 
 def seed_spread_plot(df: pl.DataFrame, seeds: str, series: list[str], metric: str, ylabel: str, title: str,
-                     path: Path, subtitle: str = "") -> Path:
+                     path: Path, subtitle: str = "", baseline: float = 0.0) -> Path:
     """One column per series: every seed's value as a dot, the mean as a bar from min to max;
     a series with a seed that has no number says so under its column."""
     fig, ax = plt.subplots(figsize=(8, 4.6))
@@ -166,7 +164,7 @@ def seed_spread_plot(df: pl.DataFrame, seeds: str, series: list[str], metric: st
     ax.set_xticks(range(len(groups)), list(groups))
     ax.set_xlim(-0.6, len(groups) - 0.4)
     ax.set_xlabel("/".join(series) or "runs")
-    ax.set_ylabel(ylabel)
+    zoomed(ax, ylabel, baseline)
     ax.grid(True, axis="y", alpha=0.3)
     return _finish(fig, f"{title} over {seeds}", subtitle, path)
 
@@ -253,5 +251,5 @@ def pareto_plot(df: pl.DataFrame, x: str, series: list[str], speed: str, path: P
                         xytext=(-2, 2), textcoords="offset points", ha="right", fontsize=6)
     ax.set_xscale("log")
     ax.set_xlabel("training examples/s (steady steps, log scale)")
-    ax.set_ylabel("test AUC")
+    zoomed(ax, "test AUC", 0.5)
     return _finish(fig, "Accuracy against speed", subtitle, path)

@@ -8,7 +8,9 @@ docs/experiments.md, "Processes and locks").
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -16,13 +18,14 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import BinaryIO, Callable, TextIO
 
 from pipeline.errors import ConfigError
 from pipeline.runenv import REPO_ROOT
@@ -32,16 +35,10 @@ _ECHO_LOCK = threading.Lock()
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _libc_prctl():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _libc_prctl()  # looked up here: a forked child must not load libraries before exec
+try:  # looked up here: a forked child must not load libraries before exec
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _PRCTL = None
 
 
 def die_with_parent() -> Callable[[], None] | None:
@@ -59,47 +56,84 @@ def die_with_parent() -> Callable[[], None] | None:
     return arm
 
 
+def safe_name(text: str) -> str:
+    """`text` as one file-name part: [A-Za-z0-9_.-] only, no leading dot (a name read from a
+    tracking store or a file never climbs out of its folder)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(text)).lstrip(".") or "_"
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a sqlite:/// URI, resolved (one file, one name), else None."""
+    return Path(uri[len("sqlite:///"):].split("?", 1)[0]).resolve() if uri.startswith("sqlite:///") else None
+
+
 def lock_path(name: str, *identity: str) -> Path:
-    """The lock file of `name` (one per `identity`): beside the tracking URI's sqlite database,
-    else in the temp directory (then exclusive per machine only)."""
+    """The lock file of `name` (one per `identity` and tracking store): beside the sqlite database,
+    else in a private directory of this user (then exclusive per machine only)."""
     from pipeline.tracking import tracking_uri
 
-    key = hashlib.sha256("\n".join(identity).encode()).hexdigest()[:12]
-    file = f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}.lock"
     uri = tracking_uri()
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
+    db = sqlite_file(uri)
+    key = hashlib.sha256("\n".join([str(db or uri), *identity]).encode()).hexdigest()[:12]
+    file = f"{safe_name(name)}-{key}.lock"
+    if db is not None:
         return db.with_name(f"{db.name}.{file}")
-    return Path(tempfile.gettempdir()) / file
+    folder = Path(tempfile.gettempdir()) / f"jagged-locks-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{folder} is not a private directory of this user: remove it")
+    return folder / file
 
 
 def hold_lock(path: Path, what: str) -> TextIO:
     """An exclusive lock on `path`, held until the returned file is closed (or every process
-    that inherited it has exited); ConfigError naming the holder if another process has it."""
-    f = open(path, "a+")
+    that inherited it has exited); ConfigError naming the holder if another process has it. The
+    file is opened without following a link and never truncated: a planted link or a hard link
+    to another file is refused, not written."""
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        raise ConfigError(f"lock {path}: {err.strerror} (a symbolic link there is refused): remove it") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.getuid():
+        os.close(fd)
+        raise ConfigError(f"lock {path} is not a plain file of this user (another link to it?): remove it")
+    f = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
         holder = f.read().strip() or "unknown"
         f.close()
         raise ConfigError(f"{what} is running already ({holder}; lock {path}): wait for it to end, "
                           f"or stop it (its runs are then recorded KILLED)") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()}")
-    f.flush()
+    os.pwrite(fd, f"pid {os.getpid()}".ljust(31).encode() + b"\n", 0)  # fixed width: no truncation
     return f
 
 
+# a fit's library chatter, left out of a driver's console (its log file keeps every line)
+_CHATTER = re.compile("|".join((
+    r"Seed set to \d+$", r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d INFO mlflow", r"(GPU|TPU|HPU) available:",
+    r"LOCAL_RANK: \d", r"You are using a CUDA device", r"\S* ?Tip: ", r"\| Name +\| Type", r"-{20,}$",
+    r"\d+ +\| \w+ +\| \w+", r"[\d.]+ *[KMGT]? +(Trainable|Non-trainable|Total) params",
+    r"[\d.]+ +Total estimated model params", r"\d+ +Modules in (train|eval) mode",
+    r"(Training|Validation|Testing)( DataLoader \d+)?: ", r"warnings\.warn\(", r"$")))
+
+
+def chatter(line: str) -> bool:
+    return bool(_CHATTER.match(line.replace("\x1b[A", "").strip()))
+
+
 def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None, prefix: str = "",
-           stop: threading.Event | None = None, pass_fds: tuple[int, ...] = ()) -> tuple[int, str, bool]:
+           stop: threading.Event | None = None, pass_fds: tuple[int, ...] = (), log: BinaryIO | None = None,
+           quiet: bool = False) -> tuple[int, str, bool]:
     """Run `cmd`, echoing its output live; (exit status, last 64 KiB of output, timed out).
 
     prefix: put before every echoed line (concurrent runs). stop: set by another thread to end
     the run as a Ctrl-C would (SIGINT, then KeyboardInterrupt raised here). pass_fds: open
-    files the child keeps (a lock it must hold for as long as it lives). The child gets SIGTERM
-    when this process dies (:func:`die_with_parent`).
+    files the child keeps (a lock it must hold for as long as it lives). log: gets every byte;
+    quiet: the echo leaves out :func:`chatter`. The child gets SIGTERM when this process dies
+    (:func:`die_with_parent`); an echo nobody reads any more is dropped, the output still drained.
     """
     # its own process group: a timeout ends the run's loader workers too, not only the trainer
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -107,22 +141,22 @@ def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None, prefix:
     tail = bytearray()
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    def echo(parts: list[str]) -> None:  # whole lines: concurrent runs do not interleave mid-line
+        text = "".join(prefix + p.replace("\r", "\n") if prefix else p for p in parts if not (quiet and chatter(p)))
+        with _ECHO_LOCK, contextlib.suppress(OSError, ValueError):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
     def pump() -> None:
         pending = ""
         for chunk in iter(lambda: proc.stdout.read1(8192), b""):
             tail.extend(chunk)
             del tail[:-TAIL_BYTES]
-            text = decoder.decode(chunk)
-            if prefix:  # whole lines only, so that concurrent runs do not interleave mid-line
-                pending += text.replace("\r", "\n")
-                *lines, pending = pending.split("\n")
-                text = "".join(f"{prefix}{ln}\n" for ln in lines)
-            with _ECHO_LOCK:
-                sys.stdout.write(text)
-                sys.stdout.flush()
-        if prefix and pending:
-            with _ECHO_LOCK:
-                sys.stdout.write(f"{prefix}{pending}\n")
+            if log is not None:
+                log.write(chunk)
+            *parts, pending = re.split(r"(?<=[\r\n])", pending + decoder.decode(chunk))
+            echo(parts)
+        echo([pending + "\n"] if pending else [])
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
@@ -190,6 +224,36 @@ def child_env(tags: dict[str, str]) -> dict[str, str]:
     return env
 
 
+class _Unread:
+    """stdout or stderr of a driver whose reader may go away (``| head``): from the first broken
+    pipe on its descriptor points at /dev/null, and the driver and its runs go on."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def _call(self, name: str, *args):
+        try:
+            return getattr(self._stream, name)(*args)
+        except BrokenPipeError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+            return 0
+
+    def write(self, text: str) -> int:
+        return self._call("write", text) or len(text)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def outlive_readers() -> None:
+    sys.stdout, sys.stderr = _Unread(sys.stdout), _Unread(sys.stderr)
+
+
 def sigterm_as_interrupt() -> None:
     """`timeout`, `kill` or a batch system end a driver like Ctrl-C: the run in flight is stopped
     (its loader workers too) and recorded KILLED, instead of living on as an orphan on the GPU."""
@@ -200,18 +264,18 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+@dataclasses.dataclass
 class Slot:
     """One place a run can go under --gpus: a GPU (CUDA_VISIBLE_DEVICES), how many slots share it,
     and this slot's share of the CPU cores (taskset): runs on different GPUs share neither."""
 
-    def __init__(self, gpu: str, sharing: int, cores: list[int]):
-        self.gpu, self.sharing, self.cores = gpu, sharing, cores
+    gpu: str
+    sharing: int
+    cores: list[int]
 
     def pin(self, cmd: list[str]) -> list[str]:
         taskset = shutil.which("taskset")
-        if not taskset or not self.cores:
-            return cmd
-        return [taskset, "-c", ",".join(map(str, self.cores)), *cmd]
+        return [taskset, "-c", ",".join(map(str, self.cores)), *cmd] if taskset and self.cores else cmd
 
 
 def device_slots(gpus: str | None) -> list[Slot]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
-import os
 import re
 import tempfile
 import time
@@ -22,12 +21,11 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import yaml
-
 from experiments import parser
 from experiments import ablation
 from experiments import runs as runs_
-from experiments.sections import (THROUGHPUT, _convergence_lines, _where, convergence_rows, oracle_section,
+from experiments.proc import safe_name
+from experiments.sections import (THROUGHPUT, _where, convergence_lines, convergence_rows, oracle_section,
                                   profile_section, ratio_section, ratios, recovery_section, seeds_section,
                                   target_rows, targets_section, with_whole_window)
 from pipeline.errors import ConfigError, command
@@ -105,15 +103,14 @@ def plot_subtitle(parent: Run, df: pl.DataFrame, stop: str = "") -> str:
 def early_stopping_words(parent: Run) -> str:
     """'until val/auc stops rising (at most 3 epochs)' where the ablation file's configs, as they are
     now, end runs by an EarlyStopping callback (the accuracy ablations' budget); '' otherwise."""
+    trainer: dict = {}
     try:
-        configs = ablation.read(REPO_ROOT / parent.data.tags.get("sweep.file", "")).get("configs") or []
+        for name in ablation.read(REPO_ROOT / parent.data.tags.get("sweep.file", "")).get("configs") or []:
+            path = ablation.config_path(name)
+            if path.is_file():
+                trainer.update((ablation.yaml_of(path.read_text(), str(path)) or {}).get("trainer") or {})
     except ConfigError:
         return ""
-    trainer: dict = {}
-    for name in configs:
-        path = ablation.config_path(name)
-        if path.is_file():
-            trainer.update((yaml.safe_load(path.read_text()) or {}).get("trainer") or {})
     stops = [(c.get("init_args") or {}) for c in trainer.get("callbacks") or []
              if isinstance(c, dict) and str(c.get("class_path", "")).endswith("EarlyStopping")]
     if not stops:
@@ -178,8 +175,9 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     name = parent.data.tags.get("sweep.name", parent.info.run_name)
     env, _ = _environment(df)
     devices = _values(env, "tag.device")
-    out = out_root / "ablations" / name / ("cpu" if "cuda" not in _values(env, "tag.accelerator") or not devices
-                                           else device_slug(devices[0]))
+    out = out_root / "ablations" / safe_name(name) / ("cpu" if "cuda" not in _values(env, "tag.accelerator")
+                                                      or not devices else device_slug(devices[0]))
+    keep_fuller(out, df, names)
     out.mkdir(parents=True, exist_ok=True)
     mem, mem_label = runs_.memory_metric(df)
     header, rows = runs_.summary_rows(df, names)
@@ -204,7 +202,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     lines += seeds_section(df, seeds, names)
     tol = float(spec.get("converged_within", 0.002))
     converged = convergence_rows(client, df, names, tol)
-    lines += _convergence_lines(converged, names, tol)
+    lines += convergence_lines(converged, names, tol)
     lines += targets_section(df, spec, mem)
     lines += recovery_section(df, x, spec, mem, out)
     lines += profile_section(out_root, spec.get("profile"))
@@ -212,7 +210,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     if oracle:
         lines += oracle_section(df, x, oracle, series)
     made.append(plots.line_plot(df, x, order, series, "test/auc", "test AUC", "Test AUC", out / "auc.png",
-                                oracle=oracle, subtitle=sub, seeds=seeds))
+                                oracle=oracle, subtitle=sub, seeds=seeds, baseline=0.5))
     if spec.get("pareto"):
         made.append(plots.pareto_plot(df, x, names, THROUGHPUT, out / "pareto.png", oracle, subtitle=sub))
     made = [p for p in made if p is not None]
@@ -229,6 +227,20 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
         log_comparison(client, parent, df, names, ser if ser in names else None, rat,
                        [a for a in ratio_axes if a != ser], (header, rows), title.strip().rstrip(":"))
     return out
+
+
+def keep_fuller(out: Path, df: pl.DataFrame, axes: list[str]) -> None:
+    """ConfigError if `out` holds a report with finished points this one lacks (the parent's last
+    sweep ran a subset: --where, or --set of another budget): it is not replaced."""
+    try:
+        old = json.loads((out / "report.json").read_text())
+    except (OSError, ValueError):  # none, or a damaged one: nothing to keep
+        return
+    done = lambda rows, ax: {"/".join(f"{a}={r.get(a)}" for a in ax) for r in rows if r.get("status") == "OK"}  # noqa: E731
+    lost = done(old.get("rows") or [], old.get("axes") or []) - done(df.iter_rows(named=True), axes)
+    if lost:
+        raise ConfigError(f"{out}/ holds a report with finished points this one lacks ({', '.join(sorted(lost))}): "
+                          "the parent's last sweep ran a subset; give another --out, or delete that folder")
 
 
 def report_json(parent: Run, df: pl.DataFrame, axes: list[str], commit: str | None, facts: dict) -> dict:
@@ -273,10 +285,6 @@ def compare_url(experiment_id: str, run_ids: list[str]) -> str:
     """MLflow's compare-runs view of these runs, relative to the UI's address."""
     runs = urllib.parse.quote(json.dumps(run_ids))
     return f"#/compare-runs?runs={runs}&experiments={urllib.parse.quote(json.dumps([experiment_id]))}"
-
-
-def parent_url(experiment_id: str, run_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs/{run_id}"
 
 
 def headline_metrics(df: pl.DataFrame, axes: list[str], series: str | None, ratios: dict,
@@ -325,11 +333,8 @@ def log_comparison(client: MlflowClient, parent: Run, df: pl.DataFrame, axes: li
             f"({compare_url(exp, children)}) · headline metrics of every point are this run's metrics "
             "(`<point>.examples_per_s`, `<point>.<baseline>_over_<other>.speedup`, ...)\n")
     client.set_tag(run_id, "mlflow.note.content", note)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "comparison.md").write_text(f"# {title}\n\n{md}\n")
-        (Path(tmp) / "comparison.html").write_text(html_table(header, rows))
-        for name in ("comparison.md", "comparison.html"):
-            client.log_artifact(run_id, str(Path(tmp) / name), artifact_path="comparison")
+    client.log_text(run_id, f"# {title}\n\n{md}\n", "comparison/comparison.md")
+    client.log_text(run_id, html_table(header, rows), "comparison/comparison.html")
     return metrics
 
 
@@ -346,7 +351,7 @@ def write_table(root: Path, abl, parent: Run, df: pl.DataFrame, table: tuple[lis
     preset, have = abl.configs[-1].stem, meta.get("config") or {}
     own = (preset in PRESETS and meta.get("preset") == preset and meta.get("seed") == 0
            and all(k in have and json.dumps(have[k]) == json.dumps(v) for k, v in resolve_config(preset).to_dict().items()))
-    name = abl.name + ("" if own else f"_{data.dir.name}-{str(meta.get('digest'))[:8]}")
+    name = safe_name(abl.name + ("" if own else f"_{data.dir.name}-{str(meta.get('digest'))[:8]}"))
     out = table_at = root / "training" / device_slug() / f"{name}.md"
     old, done = out.with_suffix(".json"), {"/".join(r[:n]) for r in rows if r[n] == "OK"}
     lost = sorted({"/".join(r[:n]) for r in json.loads(old.read_text())["rows"] if r[n] == "OK"} - done
@@ -376,24 +381,15 @@ def write_table(root: Path, abl, parent: Run, df: pl.DataFrame, table: tuple[lis
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     p = parser("report", __doc__)
     p.add_argument("--parent", required=True, help="the sweep's parent run: id or name (the ablation's name)")
-    p.add_argument("--out", default=str(REPO_ROOT / "runs"),
-                   help="results root: the files go to OUT/ablations/<name>/<device>/ (default: runs, outside the "
-                        "tracked files; experiments/results to update the committed reports)")
+    p.add_argument("--out", default=str(REPO_ROOT / "runs"), help="results root of OUT/ablations/<name>/<device>/")
     p.add_argument("--commit", default=None, help="git commit to state when the runs recorded 'unknown'")
     p.add_argument("--no-log", action="store_true", help="do not log the files to the parent run")
     args = p.parse_args(argv)
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.tracking import check_tracking, tracking_uri  # MLflow: not imported for --help
-
-    mlflow.set_tracking_uri(tracking_uri())
-    check_tracking(tracking_uri())
-    parent = runs_.find_parent(MlflowClient(tracking_uri()), args.parent)
-    out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
+    with runs_.tracking_store() as client:
+        parent = runs_.find_parent(client, args.parent)
+        out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
     print((out / "report.md").read_text())
     print(f"written to {out}/ and logged to parent run {parent.info.run_id} (artifacts: report/)"
           if not args.no_log else f"written to {out}/")

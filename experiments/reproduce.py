@@ -10,7 +10,6 @@ Exit 0 when every compared metric matches, 1 when one does not, 2 for bad input.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -33,22 +32,16 @@ if TYPE_CHECKING:
 QUALITY_PREFIXES = ("train/", "val/", "test/")
 INFO_PREFIXES = ("perf/", "mem/")
 GPU_RTOL = 5e-3
-OLD_KEYS = {"model.ranker.backend": "model.ranker.attention"}  # keys of runs recorded by earlier versions
 
 
 def rename_old_keys(config: dict) -> list[str]:
-    """Renames OLD_KEYS in a nested config in place (a run recorded before the rename);
-    returns 'old -> new' per key renamed."""
-    done = []
-    for old, new in OLD_KEYS.items():
-        *path, leaf = old.split(".")
-        node = config
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
-            node[new.rsplit(".", 1)[1]] = node.pop(leaf)
-            done.append(f"{old} -> {new}")
-    return done
+    """model.ranker.backend renamed model.ranker.attention in a nested config, in place (a run
+    recorded before the rename); returns 'old -> new' per key renamed."""
+    ranker = (config.get("model") or {}).get("ranker")
+    if not isinstance(ranker, dict) or "backend" not in ranker:
+        return []
+    ranker["attention"] = ranker.pop("backend")
+    return ["model.ranker.backend -> model.ranker.attention"]
 
 
 def regenerate_hint(client: MlflowClient, run: Run, data_dir: str) -> str:
@@ -99,16 +92,12 @@ def compare(orig: dict[str, float], new: dict[str, float], rtol: float) -> tuple
     return rows, ok, worst
 
 
-def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None = None) -> int:
+def reproduce(client: MlflowClient, run_id: str, data: str | None, rtol: float | None, out: str | None = None) -> int:
     import mlflow
     import torch
-    from mlflow.tracking import MlflowClient
 
     from pipeline.tracking import check_tracking, tracking_uri  # MLflow: not imported for --help
 
-    check_tracking(tracking_uri())
-    mlflow.set_tracking_uri(tracking_uri())
-    client = MlflowClient(tracking_uri())
     try:
         run = client.get_run(run_id)
     except mlflow.exceptions.MlflowException:
@@ -131,7 +120,7 @@ def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None
            "--mlflow.parent_run_id", "null", "--mlflow.run_name", f"reproduce-{run.info.run_name}"]
     print(f"rerunning {run_id} ({run.info.run_name}) from its config.yaml on {data_dir}\n  " + " ".join(cmd[1:]), flush=True)
     experiments = [e.experiment_id for e in client.search_experiments()]
-    query = f"tags.reproduces = {runs_.quote(run_id)}"
+    query = f"tags.reproduces = '{run.info.run_id}'"  # the store's own (hex) id: no quoting
     known = {r.info.run_id for r in client.search_runs(experiments, query)}
     rc, output, _ = _proc.stream(cmd, _proc.child_env({"reproduces": run_id}), None)
     new = runs_.new_run(client, [e.experiment_id for e in client.search_experiments()], query, known)
@@ -160,7 +149,6 @@ def reproduce(run_id: str, data: str | None, rtol: float | None, out: str | None
 
 @command
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     p = parser("reproduce", __doc__)
     p.add_argument("--run", required=True, help="MLflow run id")
     p.add_argument("--data", default=None, help="data directory (default: the one in the run's config)")
@@ -169,5 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="results root: also write the verdict to DIR/training/<device>/reproduce.json")
     args = p.parse_args(argv)
-    return reproduce(args.run, args.data, args.rtol, args.out)
+    with runs_.tracking_store() as client:
+        return reproduce(client, args.run, args.data, args.rtol, args.out)
 

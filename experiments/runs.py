@@ -6,7 +6,9 @@ reads them: docs/experiments.md. mlflow and polars are imported by the functions
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 from typing import TYPE_CHECKING
 
@@ -35,13 +37,29 @@ _STATUS_ORDER = {"OK": 0, "OOM": 1}
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-def quote(value: str) -> str:
-    return "'" + value.replace("'", "\\'") + "'"
+@contextlib.contextmanager
+def tracking_store():
+    """The tracking store's client (pipeline.tracking.tracking_uri), checked before anything runs and
+    made mlflow's; a store that cannot be read (a damaged database, a broken server) is one line."""
+    import mlflow
+    import sqlalchemy.exc
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import check_tracking, first_line, tracking_uri
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    check_tracking(tracking_uri())
+    mlflow.set_tracking_uri(tracking_uri())
+    try:
+        yield MlflowClient(tracking_uri())
+    except (MlflowException, sqlalchemy.exc.SQLAlchemyError) as err:
+        raise ConfigError(f"the tracking store {tracking_uri()} cannot be read: {first_line(err)}") from None
 
 
 def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None = None) -> Run:
-    """A sweep's parent run by id, or by name (the newest parent of that name); the id of any
-    other run is refused with what to ask for instead."""
+    """A sweep's parent run by id, or by name (the newest parent of that name, matched here: a name
+    is never put in a filter string); the id of any other run is refused with what to ask for instead."""
     import mlflow
 
     if _RUN_ID.match(ref):
@@ -59,13 +77,12 @@ def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None
                                   f"(make report PARENT={tags['mlflow.parentRunId']})")
             raise ConfigError(f"run {ref} ({run.info.run_name}) is not the parent run of a sweep")
     ids = experiment_ids or [e.experiment_id for e in client.search_experiments()]
-    runs = client.search_runs(
-        ids, filter_string=f"tags.mlflow.runName = {quote(ref)} and tags.`sweep.role` = 'parent'",
-        order_by=["attributes.start_time DESC"], max_results=1,
-    )
-    if not runs:
+    runs = client.search_runs(ids, filter_string="tags.`sweep.role` = 'parent'",
+                              order_by=["attributes.start_time DESC"])
+    found = next((r for r in runs if r.info.run_name == ref), None)
+    if found is None:
         raise ConfigError(f"no sweep parent run with id or name {ref!r} at {mlflow.get_tracking_uri()}")
-    return runs[0]
+    return found
 
 
 def child_runs(parent: Run) -> list[Run]:
@@ -73,7 +90,7 @@ def child_runs(parent: Run) -> list[Run]:
 
     return mlflow.search_runs(
         experiment_ids=[parent.info.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = {quote(parent.info.run_id)}",
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",  # a hex id: no quoting
         order_by=["attributes.start_time ASC"], output_format="list",
     )
 
@@ -132,8 +149,9 @@ def grid_frame(parent: Run, hashes: list[str] | None) -> pl.DataFrame:
     return df.sort(keys) if keys else df
 
 
-def fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def fmt(value, spec: str = ".2f", unit: str = "") -> str:
+    """`value` formatted, '-' where there is no number (None, NaN)."""
+    return "-" if value is None or value != value else format(value, spec) + unit
 
 
 def memory_metric(df: pl.DataFrame) -> tuple[str, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-from functools import reduce
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,8 +51,7 @@ def _div(a, b):
 
 def _where(df: pl.DataFrame, **equal) -> pl.DataFrame:
     """The rows whose columns equal the given values (every row for none)."""
-    masks = [df[col] == value for col, value in equal.items()]
-    return df.filter(reduce(lambda a, b: a & b, masks)) if masks else df
+    return df.filter(**equal) if equal else df
 
 
 def ratio_section(rat: dict[str, dict[str, list]], x: str) -> list[str]:
@@ -206,14 +204,10 @@ def seeds_section(df: pl.DataFrame, seeds: str | None, series: list[str]) -> lis
             *table_lines([*keys, "runs", "mean", "std", "min", "max"], rows)]
 
 
-def convergence_section(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[str]:
-    """Validation AUC at each check of every finished run that validated more than once, and
-    whether it converged (the rule: the section's text)."""
-    return _convergence_lines(convergence_rows(client, df, axes, tol), axes, tol)
-
-
 def convergence_rows(client: MlflowClient, df: pl.DataFrame, axes: list[str], tol: float) -> list[list[str]]:
-    """[axis labels..., last interval, curve, change, tested at step, verdict] per finished run."""
+    """Validation AUC at each check of every finished run that validated more than once: [axis
+    labels..., last interval, curve, change, tested at step, verdict] per run (the rule:
+    :func:`convergence_lines`' text)."""
     ok = _where(df, status="OK")
     rows = []
     for r in ok.iter_rows(named=True):
@@ -230,7 +224,7 @@ def convergence_rows(client: MlflowClient, df: pl.DataFrame, axes: list[str], to
     return rows
 
 
-def _convergence_lines(rows: list[list[str]], axes: list[str], tol: float) -> list[str]:
+def convergence_lines(rows: list[list[str]], axes: list[str], tol: float) -> list[str]:
     if not rows:
         return []
     done = sum(row[-1] != "rising" for row in rows)

@@ -1,7 +1,7 @@
 """One page of the committed results: experiments/results/REPORT.md.
 
     python -m experiments summary [--results experiments/results] [--out FILE]
-    make summary
+    make summary [RESULTS=experiments/results]      # runs/REPORT.md, or the committed one
 
 Reads committed JSON only (report.json, kernel benchmark results, profiles, reproductions); a
 missing source is said, never skipped; rewritten only when its content changes (docs/experiments.md).
@@ -10,7 +10,8 @@ missing source is said, never skipped; rewritten only when its content changes (
 from __future__ import annotations
 
 import json
-import math
+import os
+import re
 import shlex
 import statistics
 import sys
@@ -18,11 +19,13 @@ from collections import Counter
 from pathlib import Path
 
 from experiments import parser
+from experiments.bench.report import read_json
+from experiments.runs import fmt
+from pipeline.errors import command
 from pipeline.runenv import REPO_ROOT
 
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
-# experiments.bench's result files (a glob under the results root) and each GPU's report beside them
-KERNELS = ("kernels/*/bench-*.json*", "report.md")
+KERNELS = "kernels/*/bench-*.json*"  # experiments.bench's result files; each GPU's report.md beside them
 EXPECTED = ["seq_len", "sparsity", "batch_size", "compile", "auc_parity", "history_value", "model"]
 BEYOND = ["s2", "alure"]  # the seeds' other systems: listed once they have run
 PAPER_CLAIMS = [  # (level, claim, how ours is measured, where)
@@ -44,14 +47,13 @@ def kernel_targets(results: Path) -> list[list[str]]:
     from experiments.bench.report import load_docs, merge_rows
     from experiments.bench.targets import evaluate
 
-    pattern, report = KERNELS
     rows: dict[str, list[str]] = {}
-    for folder in sorted({p.parent for p in results.glob(pattern)}):
+    for folder in sorted({p.parent for p in results.glob(KERNELS)}):
         docs = load_docs(str(folder))
         for slug in sorted({d["stamp"]["gpu_slug"] for d in docs}):
             mine = [d for d in docs if d["stamp"]["gpu_slug"] == slug]
             ceilings = next((d["ceilings"] for d in reversed(mine) if d.get("ceilings")), None)
-            link = str((folder / report.format(slug=slug)).relative_to(results))
+            link = str((folder / "report.md").relative_to(results))
             for t in evaluate(merge_rows(mine), ceilings):
                 row = [t["target"], t["status"], t["detail"], link]
                 if t["target"] not in rows or row[1] in ("PASS", "MISS") or rows[row[0]][1] not in ("PASS", "MISS"):
@@ -63,7 +65,7 @@ def reports(results: Path) -> dict[str, dict]:
     """Each ablation's newest report.json (``ablations/<name>/<device>/``), its folder as ``path``."""
     found: dict[str, dict] = {}
     for path in sorted(results.glob("ablations/*/*/report.json")):
-        doc = {**json.loads(path.read_text()), "path": str(path.parent.relative_to(results))}
+        doc = {**read_json(path), "path": str(path.parent.relative_to(results))}
         name = path.parent.parent.name
         if name not in found or doc.get("written", "") >= found[name].get("written", ""):
             found[name] = doc
@@ -71,9 +73,9 @@ def reports(results: Path) -> dict[str, dict]:
 
 
 def _spec(name: str) -> dict:
-    import yaml
+    from experiments.ablation import read
 
-    return yaml.safe_load((ABLATIONS / f"{name}.yaml").read_text()) or {}
+    return read(ABLATIONS / f"{name}.yaml")
 
 
 def budget_state(name: str, doc: dict) -> str:
@@ -135,13 +137,13 @@ def profile_rows(results: Path) -> list[dict]:
     loop traces, one per layout (``training/<device>/profile*/<attention>/loop_summary.json``)."""
     rows = []
     for path in sorted(results.glob("training/*/profile*.json")):
-        data = json.loads(path.read_text())
+        data = read_json(path)
         rows += [{"file": str(path.relative_to(results)), "device": data.get("device", "?"),
                   "commit": str(data.get("commit", "?"))[:7],
                   **{k: r.get(k) for k in ("attention", "batch_size", "graph_step_ms", "attn_ms")},
                   "busy_ms": r.get("gpu_ms") or r.get("prof_step_ms")} for r in data.get("results", [])]
     for path in sorted(results.glob("training/*/profile*/*/loop_summary.json")):
-        t = json.loads(path.read_text())
+        t = read_json(path)
         rows.append({"file": str(path.parent.parent.relative_to(results)), "device": t.get("device_name", "?"),
                      "commit": str(t.get("commit", "?"))[:7], "attention": t.get("attention") or path.parent.name,
                      "batch_size": t.get("batch_size"), "graph_step_ms": None, "attn_ms": t.get("attention_ms_per_step"),
@@ -154,14 +156,10 @@ def reproduce_rows(results: Path) -> list[dict]:
     and verdict, linked to the document beside it where there is one."""
     rows = []
     for path in sorted(results.glob("training/*/reproduce*.json")):
-        doc, md = json.loads(path.read_text()), path.with_suffix(".md")
+        doc, md = read_json(path), path.with_suffix(".md")
         rows.append({"file": str((md if md.is_file() else path).relative_to(results)),
                      "device": doc.get("device", "?"), "result": doc.get("result", "no result")})
     return rows
-
-
-def _fmt(x, spec: str = ".2f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
 def _ok(doc: dict | None) -> list[dict]:
@@ -182,15 +180,15 @@ def model_level(found: dict[str, dict]) -> list[str]:
             j, s = get["jagged"], get.get("sdpa")
             jx, jm = j["perf/train_examples_per_s"], j["mem/train_peak_allocated_mb"]
             sx, sm = (s["perf/train_examples_per_s"], s["mem/train_peak_allocated_mb"]) if s else (None, None)
-            lines.append(f"| {b} | {jx:,.0f} | {_fmt(sx, ',.0f')} | {_fmt(sx and jx / sx)}x | {jm:,.0f} | "
-                         f"{_fmt(sm, ',.0f')} | {_fmt(sm and jm / sm)}x |" + ("" if s else " sdpa: no finished run"))
+            lines.append(f"| {b} | {jx:,.0f} | {fmt(sx, ',.0f')} | {fmt(sx and jx / sx)}x | {jm:,.0f} | "
+                         f"{fmt(sm, ',.0f')} | {fmt(sm and jm / sm)}x |" + ("" if s else " sdpa: no finished run"))
     if "auc_parity" in found:
         doc = found["auc_parity"]
         lines += ["", "| attention | seeds | mean test AUC | std | min | max |", "|---|---:|---:|---:|---:|---:|"]
         for attention in dict.fromkeys(r["attention"] for r in _ok(doc)):
             a = [r["test/auc"] for r in _ok(doc) if r["attention"] == attention and r["test/auc"] is not None]
             std = statistics.stdev(a) if len(a) > 1 else None
-            lines.append(f"| {attention} | {len(a)} | {statistics.mean(a):.4f} | {_fmt(std, '.4f')} | {min(a):.4f} | "
+            lines.append(f"| {attention} | {len(a)} | {statistics.mean(a):.4f} | {fmt(std, '.4f')} | {min(a):.4f} | "
                          f"{max(a):.4f} |")
         if doc.get("converged"):
             lines += ["", f"Convergence ([auc_parity/report.md]({doc['path']}/report.md), validation AUC at every check): "
@@ -214,8 +212,8 @@ def history_lines(found: dict[str, dict]) -> list[str]:
              "|---:|---:|---:|---:|---:|"]
     for i, (k, m, o) in enumerate(num):
         pm, po = (num[i - 1][1], num[i - 1][2]) if i else (None, None)
-        lines.append(f"| {k} | {_fmt(m, '.4f')} | {_fmt(_diff(m, pm), '+.4f')} | {_fmt(o, '.4f')} | "
-                     f"{_fmt(_diff(o, po), '+.4f')} |")
+        lines.append(f"| {k} | {fmt(m, '.4f')} | {fmt(_diff(m, pm), '+.4f')} | {fmt(o, '.4f')} | "
+                     f"{fmt(_diff(o, po), '+.4f')} |")
     ran = [r for r in num if r[1] is not None]
     if ran:
         best_k, best, best_oracle = max(ran, key=lambda r: r[1])
@@ -226,7 +224,7 @@ def history_lines(found: dict[str, dict]) -> list[str]:
             k, m, o = longer[-1]
             said += (f"; at {k} it is {m - best:+.4f} against that: on this data and budget, history beyond "
                      f"{best_k} items did not raise the model's AUC (the oracle's own gain there: "
-                     f"{_fmt(_diff(o, best_oracle), '+.4f')})")
+                     f"{fmt(_diff(o, best_oracle), '+.4f')})")
         lines += ["", said + "."]
     return lines
 
@@ -247,8 +245,8 @@ def model_ablation_lines(found: dict[str, dict]) -> list[str]:
              "", "| variant | status | test AUC | against the baseline |", "|---|---|---:|---:|"]
     for r in doc["rows"]:
         a = r.get("test/auc") if r["status"] == "OK" else None
-        vs = "baseline" if r["variant"] == "baseline" else _fmt(_diff(a, b), "+.4f")
-        lines.append(f"| {r['variant']} | {r['status']} | {_fmt(a, '.4f')} | {vs} |")
+        vs = "baseline" if r["variant"] == "baseline" else fmt(_diff(a, b), "+.4f")
+        lines.append(f"| {r['variant']} | {r['status']} | {fmt(a, '.4f')} | {vs} |")
     return lines
 
 
@@ -364,8 +362,8 @@ def build(results: Path) -> str:
                 "of one step and the attention kernels' time in it (forward and backward).", "",
                 "| profile | device | batch | attention | graph step ms | GPU-busy ms | attention ms | attention share |",
                 "|---|---|---:|---|---:|---:|---:|---:|"]
-        out += [f"| {r['file']} | {r['device']} | {r['batch_size']} | {r['attention']} | {_fmt(r['graph_step_ms'])} | "
-                f"{_fmt(r['busy_ms'])} | {_fmt(r['attn_ms'])} | {_fmt(r['attn_ms'] and r['attn_ms'] / r['busy_ms'], '.0%')} |"
+        out += [f"| {r['file']} | {r['device']} | {r['batch_size']} | {r['attention']} | {fmt(r['graph_step_ms'])} | "
+                f"{fmt(r['busy_ms'])} | {fmt(r['attn_ms'])} | {fmt(r['attn_ms'] and r['attn_ms'] / r['busy_ms'], '.0%')} |"
                 for r in prof]
         out += ["", *amdahl_lines(prof)]
     else:
@@ -373,19 +371,24 @@ def build(results: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+@command
 def main(argv: list[str] | None = None) -> int:
     p = parser("summary", __doc__)
-    p.add_argument("--results", default=str(REPO_ROOT / "experiments" / "results"), help="the committed results folder")
-    p.add_argument("--out", default=None, help="output file (default RESULTS/REPORT.md)")
+    p.add_argument("--results", default=None, help="the results folder to read (default: experiments/results)")
+    p.add_argument("--out", default=None, help="output file (default RESULTS/REPORT.md where --results is given, "
+                                               "else runs/REPORT.md)")
     args = p.parse_args(argv)
-    results = Path(args.results)
+    results = Path(args.results or REPO_ROOT / "experiments" / "results")
     if not results.is_dir():
         print(f"error: no results folder {results}", file=sys.stderr)
         return 2
-    out, text = Path(args.out) if args.out else results / "REPORT.md", build(results)
+    out = Path(args.out or (results if args.results else REPO_ROOT / "runs") / "REPORT.md")
+    rel = os.path.relpath(results.resolve(), out.resolve().parent)  # the page's links, seen from its folder
+    text = re.sub(r"\]\((?![a-z]+:|#|/)", f"]({rel}/", build(results)) if rel != "." else build(results)
     if out.is_file() and out.read_text() == text:
         print(f"{out} is up to date")
         return 0
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")
     return 0

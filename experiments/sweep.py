@@ -26,15 +26,17 @@ from typing import TYPE_CHECKING
 
 from experiments import parser
 from experiments import runs as runs_
-from experiments.ablation import Ablation, Point, cli_value, code_version, load, parse_set, split_set
+from experiments.ablation import (Ablation, Point, cli_value, code_version, fit_args_error, load, parse_set,
+                                 split_set)
 from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
-                              lock_path, stream)
-from experiments.report import compare_url, parent_url, write_table
+                              lock_path, safe_name, sqlite_file, stream)
+from experiments.report import compare_url, write_table
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
 
 if TYPE_CHECKING:
     from mlflow.entities import Run
+    from mlflow.tracking import MlflowClient
 
 
 FIT_COMMAND = (sys.executable, "-m", "pipeline", "fit")  # tests swap in a wrapper that injects failures
@@ -59,15 +61,15 @@ def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
 class Sweep:
     lock_fds: tuple[int, ...] = ()  # the sweep's lock, inherited by every run it starts
 
-    def __init__(self, abl: Ablation, args: argparse.Namespace):
-        import mlflow
-        from mlflow.tracking import MlflowClient
+    def __init__(self, abl: Ablation, args: argparse.Namespace, client: MlflowClient):
+        import psutil
 
         from pipeline.tracking import tracking_uri
 
         self.abl, self.args, self.uri = abl, args, tracking_uri()
-        mlflow.set_tracking_uri(self.uri)
-        self.client = MlflowClient(self.uri)
+        # --end-s and --deadline-s count from the process's start: the caller's clock started then
+        self.t_start = time.monotonic() - (time.time() - psutil.Process().create_time())
+        self.client = client
         exp = self.client.get_experiment_by_name(abl.experiment)
         self.experiment_id = exp.experiment_id if exp else None  # created when the sweep runs
         self.parent: Run | None = None
@@ -95,8 +97,10 @@ class Sweep:
     def open_parent(self) -> str:
         from pipeline.tracking import environment_tags
 
-        if self.experiment_id is None:
-            self.experiment_id = self.client.create_experiment(self.abl.experiment)
+        if self.experiment_id is None:  # artifacts beside a sqlite store, wherever the sweep starts
+            db = sqlite_file(self.uri)
+            self.experiment_id = self.client.create_experiment(
+                self.abl.experiment, artifact_location=str(db.parent / "mlruns") if db else None)
         parent = self.existing_parent()
         axes = {a: list(dict.fromkeys(p.labels[a] for p in self.abl.points)) for a in self.abl.axes}
         tags = {
@@ -156,11 +160,7 @@ class Sweep:
 
     def done_status(self, previous: list[Run]) -> str | None:
         statuses = {runs_.run_status(r) for r in previous}
-        if "OK" in statuses:
-            return "OK"
-        if "OOM" in statuses and not self.args.retry_oom:
-            return "OOM"
-        return None
+        return "OK" if "OK" in statuses else "OOM" if "OOM" in statuses and not self.args.retry_oom else None
 
     # --- one point -----------------------------------------------------------------------
     def child_tags(self, point: Point, config_hash: str, slot: Slot | None = None) -> dict[str, str]:
@@ -175,12 +175,14 @@ class Sweep:
     def find_child(self, config_hash: str, known: set[str]) -> Run | None:
         """The run the child process created: the newest with this hash that was not there before."""
         return runs_.new_run(self.client, [self.experiment_id],
-                             f"tags.mlflow.parentRunId = {runs_.quote(self.parent.info.run_id)} and "
-                             f"tags.`sweep.config_hash` = {runs_.quote(config_hash)}", known)
+                             f"tags.mlflow.parentRunId = '{self.parent.info.run_id}' and "  # hex ids: no quoting
+                             f"tags.`sweep.config_hash` = '{config_hash}'", known)
 
     def record(self, point: Point, config_hash: str, child: Run | None, status: str, output: str,
-               error: str | None, wall_s: float | None, tags: dict[str, str] | None = None) -> str:
-        """Tag the child with its outcome; a run that never started gets a record of its own."""
+               error: str | None, wall_s: float | None, tags: dict[str, str] | None = None,
+               log: Path | None = None) -> str:
+        """Tag the child with its outcome (`log`: its whole output); a run that never started gets a
+        record of its own."""
         if child is None:
             child = self.client.create_run(
                 self.experiment_id, run_name=self.abl.run_name(point),
@@ -189,6 +191,8 @@ class Sweep:
         self.client.set_tag(run_id, "status", status)
         if wall_s is not None:
             self.client.log_metric(run_id, "sweep/process_wall_s", wall_s)
+        if log is not None:
+            self.client.log_artifact(run_id, str(log), "sweep")
         if status != "OK":
             self.client.set_tag(run_id, "sweep.error", error or "")
             self.client.log_text(run_id, output[-TAIL_BYTES:], "sweep/output_tail.txt")
@@ -213,16 +217,17 @@ class Sweep:
             env["CUDA_VISIBLE_DEVICES"] = slot.gpu
             cmd = slot.pin(cmd)
         known = {r.info.run_id for r in runs_.child_runs(self.parent)}
-        t0 = time.perf_counter()
+        log, t0 = self._logs / f"{self.abl.points.index(point) + 1:03d}-{safe_name(point.name)}.log", time.perf_counter()
         try:
-            rc, output, timed_out = stream(cmd, env, self.timeout_s,
-                                           prefix=f"[{point.name}] " if self.parallel > 1 else "",
-                                           stop=self._stop, pass_fds=self.lock_fds)
+            with open(log, "wb") as out:
+                rc, output, timed_out = stream(cmd, env, self.timeout_s,
+                                               prefix=f"[{point.name}] " if self.parallel > 1 else "",
+                                               stop=self._stop, pass_fds=self.lock_fds, log=out, quiet=True)
         except KeyboardInterrupt:  # a run that FINISHED before the signal is a result; else it is KILLED
             child = self.find_child(config_hash, known)
             done = child is not None and child.info.status == "FINISHED"
             self.record(point, config_hash, child, "OK" if done else "KILLED", "", "interrupted (Ctrl-C)",
-                        time.perf_counter() - t0, tags)
+                        time.perf_counter() - t0, tags, log)
             raise
         wall = time.perf_counter() - t0
         child = self.find_child(config_hash, known)
@@ -235,7 +240,7 @@ class Sweep:
         else:
             status = "FAILED"
             error = failure_line(rc, output) if rc != 0 else "exited 0 without a FINISHED MLflow run"
-        self.record(point, config_hash, child, status, output, error, wall, tags)
+        self.record(point, config_hash, child, status, output, error, wall, tags, log)
         return status
 
     # --- the whole grid --------------------------------------------------------------------
@@ -271,8 +276,6 @@ class Sweep:
 
     def invalid_points(self, points: list[Point]) -> dict[str, str]:
         """Point name -> why `pipeline fit` would refuse its arguments (a value's type, a key)."""
-        from experiments.argcheck import fit_args_error
-
         errors = {p.name: fit_args_error(fit_command(self.abl, p, "<parent>")[len(FIT_COMMAND):]) for p in points}
         return {name: error for name, error in errors.items() if error}
 
@@ -284,7 +287,9 @@ class Sweep:
             raise ConfigError(f"{self.abl.path}: {len(invalid)} point(s) would be refused by `pipeline fit`, "
                               f"e.g. {name}: {error}")
         parent_id = self.open_parent()
-        self._previous, self._executed, self._t_start = self.previous(), 0, time.monotonic()
+        self._previous, self._executed = self.previous(), 0
+        self._logs = Path(tempfile.mkdtemp(prefix=f"sweep-{safe_name(self.abl.name)}-"))
+        print(f"every run's whole output: {self._logs}/ (and in its MLflow artifacts, sweep/)")
         self._needs = self.expected_seconds()
         self._lock, self._stop = threading.Lock(), threading.Event()
         jobs = [(f"=== [{i + 1}/{len(points)}] {self.abl.name}: {p.name}", p) for i, p in enumerate(points)]
@@ -326,7 +331,7 @@ class Sweep:
             print(f"{head}: skipped, already {done} (hash {h})", flush=True)
             return done
         with self._lock:
-            elapsed = time.monotonic() - self._t_start
+            elapsed = time.monotonic() - self.t_start
             late = self.args.deadline_s is not None and elapsed > self.args.deadline_s
             need = self._needs.get(point.name)
             short = self.args.end_s is not None and need is not None and elapsed + need > self.args.end_s
@@ -358,11 +363,11 @@ class Sweep:
         print(f"\n{runs_.text_table(header, rows)}\n")
         print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
         print(f"MLflow tracking URI: {self.uri}; experiment '{self.abl.experiment}', parent run {parent_id}")
-        print(f"  in `make ui`: http://127.0.0.1:5000/{parent_url(self.experiment_id, parent_id)} "
+        print(f"  in `make ui`: http://127.0.0.1:5000/#/experiments/{self.experiment_id}/runs/{parent_id} "
               f"(the comparison), http://127.0.0.1:5000/{compare} (side by side)")
         if self.args.results:
             print(write_table(Path(self.args.results), self.abl, self.client.get_run(parent_id), self._frame,
-                              (header, rows), time.monotonic() - self._t_start))
+                              (header, rows), time.monotonic() - self.t_start))
         print(f"report: python -m experiments report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
         return 1 if bad else 0
 
@@ -402,13 +407,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="override of every run (trainer.max_steps=50), or of a top-level key of the file (name=x)")
     p.add_argument("--where", action="append", default=[], metavar="AXIS=LABEL[,LABEL]",
                    help="only the points with these labels, e.g. max_seq_len=1024,4096")
-    p.add_argument("--end-s", type=float, default=None,
-                   help="the caller stops the sweep then: skip a point whose earlier runs needed more than is left")
+    p.add_argument("--end-s", type=float, default=None, help="the caller stops the sweep then (from the start)")
     p.add_argument("--deadline-s", type=float, default=None, help="start no new run after this many seconds")
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default: the file's timeout_s)")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="run N points at once on the same device")
-    p.add_argument("--gpus", default=None, metavar="LIST",
-                   help="one run at a time per entry, on that GPU and its share of the cores: 0,1 or 0,0,1,1")
+    p.add_argument("--gpus", default=None, metavar="LIST", help="a run at once per entry (GPU): 0,1 or 0,0,1,1")
     p.add_argument("--retry-oom", action="store_true", help="rerun points recorded as OOM")
     p.add_argument("--new", action="store_true", help="start a new parent run instead of resuming")
     args = p.parse_args(argv)
@@ -420,25 +423,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def execute(sweep: Sweep) -> int:
-    """Run `sweep` holding its ablation's lock: one sweep of an ablation at a time; its runs hold
-    the lock too, so a sweep killed outright keeps it until they have ended."""
-    abl = sweep.abl
-    with hold_lock(lock_path(f"sweep-{abl.name}", sweep.uri, abl.experiment, abl.name),
-                   f"a sweep of {abl.name}") as held:
-        sweep.lock_fds = (held.fileno(),)
-        return sweep.run()
-
-
 @command
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     abl = load(args.ablation, Path(args.data_root), args.data, parse_set(args.set))
-    from pipeline.tracking import check_tracking, tracking_uri  # MLflow: not imported for --help
-
-    check_tracking(tracking_uri())
-    sweep = Sweep(abl, args)
-    if args.dry_run:
-        return sweep.plan()
-    return execute(sweep)
-
+    with runs_.tracking_store() as client:
+        sweep = Sweep(abl, args, client)
+        if args.dry_run:
+            return sweep.plan()
+        # one sweep of an ablation at a time: its runs inherit the lock, so that a sweep killed outright
+        # keeps it until they have ended
+        with hold_lock(lock_path(f"sweep-{abl.name}", abl.experiment, abl.name), f"a sweep of {abl.name}") as held:
+            sweep.lock_fds = (held.fileno(),)
+            return sweep.run()

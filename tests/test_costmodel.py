@@ -893,7 +893,7 @@ def test_report_writes_markdown_and_plots_with_energy_only_from_the_counter(tmp_
 
 def test_nvml_board_is_torchs_device_by_uuid_never_another_visible_index(monkeypatch):
     """NVML numbers every board of the host; torch's index counts the visible ones only."""
-    from experiments.tuning import power
+    from experiments.tuning.sweep import nvml_handle
 
     class NV:
         def nvmlDeviceGetHandleByUUID(self, uuid):
@@ -903,16 +903,16 @@ def test_nvml_board_is_torchs_device_by_uuid_never_another_visible_index(monkeyp
             return ("index", i)
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="58a3-7f"))
-    assert power._handle(NV(), 0) == ("uuid", b"GPU-58a3-7f")
+    assert nvml_handle(NV(), 0) == ("uuid", b"GPU-58a3-7f")
 
     def no_cuda(i):
         raise RuntimeError("no CUDA device")
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", no_cuda)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    assert power._handle(NV(), 0) is None  # board 0 of NVML is not torch's device 0 here
+    assert nvml_handle(NV(), 0) is None  # board 0 of NVML is not torch's device 0 here
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert power._handle(NV(), 0) == ("index", 0)
+    assert nvml_handle(NV(), 0) == ("index", 0)
 
 
 def test_rows_of_an_older_sweep_get_the_keys_added_since_as_their_kernel_ran():

@@ -14,6 +14,7 @@ from test_pipeline_data import tiny_data_dir
 
 def test_the_loop_trace_reports_the_attention_share(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pipeline"])
+    monkeypatch.chdir(tmp_path)  # the run's artifacts (./mlruns of a new sqlite store) go there, not into the checkout
     monkeypatch.setenv("MLFLOW_TRACKING_URI", fresh_tracking_uri(tmp_path_factory, tmp_path))
     tiny, out = tiny_data_dir(tmp_path_factory), tmp_path / "trace"
     main(fit_args(tiny, tmp_path, "--trainer.accelerator", "cpu", "--mlflow.system_metrics", "false",

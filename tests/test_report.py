@@ -192,7 +192,7 @@ def test_convergence_section_judges_the_last_validation_interval():
 
     import polars as pl
 
-    from experiments.sections import convergence_section
+    from experiments.sections import convergence_lines, convergence_rows
 
     # a: flat; b: still rising; c: fell from its first check (past its peak); f: rose by more than tol
     # over the last interval but stays below its earlier best (past its peak, not rising); g: rose
@@ -206,13 +206,14 @@ def test_convergence_section_judges_the_last_validation_interval():
                        "attention": ["jagged", "sdpa", "dense", "jagged", "sdpa", "dense", "jagged"],
                        "seed": ["0", "0", "0", "1", "1", "1", "2"],
                        "test/weights_step": [300.0, None, 100.0, None, None, 100.0, 300.0]})
-    lines = convergence_section(client, df, ["attention", "seed"], 0.006)
+    lines = convergence_lines(convergence_rows(client, df, ["attention", "seed"], 0.006), ["attention", "seed"], 0.006)
     assert "4 of 5 runs did" in " ".join(lines)  # d validated once, e did not finish: neither is judged
     rows = [ln for ln in lines if ln.startswith("| jagged") or ln.startswith("| sdpa") or ln.startswith("| dense")]
     assert [r.split("|")[-2].strip() for r in rows] == ["flat", "rising", "past its peak", "past its peak", "flat"]
     assert [r.split("|")[-3].strip() for r in rows] == ["300", "-", "100", "100", "300"]  # the tested weights' step
     assert "200-300" in rows[0] and "+0.0050" in rows[0]
-    assert convergence_section(client, df.filter(pl.col("run_id") == "d"), ["attention", "seed"], 0.002) == []
+    assert convergence_lines(convergence_rows(client, df.filter(pl.col("run_id") == "d"), ["attention", "seed"], 0.002),
+                             ["attention", "seed"], 0.002) == []
 
 
 def test_recovery_section_shares_of_the_gain_and_costs(tmp_path):

@@ -21,9 +21,8 @@ def _bench(root, slug: str, date: str, peers: dict[str, tuple[float, float]]) ->
             for p, (ms, mib) in {"jagged": (1.0, 1.0), **peers}.items()]
     doc = {"schema": "jagged-bench/1", "stamp": {"gpu_slug": slug, "gpu": f"GPU {slug}", "date": date},
            "ceilings": {}, "config": {}, "rows": rows}
-    folder = root / "kernels" / slug
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "bench-all-paper.json").write_text(json.dumps(doc))
+    (root / "kernels" / slug).mkdir(parents=True, exist_ok=True)
+    (root / "kernels" / slug / f"bench-{slug}.json").write_text(json.dumps(doc))
 
 
 def _report(root, name: str, rows: list[dict], budget: dict | None = None, targets=(), **facts) -> None:

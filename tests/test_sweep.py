@@ -478,7 +478,7 @@ def test_gpus_give_each_concurrent_run_its_device_and_cores(smoke, tmp_path, mon
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     seen, lock = [], __import__("threading").Lock()
 
-    def fake_stream(cmd, env, timeout_s, prefix="", stop=None, pass_fds=()):
+    def fake_stream(cmd, env, timeout_s, prefix="", stop=None, pass_fds=(), **echo):
         with lock:
             seen.append((env["CUDA_VISIBLE_DEVICES"], cmd[:3] if "taskset" in cmd[0] else None))
         return 1, "error: injected by the test", False

@@ -18,7 +18,10 @@ import warnings
 
 import torch
 
+from experiments import parser
+from experiments.bench.base import OURS
 from experiments.bench.suites import KINDS, SUITE_NAMES
+from pipeline.errors import ConfigError, command
 
 # `all` runs the quick kinds first, so that a --deadline-s cut lands on self-attention shapes
 ALL_ORDER = ("ops", "dense_attention", "attention")
@@ -27,30 +30,26 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench", description=__doc__.split("\n")[0])
+    p = parser("bench", __doc__)
     p.add_argument("what", choices=KINDS + ("all", "report"))
     p.add_argument("--suite", default="paper", help=f"one or more of {SUITE_NAMES}, comma-separated")
     p.add_argument("--providers", default=None, help="peers to run, comma-separated (ours always runs)")
     p.add_argument("--dtype", default="bf16", choices=tuple(DTYPES))
-    p.add_argument("--out", default=OUT, help="folder (<gpu>: the GPU's slug; report: every GPU's folder), or a "
-                   ".json file (the report goes beside it)")
+    p.add_argument("--out", default=OUT, help="folder (<gpu>: the GPU's slug; report: every GPU's), or a .json file")
     p.add_argument("--modes", default="fwd,fwd_bwd", help="fwd and/or fwd_bwd (ops run fwd only)")
     p.add_argument("--max-shapes", type=int, default=None, help="only the first N shapes of each suite")
     p.add_argument("--warmup", type=float, default=25.0, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=float, default=100.0, help="do_bench repetition time, ms")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--ours-backend", default=None, help="backend= for ours (default: triton on CUDA, torch on CPU)")
     p.add_argument("--flex-max-tokens", type=int, default=300_000, help="skip FlexAttention above this many tokens")
     p.add_argument("--flex-budget-s", type=float, default=120.0, help="wall seconds FlexAttention may use per run")
     p.add_argument("--deadline-s", type=float, default=None, help="start no new shape after this many seconds")
     p.add_argument("--commit", default=None, help="git commit to stamp (the GPU machine has no .git)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-report", action="store_true", help="write the JSON only")
-    p.add_argument("--graph-ms", action="store_true",
-                   help="also time every row as a CUDA-graph replay (the kernels alone, no host time): gpu_ms")
+    p.add_argument("--graph-ms", action="store_true", help="also time each row as a CUDA-graph replay: gpu_ms")
     p.add_argument("--force", action="append", default=[], metavar="FAMILY:KEY=VALUE[,KEY=VALUE]",
-                   help="launch every kernel of FAMILY (e.g. dense_bwd) with these keys over its hand rule or "
-                        "table pick; repeatable; stamped into the results")
+                   help="every launch of FAMILY (e.g. dense_bwd) takes these keys; repeatable, stamped")
     args = p.parse_args(argv)
     try:
         args.force = parse_force(args.force)
@@ -102,8 +101,8 @@ def print_summary(rows: list[dict], ceilings: dict | None) -> None:
     sys.stdout.flush()
 
 
-def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], argv) -> tuple[str, str, str]:
-    """Every kind and suite of `args`, rows saved after each shape; (JSON path, folder, GPU slug)."""
+def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], argv) -> tuple[str, str, list[dict]]:
+    """Every kind and suite of `args`, rows saved after each shape; (folder, GPU slug, the rows)."""
     from kernels._launch_configs import forced
     from experiments.bench import runner
     from experiments.bench.base import RunConfig
@@ -114,7 +113,7 @@ def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], a
     start = time.monotonic()
     cfg = RunConfig(
         device=device, dtype=DTYPES[args.dtype], modes=modes, warmup_ms=args.warmup, rep_ms=args.rep,
-        ours_backend=args.ours_backend or ("triton" if device.type == "cuda" else "torch"),
+        ours_backend="triton" if device.type == "cuda" else "torch",
         providers=frozenset(args.providers.split(",")) if args.providers else None, max_shapes=args.max_shapes,
         seed=args.seed, flex_max_tokens=args.flex_max_tokens, flex_budget_s=args.flex_budget_s,
         deadline=start + args.deadline_s if args.deadline_s else None, graph_ms=args.graph_ms,
@@ -150,9 +149,10 @@ def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], a
     save([])
     print(f"\nwrote {json_path} ({len(rows)} rows, {time.monotonic() - start:.0f} s)")
     print_summary(rows, ceilings)
-    return json_path, folder, stamp["gpu_slug"]
+    return folder, stamp["gpu_slug"], rows
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -165,19 +165,22 @@ def main(argv=None) -> int:
             print(f"wrote {path}")
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    suites = args.suite.split(",")
-    for s in suites:
-        if s not in SUITE_NAMES:
-            raise SystemExit(f"unknown suite {s!r}; one of {SUITE_NAMES}")
-    if args.providers:
-        unknown = set(args.providers.split(",")) - runner.provider_names()
-        if unknown:
-            raise SystemExit(f"unknown providers {sorted(unknown)}; known: {sorted(runner.provider_names())}")
-    modes = tuple(m for m in args.modes.split(",") if m)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device here (--device cpu times the torch path)")
+    suites, modes = args.suite.split(","), tuple(m for m in args.modes.split(",") if m)
+    unknown = set(args.providers.split(",")) - runner.provider_names() if args.providers else set()
+    if set(suites) - set(SUITE_NAMES):
+        raise ConfigError(f"unknown suite {sorted(set(suites) - set(SUITE_NAMES))}; one of {SUITE_NAMES}")
+    if unknown:
+        raise ConfigError(f"unknown providers {sorted(unknown)}; known: {sorted(runner.provider_names())}")
     if not set(modes) <= {"fwd", "fwd_bwd"}:
-        raise SystemExit(f"--modes takes fwd and/or fwd_bwd, got {args.modes!r}")
-    _, folder, slug = run(args, device, suites, modes, argv)
+        raise ConfigError(f"--modes takes fwd and/or fwd_bwd, got {args.modes!r}")
+    folder, slug, rows = run(args, device, suites, modes, argv)
     if not args.no_report:
         for path in write_report(folder, slug):
             print(f"wrote {path}")
-    return 0
+    failed = [r for r in rows if r["provider"] == OURS and (r["status"] == "FAILED" or r["status"].startswith("error"))]
+    for r in failed:  # a result file that holds them is written, but the command failed
+        print(f"error: ours {r['status']} at {r['kind']} {r.get('op') or ''} {r['suite']} {r['shape_id']} {r['mode']}: "
+              f"{r.get('error', '')}", file=sys.stderr)
+    return 1 if failed else 0

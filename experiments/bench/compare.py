@@ -9,15 +9,16 @@ else by the call's), and the fwd+bwd geomean over varlen_attn not lower. Exit 0,
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
+from experiments import parser
 from experiments.bench.base import OURS
 from experiments.bench.report import read_json
 from experiments.bench.stamp import stamp_line
 from experiments.bench.targets import geomean, pairs
+from experiments.runs import fmt
 
 
 def _key(r: dict) -> tuple:
@@ -38,7 +39,7 @@ def varlen_speedups(doc: dict, key: str = "ms") -> dict[tuple[str, str], float]:
 def _run_geomeans(doc: dict, shapes: set) -> str:
     """Each run's geomean over varlen_attn by call on `shapes`, for a side of several runs."""
     runs = doc.get("_runs", [doc])
-    return ", ".join(_x(geomean([s[k] for k in shapes if k in s])) for s in map(varlen_speedups, runs))
+    return ", ".join(fmt(geomean([s[k] for k in shapes if k in s]), ".3f", "x") for s in map(varlen_speedups, runs))
 
 
 def _common_geomeans(base: dict, new: dict, key: str) -> tuple[set, float | None, float | None]:
@@ -80,12 +81,13 @@ def compare(base: dict, new: dict, noise: float) -> tuple[list[str], bool]:
     lines += ["", "| verdict | measured | result |", "|---|---|---|",
               f"| no row slower than before by more than {noise:.0%} | {len(slower)} of {len(both)} rows slower "
               f"({len(kernel_ratios)} judged by the kernels' time, geometric mean new / base "
-              f"{_r(geomean(kernel_ratios))}; the others "
+              f"{fmt(geomean(kernel_ratios), '.3f')}; the others "
               f"by the call's; by the call's time alone {len(call_slower)} rows, geometric mean "
               f"{geomean([n[k]['ms'] / b[k]['ms'] for k in both]):.3f}) | {'PASS' if ok_rows else 'MISS'} |",
               f"| attention fwd+bwd geomean over varlen_attn not lower ({', '.join(sorted(suites)) or '-'}; "
               f"{len(shapes)} shapes timed in both) | "
-              f"base {_x(gb)}, new {_x(gn)} (by the kernels' time: base {_x(kb)}, new {_x(kn)}) | "
+              f"base {fmt(gb, '.3f', 'x')}, new {fmt(gn, '.3f', 'x')} "
+              f"(by the kernels' time: base {fmt(kb, '.3f', 'x')}, new {fmt(kn, '.3f', 'x')}) | "
               f"{'N/A' if gb is None else 'PASS' if ok_varlen else 'MISS'} |"]
     if gb is not None and ("_runs" in base or "_runs" in new):
         lines += ["", f"Each run's geomean over varlen_attn by call: base {_run_geomeans(base, shapes)}; "
@@ -93,22 +95,11 @@ def compare(base: dict, new: dict, noise: float) -> tuple[list[str], bool]:
     return lines, ok_rows and ok_varlen
 
 
-def _r(g: float | None) -> str:
-    return "-" if g is None else f"{g:.3f}"
-
-
-def _x(g: float | None) -> str:
-    return "-" if g is None else f"{g:.3f}x"
-
-
 def _load(path: str) -> dict:
-    try:
-        doc = read_json(path)
-        doc["rows"], doc["stamp"]  # noqa: B018 - a result file has both
-    except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a experiments.bench result file ({type(exc).__name__}: {exc})") from None
-    doc["_file"] = Path(path).name
-    return doc
+    doc = read_json(path)
+    if not {"rows", "stamp"} <= doc.keys():
+        raise ValueError(f"{path}: not an experiments.bench result file (no rows and stamp)")
+    return {**doc, "_file": Path(path).name}
 
 
 def _load_runs(paths: str) -> dict:
@@ -138,14 +129,11 @@ def _load_runs(paths: str) -> dict:
 def _run_names(files: list[str]) -> list[str]:
     """The files' names, or folder/name where names repeat (kernels.sh table_ab: hand/, hand-2/, ...)."""
     names = [Path(p).name for p in files]
-    if len(set(names)) == len(names):
-        return names
-    return [f"{Path(p).parent.name}/{Path(p).name}" for p in files]
+    return names if len(set(names)) == len(names) else [f"{Path(p).parent.name}/{Path(p).name}" for p in files]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench-compare",
-                                description=__doc__.split("\n")[0])
+    p = parser("bench-compare", __doc__)
     p.add_argument("base", help="the result file before the change (or several, comma-separated)")
     p.add_argument("new", help="the result file after it (or several, comma-separated)")
     p.add_argument("--noise", type=float, default=0.05, help="relative slowdown still counted as noise (0.05: 5%%)")

@@ -9,13 +9,17 @@ registers and spills per kernel.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import os
 import re
 import subprocess
+import tempfile
 import time
+from unittest import mock
 
 import torch
+
+from experiments import parser
 
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int64: "i64", torch.int32: "i32"}
@@ -35,19 +39,14 @@ def _record(run) -> list:
                          _flash_attention_triton, _s2_attention_triton, _softmax_triton)
 
     calls: list = []
-    saved = []
-    for mod in (_flash_attention_triton, _dense_attention_triton, _s2_attention_triton, _softmax_triton,
-                _conversions_triton, _elementwise_triton, _bmm_triton):
-        for name in dir(mod):
-            obj = getattr(mod, name)
-            if (name.endswith("_kernel") or name.startswith("_s2_")) and hasattr(obj, "arg_names"):
-                saved.append((mod, name, obj))
-                setattr(mod, name, _Recorder(obj, calls))
-    try:
+    with contextlib.ExitStack() as stack:
+        for mod in (_flash_attention_triton, _dense_attention_triton, _s2_attention_triton, _softmax_triton,
+                    _conversions_triton, _elementwise_triton, _bmm_triton):
+            for name in dir(mod):
+                obj = getattr(mod, name)
+                if (name.endswith("_kernel") or name.startswith("_s2_")) and hasattr(obj, "arg_names"):
+                    stack.enter_context(mock.patch.object(mod, name, _Recorder(obj, calls)))
         run()
-    finally:
-        for mod, name, obj in saved:
-            setattr(mod, name, obj)
     return calls
 
 
@@ -86,11 +85,11 @@ def _ptxas_report(ptx: str, arch: int) -> str:
     import triton
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    path = "/tmp/_jagged_gpu_check.ptx"
-    with open(path, "w") as f:
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:  # a private name: nothing planted is written
         f.write(ptx)
-    res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", path, "-o", "/dev/null"],
-                         capture_output=True, text=True)
+        f.flush()
+        res = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True)
     text = res.stderr + res.stdout
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
@@ -156,8 +155,7 @@ def _workloads(dtype, D):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments gpu-check",
-                                 description=__doc__.splitlines()[0])
+    ap = parser("gpu-check", __doc__)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--dtypes", default="bf16,fp16,fp32")
     ap.add_argument("--dims", default="16,24,48,64,96,128,136,200,256")

@@ -18,9 +18,8 @@ import torch
 
 
 def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.cuda.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or (isinstance(exc, RuntimeError)
+                                                            and "out of memory" in str(exc).lower())
 
 
 def sync(device: torch.device) -> None:
@@ -42,34 +41,18 @@ def clear_grads(tensors: Iterable[torch.Tensor]) -> None:
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is None:
-            continue
-        if t.is_nested:
-            for part in (t.values(), t.offsets()):
-                st = part.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-            continue
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    storages = (t.untyped_storage() for t in tensors if t is not None)
+    return sum({st.data_ptr(): st.nbytes() for st in storages}.values())
 
 
-def bench_ms(
-    fn: Callable[[], object],
-    device: torch.device,
-    warmup_ms: float,
-    rep_ms: float,
-    grad_to_none: list[torch.Tensor] | None = None,
-) -> float:
+def bench_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float, rep_ms: float,
+             grad_to_none: list[torch.Tensor] | None = None) -> float:
     """Median milliseconds of `fn()`; gradients of `grad_to_none` are reset before each run."""
     if device.type == "cuda":
         import triton.testing
 
-        return float(
-            triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median")
-        )
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none,
+                                             return_mode="median"))
     return _cpu_bench(fn, warmup_ms, rep_ms, grad_to_none or [])
 
 
@@ -85,24 +68,17 @@ def graph_ms(fn: Callable[[], object], device: torch.device, rep_ms: float,
 
 
 def _cpu_bench(fn, warmup_ms: float, rep_ms: float, grads: list[torch.Tensor]) -> float:
-    clear_grads(grads)
-    fn()
-    t0 = time.perf_counter()
-    clear_grads(grads)
-    fn()
-    est_ms = max((time.perf_counter() - t0) * 1e3, 1e-3)
-    n_warm = max(0, int(warmup_ms / est_ms))
-    n_rep = max(5, min(1000, int(rep_ms / est_ms)))
-    for _ in range(n_warm):
-        clear_grads(grads)
-        fn()
-    times = []
-    for _ in range(n_rep):
+    def timed() -> float:
         clear_grads(grads)
         t0 = time.perf_counter()
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return (time.perf_counter() - t0) * 1e3
+
+    timed()  # the first call
+    est_ms = max(timed(), 1e-3)
+    for _ in range(int(warmup_ms / est_ms)):
+        timed()
+    return statistics.median([timed() for _ in range(max(5, min(1000, int(rep_ms / est_ms))))])
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device, grads: list[torch.Tensor]) -> int | None:
@@ -149,16 +125,9 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, warmup_ms: float,
     del src, dst
     n = 256 if small else 8192
     mdtype = torch.float32 if small else dtype
-    a = torch.randn(n, n, device=device, dtype=mdtype)
-    b = torch.randn(n, n, device=device, dtype=mdtype)
-    ms_mm = bench_ms(lambda: a @ b, device, warmup_ms, rep_ms)
-    mm_tflops = 2 * n**3 / (ms_mm * 1e-3) / 1e12
+    a, b = (torch.randn(n, n, device=device, dtype=mdtype) for _ in range(2))
+    mm_tflops = 2 * n**3 / (bench_ms(lambda: a @ b, device, warmup_ms, rep_ms) * 1e-3) / 1e12
     del a, b
     free_memory(device)
-    return {
-        "copy_gbps": copy_gbps,
-        "copy_bytes": 2 * n_bytes,
-        "matmul_tflops": mm_tflops,
-        "matmul_shape": [n, n, n],
-        "matmul_dtype": str(mdtype).replace("torch.", ""),
-    }
+    return {"copy_gbps": copy_gbps, "copy_bytes": 2 * n_bytes, "matmul_tflops": mm_tflops,
+            "matmul_shape": [n, n, n], "matmul_dtype": str(mdtype).replace("torch.", "")}

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import LogFormatter  # noqa: E402
 
 from experiments.bench.base import OURS, ceilings_of  # noqa: E402
-from experiments.figures import fit_to_width, save_png  # noqa: E402
+from experiments.figures import finish, legend_outside, mark_missing  # noqa: E402
 from experiments.bench.stamp import stamp_line  # noqa: E402
 
 MODES = (("fwd", "forward"), ("fwd_bwd", "forward + backward"))
@@ -41,19 +41,6 @@ def _series(rows: list[dict], xkey: str, metric: str, mode: str, ours: bool = Fa
     return {p: sorted(out[p]) for p in sorted(out, key=lambda p: (p != OURS, p))}
 
 
-def _mark_unmeasured(ax, rows: list[dict], xkey: str, mode: str, peer: str, color) -> None:
-    """A peer's points without a number (out of memory, skipped): an x on the axis and why."""
-    stacked = ax.__dict__.setdefault("_unmeasured_at", {})
-    for r in rows:
-        if r["provider"] == peer and r["mode"] == mode and r["status"] != "ok":
-            why, xv = ("OOM" if r["status"] == "OOM" else "skipped"), r["shape"][xkey]
-            level = stacked[xv] = stacked.get(xv, -1) + 1  # side by side when several peers miss x
-            ax.plot([xv], [0.0], marker="x", color=color, markersize=8, linestyle="none",
-                    transform=ax.get_xaxis_transform(), clip_on=False)
-            ax.annotate(f"{peer}: {why}", (xv, 0.0), xycoords=("data", "axes fraction"), xytext=(-4 + 8 * level, 8),
-                        textcoords="offset points", rotation=90, ha="center", va="bottom", fontsize=6, color=color)
-
-
 def _figure(rows: list[dict], xkey: str, xlabel: str, title: str, stamp: dict, path: str, logx: bool) -> str:
     panels = (("ms", "time per call (ms, median; lower is better)", "time"),
               ("ours_speedup", "speedup of ours (peer time / ours)", "speed"),
@@ -68,14 +55,16 @@ def _figure(rows: list[dict], xkey: str, xlabel: str, title: str, stamp: dict, p
                 style = dict(color="black", lw=2.2) if peer == OURS else {}
                 (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                                   label=f"{peer} (ours)" if peer == OURS else peer, **style)
-                _mark_unmeasured(ax, rows, xkey, mode, peer, line.get_color())
+                mark_missing(ax, [(r["shape"][xkey], f"{peer}: {'OOM' if r['status'] == 'OOM' else 'skipped'}")
+                                  for r in rows if r["provider"] == peer and r["mode"] == mode and r["status"] != "ok"],
+                             line.get_color())
             if series:
                 if not absolute:
                     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
                 ax.set_yscale("log")
                 ax.yaxis.set_major_formatter(_Plain())
                 ax.yaxis.set_minor_formatter(_Plain(minor_thresholds=(2, 0.5)))
-                ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+                legend_outside(ax)
             else:
                 ax.text(0.5, 0.5, "no data (not measured here)", ha="center", va="center", transform=ax.transAxes)
             if logx and series:
@@ -84,10 +73,7 @@ def _figure(rows: list[dict], xkey: str, xlabel: str, title: str, stamp: dict, p
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
             ax.grid(True, which="both", alpha=0.3)
-    fig.suptitle(title, fontsize=12)
-    fig.text(0.5, 0.945, fit_to_width(fig, stamp_line(stamp), 8), ha="center", va="top", fontsize=8, color="dimgray")
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
-    return save_png(fig, path, dpi=110, metadata={"Title": title, "Description": stamp_line(stamp)})
+    return finish(fig, path, title, stamp_line(stamp))
 
 
 def _grid_rows(rows: list[dict]) -> list[dict]:
@@ -127,7 +113,7 @@ def _bandwidth_figure(rows: list[dict], stamp: dict, path: str, copy: float | No
             ax.set_ylabel("ours: achieved / copy bandwidth (real bytes read + written)")
         else:
             ax.set_ylabel("ours: GB/s (real bytes read + written)")
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        legend_outside(ax)
         ax.set_title(f"ours at every large shape (suite {suite})", fontsize=10)
         provs = sorted({r["provider"] for r in large}, key=lambda p: (p != OURS, p))
         labels = [(n, sid) for n in names for sid in shapes]
@@ -140,46 +126,32 @@ def _bandwidth_figure(rows: list[dict], stamp: dict, path: str, copy: float | No
                          [f"{n}\n{sid}" for n, sid in labels], rotation=90, fontsize=6)
         ax_ms.set_yscale("log")
         ax_ms.set_ylabel("time per call (ms, median)")
-        ax_ms.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        legend_outside(ax_ms)
         ax_ms.set_title("absolute times, ours and peers", fontsize=10)
     else:
         ax.text(0.5, 0.5, "no ops measured", ha="center", va="center", transform=ax.transAxes)
-    fig.suptitle("Jagged ops: achieved bandwidth", fontsize=12)
-    fig.text(0.5, 0.93, fit_to_width(fig, stamp_line(stamp), 8), ha="center", va="top", fontsize=8, color="dimgray")
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
-    return save_png(fig, path, dpi=110, metadata={"Title": "Jagged ops bandwidth", "Description": stamp_line(stamp)})
+    return finish(fig, path, "Jagged ops: achieved bandwidth", stamp_line(stamp))
 
 
 def write_plots(rows: list[dict], stamp: dict, folder: str, copy_gbps: float | None = None) -> list[str]:
-    paths = []
+    paths, at = [], lambda name: os.path.join(folder, name)  # noqa: E731
     grid = _grid_rows(rows)
     if grid:
-        d_ref = _pick([r["shape"]["density"] for r in grid], 0.25)
-        vs_n = [r for r in grid if r["shape"]["density"] == d_ref]
-        s = vs_n[0]["shape"]
-        paths.append(_figure(
-            vs_n, "N", "N (max_seq_len)",
-            f"Jagged flash attention vs peers, by N (H={s['H']}, D={s['D']}, density {d_ref:g}, B*N ~ const)",
-            stamp, os.path.join(folder, "attention-vs-N.png"), logx=True,
-        ))
-        n_ref = _pick([r["shape"]["N"] for r in grid], 1024)
-        vs_d = [r for r in grid if r["shape"]["N"] == n_ref]
-        s = vs_d[0]["shape"]
-        paths.append(_figure(
-            vs_d, "density", "density (mean length / N)",
-            f"Jagged flash attention vs peers, by density (B={s['B']}, N={n_ref}, H={s['H']}, D={s['D']})",
-            stamp, os.path.join(folder, "attention-vs-density.png"), logx=False,
-        ))
+        d_ref, n_ref = _pick([r["shape"]["density"] for r in grid], 0.25), _pick([r["shape"]["N"] for r in grid], 1024)
+        vs_n, vs_d = [r for r in grid if r["shape"]["density"] == d_ref], [r for r in grid if r["shape"]["N"] == n_ref]
+        s, t = vs_n[0]["shape"], vs_d[0]["shape"]
+        paths += [_figure(vs_n, "N", "N (max_seq_len)", f"Jagged flash attention vs peers, by N (H={s['H']}, "
+                          f"D={s['D']}, density {d_ref:g}, B*N ~ const)", stamp, at("attention-vs-N.png"), logx=True),
+                  _figure(vs_d, "density", "density (mean length / N)", f"Jagged flash attention vs peers, by "
+                          f"density (B={t['B']}, N={n_ref}, H={t['H']}, D={t['D']})", stamp,
+                          at("attention-vs-density.png"), logx=False)]
     dense = [r for r in rows if r["kind"] == "dense_attention"]
     if dense:
-        groups = [(r["suite"], r["shape"]["B"], r["shape"]["N"], r["shape"]["H"], r["shape"]["D"], r["shape"]["density"]) for r in dense]
+        groups = [(r["suite"], *(r["shape"][k] for k in ("B", "N", "H", "D", "density"))) for r in dense]
         key = _pick(groups, ("paper", 1024, 1024, 2, 64, 0.25))
-        sel = [r for r, g in zip(dense, groups) if g == key]
-        paths.append(_figure(
-            sel, "Tq", "Tq (dense queries per sequence)",
-            f"jagged_dense_attention vs peers, by Tq (B={key[1]}, N={key[2]}, H={key[3]}, D={key[4]}, density {key[5]:g})",
-            stamp, os.path.join(folder, "dense-attention-vs-Tq.png"), logx=True,
-        ))
+        paths.append(_figure([r for r, g in zip(dense, groups) if g == key], "Tq", "Tq (dense queries per sequence)",
+                             f"jagged_dense_attention vs peers, by Tq (B={key[1]}, N={key[2]}, H={key[3]}, D={key[4]}, "
+                             f"density {key[5]:g})", stamp, at("dense-attention-vs-Tq.png"), logx=True))
     if any(r["kind"] == "ops" for r in rows):
-        paths.append(_bandwidth_figure(rows, stamp, os.path.join(folder, "ops-bandwidth.png"), copy_gbps))
+        paths.append(_bandwidth_figure(rows, stamp, at("ops-bandwidth.png"), copy_gbps))
     return paths

@@ -108,24 +108,16 @@ def _rand_like_dense(j: Jagged, *size) -> torch.Tensor:
     return torch.randn(*size, device=j.q.device, dtype=j.q.dtype, generator=gen)
 
 
-def _inputs(*names: str) -> Callable[[Jagged], dict]:
-    def make(j: Jagged) -> dict:
-        B, N, D = j.shape.B, j.shape.N, j.shape.D
-        out = {}
-        for name in names:
-            if name == "padded":
-                out[name] = _pad(j, j.q)
-            elif name == "padded_b":
-                out[name] = _pad(j, j.k)
-            elif name == "padded_neg_inf":
-                out[name] = _pad(j, j.q, float("-inf"))
-            elif name == "dense":
-                out[name] = _rand_like_dense(j, B, N, D)
-            elif name == "dense_km":
-                out[name] = _rand_like_dense(j, B, D, D)
-        return out
+_INPUTS = {  # the dense inputs of the ops, by name
+    "padded": lambda j: _pad(j, j.q), "padded_b": lambda j: _pad(j, j.k),
+    "padded_neg_inf": lambda j: _pad(j, j.q, float("-inf")),
+    "dense": lambda j: _rand_like_dense(j, j.shape.B, j.shape.N, j.shape.D),
+    "dense_km": lambda j: _rand_like_dense(j, j.shape.B, j.shape.D, j.shape.D),
+}
 
-    return make
+
+def _inputs(*names: str) -> Callable[[Jagged], dict]:
+    return lambda j: {name: _INPUTS[name](j) for name in names}
 
 
 def _softmax_ref(j: Jagged) -> torch.Tensor:
@@ -140,70 +132,33 @@ def _bmm_flops(j: Jagged) -> float:
     return 2.0 * j.T * j.shape.D * j.shape.D
 
 
+def _op(name: str, inputs: tuple[str, ...], reference, ours_args, *peers: Provider, **work) -> OpSpec:
+    """One op: its dense inputs (by name), fp32 reference, ours' positional arguments, its peers and
+    its useful work (bytes_moved or flops)."""
+    return OpSpec(name, _inputs(*inputs), reference, [_ours(name, ours_args), *peers], **work)
+
+
 OPS: list[OpSpec] = [
-    OpSpec(
-        "jagged_to_padded",
-        _inputs(),
-        lambda j: _pad(j, j.q.float()),
-        [
-            _ours("jagged_to_padded", lambda j: (j.q, j.offsets, j.shape.N)),
-            _torch(lambda j: ((lambda: _pad(j, j.q)), [j.q, j.pos]), to_ref="same"),
-            Provider("aten", _aten_j2p, _aten_skip("_jagged_to_padded_dense_forward")),
-        ],
-        bytes_moved=_bytes(1.0, 1.0),
-    ),
-    OpSpec(
-        "padded_to_jagged",
-        _inputs("padded"),
-        lambda j: j.q.float(),
-        [
-            _ours("padded_to_jagged", lambda j: (j.extra["padded"], j.offsets)),
-            _torch(lambda j: ((lambda: from_padded(j.extra["padded"], j.pos)), [j.extra["padded"], j.pos]), "same"),
-            Provider("aten", _aten_p2j, _aten_skip("_padded_dense_to_jagged_forward")),
-        ],
-        bytes_moved=_bytes(2.0),
-    ),
-    OpSpec(
-        "jagged_softmax",
-        _inputs("padded_neg_inf"),
-        _softmax_ref,
-        [_ours("jagged_softmax", lambda j: (j.q, j.offsets, j.shape.N)), _torch(_padded_softmax)],
-        bytes_moved=_bytes(2.0),
-    ),
-    OpSpec(
-        "jagged_dense_elementwise_add",
-        _inputs("padded", "dense"),
-        lambda j: j.q.float() + from_padded(j.extra["dense"].float(), j.pos),
-        [
-            _ours("jagged_dense_elementwise_add", lambda j: (j.q, j.offsets, j.extra["dense"])),
-            _torch(_padded_elementwise(torch.add)),
-        ],
-        bytes_moved=_bytes(3.0),
-    ),
-    OpSpec(
-        "jagged_dense_elementwise_mul",
-        _inputs("padded", "dense"),
-        lambda j: j.q.float() * from_padded(j.extra["dense"].float(), j.pos),
-        [
-            _ours("jagged_dense_elementwise_mul", lambda j: (j.q, j.offsets, j.extra["dense"])),
-            _torch(_padded_elementwise(torch.mul)),
-        ],
-        bytes_moved=_bytes(3.0),
-    ),
-    OpSpec(
-        "jagged_dense_bmm",
-        _inputs("padded", "dense_km"),
+    _op("jagged_to_padded", (), lambda j: _pad(j, j.q.float()), lambda j: (j.q, j.offsets, j.shape.N),
+        _torch(lambda j: ((lambda: _pad(j, j.q)), [j.q, j.pos]), to_ref="same"),
+        Provider("aten", _aten_j2p, _aten_skip("_jagged_to_padded_dense_forward")), bytes_moved=_bytes(1.0, 1.0)),
+    _op("padded_to_jagged", ("padded",), lambda j: j.q.float(), lambda j: (j.extra["padded"], j.offsets),
+        _torch(lambda j: ((lambda: from_padded(j.extra["padded"], j.pos)), [j.extra["padded"], j.pos]), "same"),
+        Provider("aten", _aten_p2j, _aten_skip("_padded_dense_to_jagged_forward")), bytes_moved=_bytes(2.0)),
+    _op("jagged_softmax", ("padded_neg_inf",), _softmax_ref, lambda j: (j.q, j.offsets, j.shape.N),
+        _torch(_padded_softmax), bytes_moved=_bytes(2.0)),
+    _op("jagged_dense_elementwise_add", ("padded", "dense"),
+        lambda j: j.q.float() + from_padded(j.extra["dense"].float(), j.pos), lambda j: (j.q, j.offsets, j.extra["dense"]),
+        _torch(_padded_elementwise(torch.add)), bytes_moved=_bytes(3.0)),
+    _op("jagged_dense_elementwise_mul", ("padded", "dense"),
+        lambda j: j.q.float() * from_padded(j.extra["dense"].float(), j.pos), lambda j: (j.q, j.offsets, j.extra["dense"]),
+        _torch(_padded_elementwise(torch.mul)), bytes_moved=_bytes(3.0)),
+    _op("jagged_dense_bmm", ("padded", "dense_km"),
         lambda j: from_padded(torch.bmm(j.extra["padded"].float(), j.extra["dense_km"].float()), j.pos),
-        [_ours("jagged_dense_bmm", lambda j: (j.q, j.offsets, j.extra["dense_km"])), _torch(_padded_dense_bmm)],
-        flops=_bmm_flops,
-    ),
-    OpSpec(
-        "jagged_jagged_bmm",
-        _inputs("padded", "padded_b"),
+        lambda j: (j.q, j.offsets, j.extra["dense_km"]), _torch(_padded_dense_bmm), flops=_bmm_flops),
+    _op("jagged_jagged_bmm", ("padded", "padded_b"),
         lambda j: torch.bmm(j.extra["padded"].float().transpose(1, 2), j.extra["padded_b"].float()),
-        [_ours("jagged_jagged_bmm", lambda j: (j.q, j.k, j.offsets)), _torch(_padded_jagged_bmm, "same")],
-        flops=_bmm_flops,
-    ),
+        lambda j: (j.q, j.k, j.offsets), _torch(_padded_jagged_bmm, "same"), flops=_bmm_flops),
 ]
 
 MEMORY_BOUND_OPS = tuple(op.name for op in OPS if op.bytes_moved is not None)

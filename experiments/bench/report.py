@@ -9,12 +9,13 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections import defaultdict
 
 from experiments.bench.base import OURS, ceilings_of
 from experiments.bench.floors import floor_table
 from experiments.bench.stamp import stamp_line
 from experiments.bench.targets import evaluate, geomean_table
+from experiments.runs import table_lines
+from pipeline.errors import ConfigError
 
 SCHEMA = "jagged-bench/1"
 MiB = 1 << 20
@@ -33,11 +34,18 @@ def write_json(path: str, doc: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: str) -> object:
-    """A result file's JSON, gzipped (``.json.gz``, as the committed ones may be) or not."""
-    with open(path, "rb") as f:
-        raw = f.read()
-    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
+def read_json(path) -> dict:
+    """A result file's JSON object, gzipped (``.json.gz``, as the committed ones may be) or not;
+    ConfigError naming the file when it is truncated or damaged."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        doc = json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
+    except (OSError, EOFError, ValueError) as err:
+        raise ConfigError(f"{path}: a damaged result file ({type(err).__name__}: {err})") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: a damaged result file (not a JSON object)")
+    return doc
 
 
 def load_docs(folder: str, slug: str | None = None) -> list[dict]:
@@ -46,11 +54,8 @@ def load_docs(folder: str, slug: str | None = None) -> list[dict]:
     for name in sorted(os.listdir(folder)):
         if not name.endswith((".json", ".json.gz")):
             continue
-        try:
-            doc = read_json(os.path.join(folder, name))
-        except (OSError, EOFError, ValueError):
-            continue
-        if isinstance(doc, dict) and doc.get("schema") == SCHEMA and (slug is None or doc["stamp"]["gpu_slug"] == slug):
+        doc = read_json(os.path.join(folder, name))
+        if doc.get("schema") == SCHEMA and (slug is None or doc["stamp"]["gpu_slug"] == slug):
             doc["_file"] = name
             docs.append(doc)
     return sorted(docs, key=lambda d: d["stamp"]["date"])
@@ -81,13 +86,10 @@ def _short(status: str) -> str:
 
 
 def _cell(r: dict | None, notes: dict, ceilings: dict) -> str:
-    if r is None:
-        return ""
-    if r["status"] != "ok":
-        if r["status"] != _short(r["status"]):
-            notes.setdefault(r["status"], len(notes) + 1)
-            return f"{_short(r['status'])} [{notes[r['status']]}]"
-        return r["status"]
+    if r is None or r["status"] != "ok":
+        if r is None or r["status"] == _short(r["status"]):
+            return "" if r is None else r["status"]
+        return f"{_short(r['status'])} [{notes.setdefault(r['status'], len(notes) + 1)}]"
     parts = [f"{_ms(r['ms'])} ms"]
     if r.get("peak_bytes") is not None:
         parts.append(f"{r['peak_bytes'] / MiB:.0f} MiB")
@@ -116,52 +118,33 @@ def _table(rows: list[dict], kind: str, suite: str, ceilings: dict) -> list[str]
     if kind == "dense_attention":
         key_cols.append("Tq")
     head = key_cols + ["mode"] + providers
-    lines = [f"### {KIND_TITLES[kind]}: suite `{suite}`", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    cells = defaultdict(dict)
-    order = []
+    cells: dict[tuple, dict] = {}  # (op, shape, mode) -> provider -> row, in the rows' order
     for r in sel:
-        key = (r.get("op") or "", r["shape_id"], r["mode"])
-        if key not in cells:
-            order.append(key)
-        cells[key][r["provider"]] = r
+        cells.setdefault((r.get("op") or "", r["shape_id"], r["mode"]), {})[r["provider"]] = r
     notes: dict[str, int] = {}
-    for key in order:
-        any_row = next(iter(cells[key].values()))
-        shape = any_row["shape"]
-        vals = [key[0]] if ops else []
-        vals += [str(shape[c]) for c in key_cols if c != "op"]
-        mode = "fwd+bwd" if key[2] == "fwd_bwd" else key[2]
-        if "*" in cells[key]:
-            lines.append("| " + " | ".join(vals + [mode, cells[key]["*"]["status"]] + [""] * (len(providers) - 1)) + " |")
-            continue
-        lines.append("| " + " | ".join(vals + [mode] + [_cell(cells[key].get(p), notes, ceilings) for p in providers]) + " |")
-    lines.append("")
-    for status, n in notes.items():
-        lines.append(f"[{n}] {status}  ")
-    return lines + [""]
+    body = []
+    for (op, _, mode), by in cells.items():
+        vals = [op] * ops + [str(next(iter(by.values()))["shape"][c]) for c in key_cols if c != "op"]
+        vals.append("fwd+bwd" if mode == "fwd_bwd" else mode)
+        body.append(vals + ([by["*"]["status"]] + [""] * (len(providers) - 1) if "*" in by
+                            else [_cell(by.get(p), notes, ceilings) for p in providers]))
+    return [f"### {KIND_TITLES[kind]}: suite `{suite}`", "", *table_lines(head, body), "",
+            *(f"[{n}] {status}  " for status, n in notes.items()), ""]
 
 
 def _legend(ceilings: dict | None) -> list[str]:
     c = ceilings or {}
-    ceil = (
-        f"Ceilings measured in the newest run: device copy {c['copy_gbps']:.0f} GB/s (bytes read + written), "
-        f"{c.get('matmul_dtype', '')} matmul {c['matmul_tflops']:.0f} TFLOP/s ({'x'.join(map(str, c.get('matmul_shape', [])))}); "
-        "every rate below is set against the ceilings measured in its own run."
-        if c.get("copy_gbps")
-        else "Ceilings: not measured."
-    )
-    return [
-        ceil,
-        "",
-        "Cells: median ms (`triton.testing.do_bench`, L2 flushed) / peak memory (the provider's inputs in its own "
+    ceil = (f"Ceilings measured in the newest run: device copy {c['copy_gbps']:.0f} GB/s (bytes read + written), "
+            f"{c.get('matmul_dtype', '')} matmul {c['matmul_tflops']:.0f} TFLOP/s "
+            f"({'x'.join(map(str, c.get('matmul_shape', [])))}); every rate below is set against the ceilings measured "
+            "in its own run." if c.get("copy_gbps") else "Ceilings: not measured.")
+    return [ceil, "", "Cells: median ms (`triton.testing.do_bench`, L2 flushed) / peak memory (the provider's inputs in its own "
         "layout, grad_out included for fwd+bwd, plus the peak allocated during one call) / for ours the useful rate "
         "(attention TFLOP/s count real tokens only: forward 4·H·D·ΣL², backward 2.5x; ops GB/s count the bytes the op "
         "must read and write). For a peer, `(a x, b x mem)` = the peer's time / ours and the peer's peak memory / ours: "
         "above 1 means ours is faster / smaller. fwd runs under `torch.no_grad`; fwd+bwd is forward + `backward(grad_out)` "
         "with the graph rebuilt each run. Every output was checked once against an fp32 reference before timing "
-        "(FAILED: mismatch, not timed).",
-        "",
-    ]
+        "(FAILED: mismatch, not timed).", ""]
 
 
 def graph_table(rows: list[dict]) -> list[str]:
@@ -179,11 +162,10 @@ def graph_table(rows: list[dict]) -> list[str]:
              "difference is host time.", "",
              "| kind | suite | shape | mode | peer | ours call / kernels ms | peer call / kernels ms | speedup by call "
              "| by kernels |", "|---|---|---|---|---|---:|---:|---:|---:|"]
-    for o, p in sorted(pairs, key=lambda op: (*key(op[1])[:4], op[1]["provider"])):
-        name = f"{p['kind']} {p['op']}" if p.get("op") else p["kind"]
-        lines.append(f"| {name} | {p['suite']} | {p['shape_id']} | {p['mode']} | {p['provider']} | "
-                     f"{_ms(o['ms'])} / {_ms(o['gpu_ms'])} | {_ms(p['ms'])} / {_ms(p['gpu_ms'])} | "
-                     f"{p['ms'] / o['ms']:.2f}x | {p['gpu_ms'] / o['gpu_ms']:.2f}x |")
+    lines += [f"| {p['kind']}{' ' + p['op'] if p.get('op') else ''} | {p['suite']} | {p['shape_id']} | {p['mode']} | "
+              f"{p['provider']} | {_ms(o['ms'])} / {_ms(o['gpu_ms'])} | {_ms(p['ms'])} / {_ms(p['gpu_ms'])} | "
+              f"{p['ms'] / o['ms']:.2f}x | {p['gpu_ms'] / o['gpu_ms']:.2f}x |"
+              for o, p in sorted(pairs, key=lambda op: (*key(op[1])[:4], op[1]["provider"]))]
     return lines + [""]
 
 
@@ -194,30 +176,22 @@ def render_markdown(docs: list[dict], rows: list[dict]) -> str:
     out += ["Regenerate: `make bench SUITE=<suite>` on the GPU machine (or `python -m experiments bench all --suite <suite>`, "
             "into experiments/results/kernels/<gpu>/); `python -m experiments bench report` rebuilds this file, report.json "
             "and the plots from the JSON files.", ""]
-    out += ["| result file | kinds | suites | GPU | torch | triton | CUDA | commit | date | launch table |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for d in docs:
-        s = d["stamp"]
-        cfg = d.get("config", {})
-        out.append(
-            f"| {d['_file']} | {', '.join(cfg.get('kinds', []))} | {', '.join(cfg.get('suites', []))} | {s['gpu']} | "
-            f"{s['torch']} | {s['triton']} | {s['cuda']} | {s['commit']} | {s['date']} | "
-            f"{s.get('launch_table', 'not recorded')} |"
-        )
+    out += table_lines(["result file", "kinds", "suites", "GPU", "torch", "triton", "CUDA", "commit", "date",
+                        "launch table"],
+                       [[d["_file"], *(", ".join(d.get("config", {}).get(k, [])) for k in ("kinds", "suites")),
+                         *(d["stamp"][k] for k in ("gpu", "torch", "triton", "cuda", "commit", "date")),
+                         d["stamp"].get("launch_table", "not recorded")] for d in docs])
     if len({d["stamp"].get("launch_table") for d in docs}) > 1:
         out += ["", "**Note:** these results ran with different launch configs (see the launch table column)."]
     if len({d["stamp"]["commit"] for d in docs}) > 1:
         out += ["", "**Note:** these results come from more than one commit (see the table above)."]
     out += [""] + _legend(ceilings)
-    out += ["## Targets", "", "| target | status | measured |", "|---|---|---|"]
-    out += [f"| {t['target']} | **{t['status']}** | {t['detail']} |" for t in evaluate(rows, ceilings)]
+    out += ["## Targets", "", *table_lines(["target", "status", "measured"], [
+        [t["target"], f"**{t['status']}**", t["detail"]] for t in evaluate(rows, ceilings)])]
     out += ["", "## Geometric-mean speedup of ours over each peer (peer time / ours)", ""]
-    out += ["| kind | op | suite | mode | peer | geomean | shapes |", "|---|---|---|---|---|---|---|"]
-    for g in geomean_table(rows):
-        out.append(
-            f"| {g['kind']} | {g['op']} | {g['suite']} | {g['mode']} | {g['peer']} | {g['geomean']:.2f}x | {g['n']} |"
-        )
-    out.append("")
+    out += table_lines(["kind", "op", "suite", "mode", "peer", "geomean", "shapes"], [
+        [*(g[k] for k in ("kind", "op", "suite", "mode", "peer")), f"{g['geomean']:.2f}x", g["n"]]
+        for g in geomean_table(rows)]) + [""]
     out += floor_table(rows, ceilings or {}, docs[-1].get("config", {}).get("dtype", ""))
     out += graph_table(rows)
     suites = sorted({r["suite"] for r in rows}, key=lambda s: ("paper", "recsys", "long", "smoke").index(s))

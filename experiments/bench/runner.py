@@ -16,16 +16,8 @@ import torch
 
 from experiments.bench.base import OURS, Prepared, Provider, RunConfig
 from experiments.bench.layouts import Jagged, make_jagged, reference_dense_attention, reference_self_attention
-from experiments.bench.measure import (
-    CHECK_TOL,
-    bench_ms,
-    free_memory,
-    graph_ms,
-    is_oom,
-    peak_extra_bytes,
-    rel_err,
-    tensor_bytes,
-)
+from experiments.bench.measure import (CHECK_TOL, bench_ms, free_memory, graph_ms, is_oom, peak_extra_bytes, rel_err,
+                                       tensor_bytes)
 from experiments.bench.providers import ATTENTION_PROVIDERS, DENSE_ATTENTION_PROVIDERS
 from experiments.bench.providers_ops import OPS
 from experiments.bench.suites import Shape, attention_flops, dense_attention_flops, get_suite
@@ -39,26 +31,14 @@ def _status_of(exc: BaseException) -> str:
 
 def _time_mode(prep: Prepared, mode: str, cfg: RunConfig, no_graph: str | None = None) -> dict:
     if mode == "fwd":
-
-        def fn():
-            with torch.no_grad():
-                return prep.fwd()
-
-        grads, held = [], prep.held
+        fn, grads, held = torch.no_grad()(prep.fwd), [], prep.held
     else:
-        out = prep.fwd()
-        g = torch.randn_like(out)  # fixed grad_out, in the provider's own output layout
-        del out
-        grads, held = prep.leaves, prep.held + [g]
-
-        def fn():
-            prep.fwd().backward(g)
-
+        g = torch.randn_like(prep.fwd())  # fixed grad_out, in the provider's own output layout
+        fn, grads, held = (lambda: prep.fwd().backward(g)), prep.leaves, prep.held + [g]
     ms = bench_ms(fn, cfg.device, cfg.warmup_ms, cfg.rep_ms, grad_to_none=grads)
-    extra = peak_extra_bytes(fn, cfg.device, grads)
-    in_bytes = tensor_bytes(held)
-    peak = None if extra is None else in_bytes + extra
-    row = {"status": "ok", "ms": ms, "input_bytes": in_bytes, "extra_bytes": extra, "peak_bytes": peak}
+    extra, in_bytes = peak_extra_bytes(fn, cfg.device, grads), tensor_bytes(held)
+    row = {"status": "ok", "ms": ms, "input_bytes": in_bytes, "extra_bytes": extra,
+           "peak_bytes": None if extra is None else in_bytes + extra}
     if cfg.graph_ms:
         row.update({"gpu_ms": None, "gpu_ms_error": no_graph} if no_graph else _graph_time(fn, cfg, grads, extra))
     return row
@@ -146,17 +126,12 @@ def _add_metrics(rows: list[dict], work: Callable[[str], tuple[float | None, flo
     """Useful TFLOP/s or GB/s, and each row's time and memory relative to ours."""
     ours = {r["mode"]: r for r in rows if r["provider"] == OURS and r["status"] == "ok"}
     for r in rows:
-        flops, nbytes = work(r["mode"])
-        r["flops"], r["bytes_moved"] = flops, nbytes
-        ms = r.get("ms")
-        r["tflops"] = flops / ms / 1e9 if flops and ms else None
-        r["gbps"] = nbytes / ms / 1e6 if nbytes and ms else None
-        o = ours.get(r["mode"])
+        (flops, nbytes), ms, o = work(r["mode"]), r.get("ms"), ours.get(r["mode"])
         ok = r["status"] == "ok" and o is not None
-        r["ours_speedup"] = r["ms"] / o["ms"] if ok else None
-        r["ours_mem_ratio"] = (
-            r["peak_bytes"] / o["peak_bytes"] if ok and r.get("peak_bytes") and o.get("peak_bytes") else None
-        )
+        r.update(flops=flops, bytes_moved=nbytes, tflops=flops / ms / 1e9 if flops and ms else None,
+                 gbps=nbytes / ms / 1e6 if nbytes and ms else None, ours_speedup=r["ms"] / o["ms"] if ok else None,
+                 ours_mem_ratio=r["peak_bytes"] / o["peak_bytes"] if ok and r.get("peak_bytes") and o.get("peak_bytes")
+                 else None)
 
 
 def _fmt_row(r: dict) -> str:
@@ -169,15 +144,8 @@ def _fmt_row(r: dict) -> str:
 
 
 def _base(kind: str, suite: str, shape: Shape, j: Jagged | None, op: str | None = None) -> dict:
-    return {
-        "kind": kind,
-        "suite": suite,
-        "op": op,
-        "shape_id": shape.id,
-        "shape": shape.as_dict(),
-        "tokens": j.T if j is not None else None,
-        "max_len": j.max_len if j is not None else None,
-    }
+    return {"kind": kind, "suite": suite, "op": op, "shape_id": shape.id, "shape": shape.as_dict(),
+            "tokens": j and j.T, "max_len": j and j.max_len}
 
 
 def provider_names() -> set[str]:
@@ -186,9 +154,7 @@ def provider_names() -> set[str]:
 
 
 def _select(providers: list[Provider], cfg: RunConfig) -> list[Provider]:
-    if cfg.providers is None:
-        return providers
-    return [p for p in providers if p.name == OURS or p.name in cfg.providers]
+    return [p for p in providers if cfg.providers is None or p.name == OURS or p.name in cfg.providers]
 
 
 def _cases(kind: str, j: Jagged, cfg: RunConfig):

@@ -1,7 +1,6 @@
 """S2 attention against dense jagged attention and varlen_attn: forward + backward time.
 
-    python -m experiments bench-s2 [--out experiments/results/kernels/<gpu>] [--strides 2,4,8,16]
-    TRITON_INTERPRET=1 python -m experiments bench-s2 --smoke --device cpu     # the machinery, on CPU
+    python -m experiments bench-s2 [--out experiments/results/kernels/<gpu>]       # GPU
 
 Rows: N 4096-16384, H 8, D 64, fill 0.5, S2 block 64, 4 local blocks, each stride; the ideal
 speedup counts the visible (query block, key block) pairs. Writes s2.md and s2.png.
@@ -9,7 +8,6 @@ speedup counts the visible (query block, key block) pairs. Writes s2.md and s2.p
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -17,16 +15,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from experiments import parser
 from experiments.bench.base import varlen_fn
 from experiments.bench.measure import bench_ms, free_memory, is_oom
 from experiments.bench.stamp import make_stamp, stamp_line
 from experiments.bench.suites import make_lengths
+from experiments.runs import fmt
 
 if TYPE_CHECKING:
     from kernels import S2Shards
 
 ROWS = (4096, 8192, 16384)
-SMOKE_ROWS = (128,)
+STRIDES = (2, 4, 8, 16)
 
 
 def visible_fraction(lengths: torch.Tensor, shards: S2Shards, num_heads: int, causal: bool = False) -> float:
@@ -99,10 +99,6 @@ def run(device: torch.device, rows, strides, dtype, warmup_ms: float, rep_ms: fl
     return results
 
 
-def _fmt(x, spec=".3f", unit="") -> str:
-    return "-" if x is None else format(x, spec) + unit
-
-
 def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     lines = ["# S2 attention vs dense jagged attention and varlen_attn (forward + backward)", "",
@@ -114,9 +110,9 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
              "| N | B | stride | dense ms | varlen ms | S2 ms | vs dense | vs varlen | ideal | efficiency | max err |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r['N']} | {r['B']} | {r['stride']} | {_fmt(r['dense_ms'])} | {_fmt(r['varlen_ms'])} | "
-                     f"{_fmt(r['s2_ms'])} | {_fmt(r['speedup_dense'], '.2f', 'x')} | {_fmt(r['speedup_varlen'], '.2f', 'x')} | "
-                     f"{r['ideal']:.2f}x | {_fmt(r['efficiency'], '.2f')} | {r['max_err']:.1e} |")
+        lines.append(f"| {r['N']} | {r['B']} | {r['stride']} | {fmt(r['dense_ms'], '.3f')} | {fmt(r['varlen_ms'], '.3f')} | "
+                     f"{fmt(r['s2_ms'], '.3f')} | {fmt(r['speedup_dense'], '.2f', 'x')} | {fmt(r['speedup_varlen'], '.2f', 'x')} | "
+                     f"{r['ideal']:.2f}x | {fmt(r['efficiency'], '.2f')} | {r['max_err']:.1e} |")
     md = out / "s2.md"
     md.write_text("\n".join(lines) + "\n")
     import matplotlib
@@ -124,7 +120,7 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from experiments.figures import save_png
+    from experiments.figures import finish
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for N in sorted({r["N"] for r in results}):
@@ -134,41 +130,25 @@ def write(results: list[dict], stamp: dict, out: Path, args) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("stride")
     ax.set_ylabel("speedup over dense jagged attention (dotted: ideal)")
-    ax.set_title(f"S2 attention fwd+bwd, {stamp['gpu']}, commit {stamp['commit']}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_png(fig, out / "s2.png", dpi=120, tight=False)
+    finish(fig, out / "s2.png", "S2 attention fwd+bwd", stamp_line(stamp), dpi=120)
     return md
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments bench-s2", description=__doc__.split("\n")[0])
+    p = parser("bench-s2", __doc__)
     p.add_argument("--out", default="runs/kernels/<gpu>", help="folder (<gpu>: the GPU's slug)")
-    p.add_argument("--strides", default="2,4,8,16", help="comma-separated S2 strides")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--warmup-ms", type=float, default=50.0)
     p.add_argument("--rep-ms", type=float, default=200.0)
-    p.add_argument("--smoke", action="store_true", help="one tiny row (N=128, H=2, D=16, block 16): the machinery")
     p.add_argument("--commit", default=None)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("error: no CUDA device (use --device cpu with TRITON_INTERPRET=1 and --smoke)", file=sys.stderr)
+    if not torch.cuda.is_available():
+        print("error: bench-s2 times the Triton kernels: it needs a CUDA device", file=sys.stderr)
         return 2
-    try:
-        strides = [int(s) for s in args.strides.split(",")]
-    except ValueError:
-        print(f"error: --strides must be comma-separated ints, got {args.strides!r}", file=sys.stderr)
-        return 2
-    dtype = getattr(torch, args.dtype)
-    if args.smoke:
-        results = run(device, SMOKE_ROWS, strides, dtype, 1.0, 3.0, H=2, D=16, block=16, local_blocks=1,
-                      padded_tokens=512)
-    else:
-        results = run(device, ROWS, strides, dtype, args.warmup_ms, args.rep_ms)
+    device = torch.device("cuda")
+    results = run(device, ROWS, STRIDES, getattr(torch, args.dtype), args.warmup_ms, args.rep_ms)
     stamp = make_stamp(device, args.commit)
     md = write(results, stamp, Path(args.out.replace("<gpu>", stamp["gpu_slug"])), args)
     print(md.read_text())
     return 0
-

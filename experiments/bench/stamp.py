@@ -43,26 +43,22 @@ def kernel_code(torch_version: str | None = None, triton_version: str | None = N
     h = hashlib.sha256()
     for path in sorted((REPO_ROOT / "kernels").glob("*.py")):
         h.update(f"{path.name}\n{code_text(path.read_text())}\n".encode())
-    if triton_version is None:
-        try:
-            import triton
-
-            triton_version = triton.__version__
-        except ImportError:
-            triton_version = ""
+    triton_version = _triton_version() if triton_version is None else triton_version
     if triton_version:
         h.update(f"triton {triton_version}".encode())
     h.update(f"torch {torch_version or torch.__version__}".encode())
     return h.hexdigest()[:12]
 
 
-def make_stamp(device: torch.device, commit: str | None = None) -> dict:
+def _triton_version() -> str:
     try:
         import triton
-
-        triton_version = triton.__version__
     except ImportError:
-        triton_version = "absent"
+        return ""
+    return triton.__version__
+
+
+def make_stamp(device: torch.device, commit: str | None = None) -> dict:
     from kernels import _launch_configs
     from kernels.launch_table import describe, device_slug
 
@@ -72,7 +68,7 @@ def make_stamp(device: torch.device, commit: str | None = None) -> dict:
         "gpu": name,
         "gpu_slug": device_slug(name),
         "torch": torch.__version__,
-        "triton": triton_version,
+        "triton": _triton_version() or "absent",
         "cuda": torch.version.cuda or "none",
         "python": platform.python_version(),
         "commit": git_commit(commit, short=True),

@@ -22,34 +22,20 @@ def geomean(xs: list[float]) -> float | None:
 
 def pairs(rows: list[dict], kind: str, peer: str, mode: str, suites=None, op=None) -> list[tuple[dict, dict | None]]:
     """(peer row, ours row or None) for every shape where the peer has a time."""
-    ours = {
-        (r["suite"], r["shape_id"]): r
-        for r in rows
-        if r["kind"] == kind and r["provider"] == OURS and r["mode"] == mode and r.get("op") == op
-    }
-    out = []
-    for r in rows:
-        if r["kind"] != kind or r["provider"] != peer or r["mode"] != mode or r.get("op") != op:
-            continue
-        if r["status"] != "ok" or (suites is not None and r["suite"] not in suites):
-            continue
-        o = ours.get((r["suite"], r["shape_id"]))
-        out.append((r, o if o is not None and o["status"] == "ok" else None))
-    return out
+    at = lambda r, who: (r["kind"], r["provider"], r["mode"], r.get("op")) == (kind, who, mode, op)  # noqa: E731
+    ours = {(r["suite"], r["shape_id"]): r for r in rows if at(r, OURS) and r["status"] == "ok"}
+    return [(r, ours.get((r["suite"], r["shape_id"]))) for r in rows
+            if at(r, peer) and r["status"] == "ok" and (suites is None or r["suite"] in suites)]
 
 
 def geomean_table(rows: list[dict]) -> list[dict]:
     """Geometric-mean speedup of ours over each peer, per kind, suite and mode."""
-    table = []
     groups = defaultdict(list)
     for r in rows:
         if r["provider"] != OURS and r.get("ours_speedup"):
             groups[(r["kind"], r.get("op") or "", r["suite"], r["mode"], r["provider"])].append(r["ours_speedup"])
-    for (kind, op, suite, mode, peer), xs in sorted(groups.items()):
-        table.append(
-            {"kind": kind, "op": op, "suite": suite, "mode": mode, "peer": peer, "geomean": geomean(xs), "n": len(xs)}
-        )
-    return table
+    return [dict(zip(("kind", "op", "suite", "mode", "peer"), key), geomean=geomean(xs), n=len(xs))
+            for key, xs in sorted(groups.items())]
 
 
 def _result(name: str, status: str, detail: str) -> dict:
@@ -113,12 +99,9 @@ def _strongest_peer(rows: list[dict]) -> list[tuple[dict | None, dict]]:
     groups = defaultdict(dict)
     for r in rows:
         if r["status"] == "ok" and r["provider"] != "*" and r.get("ms"):
-            key = (r["kind"], r.get("op"), r["suite"], r["shape_id"], r["mode"])
-            best = groups[key].get("peer")
-            if r["provider"] == OURS:
-                groups[key]["ours"] = r
-            elif best is None or r["ms"] < best["ms"]:
-                groups[key]["peer"] = r
+            g = groups[(r["kind"], r.get("op"), r["suite"], r["shape_id"], r["mode"])]
+            if r["provider"] == OURS or r["ms"] < g.get("peer", {"ms": math.inf})["ms"]:
+                g["ours" if r["provider"] == OURS else "peer"] = r
     return [(g.get("ours"), g["peer"]) for g in groups.values() if "peer" in g]
 
 
@@ -192,16 +175,13 @@ def _ops(rows, ceilings: dict | None) -> list[dict]:
     copy = (ceilings or {}).get("copy_gbps")
     for op in MEMORY_BOUND_OPS:
         name = f"ops {op}: >= 70% of the measured copy bandwidth on large inputs"
-        mine = [r for r in rows if r["kind"] == "ops" and r.get("op") == op and r["provider"] == OURS]
-        large = [r for r in mine if "large" in r["shape"].get("tags", [])]
+        large = [(r, ceilings_of(r, ceilings).get("copy_gbps") or copy) for r in rows if r["kind"] == "ops"
+                 and r.get("op") == op and r["provider"] == OURS and "large" in r["shape"].get("tags", [])]
         if not large or not copy:
             out.append(_result(name, "N/A", "no large ops shapes measured on a GPU"))
             continue
-        own = [(r, ceilings_of(r, ceilings).get("copy_gbps") or copy) for r in large]
-        fr = [(r["gbps"] / c if r.get("gbps") else 0.0, r["shape_id"], c) for r, c in own]
-        worst = min(fr)
-        status = "PASS" if worst[0] >= 0.7 else "MISS"
-        out.append(_result(name, status, f"worst {worst[0] * 100:.0f}% at {worst[1]} (copy {worst[2]:.0f} GB/s)"))
+        frac, sid, c = min(((r.get("gbps") or 0.0) / c, r["shape_id"], c) for r, c in large)
+        out.append(_result(name, "PASS" if frac >= 0.7 else "MISS", f"worst {frac * 100:.0f}% at {sid} (copy {c:.0f} GB/s)"))
     for op in BMM_OPS:
         out += [_bmm(rows, op, key) for key in ("ms", "gpu_ms")]
     return out

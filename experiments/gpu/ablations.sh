@@ -154,6 +154,6 @@ print(runs[0].info.run_id if runs else '')" "$filter")
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
 done
-python3 -m experiments summary >> "$log" 2>&1  # experiments/results/REPORT.md over what is there now
+python3 -m experiments summary --results experiments/results >> "$log" 2>&1  # experiments/results/REPORT.md over what is there now
 save
 grep -E "rc=|: [0-9]+ (OK|OOM|FAILED|NOT RUN)" "$log" | tail -30

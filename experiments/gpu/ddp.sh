@@ -34,7 +34,7 @@ left() { echo $((budget - SECONDS)); }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 save() {
   cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null
-  python3 experiments/gpu/ddp_table.py ddp > "$OUT/ddp-summary.md" 2>> "$log"
+  python3 experiments/gpu/runs_table.py ddp > "$OUT/ddp-summary.md" 2>> "$log"
 }
 fit() {  # fit NAME DEVICES STRATEGY ARGS...: one run of the preset, skipped when the budget is short
   local name=$1 devices=$2 strategy=$3; shift 3

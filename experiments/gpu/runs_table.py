@@ -1,33 +1,65 @@
-"""Print the perf and memory metrics of every run of an MLflow experiment (GPU-call logs).
+"""The runs of an MLflow experiment as markdown on stdout (the GPU scripts' summaries): one row per
+configuration (the run name without ``#<k>``, the k-th repeat), each metric the mean over its
+finished repeats [their range], then, for runs named ``<attention>-w<W>-ddp[-rows]``, the weak-
+scaling efficiency: examples/s at W processes / (W x the same layout's at 1, DDP and plain).
 
-    python experiments/gpu/runs_table.py <experiment name> [metric ...]
+    python experiments/gpu/runs_table.py <experiment> [metric ...]      # loop.sh, ddp.sh
 """
 
 from __future__ import annotations
 
+import re
 import sys
+from collections import Counter
 
 import mlflow
 
 DEFAULT = ("perf/train_examples_per_s", "perf/step_time_ms", "perf/step_time_median_ms", "perf/step_time_p90_ms",
            "perf/warmup_s", "perf/prepare_s", "perf/host_step_ms", "perf/host_gap_ms", "perf/gc_ms",
-           "perf/steady_steps", "mem/train_peak_allocated_mb", "test/auc")
+           "perf/steady_steps", "mem/train_peak_allocated_mb", "mem/peak_rss_mb", "comm/sent_mb_per_step",
+           "perf/rank_tokens_max_over_mean", "test/auc")
+SPEED = "perf/train_examples_per_s"
+
+
+def _values(runs: list, key: str) -> list[float]:
+    return [r.data.metrics[key] for r in runs if r.info.status == "FINISHED" and r.data.metrics.get(key) is not None]
+
+
+def _cell(runs: list, key: str) -> str:
+    v = _values(runs, key)
+    return "-" if not v else f"{sum(v) / len(v):.4g}" + (f" [{min(v):.4g}, {max(v):.4g}]" if len(v) > 1 else "")
 
 
 def main(argv: list[str]) -> None:
-    name, keys = argv[0], tuple(argv[1:]) or DEFAULT
-    exp = mlflow.get_experiment_by_name(name)
-    if exp is None:
-        print(f"no experiment {name!r}")
-        return
-    runs = mlflow.search_runs([exp.experiment_id], output_format="list", order_by=["attributes.start_time ASC"])
-    short = [k.split("/")[-1].replace("train_", "").replace("_allocated", "") for k in keys]
-    print("| run | status | " + " | ".join(short) + " |")
-    print("|---|---|" + "---:|" * len(keys))
+    exp = mlflow.get_experiment_by_name(argv[0])
+    keys = tuple(argv[1:]) or DEFAULT
+    runs = mlflow.search_runs([exp.experiment_id], output_format="list", order_by=["attributes.start_time ASC"]) \
+        if exp else []
+    groups: dict[str, list] = {}
     for r in runs:
-        m = r.data.metrics
-        cells = [f"{m[k]:.4g}" if k in m else "-" for k in keys]
-        print(f"| {r.info.run_name} | {r.info.status} | " + " | ".join(cells) + " |")
+        groups.setdefault(r.info.run_name.split("#")[0], []).append(r)
+    if runs:
+        tags = runs[-1].data.tags
+        print(f"{tags.get('device')}, torch {tags.get('torch_version')}, triton {tags.get('triton_version')}, "
+              f"commit {tags.get('git_commit')}\n")
+    print("| run | status | world size | " + " | ".join(k.split("/")[-1] for k in keys) + " |\n|---|---|---:|"
+          + "---:|" * len(keys))
+    for name, rs in groups.items():
+        status = ", ".join(f"{n} {s}" for s, n in Counter(r.info.status for r in rs).items())
+        print(f"| {name} | {status} | {rs[-1].data.tags.get('world_size', '-')} | "
+              + " | ".join(_cell(rs, k) for k in keys) + " |")
+    scaling = [(m, groups[name]) for name in groups if (m := re.fullmatch(r"(\w+)-w(\d+)-ddp(-rows)?", name))
+               and m.group(2) != "1"]
+    if scaling:
+        print("\n| attention | W | table sync | efficiency vs 1-process DDP | vs single process |\n|---|---:|---|---:|---:|")
+    for m, rs in scaling:
+        attention, world, cells = m.group(1), int(m.group(2)), []
+        for base in (f"{attention}-w1-ddp", f"{attention}-w1-single"):
+            speeds, refs = _values(rs, SPEED), _values(groups.get(base, []), SPEED)
+            pairs = [s / (world * r) for s in speeds for r in refs]
+            cells.append("-" if not pairs else f"{sum(speeds) / len(speeds) / (world * sum(refs) / len(refs)):.1%}"
+                         + (f" [{min(pairs):.1%}, {max(pairs):.1%}]" if len(pairs) > 1 else ""))
+        print(f"| {attention} | {world} | {'rows' if m.group(3) else 'allreduce'} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 
+from experiments import parser
 from experiments.tuning.families import (AUTOTUNE, DTYPES, ENERGY_SLACK, FLAGS, TUNABLE, WITH_PROGRAMS, SweepShape,
                                          complete, config_id, hand_config, programs, valid)
+from pipeline.errors import ConfigError, command
 
 SHAPE_COLS = ("B", "N", "L", "H", "D", "Tq", "T")
 
@@ -337,18 +338,15 @@ def _json_safe(x):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments costmodel",
-                                description=__doc__.split("\n")[0])
+    p = parser("costmodel", __doc__)
     p.add_argument("what", choices=("eval", "export", "report"))
     p.add_argument("--data", required=True, help="the sweep's Parquet file")
-    p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default "
-                   "kernels/configs/<gpu>.json); report: folder (default runs/tuning/<gpu>)")
+    p.add_argument("--out", default=None, help="eval: JSON file; export: table file (default runs/tuning/<gpu>/"
+                   "launch-table.json; kernels/configs/<gpu>.json is read); report: folder (runs/tuning/<gpu>)")
     p.add_argument("--families", default=None, help="comma-separated subset of the data's families")
-    p.add_argument("--folds", type=int, default=0,
-                   help="eval, report: GroupKFold splits over shapes (at most #shapes; 0: one per shape)")
+    p.add_argument("--folds", type=int, default=0, help="GroupKFold splits over shapes (0: one per shape)")
     p.add_argument("--judge-on", default="all", choices=("all", "new"),
-                   help="eval, report: the held-out shapes the slowdowns count: all, or, for the families whose hand "
-                   "rules were retuned on the small grid, only those outside it")
+                   help="new: the families retuned on the small grid count held-out shapes outside it only")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.folds == 1 or args.folds < 0:
@@ -358,20 +356,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+@command
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows = load(args.data)
-    if args.families:
-        fams = [f for f in args.families.split(",") if f]
-        known = {r["family"] for r in rows}
-        if not set(fams) <= known:
-            print(f"error: families {sorted(set(fams) - known)} not in {args.data} (it has {sorted(known)})",
-                  file=sys.stderr)
-            return 2
-        rows = [r for r in rows if r["family"] in fams]
+    rows, fams = load(args.data), set(filter(None, (args.families or "").split(",")))
+    if fams - {r["family"] for r in rows}:
+        raise ConfigError(f"families {sorted(fams - {r['family'] for r in rows})} not in {args.data} "
+                          f"(it has {sorted({r['family'] for r in rows})})")
+    rows = [r for r in rows if not fams or r["family"] in fams]
     if not any(r["status"] == "ok" for r in rows):
-        print(f"error: {args.data} has no ok rows", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{args.data} has no ok rows")
     print(f"{len(rows)} rows, {len({r['shape_id'] for r in rows})} shapes, "
           f"{len({r['family'] for r in rows})} families from {args.data}", flush=True)
     if args.what == "eval":
@@ -383,12 +377,11 @@ def main(argv=None) -> int:
     elif args.what == "export":
         from experiments.tuning.table import export
 
-        export(rows, fit(rows, args.seed), args.out)
+        export(rows, fit(rows, args.seed), args.out or "runs/tuning/<gpu>/launch-table.json")
     else:
         from experiments.tuning.costmodel_report import write_report
 
-        for p in write_report(rows, args.out or "runs/tuning/<gpu>", args.folds, args.seed,
-                              args.judge_on):
+        for p in write_report(rows, args.out or "runs/tuning/<gpu>", args.folds, args.seed, args.judge_on):
             print(f"-> {p}")
     return 0
 

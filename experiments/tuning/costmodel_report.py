@@ -8,7 +8,6 @@ energy vs time of every config of each family's first shape.
 from __future__ import annotations
 
 import math
-import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import numpy as np  # noqa: E402
 
 from experiments.tuning.costmodel import (ENERGY_SLACK, SWITCH_PREDICTED, by_family, evaluate,  # noqa: E402
                                      feature_names, fit)
-from experiments.figures import save_png  # noqa: E402
+from experiments.figures import finish  # noqa: E402
+from experiments.runs import fmt  # noqa: E402
 from experiments.tuning.families import RETUNED_ON_SMALL  # noqa: E402
 
 
@@ -34,14 +34,6 @@ def _stamp(rows: list[dict]) -> str:
     commits = (", ".join(f"{c} ({n} rows: {', '.join(fams[c])})" for c, n in counts.items())
                if len(counts) > 1 else r["commit"])
     return f"{r['gpu']} · torch {r['torch']} · triton {r['triton']} · CUDA {r['cuda']} · commit {commits}"
-
-
-def _save(fig, path: Path, title: str, stamp: str) -> str:
-    fig.suptitle(title, fontsize=11)
-    lines = textwrap.wrap(stamp, 120)  # a stamp naming several commits is wider than the figure
-    fig.text(0.5, 0.935, "\n".join(lines), ha="center", va="top", fontsize=8, color="dimgray")
-    fig.tight_layout(rect=(0, 0, 1, 0.92 - 0.03 * (len(lines) - 1)))
-    return str(save_png(fig, path, dpi=110, metadata={"Title": title, "Description": stamp}, tight=False))
 
 
 def plot_pred(res: dict, path: Path, stamp: str) -> str:
@@ -58,7 +50,7 @@ def plot_pred(res: dict, path: Path, stamp: str) -> str:
     ax.set(xscale="log", yscale="log", xlabel="measured time per call (ms)",
            ylabel="predicted time per call (ms), shape held out")
     ax.legend(fontsize=7)
-    return _save(fig, path, "Cost model: predicted vs measured (leave-shapes-out)", stamp)
+    return str(finish(fig, path, "Cost model: predicted vs measured (leave-shapes-out)", stamp))
 
 
 def plot_slowdown(res: dict, path: Path, stamp: str) -> str:
@@ -76,7 +68,7 @@ def plot_slowdown(res: dict, path: Path, stamp: str) -> str:
     ax.set_xticks(np.arange(len(fams)), fams, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("time / best measured time (x), held-out shapes")
     ax.legend(fontsize=8)
-    return _save(fig, path, "Slowdown of each method's pick against the best config", stamp)
+    return str(finish(fig, path, "Slowdown of each method's pick against the best config", stamp))
 
 
 def plot_importance(models: dict, path: Path, stamp: str) -> str:
@@ -89,7 +81,7 @@ def plot_importance(models: dict, path: Path, stamp: str) -> str:
         ax.set_title(fam, fontsize=9)
         ax.set_xlabel("importance (fraction of impurity decrease)", fontsize=7)
         ax.tick_params(labelsize=7)
-    return _save(fig, path, "Runtime model: forest feature importances (top 8 per family)", stamp)
+    return str(finish(fig, path, "Runtime model: forest feature importances (top 8 per family)", stamp))
 
 
 def plot_energy(rows: list[dict], path: Path, stamp: str) -> str:
@@ -112,15 +104,7 @@ def plot_energy(rows: list[dict], path: Path, stamp: str) -> str:
                    label="least energy within 5%")
         ax.legend(fontsize=6)
         ax.tick_params(labelsize=7)
-    return _save(fig, path, "Energy vs time per config (first shape of each family)", stamp)
-
-
-def _fmt(x: float, spec: str = ".3f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def _pct(x: float) -> str:
-    return _fmt(x, ".1f") + ("%" if _fmt(x) != "-" else "")
+    return str(finish(fig, path, "Energy vs time per config (first shape of each family)", stamp))
 
 
 def _energy_note(rows: list[dict]) -> str:
@@ -128,7 +112,7 @@ def _energy_note(rows: list[dict]) -> str:
     if not counted:
         return ("Energy: no row has a reading of the board's energy counter (a sweep from before the energy pass, or "
                 "no NVML), so the energy columns are empty; sampled power over a 40 ms timing is not used "
-                "(experiments/tuning/power.py says why).")
+                "(docs/tuning.md says why).")
     windows = [r["energy_window_s"] for r in rows if r.get("energy_src") == "counter" and r.get("energy_window_s")]
     least = f"{min(windows):.2g} s or more" if windows else "a window"
     return (f"Energy: {counted} rows (up to 3 configs within 5% of each shape's fastest, and the hand rule's) have the "
@@ -169,26 +153,27 @@ def markdown(rows: list[dict], res: dict, plots: list[str], res_k: dict | None =
              "|---|---:|---:|---:|---:|---:|---:|---|" + ("---|" if res_k else "") + "---|---|---|---:|---:|---|"]
     for fam, ev in res.items():
         s = ev["summary"]
-        mm = lambda m: f"{_fmt(s[m]['median'])} / {_fmt(s[m]['worst'])}"  # noqa: E731
-        lines.append(f"| {fam} | {ev['n_shapes']} | {s['model']['n']} | {_fmt(ev.get('r2_log_ms', math.nan))} | "
-                     f"{_pct(ev.get('median_err_pct', math.nan))} | {_pct(ev.get('worst_err_pct', math.nan))} | "
-                     f"{_fmt(ev.get('r2_log_energy', math.nan))} | {mm('model')} | "
-                     + (f"{_fmt(res_k[fam]['summary']['model']['median'])} / "
-                        f"{_fmt(res_k[fam]['summary']['model']['worst'])} | " if res_k else "")
+        mm = lambda m: f"{fmt(s[m]['median'], '.3f')} / {fmt(s[m]['worst'], '.3f')}"  # noqa: E731
+        lines.append(f"| {fam} | {ev['n_shapes']} | {s['model']['n']} | {fmt(ev.get('r2_log_ms'), '.3f')} | "
+                     f"{fmt(ev.get('median_err_pct'), '.1f', '%')} | "
+                     f"{fmt(ev.get('worst_err_pct'), '.1f', '%')} | "
+                     f"{fmt(ev.get('r2_log_energy'), '.3f')} | {mm('model')} | "
+                     + (f"{fmt(res_k[fam]['summary']['model']['median'], '.3f')} / "
+                        f"{fmt(res_k[fam]['summary']['model']['worst'], '.3f')} | " if res_k else "")
                      + f"{mm('table')} | {mm('hand')} | "
                      f"{mm('autotune')} | "
-                     f"{_fmt(s['autotune_cost_s_per_shape'], '.1f')} | {_pct(s['energy_saving_pct'])} | "
+                     f"{fmt(s['autotune_cost_s_per_shape'], '.1f')} | {fmt(s['energy_saving_pct'], '.1f', '%')} | "
                      f"{s['verdict']} |")
     lines += ["", "Per held-out shape (slowdowns; energy of the fastest vs the least-energy config within 5%, mJ):", "",
               "| family | shape | best ms | best config | model | table | hand | autotune | E fastest | E frugal |",
               "|---|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for fam, ev in res.items():
         for s in ev.get("shapes", []):
-            e = lambda k: _fmt(1e3 * s[k], ".2f") if k in s else "-"  # noqa: E731
-            lines.append(f"| {fam} | {s['shape_id']} | {_fmt(s.get('best_ms', math.nan), '.4f')} | "
-                         f"`{s.get('best_config', '-')}` | {_fmt(s.get('model', math.nan))} | "
-                         f"{_fmt(s.get('table', math.nan))} | "
-                         f"{_fmt(s.get('hand', math.nan))} | {_fmt(s.get('autotune', math.nan))} | "
+            e = lambda k: fmt(1e3 * s[k], ".2f") if k in s else "-"  # noqa: E731
+            lines.append(f"| {fam} | {s['shape_id']} | {fmt(s.get('best_ms'), '.4f')} | "
+                         f"`{s.get('best_config', '-')}` | {fmt(s.get('model'), '.3f')} | "
+                         f"{fmt(s.get('table'), '.3f')} | "
+                         f"{fmt(s.get('hand'), '.3f')} | {fmt(s.get('autotune'), '.3f')} | "
                          f"{e('fastest_energy_j')} | {e('frugal_energy_j')} |")
     lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)

@@ -18,28 +18,17 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import torch
+import yaml
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LEVELS = ("tiny", "small", "medium", "full")
 ENERGY_SLACK = 1.05  # the energy-aware choice: least energy among the configs within 5% of the fastest
-# the keys of each family's launch dict that the sweep varies (the others come from the launcher)
-TUNABLE = {
-    "flash_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-    "flash_bwd": ("BLOCK_N1", "BLOCK_M1", "BLOCK_M2", "BLOCK_N2", "num_warps", "num_stages"),
-    "dense_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-    "dense_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages", "SPLIT_DQ"),
-    "softmax_fwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps", "STREAM_N"),
-    "softmax_bwd": ("BLOCK_N", "SMALL_N", "BLOCK_H", "num_warps", "STREAM_N"),
-    "jagged_dense_bmm": ("BLOCK_T", "BLOCK_M", "BLOCK_K", "num_warps", "num_stages"),
-    "jagged_jagged_bmm": ("BLOCK_K", "BLOCK_M", "BLOCK_T", "num_warps", "num_stages", "T_SPLITS"),
-    "padded_to_jagged": ("BLOCK_N", "BLOCK_D", "num_warps"),
-    "s2_fwd": ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"),
-    "s2_bwd": ("BLOCK_M", "BLOCK_N", "M_KV", "N_KV", "num_warps", "num_stages"),
-    "elementwise_add": ("BLOCK_N", "BLOCK_D", "num_warps"),
-    "elementwise_mul": ("BLOCK_N", "BLOCK_D", "num_warps"),
-}
+_SPEC = yaml.safe_load(Path(__file__).with_name("families.yaml").read_text())  # every family: keys, grid, ...
+TUNABLE = {family: tuple(spec["keys"]) for family, spec in _SPEC.items()}  # the keys the sweep varies
+KERNELS = {family: tuple(spec["kernels"]) for family, spec in _SPEC.items()}  # module, @triton.jit functions
 FAMILIES = tuple(TUNABLE)
 # families whose launcher reads a module-level dict, not the launch table: (module, dict name);
 # a config is put in force by updating that dict, and the cost model exports no entry for them
@@ -79,12 +68,6 @@ _FULL = {  # kind: (N, fill, (H, D), Tq) products; B = 2^20 padded tokens / N (S
     "ops": ([256, 512, 1024, 2048], [0.1, 0.25, 0.5, 0.75], [(1, d) for d in (64, 128, 256)], [0], 1 << 20),
     "s2": ([2048, 4096, 8192, 16384], [0.25, 0.5, 0.75], [(8, 64), (4, 128)], [0], 1 << 18),
 }
-_KIND = {"flash_fwd": "attn", "flash_bwd": "attn", "dense_fwd": "dense", "dense_bwd": "dense",
-         "softmax_fwd": "softmax", "softmax_bwd": "softmax", "jagged_dense_bmm": "ops",
-         "jagged_jagged_bmm": "ops", "padded_to_jagged": "ops", "s2_fwd": "s2", "s2_bwd": "s2",
-         "elementwise_add": "ops", "elementwise_mul": "ops"}
-
-
 @functools.cache
 def _listed() -> dict[tuple[str, str], list[SweepShape]]:
     """{(level, kind): shapes} of shapes.csv, in file order."""
@@ -99,7 +82,7 @@ def _listed() -> dict[tuple[str, str], list[SweepShape]]:
 
 def grid(family: str, level: str) -> list[SweepShape]:
     """The shapes of `family` at `level`; medium is small's shapes and then more."""
-    kind = _KIND[family]
+    kind = _SPEC[family]["shapes"]
     if level == "full":
         Ns, fills, HDs, Tqs, tokens = _FULL[kind]
         return [SweepShape(max(1, tokens // N), N, f, H, D, Tq=tq)
@@ -133,23 +116,8 @@ def _product(keys: tuple, *values) -> list[dict]:
 def _raw_space(family: str, s: SweepShape, level: str) -> list[dict]:
     """All combinations of the level, before the validity rules."""
     k = TUNABLE[family]
-    if level == "tiny":  # the interpreter: warps and stages mean nothing there
-        return {
-            "flash_fwd": _product(k, [16, 32], [16], [4], [1]),
-            "flash_bwd": [dict(zip(k, v)) for v in [(32, 16, 32, 16, 4, 1), (16, 16, 16, 16, 4, 1)]],
-            "dense_fwd": _product(k, [16], [16, 32], [4], [1]),
-            "dense_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1, 0), (16, 32, 16, 32, 4, 1, 0),
-                                                    (16, 16, 16, 16, 4, 1, 1)]],
-            "softmax_fwd": _product(k, [32], [16, 32], [16], [4], [16, 32]),
-            "softmax_bwd": _product(k, [32], [16, 32], [16], [4], [16, 32]),
-            "jagged_dense_bmm": _product(k, [16, 32], [16], [16], [4], [1]),
-            "jagged_jagged_bmm": _product(k, [16], [16], [16, 32], [4], [1], [1, 2]),
-            "padded_to_jagged": _product(k, [16, 32], [16], [4]),
-            "elementwise_add": _product(k, [16, 32], [16], [4]),
-            "elementwise_mul": _product(k, [16, 32], [16], [4]),
-            "s2_fwd": _product(k, [16, 32], [16], [4], [1]),
-            "s2_bwd": [dict(zip(k, v)) for v in [(16, 16, 16, 16, 4, 1), (32, 16, 16, 32, 4, 1)]],
-        }[family]
+    if level == "tiny":  # the interpreter's configs
+        return [dict(c) for c in _listed_configs("tiny")[family]]
     full = level == "full"
     warps, stages = [4, 8], ([2, 3, 4] if full else [3])
     if family in ("flash_fwd", "dense_fwd"):
@@ -277,27 +245,14 @@ def hand_config(family: str, s: SweepShape) -> dict:
     return {k: cfg[k] for k in TUNABLE[family]}
 
 
-# a plausible @triton.autotune list per family (FA2-style Triton kernels', HSTU's, ours), inside the
-# small and medium spaces so that the sweep's times give autotune's pick and its cost
-AUTOTUNE = {
-    "flash_fwd": _product(TUNABLE["flash_fwd"], [64, 128], [32, 64], [4, 8], [3]),
-    "flash_bwd": [dict(zip(TUNABLE["flash_bwd"], v)) for v in
-                  [(64, 32, 64, 32, 4, 3), (64, 16, 64, 16, 4, 3), (128, 32, 128, 32, 8, 3), (32, 32, 32, 32, 4, 3)]],
-    "dense_fwd": _product(TUNABLE["dense_fwd"], [16, 64], [32, 64], [4, 8], [3]),
-    "dense_bwd": [dict(zip(TUNABLE["dense_bwd"], (*v, sp))) for v, sp in itertools.product(  # both dQ schemes
-                  [(16, 64, 16, 64, 4, 3), (64, 64, 64, 64, 8, 3), (32, 64, 32, 64, 4, 3), (64, 32, 64, 32, 4, 3)],
-                  [0, 1])],
-    "softmax_fwd": _product(TUNABLE["softmax_fwd"], [256, 512, 1024], [128], [16], [4, 8], [256]),
-    "softmax_bwd": _product(TUNABLE["softmax_bwd"], [256, 512, 1024], [128], [16], [4, 8], [256]),
-    "jagged_dense_bmm": _product(TUNABLE["jagged_dense_bmm"], [64, 128], [128], [32, 64], [4, 8], [3]),
-    "jagged_jagged_bmm": _product(TUNABLE["jagged_jagged_bmm"], [64, 128], [128], [32, 64], [4, 8], [3], [1]),
-    "padded_to_jagged": _product(TUNABLE["padded_to_jagged"], [32, 64, 128], [128], [4, 8]),
-    "elementwise_add": _product(TUNABLE["elementwise_add"], [32, 64, 128], [128], [4, 8]),
-    "elementwise_mul": _product(TUNABLE["elementwise_mul"], [32, 64, 128], [128], [4, 8]),
-    "s2_fwd": _product(TUNABLE["s2_fwd"], [64, 128], [32, 64], [4, 8], [3]),
-    "s2_bwd": [dict(zip(TUNABLE["s2_bwd"], v)) for v in
-               [(64, 32, 32, 64, 4, 3), (128, 32, 32, 128, 8, 3), (64, 16, 16, 64, 4, 3), (128, 64, 64, 64, 8, 3)]],
-}
+@functools.cache
+def _listed_configs(which: str) -> dict[str, list[dict]]:
+    """families.yaml's `which` lists ('tiny', 'autotune'): family -> configs."""
+    return {f: _product(TUNABLE[f], *spec[which]["product"]) if "product" in spec[which]
+            else [dict(zip(TUNABLE[f], v)) for v in spec[which]["configs"]] for f, spec in _SPEC.items()}
+
+
+AUTOTUNE = _listed_configs("autotune")
 
 
 def make_case(family: str, s: SweepShape, device: torch.device, seed: int = 0) -> tuple[Callable[[], object], dict]:
@@ -420,10 +375,5 @@ def launching(family: str, cfg: dict):
         return
     module, name = MODULE_DICTS[family]
     table = getattr(importlib.import_module(f"kernels.{module}"), name)
-    saved = dict(table)
-    table.update((k, v) for k, v in cfg.items() if k in table)
-    try:
+    with mock.patch.dict(table, {k: v for k, v in cfg.items() if k in table}):
         yield
-    finally:
-        table.clear()
-        table.update(saved)

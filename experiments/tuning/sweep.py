@@ -19,36 +19,21 @@ from pathlib import Path
 
 import torch
 
+from experiments import parser
 from experiments.bench.measure import CHECK_TOL, bench_ms, free_memory, graph_ms, rel_err, sync
 from experiments.bench.stamp import make_stamp
-from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, LEVELS, SweepShape, complete, config_id,
-                                         grid, hand_config, launching, make_case, space)
-from experiments.tuning.power import EnergyMeter
+from experiments.tuning.families import (DTYPES, ENERGY_SLACK, FAMILIES, KERNELS, LEVELS, SweepShape, complete,
+                                         config_id, grid, hand_config, launching, make_case, space)
 from experiments.tuning.warmup import sticky, warm_cache, warm_up_todo
 
 KEY = ("family", "shape_id", "config_id")
-_KERNELS = {  # the @triton.jit functions behind each family (for the spill count)
-    "flash_fwd": ("_flash_attention_triton", "_flash_fwd_kernel"),
-    "flash_bwd": ("_flash_attention_triton", "_flash_bwd_kernel"),
-    "dense_fwd": ("_dense_attention_triton", "_dense_fwd_kernel"),
-    "dense_bwd": ("_dense_attention_triton", "_dense_bwd_kernel"),
-    "softmax_fwd": ("_softmax_triton", "_jagged_softmax_fwd_kernel"),
-    "softmax_bwd": ("_softmax_triton", "_jagged_softmax_bwd_kernel"),
-    "jagged_dense_bmm": ("_bmm_triton", "_jagged_dense_bmm_kernel"),
-    "jagged_jagged_bmm": ("_bmm_triton", "_jagged_jagged_bmm_kernel"),
-    "padded_to_jagged": ("_conversions_triton", "_padded_to_jagged_kernel"),
-    "s2_fwd": ("_s2_attention_triton", "_s2_fwd"),
-    "s2_bwd": ("_s2_attention_triton", "_s2_bwd_dq", "_s2_bwd_dkdv"),
-    "elementwise_add": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
-    "elementwise_mul": ("_elementwise_triton", "_jagged_dense_elementwise_fwd_kernel"),
-}
 
 
 def _compiled(family: str) -> dict:
     """{cache key: CompiledKernel} of the family's kernel (empty where Triton hides it)."""
     import importlib
 
-    mod, *names = _KERNELS[family]
+    mod, *names = KERNELS[family]
     out = {}
     for name in names:  # a family may launch several kernels: the most any of them spills
         fn = getattr(importlib.import_module(f"kernels.{mod}"), name)
@@ -61,9 +46,7 @@ def _compiled(family: str) -> dict:
 
 
 def _spills(before: dict, after: dict) -> float:
-    new = [k for key, k in after.items() if key not in before]
-    vals = [getattr(k, "n_spills", None) for k in new]
-    vals = [v for v in vals if v is not None]
+    vals = [k.n_spills for key, k in after.items() if key not in before and getattr(k, "n_spills", None) is not None]
     return float(max(vals)) if vals else math.nan
 
 
@@ -116,6 +99,42 @@ def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype
             return row
         row["bench_s"] = time.perf_counter() - t1
     return row
+
+
+def nvml_handle(nv, device_index: int):
+    """NVML's handle of torch's CUDA device `device_index`, matched by UUID (NVML numbers every board
+    of the host, torch the visible ones); by index only where no board is hidden, else None."""
+    try:
+        uuid = str(torch.cuda.get_device_properties(device_index).uuid)
+        return nv.nvmlDeviceGetHandleByUUID((uuid if uuid.startswith("GPU-") else "GPU-" + uuid).encode())
+    except Exception:  # noqa: BLE001 - an old torch or driver without UUIDs
+        return None if os.environ.get("CUDA_VISIBLE_DEVICES") else nv.nvmlDeviceGetHandleByIndex(device_index)
+
+
+class EnergyMeter:
+    """Board energy (J) from NVML's total-energy counter; `available` is False without NVML or a
+    counter (pre-Volta boards, some virtualised GPUs): energy is NaN then."""
+
+    def __init__(self, device_index: int | None = 0):
+        self._nvml = self._handle = None
+        if device_index is None:
+            return
+        try:
+            import pynvml as nv
+
+            nv.nvmlInit()
+            handle = nvml_handle(nv, device_index)
+            nv.nvmlDeviceGetTotalEnergyConsumption(handle)
+            self._nvml, self._handle = nv, handle
+        except Exception:  # noqa: BLE001 - no NVML, driver, device or counter
+            pass
+
+    @property
+    def available(self) -> bool:
+        return self._handle is not None
+
+    def read_j(self) -> float:
+        return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1e3  # mJ -> J
 
 
 ENERGY_MAX_CONFIGS = 3  # per shape, besides the hand rule's: about 4 s of energy readings a shape
@@ -338,8 +357,7 @@ def log_mlflow(path: Path, rows: list[dict], n_new: int, stamp: dict, args) -> s
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m experiments config-sweep",
-                                description=__doc__.split("\n")[0])
+    p = parser("config-sweep", __doc__)
     p.add_argument("--grid", default="small", choices=LEVELS)
     p.add_argument("--families", default="all", help=f"comma-separated, of: {', '.join(FAMILIES)}")
     p.add_argument("--out", default="runs/costmodel/sweep-<gpu>.parquet", help="Parquet file (<gpu>: the GPU's slug)")
@@ -347,46 +365,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=float, default=10.0, help="do_bench warm-up, ms (call timing)")
     p.add_argument("--rep-ms", type=float, default=40.0, help="do_bench repetition time, ms")
     p.add_argument("--timing", choices=("graph", "call"), default=None,
-                   help="graph: the kernels alone, calls replayed as a CUDA graph (default on CUDA); call: whole "
-                        "calls, host included (always on the CPU)")
-    p.add_argument("--energy-s", type=float, default=1.0,
-                   help="seconds of back-to-back calls per energy reading (0: no energy pass)")
+                   help="graph: CUDA-graph replays, the kernels alone (default on CUDA); call: whole calls")
+    p.add_argument("--energy-s", type=float, default=1.0, help="seconds of calls per energy reading (0: none)")
     p.add_argument("--compile-workers", type=int, default=None,
-                   help="processes that compile the configs before the timing pass (default: on CUDA, the "
-                        "CPU cores less 2, at most 12; 0 on the CPU interpreter, or to compile while timing)")
-    p.add_argument("--compile-budget-s", type=float, default=None,
-                   help="seconds the warm-up may take (default: half of --deadline-s, else unbounded)")
+                   help="processes compiling the configs before timing (default: CUDA cores-2 up to 12; CPU 0)")
+    p.add_argument("--compile-budget-s", type=float, default=None, help="warm-up seconds (default: deadline / 2)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--commit", default=None, help="git commit to record (default $GIT_COMMIT, else HEAD)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mlflow", action="store_true", help="log an MLflow run with the Parquet as its artifact")
     args = p.parse_args(argv)
-    fams = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
-    bad = [f for f in fams if f not in FAMILIES]
-    if bad or not fams:
-        p.error(f"unknown families {bad}; known: {', '.join(FAMILIES)}")
-    args.families = fams
+    args.families = list(FAMILIES) if args.families == "all" else [f for f in args.families.split(",") if f]
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.device not in ("cuda", "cpu"):
-        p.error(f"--device must be cuda or cpu, not {args.device!r}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device here")
-    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        p.error("--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1")
-    if args.deadline_s is not None and args.deadline_s <= 0:
-        p.error("--deadline-s must be positive")
-    if args.timing is None:
-        args.timing = "graph" if args.device == "cuda" else "call"
-    if args.timing == "graph" and args.device != "cuda":
-        p.error("--timing graph replays CUDA graphs: it needs --device cuda")
+    args.timing = args.timing or ("graph" if args.device == "cuda" else "call")
     if args.compile_workers is None:
         args.compile_workers = min(12, max(0, (os.cpu_count() or 1) - 2)) if args.device == "cuda" else 0
-    if args.compile_workers < 0:
-        p.error("--compile-workers must be 0 or more")
     if args.compile_budget_s is None:
         args.compile_budget_s = args.deadline_s / 2 if args.deadline_s is not None else math.inf
-    if args.compile_budget_s <= 0:
-        p.error("--compile-budget-s must be positive")
+    for bad, why in (
+            (not args.families or set(args.families) - set(FAMILIES),
+             f"unknown families {sorted(set(args.families) - set(FAMILIES))}; known: {', '.join(FAMILIES)}"),
+            (args.device not in ("cuda", "cpu"), f"--device must be cuda or cpu, not {args.device!r}"),
+            (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device here"),
+            (args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+             "--device cpu runs the Triton kernels through the interpreter: set TRITON_INTERPRET=1"),
+            (args.deadline_s is not None and args.deadline_s <= 0, "--deadline-s must be positive"),
+            (args.timing == "graph" and args.device != "cuda", "--timing graph replays CUDA graphs: it needs --device cuda"),
+            (args.compile_workers < 0, "--compile-workers must be 0 or more"),
+            (args.compile_budget_s <= 0, "--compile-budget-s must be positive")):
+        if bad:
+            p.error(why)
     return args
 
 
