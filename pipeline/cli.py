@@ -30,6 +30,7 @@ from pipeline.data import RankerData
 from pipeline.dist import launch_rank_zero
 from pipeline.errors import ConfigError, check_writable
 from pipeline.module import RankerModule
+from pipeline.signals import StopOnSignal
 from pipeline.resume import check_resume, checkpoint_run_id, load_checkpoint
 from pipeline.tracking import (
     MLflowRun,
@@ -161,6 +162,7 @@ class RankerCLI(LightningCLI):
         if trainer_cfg.get("enable_model_summary") is not False and not any(
                 isinstance(c, LightningModelSummary) for c in callbacks):  # no FLOPs column of zeros
             callbacks.append(ModelSummary())
+        callbacks.append(StopOnSignal())  # every rank stops at the same batch on SIGTERM
         kwargs["callbacks"] = callbacks
         if not launch_rank_zero():
             return super().instantiate_trainer(logger=False, **kwargs)

@@ -28,6 +28,7 @@ from pipeline.batches import BatchDataset, EpochBatchSampler
 from pipeline.data import RankerData
 from pipeline.errors import ConfigError, check_writable
 from pipeline.metrics import AUC
+from pipeline.signals import StopOnSignal
 from pipeline.split_cache import SPLITS
 from pipeline.runenv import device_name, git_commit
 from pipeline.tracking import MLflowRun, RunLogger, check_tracking, end_run, environment_tags, tracking_uri
@@ -133,7 +134,7 @@ class EncoderModule(lightning.LightningModule):
                                  fused=self.device.type in ("cuda", "cpu") or None)
 
 
-def _trainer(device: str, **kwargs) -> lightning.Trainer:
+def _trainer(device: str, callbacks=(), **kwargs) -> lightning.Trainer:
     """One device, bf16 autocast on a GPU and fp32 on the CPU, no checkpoints (the encoder file is written by fit)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device here")
@@ -141,7 +142,7 @@ def _trainer(device: str, **kwargs) -> lightning.Trainer:
     return lightning.Trainer(accelerator="gpu" if cuda else "cpu", devices=1,
                              precision="bf16-mixed" if cuda else "32-true",
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, **kwargs)
+                             num_sanity_val_steps=0, callbacks=[*callbacks, StopOnSignal()], **kwargs)
 
 
 def _device(trainer: lightning.Trainer) -> str:

@@ -38,6 +38,7 @@ from pytorch_lightning.utilities.exceptions import SIGTERMException
 from models.config import InvalidConfig
 from pipeline.errors import ConfigError
 from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
+from pipeline.signals import flush_and_exit, handling_signals, kill_peers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "jagged-rankers"
@@ -49,6 +50,7 @@ HTTP_BOUNDS = {
 }
 API_PROBE = "/api/2.0/mlflow/experiments/search"
 _RACE_RETRIES = 10  # one second apart
+_STARTED: list[str] = []  # the runs this process started or resumed: what the watchdog ends
 _FIX = "unset MLFLOW_TRACKING_URI to use the local sqlite database, or start the server (`make ui`)"
 
 
@@ -143,6 +145,7 @@ class MLflowRun(pl.Callback):
             run = mlflow.start_run(run_id=self.run_id, log_system_metrics=self.system_metrics)
             mlflow.set_tags(tags)
         self.run_id = run.info.run_id
+        _STARTED.append(self.run_id)
         return self.run_id
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -248,40 +251,60 @@ def ending(err: BaseException) -> tuple[int, str, str] | None:
         return 130, "KILLED", "interrupted (Ctrl-C / SIGINT)"  # Lightning exits 1 after a Ctrl-C
     if isinstance(err, mlflow.exceptions.MlflowException):
         return 1, "FAILED", f"error: MLflow tracking at {shown(tracking_uri())} failed: {first_line(err)}"
+    if _peer_failed(err):
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", first_line(err)).split(". ")[0]  # Gloo's source position, its advice
+        return 1, "FAILED", f"error: another process of the distributed run failed or died ({cause})"
     if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
         where = f": {err.filename}" if err.filename else ""
         return 1, "FAILED", f"error: {err.strerror or first_line(err)}{where}"
     return None
 
 
-def _sigterm_handler(signum, frame) -> None:
-    # Inside fit/test Lightning's handler runs first and calls this one too (then installed is
-    # Lightning's): the loop stops at the end of the step. Anywhere else (loading data, between
-    # fit and test) SIGTERM would kill the process before it could end its run.
-    if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
-        raise SIGTERMException()
+def _peer_failed(err: BaseException) -> bool:
+    """A collective that failed because a peer process is gone (Gloo sees the closed connection)."""
+    return isinstance(err, torch.distributed.DistError) or (
+        isinstance(err, RuntimeError) and re.search(r"/gloo/|Connection (reset|closed) by peer", str(err)) is not None)
 
 
 def run_command(body) -> int:
     """Run ``body()`` as a command that records an MLflow run: 0 when it returns; for an expected
     failure (:func:`ending`) the active run ended FAILED or KILLED, one line on stderr and its exit
-    status (2 config, 1 failed, 130 SIGINT, 143 SIGTERM); anything else ends the run FAILED and is raised."""
-    previous = signal.signal(signal.SIGTERM, _sigterm_handler)
-    try:
-        body()
-        return 0
-    except BaseException as err:
-        end = ending(err)
-        # errors outside the trainer (the trainer's own callbacks have ended the run already)
-        run_id = fail_active_run(end[1] if end else "FAILED")
-        if end is None:
-            if run_id is not None:
-                print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
-            raise
-        print(end[2], file=sys.stderr)
-        return end[0]
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    status (2 config, 1 failed, 130 SIGINT, 143 SIGTERM); anything else ends the run FAILED and is
+    raised. SIGTERM and a stuck or dead peer process never hang it (:mod:`pipeline.signals`)."""
+    with handling_signals(_force_end):
+        try:
+            body()
+            return 0
+        except BaseException as err:
+            end = ending(err)
+            # errors outside the trainer (the trainer's own callbacks have ended the run already)
+            run_id = fail_active_run(end[1] if end else "FAILED")
+            if end is None:
+                if run_id is not None:
+                    print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
+                raise
+            print(end[2], file=sys.stderr)
+            return end[0]
+
+
+def _force_end(code: int, status: str, message: str) -> None:
+    """The watchdog's end of a process that did not stop in time: the line, the run ended with
+    `status` by its id (the main thread, stuck, holds the active run), local peers killed."""
+    with contextlib.suppress(OSError):
+        print(message, file=sys.stderr)
+    if _STARTED:
+        marker = threading.Thread(target=_mark_run, args=(_STARTED[-1], status), daemon=True)
+        marker.start()
+        marker.join(15.0)
+    kill_peers()
+    flush_and_exit(code)
+
+
+def _mark_run(run_id: str, status: str) -> None:
+    with contextlib.suppress(Exception):  # the process ends next whatever happens here
+        client = MlflowClient(tracking_uri())
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status)
 
 
 def logged_steps(run_id: str) -> dict[str, int]:
@@ -317,6 +340,7 @@ def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
     if uri.startswith(("http://", "https://")):
         for key, value in HTTP_BOUNDS.items():
             os.environ.setdefault(key, value)
+        _bound_whole_requests()
         _check_server(uri.rstrip("/"), timeout_s)
     elif uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
@@ -369,18 +393,61 @@ def first_line(err: BaseException) -> str:
     return (text.splitlines()[0] if text else type(err).__name__)[:300]
 
 
+def within(seconds: float, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or TimeoutError once `seconds` have passed: a socket timeout bounds
+    each read, not a reply that trickles in a byte at a time (fn then goes on in a daemon thread,
+    its result dropped)."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = err
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"no complete reply within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def _bound_whole_requests() -> None:
+    """Every HTTP request MLflow makes ends within its tries' timeouts and backoff (HTTP_BOUNDS)."""
+    from mlflow.utils import rest_utils
+
+    send = rest_utils._get_http_response_with_retries
+    if getattr(send, "bounded", False):
+        return
+
+    def bounded(method, url, max_retries, backoff_factor, backoff_jitter, *args, **kwargs):
+        tries, timeout = max_retries + 1, kwargs.get("timeout") or 120
+        limit = tries * timeout + (backoff_factor + backoff_jitter) * 2 ** max_retries
+        return within(limit, send, method, url, max_retries, backoff_factor, backoff_jitter, *args, **kwargs)
+
+    bounded.bounded = True
+    rest_utils._get_http_response_with_retries = bounded
+
+
+def _read_reply(request, timeout_s: float, parse=None):
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+        if resp.status != 200:
+            raise OSError(f"HTTP {resp.status}")
+        return parse(resp) if parse else resp.read()
+
+
 def _check_server(base: str, timeout_s: float) -> None:
     try:
-        with urllib.request.urlopen(base + "/health", timeout=timeout_s) as resp:
-            if resp.status != 200:
-                raise OSError(f"HTTP {resp.status}")
+        within(timeout_s + 1, _read_reply, base + "/health", timeout_s)
     except (OSError, urllib.error.URLError) as err:
         raise ConfigError(f"MLflow tracking server {shown(base)} is unreachable ({err}): {_FIX}") from None
     request = urllib.request.Request(base + API_PROBE, data=json.dumps({"max_results": 1}).encode(),
                                      headers={"Content-Type": "application/json", **_auth_headers()})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            json.load(resp)
+        within(timeout_s + 1, _read_reply, request, timeout_s, json.load)
     except urllib.error.HTTPError as err:
         raise ConfigError(f"MLflow tracking server {shown(base)} answers /health but its API fails "
                           f"(POST {API_PROBE}: HTTP {err.code} {err.reason}); check the server's log") from None
