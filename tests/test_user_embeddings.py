@@ -23,6 +23,8 @@ from pipeline.user_features import UserEmbeddings, join_as_of, manifest_path, re
 from test_data_gen import tiny_data  # noqa: F401  (a session fixture)
 from test_data_gen_timeline import timeline_data  # noqa: F401  (a session fixture)
 from test_pipeline_cli import all_runs, fit_args, tracking  # noqa: F401  (tracking: a fixture)
+from test_pipeline_failures import server  # noqa: F401  (a fixture)
+from pipeline.tracking import HTTP_BOUNDS
 
 DIM = 16
 ENCODER = ["--max-seq-len", "256", "--dim", str(DIM), "--embed-dim", "32", "--batch-size", "64",
@@ -221,6 +223,36 @@ def test_the_encoder_commands_refuse_bad_input_with_exit_2(exported, tiny_data, 
     assert ue_main(["export", "--data", str(timeline_data[0]), "--encoder", str(exported / "enc.pt"),
                     "--out", "x.parquet", "--as-of", "1"]) == 2
     assert "--as-of must be in [2, 7]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["fit", "export"])
+@pytest.mark.parametrize("store, message", [("hang", "answers /health but not its API"), ("closed", "is unreachable")])
+def test_the_encoder_commands_check_the_tracking_server_first(exported, timeline_data, server, monkeypatch,  # noqa: F811
+                                                              capsys, tmp_path, command, store, message):
+    """Against a server that answers /health but not its API, fit hung 900 s; against an
+    unreachable one it retried for minutes and ended in tracebacks."""
+    import socket
+    import time
+
+    for key in HTTP_BOUNDS:  # recorded, so that what check_tracking sets is undone afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    if store == "closed":
+        with socket.socket() as sock:  # a port nothing listens on
+            sock.bind(("127.0.0.1", 0))
+            uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    else:
+        uri = server(store)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    data = str(timeline_data[0])
+    args = (["fit", "--data", data, "--out", str(tmp_path / "enc.pt"), *ENCODER] if command == "fit" else
+            ["export", "--data", data, "--encoder", str(exported / "enc.pt"), "--out", str(tmp_path / "e.parquet")])
+    t0 = time.monotonic()
+    assert ue_main(args) == 2
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: MLflow tracking server") and message in err[0], err
+    assert not (tmp_path / "enc.pt").exists() and not (tmp_path / "e.parquet").exists()
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
