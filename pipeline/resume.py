@@ -7,14 +7,19 @@ asks for exactly that run's config and data (docs/training.md#resume).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import pickle
+import tempfile
 import zipfile
 from pathlib import Path
 
 import mlflow
 import torch
 import yaml
+from lightning_fabric.plugins import TorchCheckpointIO
 from mlflow.tracking import MlflowClient
 
 from pipeline.errors import ConfigError
@@ -31,24 +36,51 @@ _MAX_SHOWN = 6
 
 def load_checkpoint(path: str) -> dict:
     """The checkpoint at `path` (memory-mapped, tensors on the CPU) if `pipeline fit` wrote it."""
-    file = Path(path)
     where = f"--ckpt_path {path}"
-    if not file.is_file():
+    if not Path(path).is_file():
         raise ConfigError(f"{where}: no such checkpoint file")
-    if file.stat().st_size == 0:
-        raise ConfigError(f"{where}: the file is empty (its writer was killed or the disk was full)")
-    try:
-        ckpt = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
-        raise ConfigError(f"{where}: holds Python objects other than tensors and plain values: not a checkpoint "
-                          f"of `pipeline fit` (such files are never unpickled: that could run their code)") from None
-    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
-        raise ConfigError(f"{where}: not a readable checkpoint, truncated or not written by torch.save "
-                          f"({first_line(err)})") from None
+    ckpt = read_torch_file(path, where, "checkpoint", "a checkpoint of `pipeline fit`")
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
     if not isinstance(hparams, dict) or "ranker" not in hparams or "state_dict" not in ckpt:
         raise ConfigError(f"{where}: not a checkpoint of `pipeline fit` (no ranker weights and hyper-parameters)")
     return ckpt
+
+
+def read_torch_file(path: str, where: str, noun: str, what: str):
+    """What torch.save wrote at `path` (memory-mapped, tensors on the CPU), never unpickling other
+    objects (that could run their code); ConfigError "`where`: ..." for an empty, truncated or
+    foreign file. noun, what: "checkpoint", "a checkpoint of `pipeline fit`" (for the messages)."""
+    if Path(path).stat().st_size == 0:
+        raise ConfigError(f"{where}: the file is empty (its writer was killed or the disk was full)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise ConfigError(f"{where}: holds Python objects other than tensors and plain values: not {what} "
+                          f"(such files are never unpickled: that could run their code)") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as err:
+        raise ConfigError(f"{where}: not a readable {noun}, truncated or not written by torch.save "
+                          f"({first_line(err)})") from None
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, writing each file beside its place and renaming it there: a
+    failed write (a full disk) leaves no truncated .ckpt, and its error names the checkpoint."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+        os.close(fd)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(buffer.getbuffer())
+            os.replace(tmp, path)
+        except OSError as err:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from None
 
 
 def checkpoint_run_id(ckpt: dict) -> str | None:

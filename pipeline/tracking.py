@@ -36,7 +36,7 @@ from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from models.config import InvalidConfig
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RunError
 from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
 from pipeline.signals import flush_and_exit, handling_signals, kill_peers
 
@@ -242,7 +242,7 @@ def ending(err: BaseException) -> tuple[int, str, str] | None:
         cause = cause.__cause__  # jsonargparse wraps what a config class raised while parsing
     if cause is not None:
         return 2, "FAILED", f"error: {cause}"
-    if isinstance(err, FloatingPointError):  # NaN/inf loss
+    if isinstance(err, (FloatingPointError, RunError)):  # NaN/inf loss, an undefined monitored metric
         return 1, "FAILED", f"error: {err}"
     if isinstance(err, SIGTERMException):
         return 143, "KILLED", "stopped by SIGTERM"

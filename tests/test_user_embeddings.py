@@ -219,10 +219,64 @@ def test_the_encoder_commands_refuse_bad_input_with_exit_2(exported, tiny_data, 
     assert ue_main(["fit", "--data", str(tiny_data[0]), *ENCODER]) == 2
     assert "per-example data" in capsys.readouterr().err
     assert ue_main(["fit", "--data", str(timeline_data[0]), "--cutoff-day", "99", *ENCODER]) == 2
-    assert "--cutoff-day must be in [2, 7]" in capsys.readouterr().err
+    assert "--cutoff-day must be in [2, 6]" in capsys.readouterr().err  # day 6 is validation, 7 test
     assert ue_main(["export", "--data", str(timeline_data[0]), "--encoder", str(exported / "enc.pt"),
                     "--out", "x.parquet", "--as-of", "1"]) == 2
     assert "--as-of must be in [2, 7]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-layers", "-1"], "argument --num-layers: must be >= 0, got -1"),  # trained an encoder without layers
+    (["--lr", "-1"], "argument --lr: must be a number > 0, got -1"),  # torch's traceback, the run FAILED
+    (["--lr", "nan"], "argument --lr: must be a number > 0, got nan"),
+    (["--max-steps", "-1"], "argument --max-steps: must be >= 0, got -1"),  # logged "-1 steps"
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["--cutoff-day", "0"], "--cutoff-day must be in [2, 6]"),  # read as "the default"
+    (["--cutoff-day", "7"], "--cutoff-day must be in [2, 6]"),  # trained on days 1-5, said and timed 1-6
+    (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+])
+def test_bad_encoder_arguments_are_one_line_and_exit_2(timeline_data, tracking, tmp_path, capsys,  # noqa: F811
+                                                        extra, message):
+    args = ["fit", "--data", str(timeline_data[0]), "--out", str(tmp_path / "enc.pt"), *ENCODER, *extra]
+    assert ue_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not all_runs(tracking) and not (tmp_path / "enc.pt").exists()
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("empty", "the file is empty"),
+    ("truncated", "not a readable encoder file, truncated or not written by torch.save"),
+    ("malicious", "holds Python objects other than tensors and plain values"),
+    ("foreign", "not an encoder written by `pipeline.user_embeddings fit` (it lacks one of config"),
+    ("other weights", "not an encoder written by `pipeline.user_embeddings fit` (RuntimeError: Error(s) in loading"),
+])
+def test_bad_encoder_files_are_one_line_and_never_unpickled(exported, timeline_data, tracking, tmp_path,  # noqa: F811
+                                                             capsys, monkeypatch, kind, message):
+    path, good = tmp_path / "enc.pt", (exported / "enc.pt").read_bytes()
+    if kind == "empty":
+        path.touch()
+    elif kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif kind == "malicious":
+        torch.save({"config": Payload()}, path)
+    elif kind == "foreign":
+        torch.save({"weights": torch.zeros(3)}, path)
+    else:
+        ckpt = torch.load(exported / "enc.pt", weights_only=True)
+        ckpt["state_dict"] = {k: torch.zeros(1) for k in ckpt["state_dict"]}
+        torch.save(ckpt, path)
+    monkeypatch.chdir(tmp_path)
+    args = ["export", "--data", str(timeline_data[0]), "--encoder", str(path), "--out", str(tmp_path / "e.parquet")]
+    assert ue_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --encoder {path}: ") and message in err[0], err
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "e.parquet").exists()
 
 
 @pytest.mark.parametrize("command", ["fit", "export"])
