@@ -43,9 +43,11 @@ from pipeline.tracking import (
     flatten,
     log_run_inputs,
     logged_steps,
+    git_commit,
     run_command,
     tracking_uri,
 )
+from pipeline.user_features import manifest_path
 
 
 def _seed_to_int(seed) -> int:
@@ -60,6 +62,15 @@ def run_id_from_checkpoint(path: str) -> str | None:
 def _data_digest(data_dir: str) -> str | None:
     try:
         return str(json.loads((Path(data_dir) / "meta.json").read_text())["digest"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the data module's own check says what is wrong
+
+
+def _embedding_sha(cfg) -> str | None:
+    """The sha256 the manifest of the configured user embedding file gives, if any."""
+    emb = cfg.model.ranker.user_embedding
+    try:
+        return str(json.loads(manifest_path(emb.path).read_text())["sha256"]) if emb else None
     except (OSError, ValueError, KeyError, TypeError):
         return None  # the data module's own check says what is wrong
 
@@ -99,6 +110,11 @@ class RankerCLI(LightningCLI):
             "--torch_num_threads", type=Optional[int], default=None,
             help="intra-op CPU threads of torch (default: torch's choice); 1 is the robust choice on "
             "a small CPU shared with other work, where spinning OpenMP threads stall each other",
+        )
+        parser.add_argument(
+            "--allow_code_change", type=bool, default=False,
+            help="with --ckpt_path: resume a run that another commit of the code trained (its git_commit tag "
+            "stays; this commit is recorded as git_commit.resumed); refused otherwise",
         )
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
@@ -142,7 +158,8 @@ class RankerCLI(LightningCLI):
             raise ConfigError(f"--mlflow.run_id {given} differs from the run {stored} stored in {cfg.ckpt_path}")
         if subcommand == "fit" and rank_zero:
             params = flatten(self._resolved(subcommand)[1])
-            check_resume(cfg.ckpt_path, ckpt, params, _data_digest(cfg.data.data_dir))
+            check_resume(cfg.ckpt_path, ckpt, params, _data_digest(cfg.data.data_dir), code=git_commit(),
+                         allow_code_change=cfg.allow_code_change, embedding=_embedding_sha(cfg))
         cfg.mlflow.run_id = given or stored
 
     def before_instantiate_classes(self) -> None:
@@ -193,7 +210,7 @@ class RankerCLI(LightningCLI):
 
     def _resolved(self, subcommand: str) -> tuple[str, dict]:
         """(YAML, dict) of the resolved config with plain types (what `--print_config` shows),
-        without what names this invocation rather than the run (ckpt_path, mlflow.run_id)."""
+        without what names this invocation rather than the run (ckpt_path, allow_code_change, mlflow.run_id)."""
         return resolved_config(self._parser(subcommand), self.config[subcommand])
 
     def _params(self, subcommand: str, params: dict) -> dict:
@@ -352,10 +369,11 @@ ALWAYS_PARAMS = {"model.ranker.attention", "data.batch_size", "data.max_seq_len"
 
 def resolved_config(parser, cfg, validate: bool = True) -> tuple[str, dict]:
     """(YAML, dict) of `cfg` with every key, None values included, without the keys that name an
-    invocation rather than a run (ckpt_path, mlflow.run_id)."""
+    invocation rather than a run (ckpt_path, allow_code_change, mlflow.run_id)."""
     config_yaml = parser.dump(cfg, skip_validation=not validate, skip_unset=False)
     params = yaml.safe_load(config_yaml)
     params.pop("ckpt_path", None)
+    params.pop("allow_code_change", None)
     params.get("mlflow", {}).pop("run_id", None)
     return config_yaml, params
 

@@ -88,9 +88,11 @@ def checkpoint_run_id(ckpt: dict) -> str | None:
     return ((ckpt.get("callbacks") or {}).get("MLflowRun") or {}).get("run_id")
 
 
-def check_resume(path: str, ckpt: dict, requested: dict[str, str], data_digest: str | None) -> None:
+def check_resume(path: str, ckpt: dict, requested: dict[str, str], data_digest: str | None, code: str = "unknown",
+                 allow_code_change: bool = False, embedding: str | None = None) -> None:
     """Raise ConfigError if the checkpoint's run cannot be resumed with the `requested` config
-    (flattened params, as the run logged them) on data of `data_digest`."""
+    (flattened params, as the run logged them) on data of `data_digest`, by the commit `code`
+    (unless `allow_code_change`), joining the user embedding file of sha256 `embedding`."""
     run_id = checkpoint_run_id(ckpt)
     if run_id is None:
         hparams = {k: v for k, v in ckpt["hyper_parameters"].items() if k != "data_spec"}
@@ -103,6 +105,7 @@ def check_resume(path: str, ckpt: dict, requested: dict[str, str], data_digest: 
             raise ConfigError(f"--ckpt_path {path}: its MLflow run {run_id} is FINISHED (trained and tested): "
                               f"resuming would reopen it and log its metrics twice; start a new fit instead")
         recorded, trained_on = recorded_config(run), run.data.tags.get("data_digest")
+        _check_code_and_embedding(path, run, code, allow_code_change, embedding)
     diffs = differences(recorded, requested)
     if trained_on and data_digest and trained_on != data_digest:
         diffs.append(f"data digest {data_digest[:16]} (the run trained on {trained_on[:16]})")
@@ -111,6 +114,21 @@ def check_resume(path: str, ckpt: dict, requested: dict[str, str], data_digest: 
         raise ConfigError(f"--ckpt_path {path}: the command differs from the run it resumes: "
                           f"{'; '.join(diffs[:_MAX_SHOWN])}{more}. Resume with the run's own config "
                           f"(its config.yaml artifact) and data, or start a new fit")
+
+
+def _check_code_and_embedding(path: str, run, code: str, allow_code_change: bool, embedding: str | None) -> None:
+    tags = run.data.tags
+    trained_by = tags.get("git_commit", "unknown")
+    if "unknown" not in (trained_by, code) and trained_by != code and not allow_code_change:
+        raise ConfigError(f"--ckpt_path {path}: its MLflow run {run.info.run_id} was trained by commit {trained_by} and "
+                          f"this code is {code}: the steps before and after would run different code; resume with "
+                          f"that code, or pass --allow_code_change true (the run keeps git_commit {trained_by[:12]} "
+                          f"and records this one as git_commit.resumed)")
+    joined = tags.get("user_embedding.sha256")
+    if joined and embedding and joined != embedding:
+        raise ConfigError(f"--ckpt_path {path}: the user embedding file changed since its run started (sha256 "
+                          f"{embedding[:12]}, the run joined {joined[:12]}): the resumed steps would read another "
+                          f"file; resume with the run's file or start a new fit")
 
 
 def recorded_config(run) -> dict[str, str]:

@@ -139,11 +139,14 @@ class MLflowRun(pl.Callback):
             )
         else:
             try:
-                MlflowClient().get_run(self.run_id)
+                recorded = MlflowClient().get_run(self.run_id).data.tags
             except mlflow.exceptions.MlflowException as err:
                 raise ConfigError(f"cannot resume MLflow run {self.run_id} at {tracking_uri()}: {err}") from None
             run = mlflow.start_run(run_id=self.run_id, log_system_metrics=self.system_metrics)
-            mlflow.set_tags(tags)
+            # what the run started with stays (its commit above all); a resume by other code says so
+            mlflow.set_tags({k: v for k, v in tags.items() if k not in recorded})
+            if tags.get("git_commit", recorded.get("git_commit")) != recorded.get("git_commit"):
+                mlflow.set_tag("git_commit.resumed", tags["git_commit"])
         self.run_id = run.info.run_id
         _STARTED.append(self.run_id)
         return self.run_id

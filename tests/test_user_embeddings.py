@@ -113,6 +113,35 @@ def test_a_ranker_trains_with_the_embedding_and_logs_the_missing_users(exported,
     assert "user embeddings (test):" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_a_resume_after_the_embedding_file_was_exported_again_is_refused(exported, timeline_data, tracking,  # noqa: F811
+                                                                          tmp_path, capsys):
+    """Re-exported in place, the file's second half of the steps read other embeddings than the
+    first, and the run recorded only the new file's digest."""
+    from mlflow.tracking import MlflowClient
+
+    emb = tmp_path / "emb.parquet"
+    for name in ("emb.parquet", "emb.parquet.json"):
+        shutil.copy(exported / name, tmp_path / name)
+    args = fit_args(timeline_data[0], tmp_path, "--mlflow.run_name", "emb", "--mlflow.system_metrics", "false",
+                    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches",
+                    "0", "--trainer.limit_test_batches", "1", "--model.ranker.user_embedding.dim", str(DIM),
+                    "--model.ranker.user_embedding.path", str(emb))
+    cli_main(args)
+    run, client = all_runs(tracking)["emb"], MlflowClient(tracking)
+    client.set_terminated(run.info.run_id, "KILLED")  # as a killed run is seen again
+    joined = run.data.tags["user_embedding.sha256"]
+    rows, manifest = _frame(emb), json.loads(manifest_path(emb).read_text())
+    write_embeddings(emb, rows["user_id"], rows["as_of_day"], rows["history_time"], rows["embedding"] + 1.0,
+                     {"data_digest": manifest["data_digest"]})
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*args, "--ckpt_path", str(next(tmp_path.rglob("last.ckpt")))])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "the user embedding file changed since its run started" in err[-1], err[-3:]
+    after = client.get_run(run.info.run_id)
+    assert after.info.status == "KILLED" and after.data.tags["user_embedding.sha256"] == joined
+
+
 def test_the_joined_columns_are_the_files_embedding_or_the_unknown_flag(exported, timeline_data):  # noqa: F811
     cfg = UserEmbeddingConfig(dim=DIM, path=str(exported / "emb.parquet"), lag_days=0)
     dm = RankerData(str(timeline_data[0]), batch_size=64, max_seq_len=32, num_workers=0, user_embedding=cfg)
