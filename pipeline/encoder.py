@@ -33,7 +33,7 @@ from pipeline.split_cache import SPLITS
 from pipeline.runenv import device_name, git_commit
 from pipeline.resume import read_torch_file
 from pipeline.tracking import (MLflowRun, RunLogger, check_tracking, end_run, environment_tags, first_line,
-                               tracking_uri)
+                               tracking_uri, use_experiment)
 from pipeline.user_features import write_embeddings
 
 EXPERIMENT = "user-embeddings"
@@ -298,7 +298,7 @@ def export(args) -> dict:
     manifest = write_embeddings(args.out, picked["user_id"].to_numpy(), picked["as_of_day"].to_numpy(),
                                 picked["time"].to_numpy(), torch.cat(table).numpy(), info)
     mlflow.set_tracking_uri(tracking_uri())
-    mlflow.set_experiment(EXPERIMENT)
+    use_experiment(EXPERIMENT)
     with mlflow.start_run(run_id=ckpt["run_id"]):
         mlflow.log_metrics(results)
         mlflow.log_dict(manifest, f"export/{Path(args.out).name}.json")

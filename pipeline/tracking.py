@@ -132,7 +132,7 @@ class MLflowRun(pl.Callback):
     def _start(self, tags: dict[str, str]) -> str:
         mlflow.set_tracking_uri(tracking_uri())
         if self.run_id is None:
-            experiment_id = mlflow.set_experiment(self.experiment_name).experiment_id
+            experiment_id = use_experiment(self.experiment_name)
             run = mlflow.start_run(
                 experiment_id=experiment_id, run_name=self.run_name, parent_run_id=self.parent_run_id,
                 tags=tags, log_system_metrics=self.system_metrics,
@@ -157,6 +157,35 @@ class MLflowRun(pl.Callback):
         if fail_active_run(status) is not None:
             print(f"MLflow run {self.run_id} marked {status} ({type(exception).__name__}: {exception})",
                   file=sys.stderr)
+
+
+KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+UI_QUERY = "workflowType=machine_learning"  # MLflow 3.17's UI: the model-training view, whatever the browser chose
+
+
+def use_experiment(name: str) -> str:
+    """The id of the MLflow experiment `name` at the current tracking URI (created if new), tagged
+    as model training (mlflow.experimentKind); the active experiment from now on."""
+    experiment = mlflow.set_experiment(name)
+    if experiment.tags.get(KIND_TAG) != MODEL_TRAINING:
+        MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, MODEL_TRAINING)
+    return experiment.experiment_id
+
+
+def save_runs_view(experiment_id: str, name: str, columns: list[str], order_by: str = "attributes.start_time",
+                   ascending: bool = False, client: MlflowClient | None = None) -> str:
+    """A saved view of the experiment's runs list (the UI's Views menu): `columns` in this order (keys
+    as the UI writes them: "metrics.`test/auc`", "params.`data.batch_size`", "tags.`attention`"),
+    the runs sorted by `order_by`. Returns its link relative to the UI's address."""
+    key = re.sub(r"[^A-Za-z0-9_-]", "-", name)
+    state = {"searchFilter": "", "orderByKey": order_by, "orderByAsc": ascending, "startTime": "ALL",
+             "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
+             "selectedColumns": columns, "columnOrder": columns, "columnWidths": {c: 180 for c in columns}}
+    now = int(time.time() * 1000)
+    view = {"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}
+    (client or MlflowClient(tracking_uri())).set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{key}",
+                                                                json.dumps(view))
+    return f"#/experiments/{experiment_id}/runs?{UI_QUERY}&viewStateShareKey={key}"
 
 
 @contextmanager
