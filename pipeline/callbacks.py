@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import io
 import logging
+import math
 import resource
 import sys
 import time
@@ -25,6 +26,7 @@ from pytorch_lightning.callbacks import TQDMProgressBar
 from pytorch_lightning.utilities.model_summary.model_summary import _format_summary_table
 
 from pipeline.dist import all_gather, all_reduce, world_size
+from pipeline.errors import RunError
 from pipeline.trace import LoopTrace
 
 _MB = 2**20
@@ -304,6 +306,26 @@ def log_text(trainer: pl.Trainer, text: str, artifact_file: str) -> None:
         log_fn = getattr(getattr(logger, "experiment", None), "log_text", None)
         if run_id and log_fn is not None:
             log_fn(run_id, text, artifact_file)
+
+
+class RunChecks(pl.Callback):
+    """Validation that would mislead fails the run instead: a NaN/inf training loss before validation
+    logs metrics of that model, and a metric that EarlyStopping or the checkpoint monitors but that is
+    undefined (NaN; val/auc on examples of one class) before it reaches them as a value."""
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn == "fit" and hasattr(pl_module, "check_finite_loss"):
+            pl_module.check_finite_loss()  # every process calls it: a collective
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        for key in sorted({getattr(c, "monitor", None) for c in trainer.callbacks} - {None}):
+            value = trainer.callback_metrics.get(key)
+            if value is not None and math.isnan(float(value)):
+                why = (": AUC needs examples of both classes and these validation examples hold one (the warning "
+                       "above counts them)" if key.endswith("auc") else "")
+                raise RunError(f"{key} is undefined (NaN) at step {trainer.global_step}{why}; EarlyStopping and "
+                               f"checkpoint.monitor cannot compare it: validate on more examples "
+                               f"(trainer.limit_val_batches, data.eval_batch_size) or monitor another metric")
 
 
 class ProgressBar(TQDMProgressBar):

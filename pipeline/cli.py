@@ -10,6 +10,7 @@ status 2; 1 is a failed run, 130/143 an interrupted one. DDP: ``--trainer.strate
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -24,13 +25,15 @@ from pytorch_lightning.callbacks import ModelSummary as LightningModelSummary
 from pytorch_lightning.callbacks.progress import ProgressBar as ProgressBarBase
 from jsonargparse import ArgumentError
 from pytorch_lightning.cli import LightningCLI
+from lightning_fabric.plugins import CheckpointIO
 
-from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar
+from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar, RunChecks
 from pipeline.data import RankerData
 from pipeline.dist import launch_rank_zero
 from pipeline.errors import ConfigError, check_writable
 from pipeline.module import RankerModule
-from pipeline.resume import check_resume, checkpoint_run_id, load_checkpoint
+from pipeline.signals import StopOnSignal
+from pipeline.resume import AtomicCheckpointIO, check_resume, checkpoint_run_id, load_checkpoint
 from pipeline.tracking import (
     MLflowRun,
     RunLogger,
@@ -40,9 +43,11 @@ from pipeline.tracking import (
     flatten,
     log_run_inputs,
     logged_steps,
+    git_commit,
     run_command,
     tracking_uri,
 )
+from pipeline.user_features import manifest_path
 
 
 def _seed_to_int(seed) -> int:
@@ -57,6 +62,15 @@ def run_id_from_checkpoint(path: str) -> str | None:
 def _data_digest(data_dir: str) -> str | None:
     try:
         return str(json.loads((Path(data_dir) / "meta.json").read_text())["digest"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the data module's own check says what is wrong
+
+
+def _embedding_sha(cfg) -> str | None:
+    """The sha256 the manifest of the configured user embedding file gives, if any."""
+    emb = cfg.model.ranker.user_embedding
+    try:
+        return str(json.loads(manifest_path(emb.path).read_text())["sha256"]) if emb else None
     except (OSError, ValueError, KeyError, TypeError):
         return None  # the data module's own check says what is wrong
 
@@ -97,6 +111,11 @@ class RankerCLI(LightningCLI):
             help="intra-op CPU threads of torch (default: torch's choice); 1 is the robust choice on "
             "a small CPU shared with other work, where spinning OpenMP threads stall each other",
         )
+        parser.add_argument(
+            "--allow_code_change", type=bool, default=False,
+            help="with --ckpt_path: resume a run that another commit of the code trained (its git_commit tag "
+            "stays; this commit is recorded as git_commit.resumed); refused otherwise",
+        )
         parser.add_lightning_class_args(self.trainer_class, "trainer")
         parser.set_defaults({"trainer." + k: v for k, v in self.trainer_defaults.items() if k != "callbacks"})
         # the data module shards across processes itself (token-balanced): not Lightning's sampler
@@ -119,6 +138,8 @@ class RankerCLI(LightningCLI):
             self._preflight(subcommand, self.config[subcommand])
 
     def _preflight(self, subcommand: str, cfg) -> None:
+        check_ranges(cfg)
+        check_padded_memory(cfg)
         if cfg.trainer.use_distributed_sampler:
             raise ConfigError("trainer.use_distributed_sampler must stay false: the data module shards every split "
                               "across processes itself (balanced by tokens, evaluation without repeated examples)")
@@ -137,14 +158,13 @@ class RankerCLI(LightningCLI):
             raise ConfigError(f"--mlflow.run_id {given} differs from the run {stored} stored in {cfg.ckpt_path}")
         if subcommand == "fit" and rank_zero:
             params = flatten(self._resolved(subcommand)[1])
-            check_resume(cfg.ckpt_path, ckpt, params, _data_digest(cfg.data.data_dir))
+            check_resume(cfg.ckpt_path, ckpt, params, _data_digest(cfg.data.data_dir), code=git_commit(),
+                         allow_code_change=cfg.allow_code_change, embedding=_embedding_sha(cfg))
         cfg.mlflow.run_id = given or stored
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand]
         if cfg.torch_num_threads is not None:
-            if cfg.torch_num_threads <= 0:
-                raise ConfigError(f"torch_num_threads must be > 0, got {cfg.torch_num_threads}")
             torch.set_num_threads(cfg.torch_num_threads)
             # else Lightning's DDP launcher sets every process to cores / processes threads
             os.environ["OMP_NUM_THREADS"] = str(cfg.torch_num_threads)
@@ -155,13 +175,19 @@ class RankerCLI(LightningCLI):
         self.datamodule.load_splits(self.subcommand)  # fully validated before a run is recorded
         trainer_cfg = self._get(self.config_init, "trainer", default={})
         callbacks = list(trainer_cfg.get("callbacks") or [])
-        if trainer_cfg.get("enable_progress_bar") is not False and not any(
-                isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
+        if trainer_cfg.get("enable_progress_bar") is False:  # the switch wins over a config's bar (converge.yaml)
+            callbacks = [c for c in callbacks if not isinstance(c, ProgressBarBase)]
+        elif not any(isinstance(c, ProgressBarBase) for c in callbacks):  # no per-step read of the loss
             callbacks.append(ProgressBar())
         if trainer_cfg.get("enable_model_summary") is not False and not any(
                 isinstance(c, LightningModelSummary) for c in callbacks):  # no FLOPs column of zeros
             callbacks.append(ModelSummary())
+        callbacks += [RunChecks(), StopOnSignal()]  # no misleading validation; every rank stops at one batch
         kwargs["callbacks"] = callbacks
+        plugins = trainer_cfg.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins):  # no truncated .ckpt on a full disk
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]
         if not launch_rank_zero():
             return super().instantiate_trainer(logger=False, **kwargs)
         if run.run_name is None:
@@ -184,7 +210,7 @@ class RankerCLI(LightningCLI):
 
     def _resolved(self, subcommand: str) -> tuple[str, dict]:
         """(YAML, dict) of the resolved config with plain types (what `--print_config` shows),
-        without what names this invocation rather than the run (ckpt_path, mlflow.run_id)."""
+        without what names this invocation rather than the run (ckpt_path, allow_code_change, mlflow.run_id)."""
         return resolved_config(self._parser(subcommand), self.config[subcommand])
 
     def _params(self, subcommand: str, params: dict) -> dict:
@@ -244,6 +270,70 @@ class RankerCLI(LightningCLI):
     after_test = after_validate
 
 
+def _count_or_fraction(v) -> bool:
+    return v is None or (v >= 0 and (v <= 1 or v % 1 == 0))  # Lightning reads 2.0 as 2 batches
+
+
+# what Lightning, torch and the callbacks would refuse with a traceback, some of them after the run
+# has started (log_every_n_steps 0: a ZeroDivisionError at the first step): value check, what it must be
+RANGES = {
+    "trainer.max_epochs": (lambda v: v is None or v >= -1, "an integer >= -1 (-1: no limit)"),
+    "trainer.max_steps": (lambda v: v >= -1, "an integer >= -1 (-1: no limit)"),
+    "trainer.log_every_n_steps": (lambda v: v is None or v >= 1, "an integer >= 1"),
+    "trainer.limit_train_batches": (_count_or_fraction, "a fraction in [0, 1] or a number of batches >= 0"),
+    "trainer.limit_val_batches": (_count_or_fraction, "a fraction in [0, 1] or a number of batches >= 0"),
+    "trainer.limit_test_batches": (_count_or_fraction, "a fraction in [0, 1] or a number of batches >= 0"),
+    "trainer.val_check_interval": (lambda v: v is None or v > 0, "> 0 (a fraction of an epoch or a number of steps)"),
+    "trainer.check_val_every_n_epoch": (lambda v: v is None or v >= 1, "an integer >= 1"),
+    "trainer.accumulate_grad_batches": (lambda v: v >= 1, "an integer >= 1"),
+    "model.lr": (lambda v: math.isfinite(v) and v > 0, "a number > 0"),
+    "model.weight_decay": (lambda v: math.isfinite(v) and v >= 0, "a number >= 0"),
+    "perf.warmup_steps": (lambda v: v >= 0, "an integer >= 0"),
+    "checkpoint.every_n_train_steps": (lambda v: v is None or v >= 0, "an integer >= 0 (0: none)"),
+    "checkpoint.every_n_epochs": (lambda v: v is None or v >= 0, "an integer >= 0 (0: none)"),
+    "checkpoint.save_top_k": (lambda v: v >= -1, "an integer >= -1 (-1: every checkpoint)"),
+    "seed_everything": (lambda v: isinstance(v, bool) or 0 <= v < 2**32, "an integer in [0, 2^32)"),
+    "torch_num_threads": (lambda v: v is None or v > 0, "an integer > 0"),
+}
+
+
+def check_ranges(cfg) -> None:
+    """ConfigError naming the first option in RANGES whose value cannot work."""
+    for key, (ok, what) in RANGES.items():
+        value = cfg.get(key)
+        try:
+            good = ok(value)
+        except TypeError:  # a value of another type than the check expects
+            good = False
+        if not good:
+            raise ConfigError(f"{key} must be {what}, got {value}")
+
+
+def check_padded_memory(cfg) -> None:
+    """ConfigError when a padded layout (dense, sdpa) at data.max_seq_len needs, for one tensor of a
+    step alone, more memory than the device has: every history is padded to max_seq_len items."""
+    ranker, n = cfg.model.ranker, cfg.data.max_seq_len
+    if ranker.attention == "jagged" or n <= 0:
+        return
+    rows = max(cfg.data.batch_size, cfg.data.eval_batch_size or 0) + 1  # a bucket's batch: one padding sequence
+    need = {f"one [{rows}, {n:,}, {ranker.embed_dim}] float32 activation": rows * n * ranker.embed_dim * 4}
+    if ranker.attention == "dense":
+        need[f"the [{rows}, {ranker.num_heads}, {n:,}, {n:,}] attention scores"] = rows * ranker.num_heads * n * n * 4
+    what, size = max(need.items(), key=lambda kv: kv[1])
+    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    have = (torch.cuda.get_device_properties(0).total_memory if gpu and torch.cuda.is_available() else
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if size > have:
+        raise ConfigError(f"data.max_seq_len {n:,} with the padded layout {ranker.attention}: every history is padded "
+                          f"to {n:,} items, and {what} alone takes {_gib(size)}, more than the {_gib(have)} of "
+                          f"{'the GPU' if gpu else 'this machine'}; use model.ranker.attention jagged or a smaller "
+                          f"data.max_seq_len")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:,.0f} GiB" if size >= 2**30 else f"{size / 2**20:,.0f} MiB"
+
+
 def parse_error(err: ArgumentError, argv: list[str]) -> str:
     """One line for a parse error, naming the config file that holds an unknown key."""
     text = " ".join(str(err).split())
@@ -279,10 +369,11 @@ ALWAYS_PARAMS = {"model.ranker.attention", "data.batch_size", "data.max_seq_len"
 
 def resolved_config(parser, cfg, validate: bool = True) -> tuple[str, dict]:
     """(YAML, dict) of `cfg` with every key, None values included, without the keys that name an
-    invocation rather than a run (ckpt_path, mlflow.run_id)."""
+    invocation rather than a run (ckpt_path, allow_code_change, mlflow.run_id)."""
     config_yaml = parser.dump(cfg, skip_validation=not validate, skip_unset=False)
     params = yaml.safe_load(config_yaml)
     params.pop("ckpt_path", None)
+    params.pop("allow_code_change", None)
     params.get("mlflow", {}).pop("run_id", None)
     return config_yaml, params
 

@@ -65,28 +65,3 @@ def gloo_worker(rank: int, world: int, rendezvous: str) -> Iterator[None]:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-SIGTERM_CHECK_EVERY = 50  # training steps between two checks of rank 0's SIGTERM flag
-
-
-def throttle_sigterm_check(epoch_loop, every: int = SIGTERM_CHECK_EVERY) -> bool:
-    """Make Lightning's per-step SIGTERM broadcast (``_broadcast_sigterm_tensor``, Lightning 2.5-2.6:
-    a host wait for the step's GPU work) happen on one step in `every`, on every rank alike.
-    False (nothing changed) where the loop has no such method."""
-    original = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
-    if original is None or every <= 1:
-        return False
-    if getattr(original, "_throttled", False):
-        return True
-    calls = 0
-
-    def throttled() -> None:
-        nonlocal calls
-        if calls % every == 0:
-            original()
-        calls += 1
-
-    throttled._throttled = True
-    epoch_loop._broadcast_sigterm_tensor = throttled
-    return True

@@ -28,12 +28,16 @@ from pipeline.batches import BatchDataset, EpochBatchSampler
 from pipeline.data import RankerData
 from pipeline.errors import ConfigError, check_writable
 from pipeline.metrics import AUC
+from pipeline.signals import StopOnSignal
 from pipeline.split_cache import SPLITS
 from pipeline.runenv import device_name, git_commit
-from pipeline.tracking import MLflowRun, RunLogger, check_tracking, end_run, environment_tags, tracking_uri
+from pipeline.resume import read_torch_file
+from pipeline.tracking import (MLflowRun, RunLogger, check_tracking, end_run, environment_tags, first_line,
+                               tracking_uri, use_experiment)
 from pipeline.user_features import write_embeddings
 
 EXPERIMENT = "user-embeddings"
+_ENCODER_KEYS = ("config", "state_dict", "data_digest", "cutoff_day", "run_id", "vocab_size", "n_actions")
 # the batches are one vectorised gather each, made in the training process (as the ranker's on the CPU)
 warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
 
@@ -68,10 +72,11 @@ class EncoderData(RankerData):
             raise ConfigError(f"{data_dir!r} is per-example data: user embeddings need a timeline data set "
                               "(python -m data_gen generate --preset timeline ...)")
         self.days = int(self.meta["config"]["days"])
-        self.cutoff_day = cutoff_day or split_days(self.days)["val"][0]
-        if not 2 <= self.cutoff_day <= self.days:
-            raise ConfigError(f"--cutoff-day must be in [2, {self.days}] (train on the days before it), "
-                              f"got {self.cutoff_day}")
+        first_val = split_days(self.days)["val"][0]
+        self.cutoff_day = first_val if cutoff_day is None else cutoff_day
+        if not 2 <= self.cutoff_day <= first_val:  # training reads the training split: the days before first_val
+            raise ConfigError(f"--cutoff-day must be in [2, {first_val}] (train on the days before it; the days "
+                              f"from {first_val} on are validation and test), got {self.cutoff_day}")
 
     def split(self, name: str):
         return self._splits[name]
@@ -133,7 +138,7 @@ class EncoderModule(lightning.LightningModule):
                                  fused=self.device.type in ("cuda", "cpu") or None)
 
 
-def _trainer(device: str, **kwargs) -> lightning.Trainer:
+def _trainer(device: str, callbacks=(), **kwargs) -> lightning.Trainer:
     """One device, bf16 autocast on a GPU and fp32 on the CPU, no checkpoints (the encoder file is written by fit)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device here")
@@ -141,7 +146,7 @@ def _trainer(device: str, **kwargs) -> lightning.Trainer:
     return lightning.Trainer(accelerator="gpu" if cuda else "cpu", devices=1,
                              precision="bf16-mixed" if cuda else "32-true",
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             num_sanity_val_steps=0, **kwargs)
+                             num_sanity_val_steps=0, callbacks=[*callbacks, StopOnSignal()], **kwargs)
 
 
 def _device(trainer: lightning.Trainer) -> str:
@@ -217,18 +222,21 @@ def fit(args) -> dict:
 
 
 def _load_encoder(path: str, data_digest: str) -> tuple[UserEncoder, dict]:
+    where = f"--encoder {path}"
+    if not Path(path).is_file():
+        raise ConfigError(f"no encoder at {path!r}: train one with `python -m pipeline.user_embeddings fit`")
+    what = "an encoder written by `pipeline.user_embeddings fit`"
+    ckpt = read_torch_file(path, where, "encoder file", what)
+    if not isinstance(ckpt, dict) or any(k not in ckpt for k in _ENCODER_KEYS):
+        raise ConfigError(f"{where}: not {what} (it lacks one of {', '.join(_ENCODER_KEYS)})")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        cfg = EncoderConfig(**ckpt["config"])
-    except FileNotFoundError:
-        raise ConfigError(f"no encoder at {path!r}: train one with `python -m pipeline.user_embeddings fit`") from None
-    except (OSError, RuntimeError, KeyError, TypeError, ValueError) as err:
-        raise ConfigError(f"unreadable encoder checkpoint {path!r}: {err}") from None
+        encoder = UserEncoder(EncoderConfig(**ckpt["config"]), vocab_size=ckpt["vocab_size"], n_actions=ckpt["n_actions"])
+        encoder.load_state_dict(ckpt["state_dict"])
+    except (TypeError, ValueError, RuntimeError) as err:  # settings or weights of another encoder
+        raise ConfigError(f"{where}: not {what} ({type(err).__name__}: {first_line(err)})") from None
     if ckpt["data_digest"] != data_digest:
-        raise ConfigError(f"the encoder {path!r} was trained on another data set (digest {ckpt['data_digest'][:12]}, "
+        raise ConfigError(f"the encoder {path!r} was trained on another data set (digest {str(ckpt['data_digest'])[:12]}, "
                           f"this one {data_digest[:12]})")
-    encoder = UserEncoder(cfg, vocab_size=ckpt["vocab_size"], n_actions=ckpt["n_actions"])
-    encoder.load_state_dict(ckpt["state_dict"])
     return encoder.eval(), ckpt
 
 
@@ -290,7 +298,7 @@ def export(args) -> dict:
     manifest = write_embeddings(args.out, picked["user_id"].to_numpy(), picked["as_of_day"].to_numpy(),
                                 picked["time"].to_numpy(), torch.cat(table).numpy(), info)
     mlflow.set_tracking_uri(tracking_uri())
-    mlflow.set_experiment(EXPERIMENT)
+    use_experiment(EXPERIMENT)
     with mlflow.start_run(run_id=ckpt["run_id"]):
         mlflow.log_metrics(results)
         mlflow.log_dict(manifest, f"export/{Path(args.out).name}.json")

@@ -1,5 +1,5 @@
-"""The one error type of the pipeline's pre-flight checks, the commands' handling of it, and the
-check of an output directory."""
+"""The error types of the pipeline's pre-flight checks (ConfigError) and of a run that cannot go on
+(RunError), the commands' handling of the first, and the check of an output directory."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ class ConfigError(ValueError):
 
     Raised before training starts; the CLI prints the message alone (no traceback) and exits 2.
     """
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on for a reason its message says (the run FAILED, exit status 1)."""
 
 
 def command(main):

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from models import Ranker, RankerConfig, feature_width
-from pipeline.dist import all_reduce, rank, throttle_sigterm_check, world_size
+from pipeline.dist import all_reduce, rank, world_size
 from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
 from pipeline.cuda_graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
@@ -213,8 +213,6 @@ class RankerModule(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.grad_sync.broadcast()
-        if world_size() > 1:  # no host wait for the GPU on every step (pipeline/dist.py)
-            throttle_sigterm_check(self.trainer.fit_loop.epoch_loop)
         if self.device.type == "cuda":
             self._prepare_step()
         else:

@@ -1,21 +1,18 @@
-"""MLflow: where runs go, the store's pre-flight check, what every run records, how a run ends.
+"""MLflow: what every run records, how a run and a command end, how the project's runs show in the UI.
 
-``tracking_uri()``: ``MLFLOW_TRACKING_URI``, else ``sqlite:///<repo>/mlflow.db`` (what ``make ui``
-serves); :func:`check_tracking` raises a ConfigError before anything trains if runs cannot be
-recorded there. :class:`MLflowRun` (the CLI's ``mlflow.*`` options) starts or resumes the run; a
-run that raises is ended FAILED (KILLED when interrupted), never left RUNNING. Why the checks and
-the signal handling look as they do: docs/training.md#tracking.
+:class:`MLflowRun` (the CLI's ``mlflow.*`` options) starts or resumes the run; a run that raises is
+ended FAILED (KILLED when interrupted), never left RUNNING; :func:`run_command` gives a command its
+exit status. :func:`use_experiment` and :func:`save_runs_view` make the UI open on model training
+and on a comparison. Where runs go and the store's pre-flight: :mod:`pipeline.tracking_store`.
+Why: docs/training.md#tracking.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
-import fcntl
 import importlib.metadata
 import json
-import os
 import platform
 import re
 import signal
@@ -23,8 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,24 +31,20 @@ from pytorch_lightning.loggers import MLFlowLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from models.config import InvalidConfig
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RunError
 from pipeline.runenv import device_name, git_commit  # noqa: F401  (re-exported: tags, reports)
+from pipeline.signals import flush_and_exit, handling_signals, kill_peers
+from pipeline.tracking_store import (  # noqa: F401  (check_tracking, HTTP_BOUNDS: re-exported, the lab uses them)
+    HTTP_BOUNDS,
+    check_tracking,
+    first_line,
+    shown,
+    tracking_uri,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_EXPERIMENT = "jagged-rankers"
 
-HTTP_BOUNDS = {
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",  # seconds per request
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",  # 1 s, then 2 s between the tries
-}
-API_PROBE = "/api/2.0/mlflow/experiments/search"
-_RACE_RETRIES = 10  # one second apart
-_FIX = "unset MLFLOW_TRACKING_URI to use the local sqlite database, or start the server (`make ui`)"
-
-
-def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{REPO_ROOT / 'mlflow.db'}"
+_STARTED: list[str] = []  # the runs this process started or resumed: what the watchdog ends
 
 
 def _version(pkg: str) -> str:
@@ -130,19 +121,23 @@ class MLflowRun(pl.Callback):
     def _start(self, tags: dict[str, str]) -> str:
         mlflow.set_tracking_uri(tracking_uri())
         if self.run_id is None:
-            experiment_id = mlflow.set_experiment(self.experiment_name).experiment_id
+            experiment_id = use_experiment(self.experiment_name)
             run = mlflow.start_run(
                 experiment_id=experiment_id, run_name=self.run_name, parent_run_id=self.parent_run_id,
                 tags=tags, log_system_metrics=self.system_metrics,
             )
         else:
             try:
-                MlflowClient().get_run(self.run_id)
+                recorded = MlflowClient().get_run(self.run_id).data.tags
             except mlflow.exceptions.MlflowException as err:
                 raise ConfigError(f"cannot resume MLflow run {self.run_id} at {tracking_uri()}: {err}") from None
             run = mlflow.start_run(run_id=self.run_id, log_system_metrics=self.system_metrics)
-            mlflow.set_tags(tags)
+            # what the run started with stays (its commit above all); a resume by other code says so
+            mlflow.set_tags({k: v for k, v in tags.items() if k not in recorded})
+            if tags.get("git_commit", recorded.get("git_commit")) != recorded.get("git_commit"):
+                mlflow.set_tag("git_commit.resumed", tags["git_commit"])
         self.run_id = run.info.run_id
+        _STARTED.append(self.run_id)
         return self.run_id
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -151,6 +146,35 @@ class MLflowRun(pl.Callback):
         if fail_active_run(status) is not None:
             print(f"MLflow run {self.run_id} marked {status} ({type(exception).__name__}: {exception})",
                   file=sys.stderr)
+
+
+KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+UI_QUERY = "workflowType=machine_learning"  # MLflow 3.17's UI: the model-training view, whatever the browser chose
+
+
+def use_experiment(name: str) -> str:
+    """The id of the MLflow experiment `name` at the current tracking URI (created if new), tagged
+    as model training (mlflow.experimentKind); the active experiment from now on."""
+    experiment = mlflow.set_experiment(name)
+    if experiment.tags.get(KIND_TAG) != MODEL_TRAINING:
+        MlflowClient().set_experiment_tag(experiment.experiment_id, KIND_TAG, MODEL_TRAINING)
+    return experiment.experiment_id
+
+
+def save_runs_view(experiment_id: str, name: str, columns: list[str], order_by: str = "attributes.start_time",
+                   ascending: bool = False, client: MlflowClient | None = None) -> str:
+    """A saved view of the experiment's runs list (the UI's Views menu): `columns` in this order (keys
+    as the UI writes them: "metrics.`test/auc`", "params.`data.batch_size`", "tags.`attention`"),
+    the runs sorted by `order_by`. Returns its link relative to the UI's address."""
+    key = re.sub(r"[^A-Za-z0-9_-]", "-", name)
+    state = {"searchFilter": "", "orderByKey": order_by, "orderByAsc": ascending, "startTime": "ALL",
+             "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
+             "selectedColumns": columns, "columnOrder": columns, "columnWidths": {c: 180 for c in columns}}
+    now = int(time.time() * 1000)
+    view = {"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}
+    (client or MlflowClient(tracking_uri())).set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{key}",
+                                                                json.dumps(view))
+    return f"#/experiments/{experiment_id}/runs?{UI_QUERY}&viewStateShareKey={key}"
 
 
 @contextmanager
@@ -239,7 +263,7 @@ def ending(err: BaseException) -> tuple[int, str, str] | None:
         cause = cause.__cause__  # jsonargparse wraps what a config class raised while parsing
     if cause is not None:
         return 2, "FAILED", f"error: {cause}"
-    if isinstance(err, FloatingPointError):  # NaN/inf loss
+    if isinstance(err, (FloatingPointError, RunError)):  # NaN/inf loss, an undefined monitored metric
         return 1, "FAILED", f"error: {err}"
     if isinstance(err, SIGTERMException):
         return 143, "KILLED", "stopped by SIGTERM"
@@ -248,40 +272,60 @@ def ending(err: BaseException) -> tuple[int, str, str] | None:
         return 130, "KILLED", "interrupted (Ctrl-C / SIGINT)"  # Lightning exits 1 after a Ctrl-C
     if isinstance(err, mlflow.exceptions.MlflowException):
         return 1, "FAILED", f"error: MLflow tracking at {shown(tracking_uri())} failed: {first_line(err)}"
+    if _peer_failed(err):
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", first_line(err)).split(". ")[0]  # Gloo's source position, its advice
+        return 1, "FAILED", f"error: another process of the distributed run failed or died ({cause})"
     if isinstance(err, OSError) and err.errno in _DISK_ERRNOS:
         where = f": {err.filename}" if err.filename else ""
         return 1, "FAILED", f"error: {err.strerror or first_line(err)}{where}"
     return None
 
 
-def _sigterm_handler(signum, frame) -> None:
-    # Inside fit/test Lightning's handler runs first and calls this one too (then installed is
-    # Lightning's): the loop stops at the end of the step. Anywhere else (loading data, between
-    # fit and test) SIGTERM would kill the process before it could end its run.
-    if signal.getsignal(signal.SIGTERM) is _sigterm_handler:
-        raise SIGTERMException()
+def _peer_failed(err: BaseException) -> bool:
+    """A collective that failed because a peer process is gone (Gloo sees the closed connection)."""
+    return isinstance(err, torch.distributed.DistError) or (
+        isinstance(err, RuntimeError) and re.search(r"/gloo/|Connection (reset|closed) by peer", str(err)) is not None)
 
 
 def run_command(body) -> int:
     """Run ``body()`` as a command that records an MLflow run: 0 when it returns; for an expected
     failure (:func:`ending`) the active run ended FAILED or KILLED, one line on stderr and its exit
-    status (2 config, 1 failed, 130 SIGINT, 143 SIGTERM); anything else ends the run FAILED and is raised."""
-    previous = signal.signal(signal.SIGTERM, _sigterm_handler)
-    try:
-        body()
-        return 0
-    except BaseException as err:
-        end = ending(err)
-        # errors outside the trainer (the trainer's own callbacks have ended the run already)
-        run_id = fail_active_run(end[1] if end else "FAILED")
-        if end is None:
-            if run_id is not None:
-                print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
-            raise
-        print(end[2], file=sys.stderr)
-        return end[0]
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    status (2 config, 1 failed, 130 SIGINT, 143 SIGTERM); anything else ends the run FAILED and is
+    raised. SIGTERM and a stuck or dead peer process never hang it (:mod:`pipeline.signals`)."""
+    with handling_signals(_force_end):
+        try:
+            body()
+            return 0
+        except BaseException as err:
+            end = ending(err)
+            # errors outside the trainer (the trainer's own callbacks have ended the run already)
+            run_id = fail_active_run(end[1] if end else "FAILED")
+            if end is None:
+                if run_id is not None:
+                    print(f"MLflow run {run_id} marked FAILED ({type(err).__name__}: {err})", file=sys.stderr)
+                raise
+            print(end[2], file=sys.stderr)
+            return end[0]
+
+
+def _force_end(code: int, status: str, message: str) -> None:
+    """The watchdog's end of a process that did not stop in time: the line, the run ended with
+    `status` by its id (the main thread, stuck, holds the active run), local peers killed."""
+    with contextlib.suppress(OSError):
+        print(message, file=sys.stderr)
+    if _STARTED:
+        marker = threading.Thread(target=_mark_run, args=(_STARTED[-1], status), daemon=True)
+        marker.start()
+        marker.join(15.0)
+    kill_peers()
+    flush_and_exit(code)
+
+
+def _mark_run(run_id: str, status: str) -> None:
+    with contextlib.suppress(Exception):  # the process ends next whatever happens here
+        client = MlflowClient(tracking_uri())
+        if client.get_run(run_id).info.status == "RUNNING":
+            client.set_terminated(run_id, status)
 
 
 def logged_steps(run_id: str) -> dict[str, int]:
@@ -304,98 +348,3 @@ def log_run_inputs(config: dict, config_yaml: str, meta_path: Path, resumed: boo
         for i in range(0, len(items), 100):
             mlflow.log_params({k: v[:6000] for k, v in items[i : i + 100]})
         mlflow.log_artifact(str(meta_path), artifact_path="data")
-
-
-# --- the tracking store's pre-flight -------------------------------------------------------
-def shown(uri: str) -> str:
-    """The URI without a password (``scheme://user:***@host``)."""
-    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", uri)
-
-
-def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
-    """Raise ConfigError, saying what to do, if runs cannot be recorded at `uri`."""
-    if uri.startswith(("http://", "https://")):
-        for key, value in HTTP_BOUNDS.items():
-            os.environ.setdefault(key, value)
-        _check_server(uri.rstrip("/"), timeout_s)
-    elif uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):].split("?", 1)[0])
-        if not db.parent.is_dir() or not os.access(db.parent, os.W_OK):
-            raise ConfigError(f"MLFLOW_TRACKING_URI={uri}: directory {db.parent} does not exist or is not writable")
-        with open(db.with_name(db.name + ".lock"), "a") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
-            open_store(uri)
-    elif uri.startswith("file:") or "://" not in uri:
-        raise ConfigError(
-            f"MLFLOW_TRACKING_URI={uri}: MLflow's file store is not supported here; "
-            f"use sqlite:///<absolute path>/mlflow.db or an http:// server"
-        )
-    else:
-        open_store(uri)
-
-
-def open_store(uri: str) -> None:
-    """Open the database store at `uri` once (creating its tables if it is new)."""
-    import sqlalchemy.exc
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    try:
-        for attempt in range(_RACE_RETRIES + 1):
-            try:
-                MlflowClient(uri).search_experiments(max_results=1)
-                break
-            except (MlflowException, sqlalchemy.exc.SQLAlchemyError) as err:
-                if attempt == _RACE_RETRIES or not _lost_race(uri, err):
-                    raise
-                time.sleep(1.0)
-    except ImportError as err:
-        raise ConfigError(f"MLFLOW_TRACKING_URI={shown(uri)}: its database driver is not installed ({err}); "
-                          f"install it (e.g. `pip install psycopg2-binary` or `pymysql`) or use sqlite:///...") from None
-    except (MlflowException, sqlalchemy.exc.SQLAlchemyError, OSError) as err:
-        raise ConfigError(f"MLFLOW_TRACKING_URI={shown(uri)}: cannot open the tracking store: "
-                          f"{first_line(err)}") from None
-
-
-def _lost_race(uri: str, err: BaseException) -> bool:
-    """A sqlite store another process (not under our lock: ``mlflow ui``, a notebook) is
-    creating or writing at this moment: worth a retry, not an error."""
-    text = str(err).lower()
-    return uri.startswith("sqlite:") and ("already exists" in text or "database is locked" in text)
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return (text.splitlines()[0] if text else type(err).__name__)[:300]
-
-
-def _check_server(base: str, timeout_s: float) -> None:
-    try:
-        with urllib.request.urlopen(base + "/health", timeout=timeout_s) as resp:
-            if resp.status != 200:
-                raise OSError(f"HTTP {resp.status}")
-    except (OSError, urllib.error.URLError) as err:
-        raise ConfigError(f"MLflow tracking server {shown(base)} is unreachable ({err}): {_FIX}") from None
-    request = urllib.request.Request(base + API_PROBE, data=json.dumps({"max_results": 1}).encode(),
-                                     headers={"Content-Type": "application/json", **_auth_headers()})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            json.load(resp)
-    except urllib.error.HTTPError as err:
-        raise ConfigError(f"MLflow tracking server {shown(base)} answers /health but its API fails "
-                          f"(POST {API_PROBE}: HTTP {err.code} {err.reason}); check the server's log") from None
-    except (OSError, ValueError) as err:  # a timeout, a reset connection, a body that is not JSON
-        raise ConfigError(f"MLflow tracking server {shown(base)} answers /health but not its API "
-                          f"(POST {API_PROBE}: {err or type(err).__name__}, limit {timeout_s:g} s); "
-                          f"check the server's log and its database") from None
-
-
-def _auth_headers() -> dict[str, str]:
-    """The credentials MLflow itself would send (token, or user and password)."""
-    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
-    if token:
-        return {"Authorization": f"Bearer {token}"}
-    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
-    if user and password:
-        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
-    return {}

@@ -22,9 +22,28 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, not argparse's usage block
+        print(f"error: {message}; `{self.prog} --help` lists the options", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pipeline.user_embeddings",
-                                description=__doc__.split("\n")[0])
+    p = _Parser(allow_abbrev=False, prog="python -m pipeline.user_embeddings", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fit", allow_abbrev=False, help="train the user encoder on the days before a cut-off")
     f.add_argument("--data", required=True, help="a timeline data set (python -m data_gen generate --preset timeline)")
@@ -35,13 +54,13 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--dim", type=_positive, default=64, help="user embedding width")
     f.add_argument("--embed-dim", type=_positive, default=64)
     f.add_argument("--num-heads", type=_positive, default=2)
-    f.add_argument("--num-layers", type=int, default=2)
+    f.add_argument("--num-layers", type=_count, default=2)
     f.add_argument("--batch-size", type=_positive, default=256)
-    f.add_argument("--lr", type=float, default=1e-3)
+    f.add_argument("--lr", type=_rate, default=1e-3)
     f.add_argument("--epochs", type=_positive, default=1)
-    f.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: the epochs)")
+    f.add_argument("--max-steps", type=_count, default=0, help="stop after this many steps (0: the epochs)")
     f.add_argument("--log-every", type=_positive, default=100, help="steps between progress lines")
-    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--seed", type=_count, default=0)
     f.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     e = sub.add_parser("export", allow_abbrev=False, help="write the embeddings as of each day (Parquet + manifest)")
     e.add_argument("--data", required=True, help="the timeline data set the encoder was trained on")
@@ -55,7 +74,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exit:  # --help (0) or a bad argument (2, said in one line)
+        return int(exit.code or 0)
     from pipeline import encoder  # Lightning, torch, MLflow: seconds of imports, not for --help
     from pipeline.tracking import run_command
 

@@ -57,16 +57,17 @@ def one_line_error(stderr: str, *parts: str) -> str:
 # --- tracking servers that answer /health but not their API -------------------------------
 class _Server(BaseHTTPRequestHandler):
     """`/health` is fine; the API hangs, fails with 500, or (mode "probe") answers only the
-    pre-flight's experiments/search and hangs on everything else."""
+    pre-flight's experiments/search and hangs on everything else ("trickle": sends its reply to
+    everything else a byte every half second, for ever; "trickle-all": to /health too)."""
 
     def do_GET(self) -> None:
-        if self.path == "/health":
+        if self.path == "/health" and self.server.mode != "trickle-all":
             self._reply(200, b"OK")
         else:
             self._misbehave()
 
     def do_POST(self) -> None:
-        if self.server.mode == "probe" and self.path.endswith("/experiments/search"):
+        if self.server.mode in ("probe", "trickle") and self.path.endswith("/experiments/search"):
             self.rfile.read(int(self.headers.get("Content-Length", 0)))
             self._reply(200, json.dumps({"experiments": []}).encode())
         else:
@@ -75,6 +76,16 @@ class _Server(BaseHTTPRequestHandler):
     def _misbehave(self) -> None:
         if self.server.mode == "500":
             self._reply(500, b'{"error_code": "INTERNAL_ERROR", "message": "database is down"}')
+        elif self.server.mode.startswith("trickle"):  # every read gets a byte well within its timeout
+            reply = b"HTTP/1.1 200 OK\r\nX-Trickle: " + b"a" * 100_000
+            for i in range(len(reply)):
+                if self.server.release.wait(0.5):
+                    return
+                try:
+                    self.wfile.write(reply[i:i + 1])
+                    self.wfile.flush()
+                except OSError:
+                    return
         else:
             self.server.release.wait(120)
 
@@ -128,6 +139,32 @@ def test_every_tracking_call_is_bounded_and_ends_in_one_line(tiny, tmp_path, ser
                        MLFLOW_HTTP_REQUEST_TIMEOUT="2", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
     assert proc.returncode == 2, proc.stderr[-3000:]
     one_line_error(proc.stderr, "cannot start an MLflow run at", uri)
+
+
+@pytest.mark.slow
+def test_a_server_that_trickles_its_replies_is_given_up_on(tiny, tmp_path, server):
+    """Each read of a reply is bounded (MLFLOW_HTTP_REQUEST_TIMEOUT), a byte every half second
+    never trips that bound: the whole request must be bounded, or fit waits for ever."""
+    uri = server("trickle")
+    t0 = time.monotonic()
+    proc = fit_process(fit_args(tiny, tmp_path, *QUICK), uri, timeout=240,
+                       MLFLOW_HTTP_REQUEST_TIMEOUT="2", MLFLOW_HTTP_REQUEST_MAX_RETRIES="0")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    one_line_error(proc.stderr, "cannot start an MLflow run at", uri, "no complete reply within")
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_preflight_whose_server_trickles_ends_within_its_limit(server, monkeypatch):
+    from pipeline.tracking import check_tracking
+
+    for key in HTTP_BOUNDS:  # recorded, so that what check_tracking sets is undone afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    uri = server("trickle-all")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="is unreachable .*no complete reply within 3 s"):
+        check_tracking(uri, timeout_s=2.0)
+    assert time.monotonic() - t0 < 10
 
 
 def test_http_calls_get_bounds_unless_the_user_set_some(monkeypatch, server):

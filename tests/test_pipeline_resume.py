@@ -103,6 +103,22 @@ def test_the_same_config_resumes(tiny, run):
     assert run.client.get_run(run.run_id).info.status == "FINISHED"
 
 
+def test_a_resume_by_other_code_is_refused_unless_allowed_and_keeps_the_runs_commit(tiny, run, capsys):
+    """The steps before and after a resume ran different code, and the resume overwrote git_commit."""
+    from pipeline.tracking import git_commit
+
+    run.client.set_terminated(run.run_id, "KILLED")
+    run.client.set_tag(run.run_id, "git_commit", "0" * 40)  # trained by another commit
+    args = fit_args(tiny, run.root, *QUICK, "--ckpt_path", str(run.ckpt))
+    line = fails_before_training(args, capsys)
+    assert f"was trained by commit {'0' * 40} and this code is {git_commit()}" in line, line
+    assert "--allow_code_change true" in line and run.client.get_run(run.run_id).info.status == "KILLED"
+    main([*args, "--allow_code_change", "true"])
+    after = run.client.get_run(run.run_id)
+    assert after.info.status == "FINISHED" and set(all_runs(run.uri)) == {"done"}
+    assert after.data.tags["git_commit"] == "0" * 40 and after.data.tags["git_commit.resumed"] == git_commit()
+
+
 class NotAWeight:
     pass
 

@@ -223,3 +223,27 @@ def test_a_sigterm_while_the_run_starts_waits_until_the_run_can_be_ended(tmp_pat
             mlflow.end_run()
     (run,) = MlflowClient(uri).search_runs([MlflowClient(uri).get_experiment_by_name("sigterm").experiment_id])
     assert run.info.status == "KILLED"
+
+
+def test_the_projects_experiments_open_as_model_training_with_a_saved_view(tmp_path, tmp_path_factory, monkeypatch):
+    """MLflow 3.17 opens an experiment in its GenAI view unless told otherwise: every experiment a
+    run of the pipeline starts in is tagged mlflow.experimentKind, and a saved view of the runs list
+    shows the given columns in their order (what the UI's Views menu and the link open)."""
+    import json
+
+    from pipeline.tracking import MLflowRun, end_run, save_runs_view
+
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    MLflowRun(experiment_name="kind", system_metrics=False).start({"t": "1"})
+    end_run("FINISHED")
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("kind")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    columns = ["metrics.`test/auc`", "metrics.`perf/train_examples_per_s`"]
+    link = save_runs_view(exp.experiment_id, "main small", columns, order_by="tags.`sweep.role`")
+    assert link == f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=main-small"
+    view = json.loads(client.get_experiment(exp.experiment_id).tags["mlflow.sharedViewState.main-small"])
+    state = json.loads(view["state"])
+    assert view["name"] == "main small" and state["selectedColumns"] == state["columnOrder"] == columns
+    assert state["orderByKey"] == "tags.`sweep.role`" and state["orderByAsc"] is False

@@ -23,6 +23,8 @@ from pipeline.user_features import UserEmbeddings, join_as_of, manifest_path, re
 from test_data_gen import tiny_data  # noqa: F401  (a session fixture)
 from test_data_gen_timeline import timeline_data  # noqa: F401  (a session fixture)
 from test_pipeline_cli import all_runs, fit_args, tracking  # noqa: F401  (tracking: a fixture)
+from test_pipeline_failures import server  # noqa: F401  (a fixture)
+from pipeline.tracking import HTTP_BOUNDS
 
 DIM = 16
 ENCODER = ["--max-seq-len", "256", "--dim", str(DIM), "--embed-dim", "32", "--batch-size", "64",
@@ -109,6 +111,35 @@ def test_a_ranker_trains_with_the_embedding_and_logs_the_missing_users(exported,
         m["data/train_user_embedding_missing_share"]  # some, not all, training rows lack one
     assert run.data.tags["user_embedding.sha256"] == json.loads(manifest_path(exported / "emb.parquet").read_text())["sha256"]
     assert "user embeddings (test):" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_resume_after_the_embedding_file_was_exported_again_is_refused(exported, timeline_data, tracking,  # noqa: F811
+                                                                          tmp_path, capsys):
+    """Re-exported in place, the file's second half of the steps read other embeddings than the
+    first, and the run recorded only the new file's digest."""
+    from mlflow.tracking import MlflowClient
+
+    emb = tmp_path / "emb.parquet"
+    for name in ("emb.parquet", "emb.parquet.json"):
+        shutil.copy(exported / name, tmp_path / name)
+    args = fit_args(timeline_data[0], tmp_path, "--mlflow.run_name", "emb", "--mlflow.system_metrics", "false",
+                    "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches",
+                    "0", "--trainer.limit_test_batches", "1", "--model.ranker.user_embedding.dim", str(DIM),
+                    "--model.ranker.user_embedding.path", str(emb))
+    cli_main(args)
+    run, client = all_runs(tracking)["emb"], MlflowClient(tracking)
+    client.set_terminated(run.info.run_id, "KILLED")  # as a killed run is seen again
+    joined = run.data.tags["user_embedding.sha256"]
+    rows, manifest = _frame(emb), json.loads(manifest_path(emb).read_text())
+    write_embeddings(emb, rows["user_id"], rows["as_of_day"], rows["history_time"], rows["embedding"] + 1.0,
+                     {"data_digest": manifest["data_digest"]})
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*args, "--ckpt_path", str(next(tmp_path.rglob("last.ckpt")))])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "the user embedding file changed since its run started" in err[-1], err[-3:]
+    after = client.get_run(run.info.run_id)
+    assert after.info.status == "KILLED" and after.data.tags["user_embedding.sha256"] == joined
 
 
 def test_the_joined_columns_are_the_files_embedding_or_the_unknown_flag(exported, timeline_data):  # noqa: F811
@@ -217,10 +248,94 @@ def test_the_encoder_commands_refuse_bad_input_with_exit_2(exported, tiny_data, 
     assert ue_main(["fit", "--data", str(tiny_data[0]), *ENCODER]) == 2
     assert "per-example data" in capsys.readouterr().err
     assert ue_main(["fit", "--data", str(timeline_data[0]), "--cutoff-day", "99", *ENCODER]) == 2
-    assert "--cutoff-day must be in [2, 7]" in capsys.readouterr().err
+    assert "--cutoff-day must be in [2, 6]" in capsys.readouterr().err  # day 6 is validation, 7 test
     assert ue_main(["export", "--data", str(timeline_data[0]), "--encoder", str(exported / "enc.pt"),
                     "--out", "x.parquet", "--as-of", "1"]) == 2
     assert "--as-of must be in [2, 7]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-layers", "-1"], "argument --num-layers: must be >= 0, got -1"),  # trained an encoder without layers
+    (["--lr", "-1"], "argument --lr: must be a number > 0, got -1"),  # torch's traceback, the run FAILED
+    (["--lr", "nan"], "argument --lr: must be a number > 0, got nan"),
+    (["--max-steps", "-1"], "argument --max-steps: must be >= 0, got -1"),  # logged "-1 steps"
+    (["--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["--cutoff-day", "0"], "--cutoff-day must be in [2, 6]"),  # read as "the default"
+    (["--cutoff-day", "7"], "--cutoff-day must be in [2, 6]"),  # trained on days 1-5, said and timed 1-6
+    (["--no-such-option"], "unrecognized arguments: --no-such-option"),
+])
+def test_bad_encoder_arguments_are_one_line_and_exit_2(timeline_data, tracking, tmp_path, capsys,  # noqa: F811
+                                                        extra, message):
+    args = ["fit", "--data", str(timeline_data[0]), "--out", str(tmp_path / "enc.pt"), *ENCODER, *extra]
+    assert ue_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not all_runs(tracking) and not (tmp_path / "enc.pt").exists()
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("empty", "the file is empty"),
+    ("truncated", "not a readable encoder file, truncated or not written by torch.save"),
+    ("malicious", "holds Python objects other than tensors and plain values"),
+    ("foreign", "not an encoder written by `pipeline.user_embeddings fit` (it lacks one of config"),
+    ("other weights", "not an encoder written by `pipeline.user_embeddings fit` (RuntimeError: Error(s) in loading"),
+])
+def test_bad_encoder_files_are_one_line_and_never_unpickled(exported, timeline_data, tracking, tmp_path,  # noqa: F811
+                                                             capsys, monkeypatch, kind, message):
+    path, good = tmp_path / "enc.pt", (exported / "enc.pt").read_bytes()
+    if kind == "empty":
+        path.touch()
+    elif kind == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif kind == "malicious":
+        torch.save({"config": Payload()}, path)
+    elif kind == "foreign":
+        torch.save({"weights": torch.zeros(3)}, path)
+    else:
+        ckpt = torch.load(exported / "enc.pt", weights_only=True)
+        ckpt["state_dict"] = {k: torch.zeros(1) for k in ckpt["state_dict"]}
+        torch.save(ckpt, path)
+    monkeypatch.chdir(tmp_path)
+    args = ["export", "--data", str(timeline_data[0]), "--encoder", str(path), "--out", str(tmp_path / "e.parquet")]
+    assert ue_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --encoder {path}: ") and message in err[0], err
+    assert not (tmp_path / "PWNED").exists() and not (tmp_path / "e.parquet").exists()
+
+
+@pytest.mark.parametrize("command", ["fit", "export"])
+@pytest.mark.parametrize("store, message", [("hang", "answers /health but not its API"), ("closed", "is unreachable")])
+def test_the_encoder_commands_check_the_tracking_server_first(exported, timeline_data, server, monkeypatch,  # noqa: F811
+                                                              capsys, tmp_path, command, store, message):
+    """Against a server that answers /health but not its API, fit hung 900 s; against an
+    unreachable one it retried for minutes and ended in tracebacks."""
+    import socket
+    import time
+
+    for key in HTTP_BOUNDS:  # recorded, so that what check_tracking sets is undone afterwards
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    if store == "closed":
+        with socket.socket() as sock:  # a port nothing listens on
+            sock.bind(("127.0.0.1", 0))
+            uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    else:
+        uri = server(store)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    data = str(timeline_data[0])
+    args = (["fit", "--data", data, "--out", str(tmp_path / "enc.pt"), *ENCODER] if command == "fit" else
+            ["export", "--data", data, "--encoder", str(exported / "enc.pt"), "--out", str(tmp_path / "e.parquet")])
+    t0 = time.monotonic()
+    assert ue_main(args) == 2
+    assert time.monotonic() - t0 < 30
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: MLflow tracking server") and message in err[0], err
+    assert not (tmp_path / "enc.pt").exists() and not (tmp_path / "e.parquet").exists()
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
