@@ -104,7 +104,7 @@ costmodel: setup ## cost model from SWEEP_OUT: leave-shapes-out eval, runs/tunin
 	$(PY) -m experiments costmodel report --data $(SWEEP_OUT) --out '$(or $(RESULTS),runs)/tuning/<gpu>' $(COSTMODEL_ARGS)
 	$(PY) -m experiments costmodel export --data $(SWEEP_OUT) $(COSTMODEL_ARGS)
 
-sweep: setup ## run one ablation (ABLATION=seq_len|sparsity|history_value|model|auc_parity|compile|smoke; SWEEP_ARGS=...)
+sweep: setup ## run one ablation (ABLATION=main|model|auc_parity|history_value|seq_len|sparsity|batch_size|compile|s2|alure|smoke; SWEEP_ARGS=...)
 	$(PY) -m experiments sweep experiments/ablations/$(ABLATION).yaml $(SWEEP_ARGS)
 
 # a pattern rule (not .PHONY, which would skip it): one target per experiments/ablations/<name>.yaml

@@ -72,7 +72,7 @@ class Histories:
     def self_attention(self, q, k, v, shards=None) -> torch.Tensor:
         """q, k, v [T, H, Dh] or [B, N, H, Dh] -> the same shape; bidirectional within a history.
         shards: an S2 layout (kernels.S2Shards; jagged layout only) or None (every key)."""
-        with record_function("attention/self"):  # a profiler range (experiments.profile); no-op otherwise
+        with record_function("attention/self"):  # a profiler range (pipeline.trace); no-op otherwise
             if not self.padded:
                 return jagged_flash_attention(
                     q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend, shards=shards
@@ -81,7 +81,7 @@ class Histories:
 
     def target_attention(self, q, k, v) -> torch.Tensor:
         """q [B, 1, H, Dh] over k, v in this layout -> [B, 1, H, Dh]; zeros for empty histories."""
-        with record_function("attention/target"):  # a profiler range (experiments.profile); no-op otherwise
+        with record_function("attention/target"):  # a profiler range (pipeline.trace); no-op otherwise
             if not self.padded:
                 return jagged_dense_attention(
                     q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend

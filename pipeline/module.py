@@ -77,9 +77,9 @@ class RankerModule(pl.LightningModule):
         data_spec: sizes and training CTR of the data set (linked from the data module; not set by hand).
         compile_model: run the ranker's forward through torch.compile(dynamic=True): one graph for
             every batch (T symbolic, the jagged kernels opaque custom ops in it); the first step
-            compiles. experiments.profile profiles the eager step whatever this says.
+            compiles.
         cuda_graphs: on a CUDA device, run each training step's forward and backward as the replay
-            of a CUDA graph per token bucket (pipeline/graphs.py): microseconds of host time per
+            of a CUDA graph per token bucket (pipeline/cuda_graphs.py): microseconds of host time per
             step instead of a few hundred kernel launches. Same losses and gradients as the eager
             step; 32-true or bf16-mixed precision; not with compile_model; dense embedding
             gradients only; ignored on CPU. Under DDP the replayed gradients are averaged by one
