@@ -89,8 +89,12 @@ experiment: data ## the main job: dense, sdpa and jagged rankers (ATTENTION=a su
 	  --set 'grid={model.ranker.attention: [$(subst $(space),$(comma)$(space),$(strip $(ATTENTION)))]}' \
 	  --results $(or $(RESULTS),runs) $(EXPERIMENT_ARGS)
 
+# one worker and no job runner (GenAI scorers): MLflow's default, four workers and a runner each importing
+# mlflow at once, answers only after half a minute on two cores
 ui: setup ## serve the MLflow dashboard on 127.0.0.1:PORT (PORT=5000 by default; the same database as the runs)
-	$(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) --host 127.0.0.1 --port $(PORT)
+	@echo "MLflow on http://127.0.0.1:$(PORT): click 'Model training' (top left) once, then an experiment; the links a sweep prints open there"
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(PY) -m mlflow server --backend-store-uri $(MLFLOW_TRACKING_URI) \
+	  --host 127.0.0.1 --port $(PORT) --workers 1
 
 bench: setup ## kernel benchmarks against every peer into runs/kernels/<gpu>/ (SUITE=paper|recsys|long|smoke; GPU; RESULTS=experiments/results for the committed ones)
 	$(PY) -m experiments bench all --suite $(SUITE) --out '$(or $(RESULTS),runs)/kernels/<gpu>' $(BENCH_ARGS)

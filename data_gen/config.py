@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import math
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 LENGTH_DISTS = ("power", "uniform", "lognormal")
@@ -131,6 +132,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                      rows_per_shard=65_536, row_group_size=16_384, users=40_000, days=14,
                      impressions_per_day=2.0),
 }
+
+
+def generate_hint(out: str) -> str:
+    """The command that makes the data set a config names: the preset the folder is named after
+    (`data/<preset>`, what `make data PRESET=<preset>` writes), else a choice of presets."""
+    preset = PurePath(out).name
+    if preset not in PRESETS:
+        return f"`python -m data_gen generate --preset <{'|'.join(PRESETS)}> --out {out}`"
+    data = "" if PurePath(out) == PurePath("data", preset) else f" DATA={out}"
+    return f"`make data PRESET={preset}{data}` or `python -m data_gen generate --preset {preset} --out {out}`"
 
 
 def _field_types() -> dict[str, Any]:

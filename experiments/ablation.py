@@ -74,8 +74,10 @@ class Dataset:
         """The data's digest; generates the data set first if it is absent."""
         if self.preset is None:
             if not self.meta_path.is_file():
+                from data_gen.config import generate_hint
+
                 raise ConfigError(f"no data set at {self.dir} (no meta.json): generate it with "
-                                  f"`python -m data_gen generate --preset ... --out {self.dir}`")
+                                  f"{generate_hint(str(self.dir))}")
         elif self.meta_path.is_file():
             self._check_matches()
         else:

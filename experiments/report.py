@@ -4,8 +4,8 @@
     make report PARENT=seq_len [RESULTS=experiments/results]
 
 Writes ``<out>/ablations/<name>/<device>/``: report.md, report.json (what the summary reads),
-runs.csv and the plots, logged to the parent run with the comparison (metrics per point, the
-baseline's ratios, the table as its description). What each holds: docs/experiments.md.
+runs.csv and the plots, logged to the parent run with the comparison (metrics per point, ratios, the
+table as its description, a saved view of its runs). What each holds: docs/experiments.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import json
 import re
 import tempfile
 import time
-import urllib.parse
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -259,13 +258,10 @@ def report_json(parent: Run, df: pl.DataFrame, axes: list[str], commit: str | No
     }
 
 
-HEADLINE = {  # child metric -> name on the parent
-    "perf/train_examples_per_s": "examples_per_s",
-    "perf/step_time_ms": "step_ms",
-    "mem/train_peak_allocated_mb": "peak_mem_mb",
-    "mem/peak_rss_mb": "peak_rss_mb",
-    "test/auc": "test_auc",
-}
+# child metric -> (its name on the parent and its run's headline/<name>, the decimals shown)
+HEADLINE = {"test/auc": ("test_auc", 4), "perf/train_examples_per_s": ("examples_per_s", 0),
+            "perf/step_time_ms": ("step_ms", 1), "mem/train_peak_allocated_mb": ("peak_mem_mb", 0),
+            "mem/peak_rss_mb": ("peak_rss_mb", 0)}
 _BAD = re.compile(r"[^A-Za-z0-9_.\- ]")  # MLflow metric keys: alphanumerics and _ - . space / :
 
 
@@ -281,10 +277,11 @@ def point_key(row: dict, axes: list[str], series: str | None) -> str:
     return ".".join(parts) or "all"
 
 
-def compare_url(experiment_id: str, run_ids: list[str]) -> str:
-    """MLflow's compare-runs view of these runs, relative to the UI's address."""
-    runs = urllib.parse.quote(json.dumps(run_ids))
-    return f"#/compare-runs?runs={runs}&experiments={urllib.parse.quote(json.dumps([experiment_id]))}"
+def _headline(row: dict) -> dict[str, float]:
+    """A finished run's headline metrics, rounded; the GPU's memory where it ran on one, else the RSS."""
+    gpu = row.get("mem/train_peak_allocated_mb") is not None
+    return {name: round(float(row[metric]), decimals) for metric, (name, decimals) in HEADLINE.items()
+            if row.get(metric) is not None and not (gpu and metric == "mem/peak_rss_mb")}
 
 
 def headline_metrics(df: pl.DataFrame, axes: list[str], series: str | None, ratios: dict,
@@ -293,19 +290,16 @@ def headline_metrics(df: pl.DataFrame, axes: list[str], series: str | None, rati
     out: dict[str, float] = {}
     for row in df.filter(df["status"] == "OK").iter_rows(named=True):
         key = point_key(row, axes, series)
-        gpu = row.get("mem/train_peak_allocated_mb") is not None  # else the process's RSS (CPU)
-        for metric, name in HEADLINE.items():
-            if row.get(metric) is not None and not (gpu and metric == "mem/peak_rss_mb"):
-                out[f"{key}.{name}"] = float(row[metric])
+        out.update({f"{key}.{name}": value for name, value in _headline(row).items()})
     for pair, r in ratios.items():
         base, other = (p.strip() for p in pair.split("/", 1))
         for key_labels, speed, mem in zip(r["key"], r["throughput"], r["memory"]):
             prefix = ".".join(f"{_part(a)}_{_part(v)}" for a, v in zip(ratio_axes, key_labels))
             name = f"{prefix + '.' if prefix else ''}{_part(base)}_over_{_part(other)}"
             if speed is not None:
-                out[f"{name}.speedup"] = float(speed)
+                out[f"{name}.speedup"] = round(float(speed), 2)
             if mem is not None:
-                out[f"{name}.memory_saving"] = float(mem)
+                out[f"{name}.memory_saving"] = round(float(mem), 2)
     return out
 
 
@@ -318,24 +312,30 @@ def html_table(header: list[str], rows: list[list[str]]) -> str:
 
 def log_comparison(client: MlflowClient, parent: Run, df: pl.DataFrame, axes: list[str], series: str | None,
                    ratios: dict, ratio_axes: list[str], table: tuple[list[str], list[list[str]]],
-                   title: str) -> dict[str, float]:
-    """Put the comparison on the parent run (see the module docstring); returns its metrics."""
+                   title: str) -> str:
+    """Put the comparison on the parent run (see the module docstring) and a view of its runs (their
+    headline metrics, the parent's ratios); returns the view's link."""
     from mlflow.entities import Metric
 
-    run_id, exp = parent.info.run_id, parent.info.experiment_id
+    from pipeline.tracking import save_runs_view
+
+    run_id, now = parent.info.run_id, int(time.time() * 1000)
     metrics = headline_metrics(df, axes, series, ratios, ratio_axes)
-    now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in sorted(metrics.items())])
+    shown = {row["run_id"]: _headline(row) for row in df.filter(df["status"] == "OK").iter_rows(named=True)}
+    view = save_runs_view(parent.info.experiment_id, parent.data.tags.get("sweep.name", parent.info.run_name),
+                          [run_id, *filter(None, df["run_id"])], shown,  # and the ratios of the series alone:
+                          [k for k in metrics if k.endswith(".speedup") and k.count(".") == 1], client=client)
     header, rows = table
     md = runs_.markdown_table(header, rows)
-    children = [r for r in df["run_id"].to_list() if r]
-    note = (f"**{title}**\n\n{md}\n\n[Compare the {len(children)} runs side by side]"
-            f"({compare_url(exp, children)}) · headline metrics of every point are this run's metrics "
-            "(`<point>.examples_per_s`, `<point>.<baseline>_over_<other>.speedup`, ...)\n")
+    note = (f"**{title}**\n\n{md}\n\n[The runs side by side]({view}) (their headline metrics first) · "
+            "headline metrics of every point are this run's metrics (`<point>.examples_per_s`, "
+            "`<point>.<baseline>_over_<other>.speedup`, ...)\n")
     client.set_tag(run_id, "mlflow.note.content", note)
+    client.set_tag(run_id, "sweep.view", view)
     client.log_text(run_id, f"# {title}\n\n{md}\n", "comparison/comparison.md")
     client.log_text(run_id, html_table(header, rows), "comparison/comparison.html")
-    return metrics
+    return view
 
 
 def write_table(root: Path, abl, parent: Run, df: pl.DataFrame, table: tuple[list, list], total_s: float) -> str:
@@ -391,6 +391,6 @@ def main(argv: list[str] | None = None) -> int:
         parent = runs_.find_parent(client, args.parent)
         out = write_report(parent, Path(args.out), args.commit, log=not args.no_log)
     print((out / "report.md").read_text())
-    print(f"written to {out}/ and logged to parent run {parent.info.run_id} (artifacts: report/)"
-          if not args.no_log else f"written to {out}/")
+    print(f"written to {out}/ and logged to parent run {parent.info.run_id} (artifacts: report/; its runs in the view "
+          f"{parent.data.tags.get('sweep.name', parent.info.run_name)})" if not args.no_log else f"written to {out}/")
     return 0

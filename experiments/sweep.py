@@ -30,7 +30,7 @@ from experiments.ablation import (Ablation, Point, cli_value, code_version, fit_
                                  split_set)
 from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
                               lock_path, safe_name, sqlite_file, stream)
-from experiments.report import compare_url, write_table
+from experiments.report import write_table
 from pipeline.errors import ConfigError, command
 from pipeline.runenv import REPO_ROOT
 
@@ -359,30 +359,31 @@ class Sweep:
         counts = Counter(results.values())
         bad = any(s not in ("OK", "OOM") for s in results.values())
         self.client.set_terminated(parent_id, "KILLED" if "NOT RUN" in counts else "FAILED" if bad else "FINISHED")
-        compare = self.report_on_parent(parent_id, [r[-1] for r in rows if len(r[-1]) == 32])
+        links = self.report_on_parent(parent_id)
         print(f"\n{runs_.text_table(header, rows)}\n")
         print(f"{self.abl.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
         print(f"MLflow tracking URI: {self.uri}; experiment '{self.abl.experiment}', parent run {parent_id}")
-        print(f"  in `make ui`: http://127.0.0.1:5000/#/experiments/{self.experiment_id}/runs/{parent_id} "
-              f"(the comparison), http://127.0.0.1:5000/{compare} (side by side)")
+        print(f"  in `make ui`: {links}")
         if self.args.results:
             print(write_table(Path(self.args.results), self.abl, self.client.get_run(parent_id), self._frame,
                               (header, rows), time.monotonic() - self.t_start))
         print(f"report: python -m experiments report --parent {self.abl.name}   (make report PARENT={self.abl.name})")
         return 1 if bad else 0
 
-    def report_on_parent(self, parent_id: str, child_ids: list[str]) -> str:
-        """The report's table, plots and headline metrics on the parent (experiments.report);
-        returns the compare view's link. A failure is reported, not raised: the runs are safe."""
+    def report_on_parent(self, parent_id: str) -> str:
+        """The report's table, plots and headline metrics on the parent and its view of the runs
+        (experiments.report); returns their links. A failure is reported, not raised: the runs are safe."""
         from experiments.report import write_report
+        from pipeline.tracking import UI_ADDRESS, ui_link
 
-        parent = self.client.get_run(parent_id)
+        links = f"{UI_ADDRESS}/{ui_link(self.experiment_id, parent_id)} (the parent run)"
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                write_report(parent, Path(tmp), log=True)
+                write_report(self.client.get_run(parent_id), Path(tmp), log=True)
         except Exception as err:  # noqa: BLE001
             print(f"warning: the comparison could not be logged on the parent run: {err}", file=sys.stderr)
-        return compare_url(parent.info.experiment_id, child_ids)
+            return links
+        return f"{UI_ADDRESS}/{self.client.get_run(parent_id).data.tags['sweep.view']} (the comparison), {links}"
 
     def summary(self, parent_id: str) -> tuple[list[str], list[list[str]]]:
         """Every point of the grid: its best run, or a row saying it has not run."""

@@ -19,6 +19,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from data_gen.config import generate_hint
 from data_gen.schema import DataValidationError, is_timeline, validate_dataset
 from models.config import UserEmbeddingConfig
 from pipeline.batches import BatchDataset, EpochBatchSampler, JaggedSplit
@@ -196,8 +197,7 @@ def _check_data_dir(data_dir: str) -> dict:
     full check (checksums, values) runs in ``read_split`` when a split is loaded."""
     path = Path(data_dir)
     if not (path / "meta.json").is_file():
-        raise ConfigError(f"no data set at {data_dir!r} (no meta.json): generate it with `make data` or "
-                          f"`python -m data_gen generate --preset small --out {data_dir}`")
+        raise ConfigError(f"no data set at {data_dir!r} (no meta.json): generate it with {generate_hint(data_dir)}")
     try:
         return validate_dataset(path, check_digest=False, deep=False)
     except (DataValidationError, OSError) as err:
@@ -206,4 +206,4 @@ def _check_data_dir(data_dir: str) -> dict:
 
 def _invalid(data_dir: str, err: Exception) -> str:
     return (f"invalid data set at {data_dir!r}: {err}. Check it with `python -m data_gen validate {data_dir}`"
-            f" or delete it and generate it again (`python -m data_gen generate --preset ... --out {data_dir}`)")
+            f" or delete it and generate it again ({generate_hint(data_dir)})")

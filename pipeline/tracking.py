@@ -149,7 +149,10 @@ class MLflowRun(pl.Callback):
 
 
 KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
-UI_QUERY = "workflowType=machine_learning"  # MLflow 3.17's UI: the model-training view, whatever the browser chose
+# MLflow 3.17's UI opens every experiment in the view its workflow switch holds (GenAI for a new
+# browser), whatever the kind tag says; a link that names the view opens there
+UI_QUERY = "workflowType=machine_learning"
+UI_ADDRESS = "http://127.0.0.1:5000"  # `make ui`'s
 
 
 def use_experiment(name: str) -> str:
@@ -161,20 +164,37 @@ def use_experiment(name: str) -> str:
     return experiment.experiment_id
 
 
-def save_runs_view(experiment_id: str, name: str, columns: list[str], order_by: str = "attributes.start_time",
-                   ascending: bool = False, client: MlflowClient | None = None) -> str:
-    """A saved view of the experiment's runs list (the UI's Views menu): `columns` in this order (keys
-    as the UI writes them: "metrics.`test/auc`", "params.`data.batch_size`", "tags.`attention`"),
-    the runs sorted by `order_by`. Returns its link relative to the UI's address."""
-    key = re.sub(r"[^A-Za-z0-9_-]", "-", name)
-    state = {"searchFilter": "", "orderByKey": order_by, "orderByAsc": ascending, "startTime": "ALL",
-             "lifecycleFilter": "Active", "datasetsFilter": [], "modelVersionFilter": "All Runs",
-             "selectedColumns": columns, "columnOrder": columns, "columnWidths": {c: 180 for c in columns}}
-    now = int(time.time() * 1000)
+def ui_link(experiment_id: str, run_id: str | None = None) -> str:
+    """The UI's page of a run (the runs list without one), in the model-training view; relative to
+    the UI's address."""
+    return f"#/experiments/{experiment_id}/runs{'/' + run_id if run_id else ''}?{UI_QUERY}"
+
+
+def save_runs_view(experiment_id: str, name: str, run_ids: list[str], shown: dict[str, dict[str, float]],
+                   columns: list[str] = (), client: MlflowClient | None = None) -> str:
+    """A saved view of the experiment's runs list (the UI's Views menu): the runs `run_ids` in this
+    order (tagged `view.order`: the UI leaves pinned rows out of a shared view, and sorted by start
+    time nests children under a collapsed parent); as columns each run's `shown` values, logged on it
+    as `headline/<key>` (the runs table prints every digit a metric has: give them rounded), then the
+    metrics `columns`. Returns its link relative to the UI's address."""
+    from mlflow.entities import Metric
+
+    client, now, keys = client or MlflowClient(tracking_uri()), int(time.time() * 1000), {}
+    for i, run_id in enumerate(run_ids):
+        client.set_tag(run_id, "view.order", str(i).zfill(len(str(len(run_ids)))))
+        values = {f"headline/{k}": v for k, v in shown.get(run_id, {}).items()}
+        client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in values.items()])
+        keys.update(dict.fromkeys(values))
+    columns = [f"metrics.`{k}`" for k in [*keys, *columns]]
+    widths = {c: 7 * len(c) - 38 for c in columns}  # the header, the key without metrics.``, fits
+    state = {"searchFilter": f"attributes.run_id IN ({', '.join(repr(r) for r in run_ids)})",
+             "orderByKey": "tags.`view.order`", "orderByAsc": True, "startTime": "ALL", "lifecycleFilter": "Active",
+             "datasetsFilter": [], "modelVersionFilter": "All Runs", "selectedColumns": columns,
+             "columnOrder": columns, "columnWidths": widths}
     view = {"name": name, "createdAt": now, "updatedAt": now, "state": json.dumps(state)}
-    (client or MlflowClient(tracking_uri())).set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{key}",
-                                                                json.dumps(view))
-    return f"#/experiments/{experiment_id}/runs?{UI_QUERY}&viewStateShareKey={key}"
+    key = re.sub(r"[^A-Za-z0-9_-]", "-", name)
+    client.set_experiment_tag(experiment_id, f"mlflow.sharedViewState.{key}", json.dumps(view))
+    return f"{ui_link(experiment_id)}&viewStateShareKey={key}"
 
 
 @contextmanager

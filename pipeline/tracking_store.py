@@ -66,10 +66,13 @@ def check_tracking(uri: str, timeout_s: float = 5.0) -> None:
 
 def open_store(uri: str) -> None:
     """Open the database store at `uri` once (creating its tables if it is new)."""
+    import logging
+
     import sqlalchemy.exc
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)  # "Creating initial MLflow database tables"
     try:
         for attempt in range(_RACE_RETRIES + 1):
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -275,3 +276,23 @@ def test_the_auc_axis_says_when_it_is_zoomed(tmp_path, monkeypatch):
     df = pl.DataFrame({"x": ["64", "256"], "status": ["OK", "OK"], "test/auc": [0.2, 0.9]})
     plots.line_plot(df, "x", ["64", "256"], [], "test/auc", "test AUC", "Test AUC", tmp_path / "b.png", baseline=0.5)
     assert figs[-1].axes[0].get_ylabel() == "test AUC"
+
+
+_WRITES = re.compile(r"--(?:out|results|perf\.trace_dir) +'?([^' ]+)")
+
+
+@pytest.mark.parametrize("target", ["experiment", "report", "bench", "costmodel", "profile", "config-sweep", "data",
+                                    "user-embeddings"])
+def test_a_make_target_writes_only_where_git_ignores_unless_told_where(target):
+    """`make report PARENT=main-small` wrote an untracked folder under experiments/results/: every
+    place a target writes by default is git-ignored (RESULTS=experiments/results names the committed one)."""
+    dry = subprocess.run(["make", "-n", target, "SETUP=none", "PY=python3", "PARENT=x"], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout
+    paths = [p.replace("<gpu>", "h100-80gb-hbm3").replace("$a", "jagged") for p in _WRITES.findall(dry)]
+    assert paths, dry
+    for path in paths:
+        probe = subprocess.run(["git", "check-ignore", "-q", "--no-index", f"{path}/report.md"], cwd=REPO)
+        assert probe.returncode == 0, f"make {target} writes into {path}, which git does not ignore"
+    told = subprocess.run(["make", "-n", target, "SETUP=none", "PY=python3", "PARENT=x", "RESULTS=elsewhere"],
+                          cwd=REPO, check=True, capture_output=True, text=True).stdout
+    assert target in ("data", "user-embeddings", "config-sweep") or "elsewhere" in told

@@ -128,7 +128,7 @@ def _free_port() -> int:
     [
         (["--model.ranker.attention", "flash"], None, "Expected a typing.Literal.*Got value: flash"),
         (["--data.max_seq_len", "0"], None, "data.max_seq_len must be > 0"),
-        (["--data.data_dir", "/nonexistent/data"], None, "no data set at.*make data"),
+        (["--data.data_dir", "/nonexistent/data"], None, "no data set at.*generate it with"),
         (["--trainer.no_such_key", "1"], None, "unrecognized arguments: --trainer.no_such_key"),
         ([], "http://127.0.0.1:{port}", "tracking server .* is unreachable"),
         (["--ckpt_path", "/nonexistent.ckpt"], None, "no such checkpoint"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from data_gen.schema import read_split
 from pipeline.batches import EpochBatchSampler, JaggedSplit
@@ -89,12 +90,28 @@ def test_datamodule_batches_and_spec(tiny):
     [
         (dict(max_seq_len=0), "max_seq_len must be > 0"),
         (dict(batch_size=0), "batch_size"),
-        (dict(data_dir="/nonexistent/data"), "no data set at .*make data"),
+        (dict(data_dir="/nonexistent/data"), "no data set at .*generate it with .*--preset <tiny|small"),
     ],
 )
 def test_bad_arguments_say_what_to_fix(tiny, kwargs, match):
     with pytest.raises(ConfigError, match=match):
         RankerData(**{"data_dir": str(tiny), **kwargs})
+
+
+_CONFIG_DATA = {c.name: yaml.safe_load(c.read_text())["data"]["data_dir"]
+                for c in sorted((REPO / "experiments" / "configs").glob("*.yaml"))
+                if "data_dir" in (yaml.safe_load(c.read_text()).get("data") or {})}
+
+
+@pytest.mark.parametrize("config", list(_CONFIG_DATA))
+def test_the_hint_for_absent_data_names_the_preset_the_config_asks_for(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    data_dir = _CONFIG_DATA[config]
+    preset = Path(data_dir).name
+    with pytest.raises(ConfigError) as err:
+        RankerData(data_dir=data_dir)
+    assert f"`make data PRESET={preset}` or `python -m data_gen generate --preset {preset} --out {data_dir}`" \
+        in str(err.value)
 
 
 def test_invalid_data_set_is_refused(tiny, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -111,8 +112,7 @@ def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_fac
     proc = subprocess.run(cmd, cwd=REPO, env=_env(uri), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    for text in ("attention", "test AUC", "train ex/s", "peak RSS (MB)", "wall (s)", "MLflow tracking URI", "make ui",
-                 "#/compare-runs?runs="):
+    for text in ("attention", "test AUC", "train ex/s", "peak RSS (MB)", "wall (s)", "MLflow tracking URI", "make ui"):
         assert text in out, text
     md = (results / "training" / "cpu" / "main-tiny.md").read_text()
     assert "| dense | OK |" in md and "| jagged | OK |" in md and "git commit" in md
@@ -124,15 +124,30 @@ def test_main_job_puts_the_comparison_on_its_parent(tiny, tmp_path, tmp_path_fac
     assert all(r.info.status == "FINISHED" for r in runs.values())
     parent = runs["main-tiny"]
     assert runs["2 jagged"].data.tags["mlflow.parentRunId"] == parent.info.run_id
-    m = parent.data.metrics
-    for attention in ("dense", "jagged"):
-        assert m[f"{attention}.examples_per_s"] == runs[f"{'1' if attention == 'dense' else '2'} {attention}"].data.metrics[
-            "perf/train_examples_per_s"]
-        assert 0 < m[f"{attention}.test_auc"] < 1 and m[f"{attention}.peak_rss_mb"] > 0
-    assert m["jagged_over_dense.speedup"] == pytest.approx(m["jagged.examples_per_s"] / m["dense.examples_per_s"])
-    assert m["jagged_over_dense.memory_saving"] == pytest.approx(m["dense.peak_rss_mb"] / m["jagged.peak_rss_mb"])
+    m, raw = parent.data.metrics, {a: runs[f"{i} {a}"].data.metrics for i, a in ((1, "dense"), (2, "jagged"))}
+    for attention, child in raw.items():  # as shown: rounded (MLflow's tables print every digit)
+        for key, name, decimals in (("test/auc", "test_auc", 4), ("perf/train_examples_per_s", "examples_per_s", 0),
+                                    ("perf/step_time_ms", "step_ms", 1), ("mem/peak_rss_mb", "peak_rss_mb", 0)):
+            assert m[f"{attention}.{name}"] == child[f"headline/{name}"] == round(child[key], decimals), (attention, key)
+    speed = raw["jagged"]["perf/train_examples_per_s"] / raw["dense"]["perf/train_examples_per_s"]
+    assert m["jagged_over_dense.speedup"] == pytest.approx(speed, abs=0.005)
+    assert m["jagged_over_dense.memory_saving"] == pytest.approx(
+        raw["dense"]["mem/peak_rss_mb"] / raw["jagged"]["mem/peak_rss_mb"], abs=0.005)
+    # the comparison's view: these runs, the parent first, the headline columns, its link printed and in the note
+    exp = client.get_experiment(exp.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    state = json.loads(json.loads(exp.tags["mlflow.sharedViewState.main-tiny"])["state"])
+    assert state["selectedColumns"] == [f"metrics.`{k}`" for k in ("headline/test_auc", "headline/examples_per_s",
+                                        "headline/step_ms", "headline/peak_rss_mb", "jagged_over_dense.speedup")]
+    shown = client.search_runs([exp.experiment_id], state["searchFilter"],
+                               order_by=[f"{state['orderByKey']} {'ASC' if state['orderByAsc'] else 'DESC'}"])
+    assert [r.info.run_name for r in shown] == ["main-tiny", "1 dense", "2 jagged"]
+    view = parent.data.tags["sweep.view"]
+    assert view == f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=main-tiny"
+    parent_link = f"#/experiments/{exp.experiment_id}/runs/{parent.info.run_id}?workflowType=machine_learning"
+    assert f"http://127.0.0.1:5000/{view} (the comparison)" in out and f"5000/{parent_link} (the parent run)" in out
     note = parent.data.tags["mlflow.note.content"]
-    assert "| dense |" in note and "| jagged |" in note and "#/compare-runs?runs=" in note
+    assert "| dense |" in note and "| jagged |" in note and f"]({view})" in note
     arts = {f.path for f in client.list_artifacts(parent.info.run_id, "comparison")}
     assert arts == {"comparison/comparison.md", "comparison/comparison.html"}
     report = {f.path for f in client.list_artifacts(parent.info.run_id, "report")}
@@ -229,8 +244,6 @@ def test_the_projects_experiments_open_as_model_training_with_a_saved_view(tmp_p
     """MLflow 3.17 opens an experiment in its GenAI view unless told otherwise: every experiment a
     run of the pipeline starts in is tagged mlflow.experimentKind, and a saved view of the runs list
     shows the given columns in their order (what the UI's Views menu and the link open)."""
-    import json
-
     from pipeline.tracking import MLflowRun, end_run, save_runs_view
 
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
@@ -240,10 +253,15 @@ def test_the_projects_experiments_open_as_model_training_with_a_saved_view(tmp_p
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("kind")
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
-    columns = ["metrics.`test/auc`", "metrics.`perf/train_examples_per_s`"]
-    link = save_runs_view(exp.experiment_id, "main small", columns, order_by="tags.`sweep.role`")
+    ids = [client.create_run(exp.experiment_id, run_name=f"r{i}").info.run_id for i in range(11)][::-1]
+    shown = {ids[1]: {"test_auc": 0.6123, "step_ms": 12.5}, ids[2]: {"test_auc": 0.6}}
+    link = save_runs_view(exp.experiment_id, "main small", ids, shown, ["x_over_y.speedup"])
     assert link == f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=main-small"
     view = json.loads(client.get_experiment(exp.experiment_id).tags["mlflow.sharedViewState.main-small"])
     state = json.loads(view["state"])
+    columns = ["metrics.`headline/test_auc`", "metrics.`headline/step_ms`", "metrics.`x_over_y.speedup`"]
     assert view["name"] == "main small" and state["selectedColumns"] == state["columnOrder"] == columns
-    assert state["orderByKey"] == "tags.`sweep.role`" and state["orderByAsc"] is False
+    rows = client.search_runs([exp.experiment_id], state["searchFilter"],  # these runs, in this order
+                              order_by=[f"{state['orderByKey']} {'ASC' if state['orderByAsc'] else 'DESC'}"])
+    assert [r.info.run_id for r in rows] == ids
+    assert rows[1].data.metrics == {"headline/test_auc": 0.6123, "headline/step_ms": 12.5}
