@@ -24,6 +24,7 @@ import torch
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from pipeline.dist import all_reduce, world_size
+from pipeline.errors import outliving_readers
 
 CHECK_EVERY = 50  # batches between two agreements of the ranks (one all-reduce and one host sync each)
 GRACE_S = 30.0  # after SIGTERM or SIGINT: the time to stop cleanly before the watchdog ends the process
@@ -151,7 +152,8 @@ class _Watchdog(threading.Thread):
 @contextlib.contextmanager
 def handling_signals(force_end: Callable[[int, str, str], None]) -> Iterator[None]:
     """SIGTERM sets the flag (see the module docstring) and the watchdog runs while the block does;
-    the previous handler and wakeup fd come back afterwards. `force_end` must end the process."""
+    the previous handler and wakeup fd come back afterwards. `force_end` must end the process.
+    A reader of stdout or stderr that goes away does not end it (:func:`~pipeline.errors.outliving_readers`)."""
     _state.requested = False
     watchdog = _Watchdog(force_end)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -159,7 +161,8 @@ def handling_signals(force_end: Callable[[int, str, str], None]) -> Iterator[Non
     _state.watchdog = watchdog
     watchdog.start()
     try:
-        yield
+        with outliving_readers():
+            yield
     finally:
         watchdog.stop()
         _state.watchdog = _state.trainer = None
