@@ -251,9 +251,12 @@ def test_a_sweep_whose_reader_goes_away_finishes_and_records_its_run(smoke, tmp_
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "experiments", "sweep", *smoke.argv, "--where", "max_seq_len=16"]
     driver = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    driver.stdout.readline()
-    driver.stdout.close()
-    assert driver.wait(timeout=600) == 0
+    try:
+        driver.stdout.readline()
+        driver.stdout.close()
+        assert driver.wait(timeout=600) == 0
+    finally:
+        driver.kill()  # no sweep outlives a failed test (its runs follow it: PR_SET_PDEATHSIG)
     (run,) = children(uri, the_parent(uri).info.run_id)["attention=jagged/max_seq_len=16"]
     assert run.info.status == "FINISHED" and run.data.tags["status"] == "OK"
     logged = {f.path for f in MlflowClient(uri).list_artifacts(run.info.run_id, "sweep")}
