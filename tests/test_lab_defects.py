@@ -147,13 +147,16 @@ def test_a_bad_ablation_file_is_one_line_and_builds_nothing(tmp_path, capsys, te
     assert not marker.exists()
 
 
-def test_a_python_tag_in_set_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("value, where", [('!!python/object/apply:os.system ["touch {marker}"]', "python/object"),
+                                          ("[1, 2", "line 1: expected ',' or ']'")])
+def test_a_python_tag_or_bad_yaml_in_set_is_refused(tmp_path, capsys, value, where):
     marker = tmp_path / "marker"
     argv = [str(REPO / "experiments" / "ablations" / "smoke.yaml"), "--dry-run",
-            "--set", f'trainer.max_steps=!!python/object/apply:os.system ["touch {marker}"]']
+            "--set", "trainer.max_steps=" + value.replace("{marker}", str(marker))]
     assert sweep.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --set trainer.max_steps=") and err.count("\n") == 1 and not marker.exists()
+    assert where in err and "Traceback" not in err, err
 
 
 def test_report_on_a_damaged_store_is_one_line(tmp_path, tmp_path_factory, monkeypatch, capsys):
