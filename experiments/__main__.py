@@ -41,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         print(f"error: unknown verb {verb!r}\n\n{usage()}", file=sys.stderr, end="")
         return 2
-    if verb in DRIVERS:
-        from experiments.proc import outlive_readers, sigterm_as_interrupt
+    if verb not in DRIVERS:
+        return importlib.import_module(VERBS[verb][0]).main(rest) or 0
+    from experiments.proc import sigterm_as_interrupt
+    from pipeline.errors import outliving_readers  # the driver and its runs go on without a reader
 
-        sigterm_as_interrupt()
-        outlive_readers()
-    module = importlib.import_module(VERBS[verb][0])
-    return module.main(rest) or 0
+    sigterm_as_interrupt()
+    with outliving_readers():
+        return importlib.import_module(VERBS[verb][0]).main(rest) or 0
 
 
 if __name__ == "__main__":

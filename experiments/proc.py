@@ -224,36 +224,6 @@ def child_env(tags: dict[str, str]) -> dict[str, str]:
     return env
 
 
-class _Unread:
-    """stdout or stderr of a driver whose reader may go away (``| head``): from the first broken
-    pipe on its descriptor points at /dev/null, and the driver and its runs go on."""
-
-    def __init__(self, stream: TextIO):
-        self._stream = stream
-
-    def _call(self, name: str, *args):
-        try:
-            return getattr(self._stream, name)(*args)
-        except BrokenPipeError:
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())
-            os.close(null)
-            return 0
-
-    def write(self, text: str) -> int:
-        return self._call("write", text) or len(text)
-
-    def flush(self) -> None:
-        self._call("flush")
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-def outlive_readers() -> None:
-    sys.stdout, sys.stderr = _Unread(sys.stdout), _Unread(sys.stderr)
-
-
 def sigterm_as_interrupt() -> None:
     """`timeout`, `kill` or a batch system end a driver like Ctrl-C: the run in flight is stopped
     (its loader workers too) and recorded KILLED, instead of living on as an orphan on the GPU."""

@@ -72,7 +72,7 @@ class EncoderData(RankerData):
             raise ConfigError(f"{data_dir!r} is per-example data: user embeddings need a timeline data set "
                               "(python -m data_gen generate --preset timeline ...)")
         self.days = int(self.meta["config"]["days"])
-        first_val = split_days(self.days)["val"][0]
+        first_val, self.val_day = split_days(self.days)["val"]  # validation is this day whatever the cut-off
         self.cutoff_day = first_val if cutoff_day is None else cutoff_day
         if not 2 <= self.cutoff_day <= first_val:  # training reads the training split: the days before first_val
             raise ConfigError(f"--cutoff-day must be in [2, {first_val}] (train on the days before it; the days "
@@ -190,7 +190,8 @@ def fit(args) -> dict:
                        log_every_n_steps=1)  # the module logs train/loss itself, every --log-every steps
     device = trainer.strategy.root_device
     mlflow.log_params({**asdict(cfg), "cutoff_day": cutoff, "batch_size": args.batch_size, "lr": args.lr,
-                       "epochs": args.epochs, "steps": steps, "seed": args.seed, "device": device.type})
+                       "epochs": args.epochs, "steps": steps, "seed": args.seed, "device": device.type,
+                       "val_day": data.val_day})
     print(f"encoder: {len(rows):,} impressions of days 1..{cutoff - 1}, {steps} steps of {args.batch_size} "
           f"on {device.type}, histories up to {cfg.max_seq_len} items; MLflow run {run_id}", flush=True)
     with warnings.catch_warnings():  # validation comes once, after training (below)
@@ -198,7 +199,7 @@ def fit(args) -> dict:
         trainer.fit(module, train_dataloaders=data.train_dataloader())
     trainer.validate(module, dataloaders=data.val_dataloader(), verbose=False)
     val_auc = float(trainer.callback_metrics["val/auc"])
-    train_s, days_trained = module.train_s, cutoff - 1
+    train_s, days_trained, val_day = module.train_s, cutoff - 1, data.val_day
     results = {"val/auc": val_auc, "train/examples_per_s": module.seen / train_s,
                "train/tokens_per_s": module.tokens / train_s, "train/seconds": train_s,
                # one day of data: the impressions of an average training day, at the measured rate
@@ -211,11 +212,11 @@ def fit(args) -> dict:
                 "n_actions": spec["n_actions"]}, out)
     mlflow.set_tag("encoder_path", str(out.resolve()))
     record = {"run_id": run_id, "device": _device(trainer), "commit": git_commit(), "data_digest": spec["digest"],
-              "cutoff_day": cutoff, "days_trained": days_trained, "impressions": int(len(rows)),
+              "cutoff_day": cutoff, "days_trained": days_trained, "val_day": val_day, "impressions": int(len(rows)),
               "steps": trainer.global_step, "config": asdict(cfg), "batch_size": args.batch_size, "results": results}
     Path(f"{out}.json").write_text(json.dumps(record, indent=1) + "\n")  # the encoder's cost, for reports
     end_run("FINISHED")
-    print(f"encoder: val AUC {val_auc:.4f} (day {cutoff} impressions: click from u and the candidate), "
+    print(f"encoder: val AUC {val_auc:.4f} (day {val_day} impressions: click from u and the candidate), "
           f"{results['train/examples_per_s']:,.0f} examples/s, {results['train/seconds_per_day']:.1f} s per day of "
           f"data; wrote {out}")
     return {**results, "path": str(out), "run_id": run_id}

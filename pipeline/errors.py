@@ -1,13 +1,17 @@
 """The error types of the pipeline's pre-flight checks (ConfigError) and of a run that cannot go on
-(RunError), the commands' handling of the first, and the check of an output directory."""
+(RunError), the commands' handling of the first and of a reader that goes away, and the check of an
+output directory."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 
 class ConfigError(ValueError):
@@ -49,3 +53,41 @@ def check_writable(option: str, path: str | None) -> None:
     except OSError as err:
         raise ConfigError(f"{option} {path}: cannot write into {existing} ({err.strerror or err}); "
                           f"choose a writable directory with {option}") from None
+
+
+class _Unread:
+    """stdout or stderr whose reader may go away (``| head``): Python ignores SIGPIPE, so the next
+    write would raise BrokenPipeError and fail a run that trains on; from the first broken pipe on
+    its descriptor points at /dev/null and the command goes on."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def _call(self, name: str, *args):
+        try:
+            return getattr(self._stream, name)(*args)
+        except BrokenPipeError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+            return 0
+
+    def write(self, text: str) -> int:
+        return self._call("write", text) or len(text)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def outliving_readers() -> Iterator[None]:
+    """sys.stdout and sys.stderr outlive their readers while the block runs (see _Unread)."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Unread(sys.stdout), _Unread(sys.stderr)
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved

@@ -21,9 +21,11 @@ from collections.abc import Callable, Iterator
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.strategies.launchers import subprocess_script
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
 from pipeline.dist import all_reduce, world_size
+from pipeline.errors import outliving_readers
 
 CHECK_EVERY = 50  # batches between two agreements of the ranks (one all-reduce and one host sync each)
 GRACE_S = 30.0  # after SIGTERM or SIGINT: the time to stop cleanly before the watchdog ends the process
@@ -55,6 +57,13 @@ def _flag_only(signum, frame) -> None:
     # replaces Lightning's SIGTERM notifier, which broadcasts from inside the handler on this
     # rank alone (a collective no other rank matches) and forwards the signal to the local ranks
     _state.requested = True
+
+
+def _no_observer(child_processes) -> None:
+    # replaces Lightning's observer of the ranks it launches, which SIGKILLs this process as soon
+    # as one of them exits non-zero (143 at an agreed stop, while this one still ends its MLflow
+    # run): exit -9 and the run left RUNNING. The watchdog watches the local peers instead.
+    return None
 
 
 def _no_broadcast() -> None:
@@ -150,19 +159,24 @@ class _Watchdog(threading.Thread):
 
 @contextlib.contextmanager
 def handling_signals(force_end: Callable[[int, str, str], None]) -> Iterator[None]:
-    """SIGTERM sets the flag (see the module docstring) and the watchdog runs while the block does;
-    the previous handler and wakeup fd come back afterwards. `force_end` must end the process."""
+    """SIGTERM sets the flag (see the module docstring) and the watchdog runs while the block does,
+    in place of Lightning's process observer; the previous handler and wakeup fd come back afterwards. `force_end` must end the process.
+    A reader of stdout or stderr that goes away does not end it (:func:`~pipeline.errors.outliving_readers`)."""
     _state.requested = False
     watchdog = _Watchdog(force_end)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     previous_fd = signal.set_wakeup_fd(watchdog.writer.fileno(), warn_on_full_buffer=False)
     _state.watchdog = watchdog
+    observer = subprocess_script._launch_process_observer
+    subprocess_script._launch_process_observer = _no_observer
     watchdog.start()
     try:
-        yield
+        with outliving_readers():
+            yield
     finally:
         watchdog.stop()
         _state.watchdog = _state.trainer = None
+        subprocess_script._launch_process_observer = observer
         signal.set_wakeup_fd(previous_fd)
         signal.signal(signal.SIGTERM, previous)
 

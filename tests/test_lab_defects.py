@@ -148,13 +148,16 @@ def test_a_bad_ablation_file_is_one_line_and_builds_nothing(tmp_path, capsys, te
     assert not marker.exists()
 
 
-def test_a_python_tag_in_set_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("value, where", [('!!python/object/apply:os.system ["touch {marker}"]', "python/object"),
+                                          ("[1, 2", "line 1: expected ',' or ']'")])
+def test_a_python_tag_or_bad_yaml_in_set_is_refused(tmp_path, capsys, value, where):
     marker = tmp_path / "marker"
     argv = [str(REPO / "experiments" / "ablations" / "smoke.yaml"), "--dry-run",
-            "--set", f'trainer.max_steps=!!python/object/apply:os.system ["touch {marker}"]']
+            "--set", "trainer.max_steps=" + value.replace("{marker}", str(marker))]
     assert sweep.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --set trainer.max_steps=") and err.count("\n") == 1 and not marker.exists()
+    assert where in err and "Traceback" not in err, err
 
 
 def test_report_on_a_damaged_store_is_one_line(tmp_path, tmp_path_factory, monkeypatch, capsys):
@@ -252,9 +255,12 @@ def test_a_sweep_whose_reader_goes_away_finishes_and_records_its_run(smoke, tmp_
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "experiments", "sweep", *smoke.argv, "--where", "max_seq_len=16"]
     driver = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    driver.stdout.readline()
-    driver.stdout.close()
-    assert driver.wait(timeout=600) == 0
+    try:
+        driver.stdout.readline()
+        driver.stdout.close()
+        assert driver.wait(timeout=600) == 0
+    finally:
+        driver.kill()  # no sweep outlives a failed test (its runs follow it: PR_SET_PDEATHSIG)
     (run,) = children(uri, the_parent(uri).info.run_id)["attention=jagged/max_seq_len=16"]
     assert run.info.status == "FINISHED" and run.data.tags["status"] == "OK"
     logged = {f.path for f in MlflowClient(uri).list_artifacts(run.info.run_id, "sweep")}

@@ -327,10 +327,32 @@ def test_sigterm_ends_fit_with_143_and_a_killed_run(tiny, tmp_path, tmp_path_fac
             break
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # no training process outlives a failed test
     assert proc.returncode == 143, err[-3000:]
     assert "stopped by SIGTERM" in err and "Traceback" not in err
     assert all_runs(uri)["long"].info.status == "KILLED"
+
+
+@pytest.mark.slow
+def test_a_fit_whose_reader_goes_away_finishes_and_records_its_run(tiny, tmp_path, tmp_path_factory):
+    """`pipeline fit ... | head -1`: the next print raised BrokenPipeError, the finished training
+    was recorded FAILED with a traceback and exit 1."""
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(TESTS)}
+    args = fit_args(tiny, tmp_path, *QUICK, "--mlflow.run_name", "unread", "--torch_num_threads", "1")
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout.readline()
+        proc.stdout.close()
+        assert proc.wait(timeout=240) == 0
+    finally:
+        proc.kill()  # no training process outlives a failed test
+    run = all_runs(uri)["unread"]
+    assert run.info.status == "FINISHED" and "test/auc" in run.data.metrics
 
 
 def test_a_command_turns_a_config_error_into_one_line_and_status_2(capsys):

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import pytorch_lightning as pl
 import torch
 import torch.multiprocessing as mp
 from mlflow.tracking import MlflowClient
 from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
+from pytorch_lightning.strategies.launchers import subprocess_script
 from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -33,6 +35,7 @@ LONG = ["--trainer.max_epochs", "1000", "--trainer.limit_val_batches", "0", "--t
         "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--data.batch_size", "32",
         "--mlflow.run_name", "long"]
 BOUND_S = 60  # what the issue allows a stop to take, whatever the other process does
+SLOW_END_S = 7.0  # longer than the 5 s between two polls of Lightning's process observer
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +43,21 @@ def tiny(tmp_path_factory) -> Path:
     return tiny_data_dir(tmp_path_factory)
 
 
-def _started_ddp_fit(tiny: Path, tmp_path: Path, uri: str) -> tuple[subprocess.Popen, int]:
+class SlowEndOnRankZero(pl.Callback):
+    """Rank 0 takes seconds to end its run after a stop (a slow tracking store, a large checkpoint):
+    rank 1 has long exited by then, 143, which Lightning's observer of the launched ranks answered
+    with SIGKILL to rank 0 (exit -9, the run left RUNNING) at its next poll, every 5 s."""
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if trainer.global_rank == 0 and isinstance(exception, SIGTERMException):
+            time.sleep(SLOW_END_S)
+
+
+def _started_ddp_fit(tiny: Path, tmp_path: Path, uri: str, *extra: str) -> tuple[subprocess.Popen, int]:
     """A 2-process fit that has trained a few steps: (rank 0's process, rank 1's pid)."""
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *fit_args(tiny, tmp_path, *LONG)], cwd=REPO, env=env,
+    args = fit_args(tiny, tmp_path, *LONG, *extra)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     client, deadline = MlflowClient(uri), time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
@@ -77,9 +91,12 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("target", ["rank 1", "process group"])
 def test_sigterm_to_one_rank_or_to_all_stops_every_rank_at_the_same_step(tiny, tmp_path, tmp_path_factory, target):
     """Lightning broadcast from inside the handler of the signalled rank: a collective no other rank
-    matched, so both ranks deadlocked (rank 1 alone: always; the group: 3 times in 4)."""
+    matched, so both ranks deadlocked (rank 1 alone: always; the group: 3 times in 4). Rank 0 here
+    ends slowly (SlowEndOnRankZero): rank 1's exit must not get it killed before its run is ended."""
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
-    proc, rank1 = _started_ddp_fit(tiny, tmp_path, uri)
+    slow = tmp_path / "slow.yaml"
+    slow.write_text("trainer:\n  callbacks:\n    - class_path: test_pipeline_signals.SlowEndOnRankZero\n")
+    proc, rank1 = _started_ddp_fit(tiny, tmp_path, uri, "--config", str(slow))
     t0 = time.monotonic()
     if target == "rank 1":
         os.kill(rank1, signal.SIGTERM)
@@ -158,7 +175,9 @@ def test_the_ranks_stop_at_the_same_batch_whichever_rank_was_signalled(tmp_path)
 
 
 def test_lightnings_sigterm_hooks_that_are_replaced_still_exist():
-    # the private names StopOnSignal replaces: if Lightning renames them, its broadcast from the
-    # handler (a deadlock) and its per-step host sync come back silently; this test says so first
+    # the private names StopOnSignal and handling_signals replace: if Lightning renames them, its
+    # broadcast from the handler (a deadlock), its per-step host sync and its observer's SIGKILL of
+    # rank 0 come back silently; this test says so first
     assert callable(getattr(_SignalConnector, "_sigterm_notifier_fn", None))
     assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
+    assert callable(getattr(subprocess_script, "_launch_process_observer", None))  # SIGKILLs rank 0 otherwise

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from data_gen import read_split
 from models import Ranker, RankerConfig, UserEmbeddingConfig, feature_width
 from pipeline.cli import main as cli_main
 from pipeline.data import RankerData
@@ -252,6 +253,24 @@ def test_the_encoder_commands_refuse_bad_input_with_exit_2(exported, tiny_data, 
     assert ue_main(["export", "--data", str(timeline_data[0]), "--encoder", str(exported / "enc.pt"),
                     "--out", "x.parquet", "--as-of", "1"]) == 2
     assert "--as-of must be in [2, 7]" in capsys.readouterr().err
+
+
+def test_an_earlier_cutoff_day_labels_and_times_the_days_it_trained_and_validated(timeline_data, tracking,  # noqa: F811
+                                                                                   tmp_path, capsys):
+    """--cutoff-day 4 trains on days 1-3 and validates on the validation day (6 of 7), not on day 4."""
+    data, meta = timeline_data
+    out = tmp_path / "enc.pt"
+    assert ue_main(["fit", "--data", str(data), "--out", str(out), "--cutoff-day", "4", "--max-steps", "2",
+                    *ENCODER]) == 0
+    said = capsys.readouterr().out
+    assert "impressions of days 1..3" in said and "(day 6 impressions" in said, said
+    record = json.loads(open(f"{out}.json").read())
+    days = read_split(data, "train", ["impression_day"]).column("impression_day").to_numpy()
+    assert meta["config"]["days"] == 7  # days 1-5 train, 6 validation, 7 test
+    assert record["cutoff_day"] == 4 and record["days_trained"] == 3 and record["val_day"] == 6
+    assert record["impressions"] == int((days < 4).sum()) < len(days)
+    r = record["results"]
+    assert r["train/seconds_per_day"] == pytest.approx(r["train/seconds"] / (2 * 64) * record["impressions"] / 3)
 
 
 @pytest.mark.parametrize("extra, message", [
