@@ -18,7 +18,7 @@ EMBEDDING_GRADS = ("dense", "sparse", "densify")
 TABLE_SYNCS = ("allreduce", "rows")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 # all_gather_single is the newer name; older torch releases only have the other
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def allreduce_bytes(nbytes: int, world: int) -> int:
@@ -37,7 +37,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _gather(t: torch.Tensor, world: int) -> torch.Tensor:
     out = t.new_empty((world * t.shape[0], *t.shape[1:]))  # the concatenated form: Gloo has no other
-    _gather_into(out, t.contiguous())
+    all_gather_into(out, t.contiguous())
     return out.view(world, *t.shape)
 
 
