@@ -23,6 +23,7 @@ from typing import Literal
 import numpy as np
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -34,7 +35,8 @@ from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
 from pipeline.cuda_graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
-from pipeline.optim import OPTIMIZERS, build_optimizer
+from pipeline.optim import OPTIMIZERS, build_optimizer, param_groups, table_index
+from pipeline.table import TABLE_LAYOUTS, ShardedEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 # keeps them exact and tells Lightning that they are synchronised (it warns otherwise)
 _SAME_EVERYWHERE = {"sync_dist": True, "reduce_fx": "max"}
 _LOSS_STATES = ("train_loss.mean_value", "train_loss.weight")  # the epoch's running loss in a checkpoint
+_TABLE = "model.embed.item.weight"
+_LOOKUPS_PER_FORWARD = 2  # the item table's: the history's and the candidates' (models.Ranker.forward)
 _MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
 
 
@@ -94,6 +98,10 @@ class RankerModule(pl.LightningModule):
         table_sync: how a dense item-table gradient is averaged over processes: allreduce
             (default: the whole table) or rows (only the rows a process touched, all-gathered and
             summed back: the same mean, a fraction of the bytes; pipeline/gradsync.py).
+        table_layout: replicated (default: every process holds the whole item table, DDP averages
+            its gradient) or sharded (each of W processes holds every W-th row and lookups exchange
+            ids and rows, never the table's gradient: pipeline/table.py); dense embedding
+            gradients, eager steps. Checkpoints hold the whole table in either layout.
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class RankerModule(pl.LightningModule):
         optimizer: Literal["adamw", "sgd", "adagrad"] = "adamw",
         embedding_grad: Literal["dense", "sparse", "densify"] = "dense",
         table_sync: Literal["allreduce", "rows"] = "allreduce",
+        table_layout: Literal["replicated", "sharded"] = "replicated",
     ):
         super().__init__()
         if data_spec is None:
@@ -120,7 +129,9 @@ class RankerModule(pl.LightningModule):
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
         _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
-        # plain types only: checkpoints stay loadable with torch.load(weights_only=True)
+        _check_layout(table_layout, embedding_grad, cuda_graphs, table_sync)
+        # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
+        # table's layout, which a checkpoint's hyper-parameters would impose on the command loading it
         self.save_hyperparameters(
             {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
              "data_spec": dict(data_spec), "compile_model": bool(compile_model),
@@ -136,12 +147,13 @@ class RankerModule(pl.LightningModule):
         self._graphs: GraphedTrainStep | None = None
         self._cpu_buckets: list[StaticBatch] = []
         self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
-        self.optimizer_name = optimizer
+        self.optimizer_name, self.sharded = optimizer, table_layout == "sharded"
+        self._table_bytes = [0, 0, 0]  # training lookups of this process: all-to-all bytes, gather bytes, steps
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
         table = self.model.embed.item.weight
-        self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()), manual_table=self.cuda_graphs,
-                                  table_sync=table_sync)
+        self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()),
+                                  manual_table=self.cuda_graphs or self.sharded, table_sync=table_sync)
         self.data_spec_n_dense = feature_width(int(data_spec["n_dense"]), ranker)  # a batch's "dense" columns
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
@@ -155,7 +167,7 @@ class RankerModule(pl.LightningModule):
         # DDP leaves out what GradSync averages, and every buffer: constants, the epoch number
         # (equal everywhere) and each process's own NaN flag, so no step broadcasts buffers
         ignored = [name for name, _ in self.named_buffers()]
-        ignored += ["model.embed.item.weight"] if self.grad_sync.manual_table else []
+        ignored += [_TABLE] if self.grad_sync.manual_table else []
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, ignored)
 
     def forward(self, batch: dict) -> torch.Tensor:
@@ -165,6 +177,16 @@ class RankerModule(pl.LightningModule):
         if self._compiled is None:  # built on first use, after the module has moved to its device
             self._compiled = torch.compile(self.model.forward, dynamic=True)
         return self._compiled(**inputs)
+
+    def setup(self, stage: str) -> None:
+        """With the sharded layout, the item table becomes this process's shard (the process group
+        exists from here on): every process drew the whole table from the seed and keeps its rows."""
+        if not self.sharded or isinstance(self.model.embed.item, ShardedEmbedding):
+            return
+        group = dist.new_group() if world_size() > 1 else None  # the lookups' own, apart from DDP's
+        self.model.embed.item = ShardedEmbedding(self.model.embed.item.weight, rank(), world_size(), group)
+        self.grad_sync = GradSync("dense", self.model.embed.item.weight, list(self.model.parameters()),
+                                  manual_table=True, local_table=True)
 
     def on_train_epoch_start(self) -> None:
         if int(self.train_loss_epoch) != self.current_epoch:
@@ -181,6 +203,7 @@ class RankerModule(pl.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt, step = self.optimizers(), self.global_step
+        sent = (self.model.embed.item.sent_bytes, self.model.embed.item.gather_bytes) if self.sharded else None
         if self._graphs is not None:
             loss = self._graphs(batch)  # forward + backward replayed; gradients in .grad
         else:
@@ -189,6 +212,9 @@ class RankerModule(pl.LightningModule):
             self.manual_backward(loss)
             loss = loss.detach()
         self.grad_sync(all_grads=self._graphs is not None)
+        if self.sharded:  # the bytes of this step's lookups and their backward (host integers, no sync)
+            table, counts = self.model.embed.item, self._table_bytes
+            counts[:] = [counts[0] + table.sent_bytes - sent[0], counts[1] + table.gather_bytes - sent[1], counts[2] + 1]
         opt.step()
         bad = ~torch.isfinite(loss)
         self._bad_step.copy_(torch.where(bad & (self._bad_step < 0), step, self._bad_step))
@@ -280,6 +306,15 @@ class RankerModule(pl.LightningModule):
         return dm.train_token_counts(range(min(max_epochs, 20)))  # later epochs are alike
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.sharded:  # the whole table and its optimizer state, as the replicated layout saves them
+            table = self.model.embed.item
+            whole = table.gather(checkpoint["state_dict"][_TABLE])  # on rank 0, which writes; None elsewhere
+            checkpoint["state_dict"][_TABLE] = checkpoint["state_dict"][_TABLE] if whole is None else whole
+            states = checkpoint["optimizer_states"][0]["state"]
+            key = table_index(self.optimizers(use_pl_optimizer=False).param_groups, table.weight)
+            if key in states:  # a new dict: the one there is the optimizer's own
+                states[key] = {k: table.gather(v) if torch.is_tensor(v) and v.shape == table.weight.shape else v
+                               for k, v in states[key].items()}
         # the running loss of every process (each holds its own examples'): the file gets the
         # global sums, as one process would have them (every process dumps, rank 0 writes)
         if world_size() > 1:
@@ -288,6 +323,16 @@ class RankerModule(pl.LightningModule):
                 state[key] = all_reduce(state[key].clone())
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.sharded:  # this process's rows of the whole table and of its optimizer state
+            table = self.model.embed.item
+            state = checkpoint["state_dict"]
+            state[_TABLE] = state[_TABLE][table.rank::table.world].contiguous()
+            params = param_groups(self.optimizer_name, list(self.parameters()), table.weight, self.weight_decay)
+            for opt_state in checkpoint.get("optimizer_states") or []:
+                row_state = opt_state["state"].get(table_index(params, table.weight), {})
+                for key, value in row_state.items():
+                    if torch.is_tensor(value) and value.dim() and value.shape[0] == table.num_embeddings:
+                        row_state[key] = value[table.rank::table.world].contiguous()  # fused AdamW needs it
         if rank() != 0:  # rank 0 carries the global sums on, the others add from zero
             state = checkpoint["state_dict"]
             for key in _LOSS_STATES:
@@ -299,6 +344,10 @@ class RankerModule(pl.LightningModule):
 
     def on_train_end(self) -> None:
         comm = self.grad_sync.metrics()
+        sent, gather, steps = self._table_bytes
+        if steps and world_size() > 1:  # the lookup run and the RowwiseParallel-style one, per step
+            comm.update({"comm/table_sent_mb_per_step": sent / steps / 2**20,
+                         "comm/table_gather_mb_per_step": gather / steps / 2**20})
         for logger in self.trainer.loggers if comm else ():
             logger.log_metrics(comm, step=self.global_step)
 
@@ -315,6 +364,9 @@ class RankerModule(pl.LightningModule):
 
     def _eval_step(self, metrics: nn.ModuleDict, batch: dict) -> None:
         if batch["label"].numel() == 0:  # this process's share of a last, short evaluation batch
+            if self.sharded and world_size() > 1:  # the other shards' lookups still need this one
+                for _ in range(_LOOKUPS_PER_FORWARD):
+                    self.model.embed.item(batch["cand_item"])
             return
         logits = self._eval_logits(batch) if self.device.type == "cpu" else self(batch)
         for metric in metrics.values():
@@ -400,6 +452,16 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, tab
     if embedding_grad != "dense" and cuda_graphs:
         raise ConfigError(f"model.embedding_grad {embedding_grad} and model.cuda_graphs exclude each other: "
                           "a graph replays fixed shapes, a sparse gradient's size changes every step")
+
+
+def _check_layout(table_layout: str, embedding_grad: str, cuda_graphs: bool, table_sync: str) -> None:
+    if table_layout not in TABLE_LAYOUTS:
+        raise ConfigError(f"model.table_layout must be one of {', '.join(TABLE_LAYOUTS)}, got {table_layout!r}")
+    if table_layout == "sharded" and (embedding_grad != "dense" or table_sync != "allreduce" or cuda_graphs):
+        raise ConfigError(f"model.table_layout sharded keeps the table's gradient with its shard: it takes the default "
+                          f"embedding_grad dense and table_sync allreduce, and eager steps (a CUDA graph cannot replay "
+                          f"the lookups' all-to-all, whose sizes change every step); got embedding_grad {embedding_grad}, "
+                          f"table_sync {table_sync}, cuda_graphs {str(cuda_graphs).lower()}")
 
 
 def autocast_dtype(precision) -> torch.dtype | None:
