@@ -364,19 +364,23 @@ def _on_gpu(cfg) -> bool:
 
 
 def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
-    """ConfigError when one process's part of the item table (all of it replicated, every W-th row
-    sharded), with its gradient and optimizer state when `training`, needs more memory than its device has."""
+    """ConfigError when model.table_shards does not divide the world size, or when one process's part
+    of the item table (all of it replicated, every S-th row sharded over S processes), with its
+    gradient and optimizer state when `training`, needs more memory than its device has."""
+    model, (local, world) = cfg.model, _processes(cfg)
+    sharded, shards = model.table_layout == "sharded", model.table_shards or world
+    if sharded and world % shards:
+        raise ConfigError(f"model.table_shards {shards} does not divide the world size {world} (trainer.devices x "
+                          f"trainer.num_nodes): every process must hold one shard of one whole table")
     if vocab is None:
         return
-    model, (local, world) = cfg.model, _processes(cfg)
-    sharded = model.table_layout == "sharded"
     row = model.ranker.embed_dim * 4 * ((2 + _STATES.get(model.optimizer, 2)) if training else 1)
-    rows = -(-vocab // world) if sharded else vocab
+    rows = -(-vocab // shards) if sharded else vocab
     gpu = _on_gpu(cfg) and torch.cuda.is_available()
     have = (torch.cuda.get_device_properties(0).total_memory if gpu else
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local)
     if rows * row > have:
-        where = f"each of {world} processes' shard" if sharded else "one process's replica"
+        where = f"each of {shards} processes' shard" if sharded else "one process's replica"
         extra = f" with its gradient and {model.optimizer} state" if training else ""
         raise ConfigError(f"the item table of {vocab:,} x {model.ranker.embed_dim} float32 rows does not fit: {where} "
                           f"({rows:,} rows){extra} takes {_gib(rows * row)}, more than the {_gib(have)} of "

@@ -23,7 +23,6 @@ from typing import Literal
 import numpy as np
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -102,6 +101,10 @@ class RankerModule(pl.LightningModule):
             its gradient) or sharded (each of W processes holds every W-th row and lookups exchange
             ids and rows, never the table's gradient: pipeline/table.py); dense embedding
             gradients, eager steps. Checkpoints hold the whole table in either layout.
+        table_shards: with the sharded layout, the processes that shard one table (0: all of them;
+            it must divide the world size): each group of table_shards consecutive ranks (a node's
+            processes, when it is their count) holds the whole table, and the groups sum their
+            shards' gradients with one all-reduce.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class RankerModule(pl.LightningModule):
         embedding_grad: Literal["dense", "sparse", "densify"] = "dense",
         table_sync: Literal["allreduce", "rows"] = "allreduce",
         table_layout: Literal["replicated", "sharded"] = "replicated",
+        table_shards: int = 0,
     ):
         super().__init__()
         if data_spec is None:
@@ -129,7 +133,7 @@ class RankerModule(pl.LightningModule):
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
         _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
-        _check_layout(table_layout, embedding_grad, cuda_graphs, table_sync)
+        _check_layout(table_layout, embedding_grad, cuda_graphs, table_sync, table_shards)
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
         # table's layout, which a checkpoint's hyper-parameters would impose on the command loading it
         self.save_hyperparameters(
@@ -147,7 +151,7 @@ class RankerModule(pl.LightningModule):
         self._graphs: GraphedTrainStep | None = None
         self._cpu_buckets: list[StaticBatch] = []
         self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
-        self.optimizer_name, self.sharded = optimizer, table_layout == "sharded"
+        self.optimizer_name, self.sharded, self.table_shards = optimizer, table_layout == "sharded", table_shards
         self._table_bytes = [0, 0, 0]  # training lookups of this process: all-to-all bytes, gather bytes, steps
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
@@ -183,8 +187,10 @@ class RankerModule(pl.LightningModule):
         exists from here on): every process drew the whole table from the seed and keeps its rows."""
         if not self.sharded or isinstance(self.model.embed.item, ShardedEmbedding):
             return
-        group = dist.new_group() if world_size() > 1 else None  # the lookups' own, apart from DDP's
-        self.model.embed.item = ShardedEmbedding(self.model.embed.item.weight, rank(), world_size(), group)
+        try:
+            self.model.embed.item = ShardedEmbedding.over(self.model.embed.item.weight, self.table_shards)
+        except ValueError as err:
+            raise ConfigError(f"model.{err}: every process must hold one shard of one whole table") from None
         self.grad_sync = GradSync("dense", self.model.embed.item.weight, list(self.model.parameters()),
                                   manual_table=True, local_table=True)
 
@@ -212,8 +218,9 @@ class RankerModule(pl.LightningModule):
             self.manual_backward(loss)
             loss = loss.detach()
         self.grad_sync(all_grads=self._graphs is not None)
-        if self.sharded:  # the bytes of this step's lookups and their backward (host integers, no sync)
+        if self.sharded:  # the shards' replicas summed; the bytes of the step's lookups (host integers, no sync)
             table, counts = self.model.embed.item, self._table_bytes
+            table.sync_replicas()
             counts[:] = [counts[0] + table.sent_bytes - sent[0], counts[1] + table.gather_bytes - sent[1], counts[2] + 1]
         opt.step()
         bad = ~torch.isfinite(loss)
@@ -307,14 +314,8 @@ class RankerModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.sharded:  # the whole table and its optimizer state, as the replicated layout saves them
-            table = self.model.embed.item
-            whole = table.gather(checkpoint["state_dict"][_TABLE])  # on rank 0, which writes; None elsewhere
-            checkpoint["state_dict"][_TABLE] = checkpoint["state_dict"][_TABLE] if whole is None else whole
-            states = checkpoint["optimizer_states"][0]["state"]
-            key = table_index(self.optimizers(use_pl_optimizer=False).param_groups, table.weight)
-            if key in states:  # a new dict: the one there is the optimizer's own
-                states[key] = {k: table.gather(v) if torch.is_tensor(v) and v.shape == table.weight.shape else v
-                               for k, v in states[key].items()}
+            groups = self.optimizers(use_pl_optimizer=False).param_groups
+            self.model.embed.item.save_whole(checkpoint, _TABLE, table_index(groups, self.model.embed.item.weight))
         # the running loss of every process (each holds its own examples'): the file gets the
         # global sums, as one process would have them (every process dumps, rank 0 writes)
         if world_size() > 1:
@@ -325,14 +326,8 @@ class RankerModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if self.sharded:  # this process's rows of the whole table and of its optimizer state
             table = self.model.embed.item
-            state = checkpoint["state_dict"]
-            state[_TABLE] = state[_TABLE][table.rank::table.world].contiguous()
-            params = param_groups(self.optimizer_name, list(self.parameters()), table.weight, self.weight_decay)
-            for opt_state in checkpoint.get("optimizer_states") or []:
-                row_state = opt_state["state"].get(table_index(params, table.weight), {})
-                for key, value in row_state.items():
-                    if torch.is_tensor(value) and value.dim() and value.shape[0] == table.num_embeddings:
-                        row_state[key] = value[table.rank::table.world].contiguous()  # fused AdamW needs it
+            groups = param_groups(self.optimizer_name, list(self.parameters()), table.weight, self.weight_decay)
+            table.load_rows(checkpoint, _TABLE, table_index(groups, table.weight))
         if rank() != 0:  # rank 0 carries the global sums on, the others add from zero
             state = checkpoint["state_dict"]
             for key in _LOSS_STATES:
@@ -454,9 +449,12 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, tab
                           "a graph replays fixed shapes, a sparse gradient's size changes every step")
 
 
-def _check_layout(table_layout: str, embedding_grad: str, cuda_graphs: bool, table_sync: str) -> None:
+def _check_layout(table_layout: str, embedding_grad: str, cuda_graphs: bool, table_sync: str, shards: int) -> None:
     if table_layout not in TABLE_LAYOUTS:
         raise ConfigError(f"model.table_layout must be one of {', '.join(TABLE_LAYOUTS)}, got {table_layout!r}")
+    if shards < 0 or (shards and table_layout != "sharded"):
+        raise ConfigError(f"model.table_shards must be >= 0 (0: every process), and set only with model.table_layout "
+                          f"sharded; got {shards} with {table_layout}")
     if table_layout == "sharded" and (embedding_grad != "dense" or table_sync != "allreduce" or cuda_graphs):
         raise ConfigError(f"model.table_layout sharded keeps the table's gradient with its shard: it takes the default "
                           f"embedding_grad dense and table_sync allreduce, and eager steps (a CUDA graph cannot replay "

@@ -1,9 +1,10 @@
 """The item table sharded by rows over the processes (``model.table_layout sharded``).
 
-Row ``i`` lives on rank ``i % W`` at local row ``i // W``. A lookup sends each distinct id to its
-owner and gets its row back (an all-to-all of ids, then of rows, as TorchRec's row-wise sharding);
-the backward sends the rows' gradients to their owners, which add them into the shard's gradient.
-The table's gradient never crosses processes. Layout, bytes and checkpoints: docs/training.md#sharded-item-table.
+Over a shard group of S processes, row ``i`` lives on its rank ``i % S`` at local row ``i // S``. A
+lookup sends each distinct id to its owner and gets its row back (an all-to-all of ids, then of rows,
+as TorchRec's row-wise sharding); the backward sends the rows' gradients to their owners, which add
+them into the shard's gradient. With W / S > 1 groups, each holds the whole table and the shards'
+gradients are summed across groups. Layout, bytes, checkpoints: docs/training.md#sharded-item-table.
 """
 
 from __future__ import annotations
@@ -12,10 +13,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline.gradsync import all_gather_into
+from pipeline.dist import rank, world_size
+from pipeline.gradsync import all_gather_into, allreduce_bytes
 
 TABLE_LAYOUTS = ("replicated", "sharded")
 _CHUNK_ROWS = 1 << 20  # rows per collective when a shard is gathered or its optimizer state
+
+
+def shard_groups(world: int, shards: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(shard groups, replica groups) of `world` ranks tiled by tables of `shards` processes each:
+    consecutive ranks shard one table (a node's processes, when `shards` is their count), and the
+    ranks holding the same shard of every table form a replica group."""
+    if shards < 1 or world % shards:
+        raise ValueError(f"table_shards {shards} does not divide the world size {world}")
+    return ([list(range(g, g + shards)) for g in range(0, world, shards)],
+            [list(range(r, world, shards)) for r in range(shards)])
 
 
 def shard_rows(vocab_size: int, rank: int, world: int) -> int:
@@ -74,28 +86,51 @@ class _Exchange(torch.autograd.Function):
         grad_rows = grad_uniq.new_empty(local.numel(), grad_uniq.shape[1])
         dist.all_to_all_single(grad_rows, grad_uniq[order].contiguous(), ctx.recv, ctx.send, group=table.group)
         grad = grad_rows.new_zeros(ctx.shape).index_add_(0, local, grad_rows)
-        return grad.div_(table.world), None, None  # the mean over processes, as DDP's reducer gives
+        return grad.div_(table.world * table.replicas), None, None  # the mean over processes, as DDP's
 
 
 class ShardedEmbedding(nn.Module):
-    """The rows ``rank::world`` of an item table of `vocab_size` rows, looked up by global ids.
+    """The rows ``rank::world`` of the item table `full` ([V, D]), looked up by global ids.
 
     ``weight`` ([shard_rows(V, rank, world), D]) is this process's shard; a lookup
-    ``ids [*] -> [*, D]`` is a collective: every process of `group` must look up the same number
-    of times (an empty `ids` takes part too). The gradient is the mean over processes, as DDP's.
+    ``ids [*] -> [*, D]`` is a collective: every process of `group` (the `world` processes
+    sharding one table) must look up the same number of times (an empty `ids` takes part too).
+    `replica_group`: the `replicas` processes holding this same shard (None: one), whose gradients
+    :meth:`sync_replicas` sums. The gradient is the mean over all processes, as DDP's.
     """
 
-    def __init__(self, full: torch.Tensor, rank: int, world: int, group=None):
+    def __init__(self, full: torch.Tensor, rank: int, world: int, group=None, replica_group=None, replicas: int = 1):
         super().__init__()
         self.num_embeddings, self.embedding_dim = full.shape
         self.rank, self.world, self.group = rank, world, group
+        self.replica_group, self.replicas = replica_group, replicas
         self.weight = nn.Parameter(full.detach()[rank::world].clone())
         self.sent_bytes = self.gather_bytes = self.lookups = 0
 
+    @classmethod
+    def over(cls, full: torch.Tensor, shards: int = 0) -> "ShardedEmbedding":
+        """This process's shard of `full` in the default process group, tiled by tables of `shards`
+        processes (0: all); a collective (every rank creates every group). ValueError if `shards`
+        does not divide the world size."""
+        world, shards = world_size(), shards or world_size()
+        tables, replicas = shard_groups(world, shards)
+        if world == 1:
+            return cls(full, 0, 1)
+        # the lookups' own groups, apart from DDP's
+        shard_group = [dist.new_group(ranks) for ranks in tables][rank() // shards]
+        replica_group = [dist.new_group(ranks) for ranks in replicas][rank() % shards] if shards < world else None
+        return cls(full, rank() % shards, shards, shard_group, replica_group, world // shards)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
+        if self.world == self.replicas == 1:
             return nn.functional.embedding(ids.long(), self.weight)
         return _Exchange.apply(self.weight, ids, self)
+
+    def sync_replicas(self) -> None:
+        """After the backward: the shard's gradient summed over its replicas (a no-op with one)."""
+        if self.replicas > 1 and self.weight.grad is not None:
+            dist.all_reduce(self.weight.grad, group=self.replica_group)
+            self.sent_bytes += allreduce_bytes(self.weight.grad.numel() * self.weight.grad.element_size(), self.replicas)
 
     def count(self, send: list[int], recv: list[int], t_max: int, row_bytes: int) -> None:
         self.sent_bytes += sent_bytes_alltoall(send, recv, self.rank, row_bytes)
@@ -121,3 +156,23 @@ class ShardedEmbedding(nn.Module):
                 n = min(W * hi, V) - W * lo  # the last chunk's padding rows are dropped
                 full[W * lo: W * lo + n] = every[:n].cpu()
         return full
+
+    def save_whole(self, checkpoint: dict, key: str, index: int) -> None:
+        """Into a checkpoint being written (every rank dumps, rank 0 writes): the whole table at
+        state_dict `key` and the whole of its optimizer state (the optimizer's state `index`)."""
+        whole = self.gather(checkpoint["state_dict"][key])
+        checkpoint["state_dict"][key] = checkpoint["state_dict"][key] if whole is None else whole
+        states = checkpoint["optimizer_states"][0]["state"]
+        if index in states:  # a new dict: the one there is the optimizer's own
+            states[index] = {k: self.gather(v) if torch.is_tensor(v) and v.shape == self.weight.shape else v
+                             for k, v in states[index].items()}
+
+    def load_rows(self, checkpoint: dict, key: str, index: int) -> None:
+        """A checkpoint being loaded (the whole table, any layout) cut to this shard's rows."""
+        state = checkpoint["state_dict"]
+        state[key] = state[key][self.rank::self.world].contiguous()
+        for opt_state in checkpoint.get("optimizer_states") or []:
+            rows = opt_state["state"].get(index, {})
+            for k, v in rows.items():
+                if torch.is_tensor(v) and v.dim() and v.shape[0] == self.num_embeddings:
+                    rows[k] = v[self.rank::self.world].contiguous()  # fused AdamW miscomputes on strided state

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from test_pipeline_bad_input import QUICK, one_line, tracking  # noqa: F401 (a fixture)
 from test_pipeline_cli import CONFIGS, QUALITY, all_runs, fit_args, fresh_tracking_uri, history
 from test_pipeline_data import tiny_data_dir
 from test_pipeline_ddp import BUDGET, DDP, _fit
@@ -102,6 +103,38 @@ def test_a_killed_sharded_run_resumes_with_its_optimizer_state(tiny, layouts, tm
     runs = all_runs(uri)
     assert set(runs) == {"killed"} and runs["killed"].info.status == "FINISHED"
     _same_history(history(uri, runs["killed"].info.run_id), want, "resumed")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--model.table_shards", "3", *SPLIT], "model.table_shards 3 does not divide the world size 2 (trainer.devices"),
+    (["--model.table_shards", "4", "--trainer.num_nodes", "3", *SPLIT],
+     "model.table_shards 4 does not divide the world size 6"),
+    (["--data.vocab_size", str(10**11), *SPLIT], "the item table of 100,000,000,000 x 32 float32 rows does not fit: "
+     "each of 2 processes' shard (50,000,000,000 rows) with its gradient and adamw state takes 23,842 GiB"),
+    (["--data.vocab_size", str(10**11), "--model.table_layout", "replicated"], "one process's replica "
+     "(100,000,000,000 rows) with its gradient and adamw state takes 47,684 GiB"),
+    (["--data.vocab_size", "19999"], "data.vocab_size 19,999 is smaller than the vocabulary of"),
+    (["--model.cuda_graphs", "true"], "model.table_layout sharded keeps the table's gradient with its shard"),
+    (["--model.table_layout", "replicated", "--model.table_shards", "2"], "set only with model.table_layout sharded"),
+])
+@pytest.mark.timeout(120)  # a check that let the fit start would wait for absent processes
+def test_a_sharded_table_that_cannot_work_is_one_line_before_anything_is_written(tiny, tracking, tmp_path, capsys,
+                                                                                extra, message):
+    args = fit_args(tiny, tmp_path / "run", *QUICK, "--model.table_layout", "sharded", *extra)
+    assert message in one_line(args, capsys, 2)
+    assert not all_runs(tracking) and not list(tmp_path.rglob("*.ckpt"))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_vocabulary_is_one_line(tiny, layouts, tracking, tmp_path, capsys):
+    root, _, _ = layouts
+    ckpt = next((root / "sharded").rglob("last.ckpt"))
+    for sub in ("fit", "test"):
+        args = [sub, *fit_args(tiny, tmp_path / "run")[1:], *QUICK, "--data.vocab_size", "30000", "--ckpt_path", str(ckpt)]
+        assert one_line(args, capsys, 2).endswith(f"--ckpt_path {ckpt}: its item table has 20,000 rows, the data set "
+                                                  "(or data.vocab_size) has 30,000 items: a checkpoint loads only into "
+                                                  "a table of its size")
+    assert not all_runs(tracking) and not list((tmp_path / "run").rglob("*.ckpt"))
 
 
 def _free_port() -> int:
