@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 _SAME_EVERYWHERE = {"sync_dist": True, "reduce_fx": "max"}
 _LOSS_STATES = ("train_loss.mean_value", "train_loss.weight")  # the epoch's running loss in a checkpoint
 _TABLE = "model.embed.item.weight"
-_LOOKUPS_PER_FORWARD = 2  # the item table's: the history's and the candidates' (models.Ranker.forward)
 _MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
 
 
@@ -133,7 +132,7 @@ class RankerModule(pl.LightningModule):
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
         _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
-        _check_layout(table_layout, embedding_grad, cuda_graphs, table_sync, table_shards)
+        _check_layout(table_layout, embedding_grad, cuda_graphs or compile_model, table_sync, table_shards)
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
         # table's layout, which a checkpoint's hyper-parameters would impose on the command loading it
         self.save_hyperparameters(
@@ -176,6 +175,8 @@ class RankerModule(pl.LightningModule):
 
     def forward(self, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in _MODEL_INPUTS}
+        if self.sharded:  # one exchange for the ranker's two lookups of these very tensors
+            self.model.embed.item.prefetch(inputs["hist_item"], inputs["cand_item"])
         if not self.compile_model:
             return self.model(**inputs)
         if self._compiled is None:  # built on first use, after the module has moved to its device
@@ -360,8 +361,7 @@ class RankerModule(pl.LightningModule):
     def _eval_step(self, metrics: nn.ModuleDict, batch: dict) -> None:
         if batch["label"].numel() == 0:  # this process's share of a last, short evaluation batch
             if self.sharded and world_size() > 1:  # the other shards' lookups still need this one
-                for _ in range(_LOOKUPS_PER_FORWARD):
-                    self.model.embed.item(batch["cand_item"])
+                self.model.embed.item.prefetch(batch["hist_item"], batch["cand_item"])
             return
         logits = self._eval_logits(batch) if self.device.type == "cpu" else self(batch)
         for metric in metrics.values():
@@ -449,17 +449,17 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, tab
                           "a graph replays fixed shapes, a sparse gradient's size changes every step")
 
 
-def _check_layout(table_layout: str, embedding_grad: str, cuda_graphs: bool, table_sync: str, shards: int) -> None:
+def _check_layout(table_layout: str, embedding_grad: str, traced: bool, table_sync: str, shards: int) -> None:
     if table_layout not in TABLE_LAYOUTS:
         raise ConfigError(f"model.table_layout must be one of {', '.join(TABLE_LAYOUTS)}, got {table_layout!r}")
     if shards < 0 or (shards and table_layout != "sharded"):
         raise ConfigError(f"model.table_shards must be >= 0 (0: every process), and set only with model.table_layout "
                           f"sharded; got {shards} with {table_layout}")
-    if table_layout == "sharded" and (embedding_grad != "dense" or table_sync != "allreduce" or cuda_graphs):
+    if table_layout == "sharded" and (embedding_grad != "dense" or table_sync != "allreduce" or traced):
         raise ConfigError(f"model.table_layout sharded keeps the table's gradient with its shard: it takes the default "
-                          f"embedding_grad dense and table_sync allreduce, and eager steps (a CUDA graph cannot replay "
-                          f"the lookups' all-to-all, whose sizes change every step); got embedding_grad {embedding_grad}, "
-                          f"table_sync {table_sync}, cuda_graphs {str(cuda_graphs).lower()}")
+                          f"embedding_grad dense and table_sync allreduce, and eager steps (no cuda_graphs or "
+                          f"compile_model: the lookups' all-to-all changes its sizes every step and reads them on the "
+                          f"host); got embedding_grad {embedding_grad}, table_sync {table_sync}")
 
 
 def autocast_dtype(precision) -> torch.dtype | None:

@@ -93,8 +93,8 @@ class ShardedEmbedding(nn.Module):
     """The rows ``rank::world`` of the item table `full` ([V, D]), looked up by global ids.
 
     ``weight`` ([shard_rows(V, rank, world), D]) is this process's shard; a lookup
-    ``ids [*] -> [*, D]`` is a collective: every process of `group` (the `world` processes
-    sharding one table) must look up the same number of times (an empty `ids` takes part too).
+    ``ids [*] -> [*, D]`` (or a :meth:`prefetch`) is a collective: every process of `group` (the
+    `world` processes sharding one table) must make as many (an empty `ids` takes part too).
     `replica_group`: the `replicas` processes holding this same shard (None: one), whose gradients
     :meth:`sync_replicas` sums. The gradient is the mean over all processes, as DDP's.
     """
@@ -106,6 +106,7 @@ class ShardedEmbedding(nn.Module):
         self.replica_group, self.replicas = replica_group, replicas
         self.weight = nn.Parameter(full.detach()[rank::world].clone())
         self.sent_bytes = self.gather_bytes = self.lookups = 0
+        self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def over(cls, full: torch.Tensor, shards: int = 0) -> "ShardedEmbedding":
@@ -121,7 +122,18 @@ class ShardedEmbedding(nn.Module):
         replica_group = [dist.new_group(ranks) for ranks in replicas][rank() % shards] if shards < world else None
         return cls(full, rank() % shards, shards, shard_group, replica_group, world // shards)
 
+    def prefetch(self, *ids: torch.Tensor) -> None:
+        """One exchange for the rows of every tensor of `ids`; each lookup of one of those very
+        tensors that follows gets its rows from it (once), instead of an exchange of its own."""
+        self._fetched = []
+        rows = self(torch.cat([i.reshape(-1).long() for i in ids]))  # [sum of numel, D]
+        self._fetched = list(zip(ids, rows.split([i.numel() for i in ids])))
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        for k, (key, rows) in enumerate(self._fetched):
+            if key is ids:
+                del self._fetched[k]
+                return rows.view(*ids.shape, rows.shape[-1])
         if self.world == self.replicas == 1:
             return nn.functional.embedding(ids.long(), self.weight)
         return _Exchange.apply(self.weight, ids, self)

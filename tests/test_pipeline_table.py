@@ -59,6 +59,14 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         assert lookup_bytes == ids_out * 8 + (rows_in + ids_out) * D * 8
         t_max = [max(_inputs(r)[k].numel() for r in mine) for k in range(2)]
         assert table.gather_bytes == sum(sent_bytes_gather(t, shards, D * 8) for t in t_max) and table.lookups == 2
+        # one exchange for both lookups of those very tensors: the same rows and gradient
+        table.weight.grad = None
+        table.prefetch(*ids)
+        outs = [table(i) for i in ids]
+        assert table.lookups == 3 and all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
+        sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids]))).backward()
+        table.sync_replicas()
+        torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
         gathered = table.gather(table.weight.detach())
         assert (gathered is None) == (s != 0)
         if s == 0:
