@@ -174,10 +174,11 @@ class ShardedEmbedding(nn.Module):
         state_dict `key` and the whole of its optimizer state (the optimizer's state `index`)."""
         whole = self.gather(checkpoint["state_dict"][key])
         checkpoint["state_dict"][key] = checkpoint["state_dict"][key] if whole is None else whole
-        states = checkpoint["optimizer_states"][0]["state"]
-        if index in states:  # a new dict: the one there is the optimizer's own
-            states[index] = {k: self.gather(v) if torch.is_tensor(v) and v.shape == self.weight.shape else v
-                             for k, v in states[index].items()}
+        for opt_state in checkpoint.get("optimizer_states") or []:  # none in a weights-only checkpoint
+            states = opt_state["state"]
+            if index in states:  # a new dict: the one there is the optimizer's own
+                states[index] = {k: self.gather(v) if torch.is_tensor(v) and v.shape == self.weight.shape else v
+                                 for k, v in states[index].items()}
 
     def load_rows(self, checkpoint: dict, key: str, index: int) -> None:
         """A checkpoint being loaded (the whole table, any layout) cut to this shard's rows."""
