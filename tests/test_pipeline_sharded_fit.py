@@ -31,11 +31,14 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def layouts(tiny, tmp_path_factory):
-    """2-process fits with the replicated and the sharded table, in one database."""
+    """2-process fits with the replicated table, the sharded one, and shards of one process (each
+    process a whole table, the replicas' gradients summed by hand), in one database."""
     root = tmp_path_factory.mktemp("layouts")
     uri = fresh_tracking_uri(tmp_path_factory, root)
-    for layout in ("replicated", "sharded"):
-        proc = _fit(fit_args(tiny, root / layout, *TWO, "--model.table_layout", layout, "--mlflow.run_name", layout), uri)
+    for name, layout in (("replicated", ["--model.table_layout", "replicated"]),
+                         ("sharded", ["--model.table_layout", "sharded"]),
+                         ("one-shard", ["--model.table_layout", "sharded", "--model.table_shards", "1"])):
+        proc = _fit(fit_args(tiny, root / name, *TWO, *layout, "--mlflow.run_name", name), uri)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return root, uri, all_runs(uri)
 
@@ -54,6 +57,7 @@ def test_the_sharded_table_trains_like_the_replicated_one_and_sends_less(layouts
     assert rep.info.status == shd.info.status == "FINISHED" and shd.data.tags["world_size"] == "2"
     assert shd.data.params["model.table_layout"] == "sharded"
     _same_history(history(uri, shd.info.run_id), history(uri, rep.info.run_id), "sharded")
+    _same_history(history(uri, runs["one-shard"].info.run_id), history(uri, rep.info.run_id), "one-shard")
     m_rep, m_shd = rep.data.metrics, shd.data.metrics
     # the table's gradient (20,000 x 32 float32) leaves the all-reduce; its lookups send less than that
     table_mb = 20_000 * 32 * 4 / 2**20
