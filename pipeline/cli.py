@@ -66,6 +66,16 @@ def _data_digest(data_dir: str) -> str | None:
         return None  # the data module's own check says what is wrong
 
 
+def _vocab_size(cfg) -> int | None:
+    """Rows of the item table: data.vocab_size, else the data's vocabulary (None if unreadable)."""
+    if cfg.data.vocab_size is not None:
+        return int(cfg.data.vocab_size)
+    try:
+        return int(json.loads((Path(cfg.data.data_dir) / "meta.json").read_text())["config"]["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # the data module's own check says what is wrong
+
+
 def _embedding_sha(cfg) -> str | None:
     """The sha256 the manifest of the configured user embedding file gives, if any."""
     emb = cfg.model.ranker.user_embedding
@@ -140,6 +150,7 @@ class RankerCLI(LightningCLI):
     def _preflight(self, subcommand: str, cfg) -> None:
         check_ranges(cfg)
         check_padded_memory(cfg)
+        check_table_memory(cfg, _vocab_size(cfg), training=subcommand == "fit")
         if cfg.trainer.use_distributed_sampler:
             raise ConfigError("trainer.use_distributed_sampler must stay false: the data module shards every split "
                               "across processes itself (balanced by tokens, evaluation without repeated examples)")
@@ -153,6 +164,7 @@ class RankerCLI(LightningCLI):
         if not cfg.get("ckpt_path"):
             return
         ckpt = load_checkpoint(cfg.ckpt_path)
+        check_checkpoint_vocab(cfg.ckpt_path, ckpt, _vocab_size(cfg))
         stored, given = checkpoint_run_id(ckpt), cfg.mlflow.run_id
         if stored and given and stored != given:
             raise ConfigError(f"--mlflow.run_id {given} differs from the run {stored} stored in {cfg.ckpt_path}")
@@ -320,7 +332,7 @@ def check_padded_memory(cfg) -> None:
     if ranker.attention == "dense":
         need[f"the [{rows}, {ranker.num_heads}, {n:,}, {n:,}] attention scores"] = rows * ranker.num_heads * n * n * 4
     what, size = max(need.items(), key=lambda kv: kv[1])
-    gpu = cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+    gpu = _on_gpu(cfg)
     have = (torch.cuda.get_device_properties(0).total_memory if gpu and torch.cuda.is_available() else
             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if size > have:
@@ -328,6 +340,60 @@ def check_padded_memory(cfg) -> None:
                           f"to {n:,} items, and {what} alone takes {_gib(size)}, more than the {_gib(have)} of "
                           f"{'the GPU' if gpu else 'this machine'}; use model.ranker.attention jagged or a smaller "
                           f"data.max_seq_len")
+
+
+_STATES = {"adamw": 2, "adagrad": 1, "sgd": 0}  # tensors of the optimizer's state per parameter
+
+
+def _processes(cfg) -> tuple[int, int]:
+    """(processes on this machine, processes in all) that trainer.devices and num_nodes ask for."""
+    devices, gpu = cfg.trainer.devices, _on_gpu(cfg)
+    if isinstance(devices, (list, tuple)):
+        local = len(devices)
+    elif str(devices).lstrip("-").isdigit() and int(devices) > 0:
+        local = int(devices)
+    elif "," in str(devices):
+        local = len([d for d in str(devices).split(",") if d.strip()])
+    else:  # auto or -1: every GPU, one CPU process
+        local = max(torch.cuda.device_count(), 1) if gpu else 1
+    return local, local * max(int(cfg.trainer.num_nodes or 1), 1)
+
+
+def _on_gpu(cfg) -> bool:
+    return cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
+
+
+def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
+    """ConfigError when model.table_shards does not divide the world size, or when one process's part
+    of the item table (all of it replicated, every S-th row sharded over S processes), with its
+    gradient and optimizer state when `training`, needs more memory than its device has."""
+    model, (local, world) = cfg.model, _processes(cfg)
+    sharded, shards = model.table_layout == "sharded", model.table_shards or world
+    if sharded and world % shards:
+        raise ConfigError(f"model.table_shards {shards} does not divide the world size {world} (trainer.devices x "
+                          f"trainer.num_nodes): every process must hold one shard of one whole table")
+    if vocab is None:
+        return
+    row = model.ranker.embed_dim * 4 * ((2 + _STATES.get(model.optimizer, 2)) if training else 1)
+    rows = -(-vocab // shards) if sharded else vocab
+    gpu = _on_gpu(cfg) and torch.cuda.is_available()
+    have = (torch.cuda.get_device_properties(0).total_memory if gpu else
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local)
+    if rows * row > have:
+        where = f"each of {shards} processes' shard" if sharded else "one process's replica"
+        extra = f" with its gradient and {model.optimizer} state" if training else ""
+        raise ConfigError(f"the item table of {vocab:,} x {model.ranker.embed_dim} float32 rows does not fit: {where} "
+                          f"({rows:,} rows){extra} takes {_gib(rows * row)}, more than the {_gib(have)} of "
+                          f"{'a GPU' if gpu else 'a process'}; shard it (model.table_layout sharded) over at least "
+                          f"{-(-vocab * row // have)} processes, or use a smaller table")
+
+
+def check_checkpoint_vocab(path: str, ckpt: dict, vocab: int | None) -> None:
+    """ConfigError when the checkpoint's item table has another number of rows than the data's."""
+    table = ckpt["state_dict"].get("model.embed.item.weight")
+    if vocab is not None and table is not None and table.shape[0] != vocab:
+        raise ConfigError(f"--ckpt_path {path}: its item table has {table.shape[0]:,} rows, the data set (or "
+                          f"data.vocab_size) has {vocab:,} items: a checkpoint loads only into a table of its size")
 
 
 def _gib(size: int) -> str:

@@ -51,6 +51,8 @@ class RankerData(pl.LightningDataModule):
         user_embedding: set from model.ranker.user_embedding (not by hand): every example is
             joined to its user's newest embedding as of its day - lag (pipeline/user_features.py);
             the counts of examples without one are in ``user_embedding_stats``.
+        vocab_size: rows of the item table (default: the data's vocabulary); more rows than the
+            data's ids make a larger table than the data needs (rows never looked up).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class RankerData(pl.LightningDataModule):
         seed: int = 0,
         cache: bool = True,
         user_embedding: Optional[UserEmbeddingConfig] = None,
+        vocab_size: Optional[int] = None,
     ):
         super().__init__()
         if max_seq_len <= 0:
@@ -78,12 +81,15 @@ class RankerData(pl.LightningDataModule):
         self.meta = _check_data_dir(self.data_dir)
         cfg = self.meta["config"]
         self.spec = {
-            "vocab_size": int(cfg["vocab_size"]),
+            "vocab_size": int(cfg["vocab_size"] if vocab_size is None else vocab_size),
             "n_actions": int(cfg["n_actions"]),
             "n_dense": int(cfg["n_dense"]),
             "train_ctr": float(self.meta["splits"]["train"]["ctr"]),
             "digest": str(self.meta.get("digest", "")),
         }
+        if self.spec["vocab_size"] < int(cfg["vocab_size"]):
+            raise ConfigError(f"data.vocab_size {vocab_size:,} is smaller than the vocabulary of {self.data_dir!r} "
+                              f"({int(cfg['vocab_size']):,} items): every id of the data needs a row")
         self._splits: dict[str, JaggedSplit] = {}
         if isinstance(user_embedding, dict):
             user_embedding = UserEmbeddingConfig(**user_embedding)

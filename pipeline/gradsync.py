@@ -18,7 +18,7 @@ EMBEDDING_GRADS = ("dense", "sparse", "densify")
 TABLE_SYNCS = ("allreduce", "rows")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 # all_gather_single is the newer name; older torch releases only have the other
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def allreduce_bytes(nbytes: int, world: int) -> int:
@@ -37,7 +37,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _gather(t: torch.Tensor, world: int) -> torch.Tensor:
     out = t.new_empty((world * t.shape[0], *t.shape[1:]))  # the concatenated form: Gloo has no other
-    _gather_into(out, t.contiguous())
+    all_gather_into(out, t.contiguous())
     return out.view(world, *t.shape)
 
 
@@ -107,16 +107,17 @@ class GradSync:
         manual_table: average the table here on every step, not in DDP's reducer (always so
             unless mode is dense; with dense, when CUDA graphs are configured).
         bucket_bytes: the size of the flattened buckets of small gradients.
+        local_table: the table is this process's shard (pipeline/table.py): never averaged here.
     """
 
     def __init__(self, mode: str, table: nn.Parameter, params: list[nn.Parameter], manual_table: bool,
-                 bucket_bytes: int = BUCKET_BYTES, table_sync: str = "allreduce"):
+                 bucket_bytes: int = BUCKET_BYTES, table_sync: str = "allreduce", local_table: bool = False):
         if mode not in EMBEDDING_GRADS:
             raise ValueError(f"embedding_grad must be one of {EMBEDDING_GRADS}, got {mode!r}")
         if table_sync not in TABLE_SYNCS or (table_sync == "rows" and mode != "dense"):
             raise ValueError(f"table_sync must be one of {TABLE_SYNCS} (rows with a dense gradient only), "
                              f"got {table_sync!r} with {mode!r}")
-        self.mode, self.table, self.table_sync = mode, table, table_sync
+        self.mode, self.table, self.table_sync, self.local_table = mode, table, table_sync, local_table
         self.manual_table = manual_table or mode != "dense" or table_sync == "rows"
         self.others = [p for p in params if p is not table]
         self.bucket_bytes = bucket_bytes
@@ -136,7 +137,7 @@ class GradSync:
             self.table.grad, sent = allgather_sparse(self.table.grad, world)
         elif self.table_sync == "rows":
             sent = allgather_rows_(self.table.grad, world)
-        elif self.manual_table or all_grads:
+        elif (self.manual_table or all_grads) and not self.local_table:
             dense.insert(0, self.table)
         sent += allreduce_mean([p.grad for p in dense], world, self.bucket_bytes) if dense else 0
         if not all_grads:  # what DDP's reducer sends for the rest
@@ -147,7 +148,7 @@ class GradSync:
 
     def broadcast(self) -> None:
         """Rank 0's table on every process (DDP broadcasts only the parameters it holds)."""
-        if self.manual_table and world_size() > 1:
+        if self.manual_table and not self.local_table and world_size() > 1:
             dist.broadcast(self.table.data, src=0)
 
     def metrics(self) -> dict[str, float]:

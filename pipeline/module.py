@@ -34,7 +34,8 @@ from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
 from pipeline.cuda_graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
-from pipeline.optim import OPTIMIZERS, build_optimizer
+from pipeline.optim import OPTIMIZERS, build_optimizer, param_groups, table_index
+from pipeline.table import TABLE_LAYOUTS, ShardedEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 # keeps them exact and tells Lightning that they are synchronised (it warns otherwise)
 _SAME_EVERYWHERE = {"sync_dist": True, "reduce_fx": "max"}
 _LOSS_STATES = ("train_loss.mean_value", "train_loss.weight")  # the epoch's running loss in a checkpoint
+_TABLE = "model.embed.item.weight"
 _MODEL_INPUTS = ("hist_item", "hist_action", "hist_age", "offsets", "max_seq_len", "cand_item", "dense")
 
 
@@ -94,6 +96,14 @@ class RankerModule(pl.LightningModule):
         table_sync: how a dense item-table gradient is averaged over processes: allreduce
             (default: the whole table) or rows (only the rows a process touched, all-gathered and
             summed back: the same mean, a fraction of the bytes; pipeline/gradsync.py).
+        table_layout: replicated (default: every process holds the whole item table, DDP averages
+            its gradient) or sharded (each of W processes holds every W-th row and lookups exchange
+            ids and rows, never the table's gradient: pipeline/table.py); dense embedding
+            gradients, eager steps. Checkpoints hold the whole table in either layout.
+        table_shards: with the sharded layout, the processes that shard one table (0: all of them;
+            it must divide the world size): each group of table_shards consecutive ranks (a node's
+            processes, when it is their count) holds the whole table, and the groups sum their
+            shards' gradients with one all-reduce.
     """
 
     def __init__(
@@ -109,6 +119,8 @@ class RankerModule(pl.LightningModule):
         optimizer: Literal["adamw", "sgd", "adagrad"] = "adamw",
         embedding_grad: Literal["dense", "sparse", "densify"] = "dense",
         table_sync: Literal["allreduce", "rows"] = "allreduce",
+        table_layout: Literal["replicated", "sharded"] = "replicated",
+        table_shards: int = 0,
     ):
         super().__init__()
         if data_spec is None:
@@ -120,7 +132,9 @@ class RankerModule(pl.LightningModule):
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
         _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
-        # plain types only: checkpoints stay loadable with torch.load(weights_only=True)
+        _check_layout(table_layout, embedding_grad, cuda_graphs or compile_model, table_sync, table_shards)
+        # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
+        # table's layout, which a checkpoint's hyper-parameters would impose on the command loading it
         self.save_hyperparameters(
             {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
              "data_spec": dict(data_spec), "compile_model": bool(compile_model),
@@ -136,12 +150,13 @@ class RankerModule(pl.LightningModule):
         self._graphs: GraphedTrainStep | None = None
         self._cpu_buckets: list[StaticBatch] = []
         self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
-        self.optimizer_name = optimizer
+        self.optimizer_name, self.sharded, self.table_shards = optimizer, table_layout == "sharded", table_shards
+        self._table_bytes = [0, 0, 0]  # training lookups of this process: all-to-all bytes, gather bytes, steps
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
         table = self.model.embed.item.weight
-        self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()), manual_table=self.cuda_graphs,
-                                  table_sync=table_sync)
+        self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()),
+                                  manual_table=self.cuda_graphs or self.sharded, table_sync=table_sync)
         self.data_spec_n_dense = feature_width(int(data_spec["n_dense"]), ranker)  # a batch's "dense" columns
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
@@ -155,16 +170,30 @@ class RankerModule(pl.LightningModule):
         # DDP leaves out what GradSync averages, and every buffer: constants, the epoch number
         # (equal everywhere) and each process's own NaN flag, so no step broadcasts buffers
         ignored = [name for name, _ in self.named_buffers()]
-        ignored += ["model.embed.item.weight"] if self.grad_sync.manual_table else []
+        ignored += [_TABLE] if self.grad_sync.manual_table else []
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, ignored)
 
     def forward(self, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in _MODEL_INPUTS}
+        if self.sharded:  # one exchange for the ranker's two lookups of these very tensors
+            self.model.embed.item.prefetch(inputs["hist_item"], inputs["cand_item"])
         if not self.compile_model:
             return self.model(**inputs)
         if self._compiled is None:  # built on first use, after the module has moved to its device
             self._compiled = torch.compile(self.model.forward, dynamic=True)
         return self._compiled(**inputs)
+
+    def setup(self, stage: str) -> None:
+        """With the sharded layout, the item table becomes this process's shard (the process group
+        exists from here on): every process drew the whole table from the seed and keeps its rows."""
+        if not self.sharded or isinstance(self.model.embed.item, ShardedEmbedding):
+            return
+        try:
+            self.model.embed.item = ShardedEmbedding.over(self.model.embed.item.weight, self.table_shards)
+        except ValueError as err:
+            raise ConfigError(f"model.{err}: every process must hold one shard of one whole table") from None
+        self.grad_sync = GradSync("dense", self.model.embed.item.weight, list(self.model.parameters()),
+                                  manual_table=True, local_table=True)
 
     def on_train_epoch_start(self) -> None:
         if int(self.train_loss_epoch) != self.current_epoch:
@@ -181,6 +210,7 @@ class RankerModule(pl.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt, step = self.optimizers(), self.global_step
+        sent = (self.model.embed.item.sent_bytes, self.model.embed.item.gather_bytes) if self.sharded else None
         if self._graphs is not None:
             loss = self._graphs(batch)  # forward + backward replayed; gradients in .grad
         else:
@@ -189,6 +219,10 @@ class RankerModule(pl.LightningModule):
             self.manual_backward(loss)
             loss = loss.detach()
         self.grad_sync(all_grads=self._graphs is not None)
+        if self.sharded:  # the shards' replicas summed; the bytes of the step's lookups (host integers, no sync)
+            table, counts = self.model.embed.item, self._table_bytes
+            table.sync_replicas()
+            counts[:] = [counts[0] + table.sent_bytes - sent[0], counts[1] + table.gather_bytes - sent[1], counts[2] + 1]
         opt.step()
         bad = ~torch.isfinite(loss)
         self._bad_step.copy_(torch.where(bad & (self._bad_step < 0), step, self._bad_step))
@@ -280,6 +314,9 @@ class RankerModule(pl.LightningModule):
         return dm.train_token_counts(range(min(max_epochs, 20)))  # later epochs are alike
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        if self.sharded:  # the whole table and its optimizer state, as the replicated layout saves them
+            groups = self.optimizers(use_pl_optimizer=False).param_groups
+            self.model.embed.item.save_whole(checkpoint, _TABLE, table_index(groups, self.model.embed.item.weight))
         # the running loss of every process (each holds its own examples'): the file gets the
         # global sums, as one process would have them (every process dumps, rank 0 writes)
         if world_size() > 1:
@@ -288,6 +325,10 @@ class RankerModule(pl.LightningModule):
                 state[key] = all_reduce(state[key].clone())
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if self.sharded:  # this process's rows of the whole table and of its optimizer state
+            table = self.model.embed.item
+            groups = param_groups(self.optimizer_name, list(self.parameters()), table.weight, self.weight_decay)
+            table.load_rows(checkpoint, _TABLE, table_index(groups, table.weight))
         if rank() != 0:  # rank 0 carries the global sums on, the others add from zero
             state = checkpoint["state_dict"]
             for key in _LOSS_STATES:
@@ -299,6 +340,10 @@ class RankerModule(pl.LightningModule):
 
     def on_train_end(self) -> None:
         comm = self.grad_sync.metrics()
+        sent, gather, steps = self._table_bytes
+        if steps and world_size() > 1:  # the lookup run and the RowwiseParallel-style one, per step
+            comm.update({"comm/table_sent_mb_per_step": sent / steps / 2**20,
+                         "comm/table_gather_mb_per_step": gather / steps / 2**20})
         for logger in self.trainer.loggers if comm else ():
             logger.log_metrics(comm, step=self.global_step)
 
@@ -315,6 +360,8 @@ class RankerModule(pl.LightningModule):
 
     def _eval_step(self, metrics: nn.ModuleDict, batch: dict) -> None:
         if batch["label"].numel() == 0:  # this process's share of a last, short evaluation batch
+            if self.sharded and world_size() > 1:  # the other shards' lookups still need this one
+                self.model.embed.item.prefetch(batch["hist_item"], batch["cand_item"])
             return
         logits = self._eval_logits(batch) if self.device.type == "cpu" else self(batch)
         for metric in metrics.values():
@@ -400,6 +447,19 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, tab
     if embedding_grad != "dense" and cuda_graphs:
         raise ConfigError(f"model.embedding_grad {embedding_grad} and model.cuda_graphs exclude each other: "
                           "a graph replays fixed shapes, a sparse gradient's size changes every step")
+
+
+def _check_layout(table_layout: str, embedding_grad: str, traced: bool, table_sync: str, shards: int) -> None:
+    if table_layout not in TABLE_LAYOUTS:
+        raise ConfigError(f"model.table_layout must be one of {', '.join(TABLE_LAYOUTS)}, got {table_layout!r}")
+    if shards < 0 or (shards and table_layout != "sharded"):
+        raise ConfigError(f"model.table_shards must be >= 0 (0: every process), and set only with model.table_layout "
+                          f"sharded; got {shards} with {table_layout}")
+    if table_layout == "sharded" and (embedding_grad != "dense" or table_sync != "allreduce" or traced):
+        raise ConfigError(f"model.table_layout sharded keeps the table's gradient with its shard: it takes the default "
+                          f"embedding_grad dense and table_sync allreduce, and eager steps (no cuda_graphs or "
+                          f"compile_model: the lookups' all-to-all changes its sizes every step and reads them on the "
+                          f"host); got embedding_grad {embedding_grad}, table_sync {table_sync}")
 
 
 def autocast_dtype(precision) -> torch.dtype | None:

@@ -28,9 +28,11 @@ from pipeline.tracking import first_line, flatten, shown, tracking_uri
 COMPARED = ("model.", "data.", "trainer.", "seed_everything")
 # how a run is watched or fed, never what it computes: extra callbacks (EarlyStopping among them:
 # converge.yaml keeps no last.ckpt, so such a run restarts), the console, loader workers (they get
-# whole batches from the sampler), Lightning's distributed sampler (always off)
+# whole batches from the sampler), Lightning's distributed sampler (always off), the item table's
+# layout and shards (a checkpoint holds the whole table in every layout)
 NOT_COMPARED = {"trainer.callbacks", "trainer.enable_progress_bar", "trainer.enable_model_summary",
-                "data.num_workers", "trainer.use_distributed_sampler"}
+                "data.num_workers", "trainer.use_distributed_sampler", "model.table_layout",
+                "model.table_shards"}
 _MAX_SHOWN = 6
 
 

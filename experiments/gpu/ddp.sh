@@ -3,7 +3,10 @@
 # and SDPA rankers from 1 to 2 GPUs at the paper preset (same batch of 512 per GPU, CUDA-graph
 # steps, bf16, max_seq_len 1024), the dense / sparse / densify embedding gradients on 2 GPUs
 # (eager steps, Adagrad: the optimizer that treats them alike), and the token balance of the
-# sampler on the paper data. Each part runs only if the call's budget still holds it; a later
+# sampler on the paper data; the item table sharded by rows (model.table_layout sharded, eager
+# steps) at 1, 2 and 4 GPUs against the same eager step on one GPU; and a 100M-item table
+# (data.vocab_size) that one GPU cannot hold, replicated on one GPU (refused in one line: the
+# result) and sharded over 4. Each part runs only if the call's budget still holds it; a later
 # call with the returned mlflow.db carried back adds to the same runs table.
 # Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set (no .git there). Returns $OUT/ddp.log, $OUT/ddp-summary.md, $OUT/mlflow.db,
@@ -11,6 +14,9 @@
 #   PARTS="data balance scaling modes" bash experiments/gpu/ddp.sh             # everything once
 #   CALL_BUDGET_S=200 PARTS=scaling REPEAT_FROM=2 REPEATS=3 LOG=ddp-repeats.log bash experiments/gpu/ddp.sh
 #       # more repeats of the scaling runs (named NAME#2, NAME#3) for their spread
+#   PARTS="shard" bash experiments/gpu/ddp.sh      # on 4 GPUs: the sharded table's weak scaling
+#   PARTS="bigtable" bash experiments/gpu/ddp.sh   # on 4 GPUs: the 100M-item table; also writes
+#       $OUT/bigtable.json (per run: exit status, the refusal or error line, examples/s, peak memory)
 # On a CPU (the check of this script): ACCEL=cpu DATA=data/tiny CONFIG=experiments/configs/tiny.yaml
 #   STEPS=6 EXTRA="--torch_num_threads 1" SCALING="jagged:1:single jagged:2:ddp" bash experiments/gpu/ddp.sh
 set -uo pipefail
@@ -25,6 +31,10 @@ STEPS=${STEPS:-300}
 PARTS=${PARTS:-"data balance scaling modes"}
 SCALING=${SCALING:-"jagged:1:single jagged:1:ddp jagged:2:ddp sdpa:1:single sdpa:1:ddp sdpa:2:ddp"}
 MODES=${MODES:-"dense sparse densify rows"}
+# attention:devices:strategy[:variant]; variant: a table_sync (allreduce, rows), eager (no CUDA
+# graphs) or sharded (the sharded table, eager); runs_table.py compares each with its own 1-GPU base
+SHARD=${SHARD:-"jagged:1:single:eager jagged:1:ddp:sharded jagged:2:ddp:sharded jagged:4:ddp:sharded"}
+BIG_VOCAB=${BIG_VOCAB:-100000000} BIG_DEVICES=${BIG_DEVICES:-4}
 REPEATS=${REPEATS:-1}  # runs of each scaling configuration (named NAME#k from the second on)
 REPEAT_FROM=${REPEAT_FROM:-1}  # a later invocation adds repeats REPEAT_FROM..REPEATS
 EXTRA=${EXTRA:-}
@@ -35,6 +45,18 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 save() {
   cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null
   python3 experiments/gpu/runs_table.py ddp > "$OUT/ddp-summary.md" 2>> "$log"
+}
+scaled() {  # scaled attention:devices:strategy[:variant] SUFFIX: one weak-scaling run of the preset
+  local attention devices strategy variant extra=()
+  IFS=: read -r attention devices strategy variant <<< "$1"
+  case "$variant" in
+    "") ;;
+    eager) extra=(--model.cuda_graphs false) ;;
+    sharded) extra=(--model.table_layout sharded --model.cuda_graphs false) ;;
+    *) extra=(--model.table_sync "$variant") ;;
+  esac
+  fit "$attention-w$devices-$strategy${variant:+-$variant}$2" "$devices" "$strategy" \
+    --model.ranker.attention "$attention" --trainer.limit_test_batches 5 "${extra[@]}"
 }
 fit() {  # fit NAME DEVICES STRATEGY ARGS...: one run of the preset, skipped when the budget is short
   local name=$1 devices=$2 strategy=$3; shift 3
@@ -61,13 +83,37 @@ fi
 if has scaling; then  # same batch per GPU: weak scaling; the preset's CUDA-graph steps, AdamW
   for rep in $(seq "$REPEAT_FROM" "$REPEATS"); do  # repeats interleaved: a drift of the machine hits every configuration
     suffix=""; [ "$rep" -gt 1 ] && suffix="#$rep"
-    for spec in $SCALING; do  # attention:devices:strategy[:table_sync]
-      IFS=: read -r attention devices strategy sync <<< "$spec"
-      sync_args=(); [ -n "$sync" ] && sync_args=(--model.table_sync "$sync")
-      fit "$attention-w$devices-$strategy${sync:+-$sync}$suffix" "$devices" "$strategy" \
-        --model.ranker.attention "$attention" --trainer.limit_test_batches 5 "${sync_args[@]}"
-    done
+    for spec in $SCALING; do scaled "$spec" "$suffix"; done
   done
+fi
+if has shard; then  # the sharded table: eager steps, its base the same eager step on one GPU
+  for rep in $(seq "$REPEAT_FROM" "$REPEATS"); do
+    suffix=""; [ "$rep" -gt 1 ] && suffix="#$rep"
+    for spec in $SHARD; do scaled "$spec" "$suffix"; done
+  done
+fi
+if has bigtable; then  # a table of BIG_VOCAB x 128 rows (51 GB in fp32): one GPU refuses it, 4 shards train it
+  ckpt_off=(--checkpoint.save_last false --checkpoint.save_top_k 0 --trainer.limit_test_batches 2)
+  fit "bigtable-w1-single" 1 single --data.vocab_size "$BIG_VOCAB" --model.ranker.attention jagged "${ckpt_off[@]}"
+  fit "bigtable-w$BIG_DEVICES-ddp-sharded" "$BIG_DEVICES" ddp --data.vocab_size "$BIG_VOCAB" --model.ranker.attention jagged \
+    --model.table_layout sharded --model.cuda_graphs false "${ckpt_off[@]}"
+  python3 - "$log" "$OUT/bigtable.json" "$BIG_DEVICES" <<'PY'
+import json, re, sys
+import mlflow
+text = open(sys.argv[1]).read()
+out = {}
+for name in ("bigtable-w1-single", f"bigtable-w{sys.argv[3]}-ddp-sharded"):
+    rc = re.findall(rf"^{name} rc=(\d+)", text, re.M)
+    runs = mlflow.search_runs(experiment_names=["ddp"], filter_string=f"attributes.run_name = '{name}'",
+                              output_format="list")
+    m = runs[0].data.metrics if runs else {}
+    out[name] = {"rc": int(rc[-1]) if rc else None, "status": runs[0].info.status if runs else "no run",
+                 "examples_per_s": m.get("perf/train_examples_per_s"),
+                 "peak_allocated_mb": m.get("mem/train_peak_allocated_mb")}
+out["lines"] = [ln for ln in text.splitlines() if ln.startswith("error: ") or "OutOfMemoryError" in ln][-6:]
+json.dump(out, open(sys.argv[2], "w"), indent=1)
+print(json.dumps(out, indent=1))
+PY
 fi
 if has modes; then  # 2 GPUs, eager steps (graphs replay dense gradients only), the whole test split
   for mode in $MODES; do  # rows: the dense gradient exchanged as its touched rows (model.table_sync)

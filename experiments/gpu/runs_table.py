@@ -1,7 +1,8 @@
 """The runs of an MLflow experiment as markdown on stdout (the GPU scripts' summaries): one row per
 configuration (the run name without ``#<k>``, the k-th repeat), each metric the mean over its
-finished repeats [their range], then, for runs named ``<attention>-w<W>-ddp[-rows]``, the weak-
-scaling efficiency: examples/s at W processes / (W x the same layout's at 1, DDP and plain).
+finished repeats [their range], then, for runs named ``<attention>-w<W>-ddp[-<variant>]``, the weak-
+scaling efficiency: examples/s at W processes / (W x the same run's at 1, DDP and plain; for the
+eager variants, sharded and eager, plain is the eager single process ``<attention>-w1-single-eager``).
 
     python experiments/gpu/runs_table.py <experiment> [metric ...]      # loop.sh, ddp.sh
 """
@@ -17,7 +18,8 @@ import mlflow
 DEFAULT = ("perf/train_examples_per_s", "perf/step_time_ms", "perf/step_time_median_ms", "perf/step_time_p90_ms",
            "perf/warmup_s", "perf/prepare_s", "perf/host_step_ms", "perf/host_gap_ms", "perf/gc_ms",
            "perf/steady_steps", "mem/train_peak_allocated_mb", "mem/peak_rss_mb", "comm/sent_mb_per_step",
-           "perf/rank_tokens_max_over_mean", "test/auc")
+           "perf/rank_tokens_max_over_mean", "comm/table_sent_mb_per_step", "comm/table_gather_mb_per_step",
+           "test/auc")
 SPEED = "perf/train_examples_per_s"
 
 
@@ -48,18 +50,19 @@ def main(argv: list[str]) -> None:
         status = ", ".join(f"{n} {s}" for s, n in Counter(r.info.status for r in rs).items())
         print(f"| {name} | {status} | {rs[-1].data.tags.get('world_size', '-')} | "
               + " | ".join(_cell(rs, k) for k in keys) + " |")
-    scaling = [(m, groups[name]) for name in groups if (m := re.fullmatch(r"(\w+)-w(\d+)-ddp(-rows)?", name))
-               and m.group(2) != "1"]
+    scaling = [(m, groups[name]) for name in groups
+               if (m := re.fullmatch(r"(\w+)-w(\d+)-ddp(-rows|-allreduce|-sharded|-eager)?", name)) and m.group(2) != "1"]
     if scaling:
-        print("\n| attention | W | table sync | efficiency vs 1-process DDP | vs single process |\n|---|---:|---|---:|---:|")
+        print("\n| attention | W | variant | efficiency vs 1-process DDP | vs single process |\n|---|---:|---|---:|---:|")
     for m, rs in scaling:
-        attention, world, cells = m.group(1), int(m.group(2)), []
-        for base in (f"{attention}-w1-ddp", f"{attention}-w1-single"):
+        attention, world, variant, cells = m.group(1), int(m.group(2)), m.group(3) or "", []
+        eager = "-eager" if variant in ("-sharded", "-eager") else ""
+        for base in (f"{attention}-w1-ddp{eager and variant}", f"{attention}-w1-single{eager}"):
             speeds, refs = _values(rs, SPEED), _values(groups.get(base, []), SPEED)
             pairs = [s / (world * r) for s in speeds for r in refs]
             cells.append("-" if not pairs else f"{sum(speeds) / len(speeds) / (world * sum(refs) / len(refs)):.1%}"
                          + (f" [{min(pairs):.1%}, {max(pairs):.1%}]" if len(pairs) > 1 else ""))
-        print(f"| {attention} | {world} | {'rows' if m.group(3) else 'allreduce'} | " + " | ".join(cells) + " |")
+        print(f"| {attention} | {world} | {variant[1:] or 'allreduce'} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""The row-sharded item table over Gloo processes against the replicated one: the same rows, the
+gradient DDP's reducer would give, the bytes of both lookups, the whole table gathered back; with
+one table over every process and with tables replicated over groups of processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from pipeline.dist import gloo_worker
+from pipeline.table import ShardedEmbedding, sent_bytes_gather, shard_groups, shard_rows
+
+V, D = 37, 5  # 37 rows: no world size here divides them
+
+
+def _inputs(rank: int) -> list[torch.Tensor]:
+    """A step's lookups of `rank`: a history [T] (int32, repeated ids), candidates [B], and on
+    rank 1 an empty history; the same tensors in every process that asks."""
+    g = torch.Generator().manual_seed(100 + rank)
+    hist = torch.randint(0, V, (0 if rank == 1 else 23 + 5 * rank,), generator=g, dtype=torch.int32)
+    cand = torch.randint(0, V, (4, 3), generator=g)
+    return [hist, cand]
+
+
+def _upstream(rank: int, shapes) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + rank)
+    return [torch.randn(*s, D, generator=g, dtype=torch.float64) for s in shapes]
+
+
+def _worker(rank: int, world: int, shards: int, store: str) -> None:
+    torch.set_num_threads(1)
+    with gloo_worker(rank, world, store):
+        mine, s = shard_groups(world, shards)[0][rank // shards], rank % shards  # this table's ranks, its shard
+        full = torch.randn(V, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        table = ShardedEmbedding.over(full, shards)
+        assert (table.rank, table.world, table.replicas) == (s, shards, world // shards)
+        assert table.weight.shape == (shard_rows(V, s, shards), D)
+        ids = _inputs(rank)
+        outs = [table(i) for i in ids]
+        for i, out in zip(ids, outs):
+            assert out.shape == (*i.shape, D) and torch.equal(out, full[i.long()])
+        loss = sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids])))
+        loss.backward()
+        lookup_bytes = table.sent_bytes
+        table.sync_replicas()
+        want = torch.zeros(V, D, dtype=torch.float64)  # the replicated table's gradient, averaged by DDP
+        for r in range(world):
+            for i, u in zip(_inputs(r), _upstream(r, [i.shape for i in _inputs(r)])):
+                want.index_add_(0, i.reshape(-1).long(), u.reshape(-1, D))
+        want /= world
+        torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
+        # bytes: distinct ids to the other owners, the rows asked of this shard, the gradients back
+        distinct = [[torch.unique(x.reshape(-1).long()) for x in _inputs(r)] for r in range(world)]
+        ids_out = sum(int((u % shards != s).sum()) for u in distinct[rank])
+        rows_in = sum(int((u % shards == s).sum()) for r in mine if r != rank for u in distinct[r])
+        assert lookup_bytes == ids_out * 8 + (rows_in + ids_out) * D * 8
+        t_max = [max(_inputs(r)[k].numel() for r in mine) for k in range(2)]
+        assert table.gather_bytes == sum(sent_bytes_gather(t, shards, D * 8) for t in t_max) and table.lookups == 2
+        # one exchange for both lookups of those very tensors: the same rows and gradient
+        table.weight.grad = None
+        table.prefetch(*ids)
+        outs = [table(i) for i in ids]
+        assert table.lookups == 3 and all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
+        sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids]))).backward()
+        table.sync_replicas()
+        torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
+        gathered = table.gather(table.weight.detach())
+        assert (gathered is None) == (s != 0)
+        if s == 0:
+            assert torch.equal(gathered, full)
+
+
+@pytest.mark.parametrize("world, shards", [(2, 2), (3, 3), (4, 2)])
+def test_the_sharded_table_looks_up_and_trains_like_the_replicated_one(world, shards, tmp_path):
+    """Every process in one table's shards, and (4, 2) two tables of two shards each."""
+    mp.start_processes(_worker, args=(world, shards, str(tmp_path / "store")), nprocs=world, start_method="spawn")
+
+
+def test_table_shards_must_divide_the_world_size():
+    assert shard_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
+    with pytest.raises(ValueError, match="table_shards 3 does not divide the world size 4"):
+        shard_groups(4, 3)
+
+
+def test_one_process_holds_the_whole_table():
+    full = torch.randn(V, D)
+    table = ShardedEmbedding(full, 0, 1)
+    ids = torch.tensor([3, 3, 36, 0])
+    assert torch.equal(table(ids), full[ids]) and torch.equal(table.gather(table.weight), full)
