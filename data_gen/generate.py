@@ -29,18 +29,22 @@ from . import metrics, timeline
 from .config import DataConfig
 from .history import sample_history, sample_users
 from .lengths import LengthModel, build_length_model
+from .planted import TERMS
 from .rows import build_rows
 from .schema import (DIGEST_METHOD, META_FILE, SPLITS, columns as schema_columns,
                      dataset_digest, sha256_file, split_days)
 from .world import World, build_world
 
-GENERATOR_VERSION = "1.0.0"
+GENERATOR_VERSION = "2.0.0"  # its major is schema.FORMAT_MAJOR
 ORACLE_DEFINITION = (
     "auc, ne: AUC and normalized entropy of p_true (the probability each label was drawn "
     "from) against the labels. auc_recent_<k>: AUC against the same labels of the planted "
     "logit recomputed from only the last k history items of each row (k = 0: no history), "
     "i.e. the same function with older items removed; it is a plug-in score, not a "
-    "Bayes-optimal predictor for a k-item window.")
+    "Bayes-optimal predictor for a k-item window. oracle_terms.<term>.alone_<k> / "
+    "without_<k> (val and test): the AUC of that weighted term alone, and of the logit without "
+    "it, from the last k items (full: the whole history); docs/data.md says which ranker part "
+    "needs each.")
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,7 @@ def _iter_results(cfg: DataConfig, world: World, out: Path, specs: list, workers
 def _split_summary(cfg: DataConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
     results = sorted(results, key=lambda r: r["index"])
     cat = {k: np.concatenate([r["stats"][k] for r in results], axis=-1)
-           for k in ("lengths", "label", "p_true", "logits")}
+           for k in ("lengths", "label", "p_true", "logits", "terms")}
     label, p_true = cat["label"], cat["p_true"]
     oracle: dict[str, Any] = {"auc": metrics.auc(label, p_true),
                               "ne": metrics.normalized_entropy(label, p_true)}
@@ -217,9 +221,25 @@ def _split_summary(cfg: DataConfig, results: list[dict[str, Any]]) -> dict[str, 
                "mean_p_true": float(p_true.mean()),
                "length_stats": metrics.length_stats(cat["lengths"]), "oracle": oracle,
                "files": [r["file"] for r in results]}
+    if results[0]["split"] != "train":  # held-out splits only: 32 AUCs over 1M rows take seconds
+        summary["oracle_terms"] = _term_views(cfg, label, cat["logits"], cat["terms"])
     if cfg.is_timeline:
         summary["users"] = timeline.split_users([r["stats"]["users"] for r in results])
     return summary
+
+
+def _term_views(cfg: DataConfig, label: np.ndarray, logits: np.ndarray,
+                terms: np.ndarray) -> dict[str, Any]:
+    """Per term and window (k > 0, then "full"): the AUC of the term alone and of the logit
+    without it (a term off, w = 0, is left out)."""
+    views = [(str(k), i) for i, k in enumerate(cfg.oracle_ks) if k > 0] + [("full", -1)]
+    out: dict[str, Any] = {}
+    for t, name in enumerate(TERMS):
+        if getattr(cfg, f"w_{name}") != 0:
+            out[name] = {f"{how}_{k}": metrics.auc(label, terms[t, i] if how == "alone" else
+                                                   logits[i] - terms[t, i])
+                         for how in ("alone", "without") for k, i in views}
+    return out
 
 
 def _type_name(t: pa.DataType) -> str:

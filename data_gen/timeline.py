@@ -139,7 +139,8 @@ def history_before(stream: History, event_time: np.ndarray, user: np.ndarray,
     # > 0 (events strictly before); float64 rounded to float32 keeps the order: oldest first
     np.subtract(np.repeat(time, lengths), event_time[pos], out=age, casting="same_kind")
     return History(offsets=offsets, item=item, action=action, age=age,
-                   cluster=stream.cluster[pos], row=row, recency=recency)
+                   category=stream.category[pos], row=row, recency=recency,
+                   motif=stream.motif[pos])
 
 
 def _impressions(users: Users, stream: History, event_time: np.ndarray, user: np.ndarray,

@@ -138,7 +138,8 @@ class RankerModule(pl.LightningModule):
         self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
         self.optimizer_name = optimizer
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
-                            n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
+                            n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense",
+                            n_categories=data_spec.get("n_categories", 0))
         table = self.model.embed.item.weight
         self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()), manual_table=self.cuda_graphs,
                                   table_sync=table_sync)
@@ -165,6 +166,11 @@ class RankerModule(pl.LightningModule):
         if self._compiled is None:  # built on first use, after the module has moved to its device
             self._compiled = torch.compile(self.model.forward, dynamic=True)
         return self._compiled(**inputs)
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None)
+        if self.model.embed.category is not None and hasattr(dm, "item_categories"):
+            self.model.embed.set_categories(dm.item_categories())  # the data set's catalogue
 
     def on_train_epoch_start(self) -> None:
         if int(self.train_loss_epoch) != self.current_epoch:
