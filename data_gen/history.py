@@ -1,17 +1,9 @@
 """Users and their histories: sparse interest mixtures that drift, drawn with popularity.
 
-Each user has two sparse mixtures of `interests_per_user` clusters: the *current* one and a
-*past* one. Looking back from the request, the most recent `switch` items (an exponential
-number with mean `switch_mean`) come from the current mixture and everything older from the
-past mixture; a `noise` fraction of all items are stray draws from global popularity. This
-drift is what makes old history informative: a candidate from a past interest is recognisable
-only by a model that reads far enough back.
-
-Slot clusters are drawn with probability Z_c / Z and slot weights are exchangeable (Dirichlet),
-so averaged over users every item is drawn from the global Zipf law (see world.py).
-
-All sampling is vectorised over the flat [T] layout of a chunk of rows (T = total items);
-nothing loops over rows or items in Python.
+Each user has a *current* and a *past* mixture of `interests_per_user` clusters: the most
+recent `switch` items (mean `switch_mean`) come from the current one, older ones from the past
+one, a `noise` share from global popularity; motif pairs are planted on top. Vectorised over
+the flat [T] layout of a chunk of rows. docs/data.md: why the drift makes old history matter.
 """
 
 from __future__ import annotations

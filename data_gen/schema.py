@@ -1,23 +1,15 @@
 """The Parquet schema and the one validating reader that every part of the project uses.
 
-Layout of a data set directory:
-
-    meta.json                      written last: no meta.json, no data set
-    train/part-00000.parquet ...   one row per example (see columns())
-    val/...   test/...
-
-A timeline data set (meta.json config with `users` > 0) has two more columns, the impression's
-day (1-based) and time (days since the start of day 1), and its splits are days (split_days).
-
-Sequence columns are Parquet lists (read by pyarrow as `list` or `large_list`), oldest item
-first: a model that keeps the last `max_seq_len` items keeps the END of each list.
+A data set directory holds meta.json (written last: no meta.json, no data set) and
+train/, val/, test/ shards (`part-00000.parquet`, one row per example, see columns()).
+Sequence columns are lists, oldest item first: a model keeping `max_seq_len` items keeps the
+END of each list. A timeline data set adds the impression's day and time (docs/data.md).
 
     from data_gen import read_split
     table = read_split("data/small", "train", columns=["hist_item", "label"])  # pyarrow.Table
 
-`read_split` validates every shard of the split first (checksums, schema, nulls, alignment of
-the sequence columns, value ranges) and raises DataValidationError naming the file, the column
-and the first bad row.
+`read_split` validates every shard first and raises DataValidationError naming the file, the
+column and the first bad row.
 """
 
 from __future__ import annotations

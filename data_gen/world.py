@@ -1,18 +1,9 @@
-"""The item universe: Zipf popularity, latent clusters, and an exact, fast item sampler.
+"""The item universe: Zipf popularity, latent clusters, categories, motifs, an exact sampler.
 
-Popularity by rank k (1-based) is p(k) = k^-alpha / Z over the whole vocabulary; any alpha > 0
-works (numpy's `zipf` needs alpha > 1 and has no upper bound). Ranks are mapped to ids by a
-random permutation, so an id says nothing about popularity, and to clusters by another one, so
-every cluster holds a long-tailed slice of the catalogue.
-
-Every item draw picks a cluster first and then an item within it, from the cluster's own
-popularity p(k) / Z_c. When clusters are chosen with probability Z_c / Z (which the user model
-does on average), the marginal over items is exactly the global Zipf law.
-
-Both draws use alias tables (Walker's method): O(1) per draw whatever the skew, which keeps
-1M rows x 256 items within the generator's time budget on two CPU cores. (An inverse-CDF
-search was tried first; a cluster holding a head item puts ~99% of its mass on it, and the
-search through its tail made the draws several times slower.)
+Popularity by rank k is p(k) = k^-alpha / Z for any alpha > 0; ranks map to ids and to
+clusters by random permutations. A draw picks a cluster, then an item by the cluster's own
+popularity, both from alias tables (O(1) per draw whatever the skew); drawing clusters by mass
+gives exactly the global Zipf law. docs/data.md says why (and what was tried first).
 """
 
 from __future__ import annotations
