@@ -16,6 +16,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import polars as pl
 import pyarrow as pa
 
 from . import metrics, timeline
-from .config import DataConfig
+from .config import ConfigError, DataConfig
 from .history import sample_history, sample_users
 from .lengths import LengthModel, build_length_model
 from .planted import TERMS
@@ -149,6 +150,37 @@ def _remove_temps(out: Path) -> None:
     for split in SPLITS:
         for tmp in (out / split).glob(".part-*.tmp-*"):
             tmp.unlink(missing_ok=True)
+
+
+# What a row costs, from the paper preset on 2 cores (experiments/results/data/cpu/): Parquet
+# bytes per history item and per row, and history items generated per second per core.
+BYTES_PER_ITEM, BYTES_PER_ROW, ITEMS_PER_CORE_S = 7.5, 40.0, 1.0e6
+MAX_HOURS = 24.0  # a generation estimated to take longer is refused
+
+
+def estimate(cfg: DataConfig, workers: int) -> tuple[int, float, float]:
+    """(rows, bytes of Parquet, seconds on `workers` cores) that cfg would take, roughly."""
+    rows = (round(cfg.users * cfg.days * cfg.impressions_per_day) if cfg.is_timeline
+            else cfg.rows)
+    items = rows * build_length_model(cfg).expected()["mean"]
+    size = items * BYTES_PER_ITEM + rows * (BYTES_PER_ROW + 4 * cfg.n_dense)
+    return rows, size, items / (ITEMS_PER_CORE_S * max(1, workers))
+
+
+def check_room(cfg: DataConfig, out: Path, workers: int | None) -> None:
+    """Raise ConfigError (one line) when the estimate exceeds the free space under `out` or
+    MAX_HOURS; nothing is written."""
+    rows, size, seconds = estimate(cfg, workers or _cpu_count())
+    base = Path(out).absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    free = shutil.disk_usage(base).free
+    what = f"{rows:,} rows: about {size / 1e9:,.1f} GB and {seconds / 3600:,.1f} h on " \
+           f"{workers or _cpu_count()} cores"
+    if size > free:
+        raise ConfigError(f"--rows {what}, but {base} has {free / 1e9:,.1f} GB free")
+    if seconds > MAX_HOURS * 3600:
+        raise ConfigError(f"--rows {what}, over the limit of {MAX_HOURS:g} h")
 
 
 def _prepare_out(out: Path, overwrite: bool) -> None:
@@ -301,7 +333,10 @@ def generate_dataset(cfg: DataConfig, seed: int, out: str | Path, *, preset: str
             bar.update(sum(res["rows"] for res in written))
     except BaseException:
         running.close()  # stops the workers before their temporary files are removed
-        _remove_temps(out)  # finished shards stay, but without meta.json nothing accepts them
+        _remove_temps(out)
+        for split in SPLITS:  # this run's finished shards: no meta.json will ever list them
+            for path in (out / split).glob("part-*.parquet"):
+                path.unlink(missing_ok=True)
         raise
     finally:
         bar.close()
