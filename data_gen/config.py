@@ -61,10 +61,10 @@ class DataConfig:
     length_exponent: float = 2.0
     length_sigma: float = 1.0
     # candidate kinds (random popular items take the rest) and the planted label model
-    cand_current: float = 0.2  # from the current interests
-    cand_past: float = 0.25  # from the past interests
+    cand_current: float = 0.15  # from the current interests
+    cand_past: float = 0.15  # from the past interests
     cand_reconsume: float = 0.15  # an item seen at least far_start items ago
-    cand_motif: float = 0.15  # of the category a motif planted in the history favours
+    cand_motif: float = 0.35  # of the category a motif planted in the history favours
     recent_halflife: float = 16.0  # items; recency weights of R's average over matches
     far_start: int = 256  # re-consumption X counts only items at least this far back
     freq_cap: float = 16.0  # cluster matches over the whole history saturate F here
@@ -72,15 +72,15 @@ class DataConfig:
     # item of category a is followed within motif_window items by one of category b; each history
     # position starts a planted pair with probability motif_rate, reversed (b then a) for a
     # motif_decoy share of them
-    n_motifs: int = 32
-    motif_window: int = 8
-    motif_rate: float = 0.01
+    n_motifs: int = 8
+    motif_window: int = 2
+    motif_rate: float = 0.02
     motif_decoy: float = 0.5
     bias: float = -2.6
     w_recent: float = 2.0  # logit weight of R
     w_freq: float = 2.0  # logit weight of F
     w_item: float = 2.5  # logit weight of X
-    w_motif: float = 2.5  # logit weight of M
+    w_motif: float = 4.0  # logit weight of M
     quality_sd: float = 0.3  # sd of the per-item logit offset
     n_dense: int = 8  # dense features; the first half carry signal
     dense_sd: float = 0.3  # sd of their logit weights
@@ -122,12 +122,12 @@ PER_EXAMPLE_ONLY = ("rows", "val_fraction", "test_fraction")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # seconds on a laptop: the test suite's data
-    "tiny": dict(rows=6_000, vocab_size=20_000, n_clusters=100, n_categories=32, n_motifs=8,
+    "tiny": dict(rows=6_000, vocab_size=20_000, n_clusters=100, n_categories=32,
                  mean_len=96.0, max_len=2_048, n_dense=4, rows_per_shard=1_024,
                  row_group_size=512),
     # the CPU demo: generated in seconds, trained on in a minute or two
     "small": dict(rows=100_000, vocab_size=100_000, n_clusters=500, n_categories=128,
-                  n_motifs=16, mean_len=128.0, max_len=2_048, rows_per_shard=16_384,
+                  mean_len=128.0, max_len=2_048, rows_per_shard=16_384,
                   row_group_size=8_192),
     # the GPU experiments: 1M train rows, mean length 256, lengths up to 4096
     "paper": dict(rows=1_250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0,
@@ -139,7 +139,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                  max_len=16_384, far_start=2_048, oracle_ks=(0, 256, 1_024, 4_096, 16_384),
                  rows_per_shard=16_384, row_group_size=4_096),
     # timeline mode for tests: the tiny world, 300 users over 7 days (about 2k impressions)
-    "timeline_tiny": dict(vocab_size=20_000, n_clusters=100, n_categories=32, n_motifs=8,
+    "timeline_tiny": dict(vocab_size=20_000, n_clusters=100, n_categories=32,
                           mean_len=96.0, max_len=2_048,
                           n_dense=4, rows_per_shard=1_024, row_group_size=512, users=300,
                           days=7, impressions_per_day=1.0),
