@@ -333,10 +333,7 @@ def generate_dataset(cfg: DataConfig, seed: int, out: str | Path, *, preset: str
             bar.update(sum(res["rows"] for res in written))
     except BaseException:
         running.close()  # stops the workers before their temporary files are removed
-        _remove_temps(out)
-        for split in SPLITS:  # this run's finished shards: no meta.json will ever list them
-            for path in (out / split).glob("part-*.parquet"):
-                path.unlink(missing_ok=True)
+        _remove_temps(out)  # finished shards stay, but without meta.json nothing accepts them
         raise
     finally:
         bar.close()

@@ -326,5 +326,7 @@ def test_generate_onto_a_read_only_or_full_disk_fails_in_one_line(tmp_path, monk
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(out) in err and os.strerror(getattr(errno, code)) in err
     assert len(written) == 2  # two shards were complete when the third failed
-    assert not (out / "meta.json").exists()
-    assert not list(out.rglob("*.parquet*")) and not list(out.rglob(".part-*"))  # none left
+    assert not (out / "meta.json").exists() and not list(out.rglob(".part-*"))  # no half shard
+    assert sorted(out.rglob("*.parquet")) == sorted(written)  # only the complete ones
+    with pytest.raises(DataValidationError, match="meta.json"):
+        validate_dataset(out)  # which no reader accepts
