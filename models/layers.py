@@ -100,8 +100,8 @@ class TargetAttention(nn.Module):
         q = self.q(cand).unflatten(-1, (1, self.num_heads, -1))  # [B, 1, H, Dh]
         k, v = self.kv(x).unflatten(-1, (2, self.num_heads, -1)).unbind(-3)  # [..., H, Dh]
         if self.rotary:
-            dtype = torch.promote_types(q.dtype, torch.float32)
-            q = rotate(q, *rotary_angles(torch.full(q.shape[:2], -1, device=q.device), q.shape[-1], dtype))
+            real = torch.promote_types(q.dtype, torch.float32)
+            q = rotate(q, rotary_angles(torch.full(q.shape[:2], -1, device=q.device), q.shape[-1], real))
             k = hist.rotary(k)
         return self.proj(hist.target_attention(q, k, v).flatten(-3))  # [B, D]
 
