@@ -154,7 +154,7 @@ def _remove_temps(out: Path) -> None:
 
 # What a row costs, from the paper preset on 2 cores (experiments/results/data/cpu/): Parquet
 # bytes per history item and per row, and history items generated per second per core.
-BYTES_PER_ITEM, BYTES_PER_ROW, ITEMS_PER_CORE_S = 7.5, 40.0, 1.0e6
+BYTES_PER_ITEM, BYTES_PER_ROW, ITEMS_PER_CORE_S = 7.5, 40.0, 3.0e6
 MAX_HOURS = 24.0  # a generation estimated to take longer is refused
 
 
