@@ -1,7 +1,8 @@
 """Command line: `python -m data_gen generate|validate|report ...` (see --help).
 
-Exit status: 0 on success, 1 for data that fails validation, 2 for bad arguments (which are
-all checked before any work starts).
+Exit status: 0 on success, 1 for data that fails validation, 2 for bad arguments (all checked
+before any work starts, an estimate of the output's size and time included) and for an output
+directory that cannot be written (read-only, full): then no data set is left behind.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .config import PRESETS, ConfigError, DataConfig, option_pairs, resolve_config
 from .schema import DataValidationError
@@ -46,16 +48,22 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace, extra: list[str]) -> None:
-    from .generate import generate_dataset  # after the argument checks: imports polars
-
     cfg = resolve_config(args.preset, option_pairs(extra))
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+    from .generate import check_room, generate_dataset  # after the argument checks: polars
+
+    check_room(cfg, Path(args.out), args.workers)
     start = time.perf_counter()
-    meta = generate_dataset(cfg, args.seed, args.out, preset=args.preset, workers=args.workers,
-                            progress=not args.quiet, overwrite=args.overwrite)
+    try:
+        meta = generate_dataset(cfg, args.seed, args.out, preset=args.preset,
+                                workers=args.workers, progress=not args.quiet,
+                                overwrite=args.overwrite)
+    except OSError as err:  # a read-only directory, a full disk: no data set was completed
+        raise ConfigError(f"cannot write {err.filename or args.out}: {err.strerror or err}") \
+            from None
     seconds = time.perf_counter() - start
     tr = meta["splits"]["train"]
     o = tr["oracle"]
@@ -97,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
     return 0
 
 

@@ -111,7 +111,7 @@ def _check_batch(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, An
             raise DataValidationError("null value", file=path, column=name,
                                       row=row0 + _first_null_row(col))
     seq = {}
-    for name in ("hist_item", "hist_action", "hist_age"):
+    for name in ("hist_item", "hist_action", "hist_age", "hist_category"):
         off, values = _list_parts(batch.column(name))
         if values.null_count:
             flat = _first_null_row(values)
@@ -120,7 +120,7 @@ def _check_batch(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, An
                                       row=row0 + row)
         seq[name] = (off, values.to_numpy(zero_copy_only=False))
     ref = np.diff(seq["hist_item"][0])
-    for name in ("hist_action", "hist_age"):
+    for name in ("hist_action", "hist_age", "hist_category"):
         _fail_first(path, name, np.diff(seq[name][0]) != ref, int, row0,
                     "sequence length differs from hist_item's (misaligned sequences)")
     off = seq["hist_item"][0]
@@ -137,6 +137,25 @@ def _check_batch(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, An
     _fail_first(path, "hist_age", (np.diff(age) > 0) & ~starts[1:-1], row_of_flat, row0,
                 "ages increase within a sequence (must be oldest first)")
     _check_scalars(path, batch, row0, cfg)
+    _check_categories(path, batch, row0, cfg, item, seq["hist_category"][1], row_of_flat)
+
+
+def _check_categories(path: Path, batch: pa.RecordBatch, row0: int, cfg: dict[str, Any],
+                      item: np.ndarray, cat: np.ndarray, row_of_flat: Callable[[int], int]) -> None:
+    """Categories in range, and one category per item id across the batch's rows."""
+    n_cat = cfg["n_categories"]
+    cand, cand_cat = _column(batch, "cand_item"), _column(batch, "cand_category")
+    _fail_first(path, "hist_category", (cat < 0) | (cat >= n_cat), row_of_flat, row0,
+                f"category outside [0, {n_cat})")
+    _fail_first(path, "cand_category", (cand_cat < 0) | (cand_cat >= n_cat), int, row0,
+                f"category outside [0, {n_cat})")
+    table = np.full(cfg["vocab_size"], -1, np.int16)
+    table[cand] = cand_cat
+    table[item] = cat
+    _fail_first(path, "hist_category", table[item] != cat, row_of_flat, row0,
+                "an item id with two categories")
+    _fail_first(path, "cand_category", table[cand] != cand_cat, int, row0,
+                "an item id with two categories")
 
 
 def _column(batch: pa.RecordBatch, name: str) -> np.ndarray:

@@ -42,6 +42,10 @@ class DataConfig:
     vocab_size: int = 1_000_000
     alpha: float = 1.0  # any alpha > 0, including <= 1
     n_clusters: int = 1_000
+    # each cluster belongs to one of n_categories categories (the label's terms match on them);
+    # the files show each item's category, wrong for a category_noise fraction of the items
+    n_categories: int = 256
+    category_noise: float = 0.1
     # users: a current and a past sparse mixture of interests_per_user clusters each
     interests_per_user: int = 3
     interest_concentration: float = 0.5  # Dirichlet concentration of the weights (small: sparse)
@@ -58,16 +62,26 @@ class DataConfig:
     length_exponent: float = 2.0
     length_sigma: float = 1.0
     # candidate kinds (random popular items take the rest) and the planted label model
-    cand_current: float = 0.25  # from the current interests
-    cand_past: float = 0.30  # from the past interests
+    cand_current: float = 0.15  # from the current interests
+    cand_past: float = 0.15  # from the past interests
     cand_reconsume: float = 0.15  # an item seen at least far_start items ago
-    recent_halflife: float = 16.0  # items; decay of the recency-weighted cluster match R
+    cand_motif: float = 0.35  # of the category a motif planted in the history favours
+    recent_halflife: float = 16.0  # items; recency weights of R's average over matches
     far_start: int = 256  # re-consumption X counts only items at least this far back
     freq_cap: float = 16.0  # cluster matches over the whole history saturate F here
+    # motifs: n_motifs (a, b) category pairs; a candidate of category b is favoured (M) when an
+    # item of category a is followed within motif_window items by one of category b; each history
+    # position starts a planted pair with probability motif_rate, reversed (b then a) for a
+    # motif_decoy share of them
+    n_motifs: int = 8
+    motif_window: int = 2
+    motif_rate: float = 0.02
+    motif_decoy: float = 0.5
     bias: float = -2.6
     w_recent: float = 2.0  # logit weight of R
     w_freq: float = 2.0  # logit weight of F
     w_item: float = 2.5  # logit weight of X
+    w_motif: float = 4.0  # logit weight of M
     quality_sd: float = 0.3  # sd of the per-item logit offset
     n_dense: int = 8  # dense features; the first half carry signal
     dense_sd: float = 0.3  # sd of their logit weights
@@ -109,11 +123,13 @@ PER_EXAMPLE_ONLY = ("rows", "val_fraction", "test_fraction")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # seconds on a laptop: the test suite's data
-    "tiny": dict(rows=6_000, vocab_size=20_000, n_clusters=100, mean_len=96.0, max_len=2_048,
-                 n_dense=4, rows_per_shard=1_024, row_group_size=512),
+    "tiny": dict(rows=6_000, vocab_size=20_000, n_clusters=100, n_categories=32,
+                 mean_len=96.0, max_len=2_048, n_dense=4, rows_per_shard=1_024,
+                 row_group_size=512),
     # the CPU demo: generated in seconds, trained on in a minute or two
-    "small": dict(rows=100_000, vocab_size=100_000, n_clusters=500, mean_len=128.0,
-                  max_len=2_048, rows_per_shard=16_384, row_group_size=8_192),
+    "small": dict(rows=100_000, vocab_size=100_000, n_clusters=500, n_categories=128,
+                  mean_len=128.0, max_len=2_048, rows_per_shard=16_384,
+                  row_group_size=8_192),
     # the GPU experiments: 1M train rows, mean length 256, lengths up to 4096
     "paper": dict(rows=1_250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0,
                   max_len=4_096, rows_per_shard=65_536, row_group_size=16_384),
@@ -124,7 +140,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  max_len=16_384, far_start=2_048, oracle_ks=(0, 256, 1_024, 4_096, 16_384),
                  rows_per_shard=16_384, row_group_size=4_096),
     # timeline mode for tests: the tiny world, 300 users over 7 days (about 2k impressions)
-    "timeline_tiny": dict(vocab_size=20_000, n_clusters=100, mean_len=96.0, max_len=2_048,
+    "timeline_tiny": dict(vocab_size=20_000, n_clusters=100, n_categories=32,
+                          mean_len=96.0, max_len=2_048,
                           n_dense=4, rows_per_shard=1_024, row_group_size=512, users=300,
                           days=7, impressions_per_day=1.0),
     # timeline mode at the paper's scale: 40k users over 14 days, about 1.1M impressions
@@ -254,17 +271,10 @@ def validate_config(cfg: DataConfig) -> None:
     _check(_finite(cfg.mean_len) and cfg.mean_len >= 0, "mean_len must be >= 0")
     _check(_finite(cfg.length_exponent) and cfg.length_exponent > 0, "length_exponent must be > 0")
     _check(_finite(cfg.length_sigma) and cfg.length_sigma > 0, "length_sigma must be > 0")
-    mix = (cfg.cand_current, cfg.cand_past, cfg.cand_reconsume)
-    _check(all(_finite(p) and p >= 0 for p in mix) and sum(mix) <= 1 + 1e-9,
-           "cand_current + cand_past + cand_reconsume must be probabilities summing <= 1, "
-           f"got {mix}")
     _check(_finite(cfg.recent_halflife) and cfg.recent_halflife > 0, "recent_halflife must be > 0")
-    _check(cfg.far_start >= 0, "far_start must be >= 0")
     _check(_finite(cfg.freq_cap) and cfg.freq_cap > 0, "freq_cap must be > 0")
-    for name in ("bias", "w_recent", "w_freq", "w_item", "quality_sd", "dense_sd"):
-        _check(_finite(getattr(cfg, name)), f"{name} must be finite")
-    _check(cfg.quality_sd >= 0 and cfg.dense_sd >= 0, "quality_sd and dense_sd must be >= 0")
     _check(0 <= cfg.n_dense <= 1024, f"n_dense must be in [0, 1024], got {cfg.n_dense}")
+    _validate_terms(cfg)
     ks = cfg.oracle_ks
     _check(all(k >= 0 for k in ks) and list(ks) == sorted(set(ks)),
            f"oracle_ks must be distinct, sorted and >= 0, got {ks}")
@@ -275,6 +285,45 @@ def validate_config(cfg: DataConfig) -> None:
 
     build_length_model(cfg)  # raises ConfigError when mean_len is out of the family's reach
 
+
+
+LOGIT_LIMIT = 20.0  # |logit| beyond this for every row: p_true within 2e-9 of 0 or 1
+
+
+def _validate_terms(cfg: DataConfig) -> None:
+    """Categories, motifs, candidate kinds and weights: each message names the key and limit."""
+    _check(2 <= cfg.n_categories <= min(cfg.vocab_size, 32_767),
+           f"n_categories={cfg.n_categories} must be in [2, min(vocab_size={cfg.vocab_size}, 32767)]")
+    _check(cfg.n_categories <= cfg.n_clusters, f"n_categories={cfg.n_categories} must be <= "
+           f"n_clusters={cfg.n_clusters} (each category is a union of clusters)")
+    for name in ("category_noise", "motif_rate", "motif_decoy"):
+        v = getattr(cfg, name)
+        _check(_finite(v) and 0 <= v <= 1, f"{name} must be in [0, 1], got {v}")
+    _check(0 <= cfg.n_motifs <= cfg.n_categories // 2, f"n_motifs={cfg.n_motifs} must be in "
+           f"[0, n_categories // 2 = {cfg.n_categories // 2}] (two categories each)")
+    _check(1 <= cfg.motif_window < cfg.max_len, f"motif_window={cfg.motif_window} must be in "
+           f"[1, max_len={cfg.max_len}) (a planted pair must fit in a history)")
+    mix = (cfg.cand_current, cfg.cand_past, cfg.cand_reconsume, cfg.cand_motif)
+    _check(all(_finite(p) and p >= 0 for p in mix) and sum(mix) <= 1 + 1e-9,
+           "cand_current + cand_past + cand_reconsume + cand_motif must be probabilities summing "
+           f"<= 1, got {mix}")
+    _check(0 <= cfg.far_start < cfg.max_len or cfg.cand_reconsume == 0,
+           f"far_start={cfg.far_start} must be in [0, max_len={cfg.max_len}) while "
+           "cand_reconsume > 0 (no history reaches that far back)")
+    _check(cfg.cand_motif == 0 or (cfg.n_motifs > 0 and cfg.motif_rate > 0),
+           "cand_motif > 0 needs n_motifs > 0 and motif_rate > 0 (motifs to pick from)")
+    weights = ("w_recent", "w_freq", "w_item", "w_motif")
+    for name in ("bias", *weights, "quality_sd", "dense_sd"):
+        _check(_finite(getattr(cfg, name)), f"{name} must be finite")
+    _check(cfg.quality_sd >= 0 and cfg.dense_sd >= 0, "quality_sd and dense_sd must be >= 0")
+    # |R| < 1, F, X, M <= 1; the random offsets count to 5 sd
+    reach = sum(abs(getattr(cfg, n)) for n in weights) \
+        + 5 * cfg.quality_sd + 5 * cfg.dense_sd * math.sqrt(cfg.n_dense)
+    _check(reach > 0, "w_recent, w_freq, w_item, w_motif, quality_sd and dense_sd are all 0: "
+           "every row would have the same label probability")
+    _check(abs(cfg.bias) - reach < LOGIT_LIMIT, f"bias={cfg.bias} is more than {LOGIT_LIMIT:g} "
+           f"beyond the terms' reach ({reach:.1f}): every label would be "
+           f"{int(cfg.bias > 0)}")
 
 
 def _validate_timeline(cfg: DataConfig) -> None:

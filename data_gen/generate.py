@@ -16,6 +16,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,21 +27,25 @@ import polars as pl
 import pyarrow as pa
 
 from . import metrics, timeline
-from .config import DataConfig
+from .config import ConfigError, DataConfig
 from .history import sample_history, sample_users
 from .lengths import LengthModel, build_length_model
+from .planted import TERMS
 from .rows import build_rows
 from .schema import (DIGEST_METHOD, META_FILE, SPLITS, columns as schema_columns,
                      dataset_digest, sha256_file, split_days)
 from .world import World, build_world
 
-GENERATOR_VERSION = "1.0.0"
+GENERATOR_VERSION = "2.0.0"  # its major is schema.FORMAT_MAJOR
 ORACLE_DEFINITION = (
     "auc, ne: AUC and normalized entropy of p_true (the probability each label was drawn "
     "from) against the labels. auc_recent_<k>: AUC against the same labels of the planted "
     "logit recomputed from only the last k history items of each row (k = 0: no history), "
     "i.e. the same function with older items removed; it is a plug-in score, not a "
-    "Bayes-optimal predictor for a k-item window.")
+    "Bayes-optimal predictor for a k-item window. oracle_terms.<term>.alone_<k> / "
+    "without_<k> (val and test): the AUC of that weighted term alone, and of the logit without "
+    "it, from the last k items (full: the whole history); docs/data.md says which ranker part "
+    "needs each.")
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,37 @@ def _remove_temps(out: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
+# What a row costs, from the paper preset on 2 cores (experiments/results/data/cpu/): Parquet
+# bytes per history item and per row, and history items generated per second per core.
+BYTES_PER_ITEM, BYTES_PER_ROW, ITEMS_PER_CORE_S = 7.5, 40.0, 3.0e6
+MAX_HOURS = 24.0  # a generation estimated to take longer is refused
+
+
+def estimate(cfg: DataConfig, workers: int) -> tuple[int, float, float]:
+    """(rows, bytes of Parquet, seconds on `workers` cores) that cfg would take, roughly."""
+    rows = (round(cfg.users * cfg.days * cfg.impressions_per_day) if cfg.is_timeline
+            else cfg.rows)
+    items = rows * build_length_model(cfg).expected()["mean"]
+    size = items * BYTES_PER_ITEM + rows * (BYTES_PER_ROW + 4 * cfg.n_dense)
+    return rows, size, items / (ITEMS_PER_CORE_S * max(1, workers))
+
+
+def check_room(cfg: DataConfig, out: Path, workers: int | None) -> None:
+    """Raise ConfigError (one line) when the estimate exceeds the free space under `out` or
+    MAX_HOURS; nothing is written."""
+    rows, size, seconds = estimate(cfg, workers or _cpu_count())
+    base = Path(out).absolute()
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    free = shutil.disk_usage(base).free
+    what = f"{rows:,} rows: about {size / 1e9:,.1f} GB and {seconds / 3600:,.1f} h on " \
+           f"{workers or _cpu_count()} cores"
+    if size > free:
+        raise ConfigError(f"--rows {what}, but {base} has {free / 1e9:,.1f} GB free")
+    if seconds > MAX_HOURS * 3600:
+        raise ConfigError(f"--rows {what}, over the limit of {MAX_HOURS:g} h")
+
+
 def _prepare_out(out: Path, overwrite: bool) -> None:
     """Refuse to clobber a data set unless asked; then clear old shards, meta.json first."""
     old = [out / META_FILE] if (out / META_FILE).exists() else []
@@ -207,7 +243,7 @@ def _iter_results(cfg: DataConfig, world: World, out: Path, specs: list, workers
 def _split_summary(cfg: DataConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
     results = sorted(results, key=lambda r: r["index"])
     cat = {k: np.concatenate([r["stats"][k] for r in results], axis=-1)
-           for k in ("lengths", "label", "p_true", "logits")}
+           for k in ("lengths", "label", "p_true", "logits", "terms")}
     label, p_true = cat["label"], cat["p_true"]
     oracle: dict[str, Any] = {"auc": metrics.auc(label, p_true),
                               "ne": metrics.normalized_entropy(label, p_true)}
@@ -217,9 +253,25 @@ def _split_summary(cfg: DataConfig, results: list[dict[str, Any]]) -> dict[str, 
                "mean_p_true": float(p_true.mean()),
                "length_stats": metrics.length_stats(cat["lengths"]), "oracle": oracle,
                "files": [r["file"] for r in results]}
+    if results[0]["split"] != "train":  # held-out splits only: 32 AUCs over 1M rows take seconds
+        summary["oracle_terms"] = _term_views(cfg, label, cat["logits"], cat["terms"])
     if cfg.is_timeline:
         summary["users"] = timeline.split_users([r["stats"]["users"] for r in results])
     return summary
+
+
+def _term_views(cfg: DataConfig, label: np.ndarray, logits: np.ndarray,
+                terms: np.ndarray) -> dict[str, Any]:
+    """Per term and window (k > 0, then "full"): the AUC of the term alone and of the logit
+    without it (a term off, w = 0, is left out)."""
+    views = [(str(k), i) for i, k in enumerate(cfg.oracle_ks) if k > 0] + [("full", -1)]
+    out: dict[str, Any] = {}
+    for t, name in enumerate(TERMS):
+        if getattr(cfg, f"w_{name}") != 0:
+            out[name] = {f"{how}_{k}": metrics.auc(label, terms[t, i] if how == "alone" else
+                                                   logits[i] - terms[t, i])
+                         for how in ("alone", "without") for k, i in views}
+    return out
 
 
 def _type_name(t: pa.DataType) -> str:

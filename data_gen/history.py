@@ -1,17 +1,9 @@
 """Users and their histories: sparse interest mixtures that drift, drawn with popularity.
 
-Each user has two sparse mixtures of `interests_per_user` clusters: the *current* one and a
-*past* one. Looking back from the request, the most recent `switch` items (an exponential
-number with mean `switch_mean`) come from the current mixture and everything older from the
-past mixture; a `noise` fraction of all items are stray draws from global popularity. This
-drift is what makes old history informative: a candidate from a past interest is recognisable
-only by a model that reads far enough back.
-
-Slot clusters are drawn with probability Z_c / Z and slot weights are exchangeable (Dirichlet),
-so averaged over users every item is drawn from the global Zipf law (see world.py).
-
-All sampling is vectorised over the flat [T] layout of a chunk of rows (T = total items);
-nothing loops over rows or items in Python.
+Each user has a *current* and a *past* mixture of `interests_per_user` clusters: the most
+recent `switch` items (mean `switch_mean`) come from the current one, older ones from the past
+one, a `noise` share from global popularity; motif pairs are planted on top. Vectorised over
+the flat [T] layout of a chunk of rows. docs/data.md: why the drift makes old history matter.
 """
 
 from __future__ import annotations
@@ -67,9 +59,10 @@ class History:
     item: np.ndarray  # [T] int32
     action: np.ndarray  # [T] int8
     age: np.ndarray  # [T] float32, days before the request; non-increasing within a row
-    cluster: np.ndarray  # [T] int32, the cluster each item was drawn from
+    category: np.ndarray  # [T] int16, each item's true category
     row: np.ndarray  # [T] int32, local row of each item
     recency: np.ndarray  # [T] int32, items after this one in its row (0 = most recent)
+    motif: np.ndarray | None = None  # [T] int16, the motif planted from here on, or -1
 
 
 def row_and_recency(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,8 +77,11 @@ def row_and_recency(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def action_strength(n_actions: int) -> np.ndarray:
-    """Weight of each action type in the planted model, rising with engagement: float64 [A]."""
-    return 2.0 * np.arange(1, n_actions + 1) / (n_actions + 1)
+    """Weight of each action type in the planted model, rising with engagement, centred on an
+    interest item's mean (so that R says how engaged, not whether matched): float64 [A]."""
+    s = 2.0 * np.arange(1, n_actions + 1) / (n_actions + 1)
+    p = INTEREST_ACTION_DECAY ** np.arange(n_actions)
+    return s - (s * p).sum() / p.sum()
 
 
 @functools.lru_cache(maxsize=8)
@@ -161,10 +157,36 @@ def sample_history(world: World, cfg: DataConfig, rng: np.random.Generator, user
         stray = np.flatnonzero(noise)
         cluster[stray] = world.sample_clusters_by_mass(rng.random(stray.size))
     world.sample_items(cluster, rng.random(t), out=item)
+    category = world.cluster_category[cluster]  # [T]
+    motif = _plant_motifs(world, cfg, rng, offsets, row, item, category)
     _actions(rng, cfg.n_actions, noise, out=action)
     _ages(rng, users, offsets, lengths, out=age)
-    return History(offsets=offsets, item=item, action=action, age=age, cluster=cluster,
-                   row=row, recency=recency)
+    return History(offsets=offsets, item=item, action=action, age=age, category=category,
+                   row=row, recency=recency, motif=motif)
+
+
+def _plant_motifs(world: World, cfg: DataConfig, rng: np.random.Generator, offsets: np.ndarray,
+                  row: np.ndarray, item: np.ndarray, category: np.ndarray) -> np.ndarray:
+    """Overwrite pairs of items with motif pairs (in place); return the motif index planted
+    from each position (int16 [T], -1: none). A pair starts at a position with probability
+    motif_rate, its second item 1..motif_window later in the same row; a motif_decoy share of
+    the pairs is reversed (b then a), so that only their order tells them apart."""
+    motif = np.full(item.size, -1, np.int16)
+    if cfg.n_motifs == 0 or cfg.motif_rate == 0 or item.size == 0:
+        return motif
+    first = np.unique(rng.integers(0, item.size, rng.binomial(item.size, cfg.motif_rate)))  # [P]
+    j = rng.integers(0, cfg.n_motifs, first.size)
+    second = first + rng.integers(1, cfg.motif_window + 1, first.size)
+    keep = second < offsets[row[first] + 1]
+    first, second, j = first[keep], second[keep], j[keep]
+    pair = world.motifs[j, :2]  # [P, 2] categories (a, b)
+    decoy = rng.random(first.size) < cfg.motif_decoy
+    pair[decoy] = pair[decoy, ::-1]
+    pos, cat = np.concatenate([first, second]), pair.T.reshape(-1)  # firsts, then seconds
+    item[pos] = world.sample_category_items(cat, rng.random((2, pos.size)))
+    category[pos] = world.item_category[item[pos]]  # whichever pair wrote a position last
+    motif[first] = j
+    return motif
 
 
 def _actions(rng: np.random.Generator, n_actions: int, noise: np.ndarray,

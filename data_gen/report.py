@@ -127,9 +127,26 @@ def _summary(meta: dict[str, Any], fit: dict[str, float]) -> str:
               f"over ranks 1..{fit['max_rank']}: {_fmt(fit['slope'])} (expected about "
               f"{-cfg['alpha']}).", "",
               f"Oracle: {meta.get('oracle_definition', '')}", "",
+              *_term_lines(meta),
               *_timeline_lines(meta),
               "![lengths](lengths.png)  ![popularity](popularity.png)", ""]
     return "\n".join(lines)
+
+
+def _term_lines(meta: dict[str, Any]) -> list[str]:
+    """The test split's oracle AUC of each planted term alone and of the logit without it."""
+    views = meta["splits"]["test"].get("oracle_terms", {})
+    if not views:
+        return []
+    keys = [k.split("_", 1)[1] for k in next(iter(views.values())) if k.startswith("alone_")]
+    head = ["term (test split)"] + [f"last {k}" if k != "full" else "full" for k in keys]
+    lines = ["Oracle AUC of each planted term alone, and of the planted logit without it "
+             "(docs/data.md: which ranker component each term needs):", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for term, v in views.items():
+        for how in ("alone", "without"):
+            lines.append("| " + " | ".join([f"{term} {how}"] + [_fmt(v[f"{how}_{k}"]) for k in keys]) + " |")
+    return lines + [""]
 
 
 def _timeline_lines(meta: dict[str, Any]) -> list[str]:

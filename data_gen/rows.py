@@ -14,7 +14,7 @@ import numpy as np
 
 from .config import DataConfig
 from .history import History, Users
-from .planted import planted_logits, sample_candidates
+from .planted import TERMS, planted_terms, sample_candidates
 from .world import World
 
 # Rows generated together. Part of the definition of the data (it orders the draws of a
@@ -37,7 +37,8 @@ def build_rows(world: World, cfg: DataConfig, rng: np.random.Generator, first_id
                lengths: np.ndarray, histories: HistorySource,
                user_ids: UserIds) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """All columns of B = lengths.size rows whose histories have these lengths (int [B]), and
-    the per-row statistics meta.json needs (lengths, label, p_true, every oracle view's logit).
+    the per-row statistics meta.json needs (lengths, label, p_true, every oracle view's logit
+    and every term of it).
 
     Columns are numpy arrays; sequences are (offsets int64 [B + 1], flat values [T]). Per
     chunk the draws come in a fixed order: whatever `histories` draws, then candidates, dense
@@ -51,6 +52,7 @@ def build_rows(world: World, cfg: DataConfig, rng: np.random.Generator, first_id
     cand = np.empty(b, np.int32)
     dense = np.empty((b, cfg.n_dense), np.float32)
     logits = np.empty((len(cfg.oracle_ks) + 1, b), np.float32)
+    terms = np.empty((len(TERMS), len(cfg.oracle_ks) + 1, b), np.float32)
     p_true, label, user_id = np.empty(b, np.float32), np.empty(b, np.int8), np.empty(b, np.int64)
     for lo in range(0, b, CHUNK_ROWS):
         hi = min(lo + CHUNK_ROWS, b)
@@ -58,18 +60,20 @@ def build_rows(world: World, cfg: DataConfig, rng: np.random.Generator, first_id
         users, hist = histories(lo, hi, (item[flat], action[flat], age[flat]))
         ci, cc = sample_candidates(world, cfg, rng, users, hist)
         dense[lo:hi] = rng.standard_normal((hi - lo, cfg.n_dense), dtype=np.float32)
-        view = planted_logits(world, cfg, hist, ci, cc, dense[lo:hi])  # [n_views, B_chunk]
+        base, term = planted_terms(world, cfg, hist, ci, cc, dense[lo:hi])
+        view = base + term.sum(axis=0)  # [n_views, B_chunk]
         p = sigmoid(view[-1]).astype(np.float32)
         label[lo:hi] = rng.random(hi - lo) < p  # drawn from the stored float32 p_true
         user_id[lo:hi] = user_ids(lo, hi)
-        p_true[lo:hi], logits[:, lo:hi], cand[lo:hi] = p, view, ci
+        p_true[lo:hi], logits[:, lo:hi], terms[:, :, lo:hi], cand[lo:hi] = p, view, term, ci
     cols: dict[str, Any] = {
         "example_id": np.arange(first_id, first_id + b, dtype=np.int64),
         "user_id": user_id, "hist_item": (offsets, item), "hist_action": (offsets, action),
-        "hist_age": (offsets, age), "cand_item": cand,
+        "hist_age": (offsets, age), "hist_category": (offsets, world.shown_category[item]),
+        "cand_item": cand, "cand_category": world.shown_category[cand],
         **{f"dense_{i}": np.ascontiguousarray(dense[:, i]) for i in range(cfg.n_dense)},
         "label": label, "p_true": p_true,
     }
     stats = {"lengths": lengths.astype(np.int32), "label": label, "p_true": p_true,
-             "logits": logits}
+             "logits": logits, "terms": terms}
     return cols, stats

@@ -1,24 +1,10 @@
 """Timeline mode: returning users, each with one event stream, shown impressions over days.
 
-Each of `users` users (ids 0..users-1) has one event stream: its length is drawn from the
-length model, and its items, actions, interests and their drift are those of history.py, with
-the stream ending at the end of the last day. An event's time is `days` minus its age, in days
-since the start of day 1; events before day 1 are the user's older past.
-
-Impressions: each user gets a rate, impressions_per_day x Gamma(activity_shape) of mean 1, and
-a Poisson number of impressions at uniform times over the days. An example is one impression:
-its history is the user's events strictly before the impression time, oldest first, with ages
-counted from the impression; candidate, dense features and the planted label are drawn from
-that history as in the per-example mode (rows.py). A user's later impressions see longer
-prefixes of the same stream, and its drift between them.
-
-Splits are days (schema.split_days): train 1..days-2, val days-1, test days. meta.json counts,
-per split, the users and those already seen in train.
-
-Work is cut into blocks of users (about rows_per_shard impressions each); a block writes one
-shard per split. A block's impression schedule is drawn from its own seed stream while
-planning, so every row's example_id is known before any work, and its content from another:
-as in the per-example mode, the bytes depend on (config, seed) only, not on the workers.
+Each user has one event stream (history.py's model, ending at the end of the last day) and a
+Poisson number of impressions over the days; an example is one impression, its history the
+events strictly before it, its candidate and label planted as in the per-example mode. Splits
+are days (schema.split_days). Work is cut into blocks of users, one shard per split each; the
+bytes depend on (config, seed) only. docs/data.md gives the details.
 """
 
 from __future__ import annotations
@@ -139,7 +125,8 @@ def history_before(stream: History, event_time: np.ndarray, user: np.ndarray,
     # > 0 (events strictly before); float64 rounded to float32 keeps the order: oldest first
     np.subtract(np.repeat(time, lengths), event_time[pos], out=age, casting="same_kind")
     return History(offsets=offsets, item=item, action=action, age=age,
-                   cluster=stream.cluster[pos], row=row, recency=recency)
+                   category=stream.category[pos], row=row, recency=recency,
+                   motif=stream.motif[pos])
 
 
 def _impressions(users: Users, stream: History, event_time: np.ndarray, user: np.ndarray,

@@ -1,18 +1,9 @@
-"""The item universe: Zipf popularity, latent clusters, and an exact, fast item sampler.
+"""The item universe: Zipf popularity, latent clusters, categories, motifs, an exact sampler.
 
-Popularity by rank k (1-based) is p(k) = k^-alpha / Z over the whole vocabulary; any alpha > 0
-works (numpy's `zipf` needs alpha > 1 and has no upper bound). Ranks are mapped to ids by a
-random permutation, so an id says nothing about popularity, and to clusters by another one, so
-every cluster holds a long-tailed slice of the catalogue.
-
-Every item draw picks a cluster first and then an item within it, from the cluster's own
-popularity p(k) / Z_c. When clusters are chosen with probability Z_c / Z (which the user model
-does on average), the marginal over items is exactly the global Zipf law.
-
-Both draws use alias tables (Walker's method): O(1) per draw whatever the skew, which keeps
-1M rows x 256 items within the generator's time budget on two CPU cores. (An inverse-CDF
-search was tried first; a cluster holding a head item puts ~99% of its mass on it, and the
-search through its tail made the draws several times slower.)
+Popularity by rank k is p(k) = k^-alpha / Z for any alpha > 0; ranks map to ids and to
+clusters by random permutations. A draw picks a cluster, then an item by the cluster's own
+popularity, both from alias tables (O(1) per draw whatever the skew); drawing clusters by mass
+gives exactly the global Zipf law. docs/data.md says why (and what was tried first).
 """
 
 from __future__ import annotations
@@ -108,6 +99,12 @@ class World:
     item_rank: np.ndarray  # [V] int32, popularity rank of each item id (0 = most popular)
     quality: np.ndarray  # [V] float32, per-item logit offset in the planted label model
     dense_w: np.ndarray  # [n_dense] float64, weights of the dense features in the label model
+    cluster_category: np.ndarray  # [K] int16, the category of each cluster
+    item_category: np.ndarray  # [V] int16, the true category of each item (the label's)
+    shown_category: np.ndarray  # [V] int16, the category the files show (category_noise wrong)
+    category_clusters: AliasTable  # a category's clusters by mass, one distribution per category
+    motifs: np.ndarray  # [n_motifs, 2] int16, categories (a, b): a then b favours b
+    motif_of: np.ndarray  # [n_categories] int32, the motif ending in each category, or -1
 
     @property
     def n_clusters(self) -> int:
@@ -125,6 +122,11 @@ class World:
         Returns int32 [N]. (The exact item law needs u's full float64 resolution.)
         """
         return self.items.sample(cluster, u, out=out)
+
+    def sample_category_items(self, category: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """Item ids of the given categories (int [N]): a cluster of the category by mass, then an
+        item by popularity, from two uniforms per draw (u: float64 [2, N]). Returns int32 [N]."""
+        return self.sample_items(self.category_clusters.sample(category, u[0]), u[1])
 
 
 def zipf_probs(vocab_size: int, alpha: float) -> np.ndarray:
@@ -158,8 +160,22 @@ def build_world(cfg: DataConfig, seed: np.random.SeedSequence) -> World:
     # Half of the dense features carry signal, half are noise a model should learn to ignore.
     dense_w = rng.standard_normal(cfg.n_dense) * cfg.dense_sd
     dense_w[cfg.n_dense // 2 + cfg.n_dense % 2:] = 0.0
+    n_cat = cfg.n_categories
+    cluster_category = (rng.permutation(k) % n_cat).astype(np.int16)  # [K] balanced
+    item_category = cluster_category[item_cluster]
+    shown = item_category.copy()
+    wrong = np.flatnonzero(rng.random(v) < cfg.category_noise)
+    shown[wrong] = (shown[wrong] + rng.integers(1, n_cat, wrong.size)) % n_cat  # never the true one
+    by_cat = np.argsort(cluster_category, kind="stable")  # clusters grouped by category
+    cat_start = np.searchsorted(cluster_category[by_cat], np.arange(n_cat + 1))
+    motifs = rng.permutation(n_cat)[:2 * cfg.n_motifs].reshape(2, -1).T.astype(np.int16)
+    motif_of = np.full(n_cat, -1, np.int32)
+    motif_of[motifs[:, 1]] = np.arange(cfg.n_motifs)
     return World(
         items=AliasTable.build(p_pos, start, item_of_rank[order]),
         clusters=AliasTable.build(mass, np.array([0, k]), np.arange(k, dtype=np.int32)),
         mass=mass, item_cluster=item_cluster, item_rank=item_rank, quality=quality,
-        dense_w=dense_w)
+        dense_w=dense_w, cluster_category=cluster_category, item_category=item_category,
+        shown_category=shown, category_clusters=AliasTable.build(
+            mass[by_cat], cat_start, by_cat.astype(np.int32)),
+        motifs=motifs, motif_of=motif_of)

@@ -94,6 +94,11 @@ class RankerConfig:
         num_age_buckets: log-spaced buckets of an item's age (one hour to ten years).
         target_attention: the candidate attends over the encoded history.
         interaction: the candidate-conditioned poolings of the history (jagged bmm ops).
+        category_embedding: add the embedding of each item's category (the data set's catalogue)
+            to its item embedding, in the history and for the candidate; off: item ids only.
+        rotary_positions: rotate the queries and keys of self-attention and target attention by
+            each item's recency (rotary embeddings; the candidate sits just after the most recent
+            item), so that attention sees the order of the history; off: age buckets only.
         pool_heads: poolings of the interaction block.
         mlp_dims: hidden widths of the final MLP.
         kernel_backend: the kernels' implementation: auto (Triton on CUDA, torch reference on
@@ -112,6 +117,8 @@ class RankerConfig:
     num_age_buckets: int = 32
     target_attention: bool = True
     interaction: bool = True
+    category_embedding: bool = True
+    rotary_positions: bool = True
     pool_heads: int = 4
     mlp_dims: list[int] = field(default_factory=lambda: [256, 128])
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"

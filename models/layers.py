@@ -8,61 +8,90 @@ import math
 import torch
 from torch import nn
 
-from models.attention import Histories
+from models.attention import Histories, rotary_angles, rotate
 
 _MAX_AGE_DAYS = 3650.0
+ITEM_INIT_SCALE = 0.1
 
 
 class HistoryEmbedding(nn.Module):
-    """Item + action + age-bucket embeddings of the history rows, summed: -> [T, D].
+    """Item (+ category) + action + age-bucket embeddings of the history rows, summed: -> [T, D].
 
-    The item table is shared with the candidate (:attr:`item`). Ages (days, >= 0) fall into
-    log-spaced buckets from one hour to ten years. ``sparse_item``: the item table's gradient is
-    a sparse tensor (the rows a batch looked up) instead of a dense ``[vocab_size, dim]`` one.
+    The item table is shared with the candidate (:attr:`item`, :meth:`candidate`). Ages (days,
+    >= 0) fall into log-spaced buckets from one hour to ten years. ``sparse_item``: the item
+    table's gradient is a sparse tensor (the rows a batch looked up) instead of a dense
+    ``[vocab_size, dim]`` one. ``n_categories`` > 0: an item's category embedding is added to its
+    item embedding; the category of each id is the buffer ``item_category`` (the data set's
+    catalogue, :meth:`set_categories`; until then every id is of the extra "unknown" category).
     """
 
-    def __init__(self, vocab_size: int, n_actions: int, dim: int, num_age_buckets: int, sparse_item: bool = False):
+    def __init__(self, vocab_size: int, n_actions: int, dim: int, num_age_buckets: int, sparse_item: bool = False,
+                 n_categories: int = 0):
         super().__init__()
         self.item = nn.Embedding(vocab_size, dim, sparse=sparse_item)
         self.action = nn.Embedding(n_actions, dim)
         self.age = nn.Embedding(num_age_buckets, dim)
+        self.category = nn.Embedding(n_categories + 1, dim) if n_categories > 0 else None
+        if self.category is not None:
+            self.register_buffer("item_category", torch.full((vocab_size,), n_categories, dtype=torch.int32))
         edges = torch.logspace(math.log10(1 / 24), math.log10(_MAX_AGE_DAYS), num_age_buckets - 1)
         self.register_buffer("age_edges", edges, persistent=False)
-        for table in (self.item, self.action, self.age):
-            nn.init.normal_(table.weight, std=dim**-0.5)
+        for table in (self.action, self.age, self.category):
+            if table is not None:
+                nn.init.normal_(table.weight, std=dim**-0.5)
+        # ids start small: a rarely seen item's random vector would otherwise drown its
+        # category's (and its action's and age's) in every attention score
+        nn.init.normal_(self.item.weight, std=ITEM_INIT_SCALE * dim**-0.5)
+
+    def set_categories(self, item_category) -> None:
+        """The category of every item id ([vocab_size] ints in [0, n_categories]; n_categories:
+        unknown), copied in place (a captured CUDA graph keeps reading the same buffer)."""
+        self.item_category.copy_(torch.as_tensor(item_category))
+
+    def candidate(self, item: torch.Tensor) -> torch.Tensor:
+        """The candidate's embedding [B, D]: its item's, plus its category's."""
+        x = self.item(item)
+        return x if self.category is None else x + self.category(self.item_category[item.long()])
 
     def forward(self, item: torch.Tensor, action: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
         buckets = torch.bucketize(age.float(), self.age_edges)  # [T] in [0, num_age_buckets)
-        return self.item(item) + self.action(action.long()) + self.age(buckets)  # [T, D]
+        return self.candidate(item) + self.action(action.long()) + self.age(buckets)  # [T, D]
 
 
 class EncoderBlock(nn.Module):
     """Pre-norm transformer block: x + Attn(LN(x)), then x + FFN(LN(x)); with ``shards`` (an
     S2 layout, kernels.S2Shards) each head attends to its strided key blocks only."""
 
-    def __init__(self, dim: int, num_heads: int, ffn_mult: int, shards=None):
+    def __init__(self, dim: int, num_heads: int, ffn_mult: int, shards=None, rotary: bool = False):
         super().__init__()
         self.num_heads, self.shards = num_heads, shards  # shards: an S2 layout or None (dense)
+        self.rotary = rotary  # q and k rotated by the items' recency (Histories.rotary)
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.ffn = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim))
+        for out in (self.proj, self.ffn[-1]):  # the block starts as the identity: it must earn its mixing
+            nn.init.zeros_(out.weight)
+            nn.init.zeros_(out.bias)
 
     def forward(self, x: torch.Tensor, hist: Histories) -> torch.Tensor:
         """x [T, D] (jagged) or [B, N, D] (padded) -> same shape."""
         qkv = self.qkv(self.norm1(x)).unflatten(-1, (3, self.num_heads, -1))  # [..., 3, H, Dh]
         q, k, v = qkv.unbind(-3)  # [..., H, Dh]
+        if self.rotary:
+            q, k = hist.rotary(q), hist.rotary(k)
         x = x + self.proj(hist.self_attention(q, k, v, self.shards).flatten(-2))
         return x + self.ffn(self.norm2(x))
 
 
 class TargetAttention(nn.Module):
-    """The candidate attends over the encoded history: -> [B, D] (zeros for an empty history)."""
+    """The candidate attends over the encoded history: -> [B, D] (zeros for an empty history).
+    ``rotary``: the candidate's query sits at recency -1, the history's keys at their own."""
 
-    def __init__(self, dim: int, num_heads: int):
+    def __init__(self, dim: int, num_heads: int, rotary: bool = False):
         super().__init__()
-        self.num_heads = num_heads
+        self.num_heads, self.rotary = num_heads, rotary
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -70,6 +99,10 @@ class TargetAttention(nn.Module):
     def forward(self, cand: torch.Tensor, x: torch.Tensor, hist: Histories) -> torch.Tensor:
         q = self.q(cand).unflatten(-1, (1, self.num_heads, -1))  # [B, 1, H, Dh]
         k, v = self.kv(x).unflatten(-1, (2, self.num_heads, -1)).unbind(-3)  # [..., H, Dh]
+        if self.rotary:
+            real = torch.promote_types(q.dtype, torch.float32)
+            q = rotate(q, rotary_angles(torch.full(q.shape[:2], -1, device=q.device), q.shape[-1], real))
+            k = hist.rotary(k)
         return self.proj(hist.target_attention(q, k, v).flatten(-3))  # [B, D]
 
 

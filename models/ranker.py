@@ -13,9 +13,10 @@ from models.layers import EncoderBlock, HistoryEmbedding, HistoryInteraction, Ta
 class Ranker(nn.Module):
     """Click-through ranker over a user's history and one candidate item.
 
-    item embeddings (shared by history and candidate) + action + age-bucket embeddings
+    item (+ category) embeddings (shared by history and candidate) + action + age-bucket embeddings
     -> ``num_layers`` pre-norm self-attention blocks over the history (layout by
-    ``cfg.attention``) -> target attention of the candidate over the encoded history
+    ``cfg.attention``; rotary recency positions) -> target attention of the candidate over the
+    encoded history
     -> candidate-conditioned pooling of the history (interaction block)
     -> MLP over [candidate, mean of the encoded history, target attention, pooling,
     dense features, user embedding, log1p(length)] -> logit.
@@ -28,23 +29,28 @@ class Ranker(nn.Module):
     product, and what a user-level vector says about a click is how it matches the candidate:
     the encoder's own head reads it as [u, c, u * c]).
 
-    The parameters do not depend on the attention layout: a state_dict of one loads into the others.
+    ``n_categories`` (the data set's; 0: none) sizes the category embedding of
+    ``cfg.category_embedding``; the training module sets the catalogue
+    (``embed.set_categories``). The parameters do not depend on the attention layout: a
+    state_dict of one loads into the others.
     ``sparse_item_grad`` makes the item table's gradient sparse (how it is computed, not what:
     the training loop chooses it, :mod:`pipeline.gradsync`).
     """
 
     def __init__(self, cfg: RankerConfig, *, vocab_size: int, n_actions: int, n_dense: int,
-                 sparse_item_grad: bool = False):
+                 sparse_item_grad: bool = False, n_categories: int = 0):
         super().__init__()
         self.cfg = cfg
-        d = cfg.embed_dim
-        self.embed = HistoryEmbedding(vocab_size, n_actions, d, cfg.num_age_buckets, sparse_item=sparse_item_grad)
+        d, rotary = cfg.embed_dim, cfg.rotary_positions
+        self.embed = HistoryEmbedding(vocab_size, n_actions, d, cfg.num_age_buckets, sparse_item=sparse_item_grad,
+                                      n_categories=n_categories if cfg.category_embedding else 0)
         s2 = cfg.s2
         self.blocks = nn.ModuleList(
-            EncoderBlock(d, cfg.num_heads, cfg.ffn_mult, None if s2 is None or s2.is_dense(i) else s2.shards())
+            EncoderBlock(d, cfg.num_heads, cfg.ffn_mult, None if s2 is None or s2.is_dense(i) else s2.shards(),
+                         rotary=rotary)
             for i in range(cfg.num_layers))
         self.norm = nn.LayerNorm(d)
-        self.target = TargetAttention(d, cfg.num_heads) if cfg.target_attention else None
+        self.target = TargetAttention(d, cfg.num_heads, rotary=rotary) if cfg.target_attention else None
         self.interaction = HistoryInteraction(d, cfg.pool_heads) if cfg.interaction else None
         self.n_dense = n_dense
         self.dense_proj = nn.Linear(n_dense, d) if n_dense > 0 else None
@@ -78,7 +84,7 @@ class Ranker(nn.Module):
         for block in self.blocks:
             x = block(x, hist)
         x = self.norm(x)
-        cand = self.embed.item(cand_item)  # [B, D]
+        cand = self.embed.candidate(cand_item)  # [B, D]
         feats = [cand, self._mean(x, hist)]
         if self.target is not None:
             feats.append(self.target(cand, x, hist))

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 HIST_COLUMNS = ("hist_item", "hist_action", "hist_age")
+CATEGORY_COLUMNS = ("hist_category", "cand_category")  # read into the catalogue, not the batches
 
 
 def _list_buffers(col: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,7 +41,9 @@ def _flat(col: pa.ChunkedArray) -> np.ndarray:
 
 class JaggedSplit:
     """One split as flat arrays: histories (values + row offsets), candidate, dense, label, the
-    user and the impression day (0 for a per-example data set, which has no days).
+    user and the impression day (0 for a per-example data set, which has no days), and the
+    split's item catalogue: ``item_category[id]``, the category its rows show for the item id
+    (int16, -1 for ids in none of them; as long as the largest id seen).
 
     ``attach_user_features`` adds per-row columns (a user embedding joined as of the row's day)
     that ``gather`` appends to the batch's "dense" tensor.
@@ -68,8 +71,11 @@ class JaggedSplit:
         self.day = (_flat(table.column("impression_day")).astype(np.int32, copy=False)
                     if "impression_day" in table.column_names else np.zeros(self.num_rows, np.int32))
         self.user_features = None
+        self.item_category = _catalogue(self.item[self.row_offsets[0]:self.row_offsets[-1]], self.cand,
+                                        table.column("hist_category"), table.column("cand_category"))
 
-    ARRAYS = ("row_offsets", "item", "action", "age", "cand", "dense", "label", "user", "day")  # the whole state
+    # the whole state
+    ARRAYS = ("row_offsets", "item", "action", "age", "cand", "dense", "label", "user", "day", "item_category")
 
     def attach_user_features(self, table: np.ndarray, rows: np.ndarray) -> None:
         """Per-row features from a table: row r gets table[rows[r]] and a known flag 1, or zeros
@@ -130,6 +136,19 @@ class JaggedSplit:
             "n_tokens": total,
             "max_seq_len": int(max_seq_len),
         }
+
+
+def _catalogue(item: np.ndarray, cand: np.ndarray, hist_category: pa.ChunkedArray,
+               cand_category: pa.ChunkedArray) -> np.ndarray:
+    """int16 [max id + 1]: the category shown with each item id, -1 for ids never shown."""
+    values, offsets = _list_buffers(hist_category)
+    cats = np.concatenate([values[offsets[0]:offsets[-1]], _flat(cand_category)]).astype(np.int16)
+    ids = np.concatenate([item, cand])
+    table = np.full(int(ids.max(initial=-1)) + 1, -1, np.int16)
+    table[ids] = cats
+    if not np.array_equal(table[ids], cats):
+        raise ValueError("an item id shows two categories in this split")
+    return table
 
 
 class BatchDataset(Dataset):

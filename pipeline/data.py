@@ -84,6 +84,7 @@ class RankerData(pl.LightningDataModule):
             "vocab_size": int(cfg["vocab_size"] if vocab_size is None else vocab_size),
             "n_actions": int(cfg["n_actions"]),
             "n_dense": int(cfg["n_dense"]),
+            "n_categories": int(cfg["n_categories"]),
             "train_ctr": float(self.meta["splits"]["train"]["ctr"]),
             "digest": str(self.meta.get("digest", "")),
         }
@@ -120,6 +121,20 @@ class RankerData(pl.LightningDataModule):
                 if self.user_embedding is not None:
                     self._join_user_embeddings(split, data)
                 self._splits[split] = data
+
+    def item_categories(self) -> np.ndarray:
+        """The catalogue the ranker's category embedding reads: the category every split's rows
+        show for each item id, n_categories for ids in no row. int64 [vocab_size]."""
+        self.setup()
+        table = np.full(self.spec["vocab_size"], -1, np.int16)
+        for split, data in self._splits.items():
+            cat = data.item_category
+            head = table[:cat.size]  # a view: written below
+            if ((head >= 0) & (cat >= 0) & (head != cat)).any():
+                raise ConfigError(_invalid(self.data_dir, ValueError(
+                    f"the {split} split shows another category for an item id than an earlier split")))
+            np.copyto(head, cat, where=cat >= 0)
+        return np.where(table < 0, self.spec["n_categories"], table).astype(np.int64)
 
     def _join_user_embeddings(self, split: str, data: JaggedSplit) -> None:
         cfg = self.user_embedding

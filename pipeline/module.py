@@ -153,7 +153,8 @@ class RankerModule(pl.LightningModule):
         self.optimizer_name, self.sharded, self.table_shards = optimizer, table_layout == "sharded", table_shards
         self._table_bytes = [0, 0, 0]  # training lookups of this process: all-to-all bytes, gather bytes, steps
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
-                            n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense")
+                            n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense",
+                            n_categories=data_spec.get("n_categories", 0))
         table = self.model.embed.item.weight
         self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()),
                                   manual_table=self.cuda_graphs or self.sharded, table_sync=table_sync)
@@ -184,8 +185,12 @@ class RankerModule(pl.LightningModule):
         return self._compiled(**inputs)
 
     def setup(self, stage: str) -> None:
-        """With the sharded layout, the item table becomes this process's shard (the process group
-        exists from here on): every process drew the whole table from the seed and keeps its rows."""
+        """The data set's item categories into the category embedding. With the sharded layout, the
+        item table becomes this process's shard (the process group exists from here on): every
+        process drew the whole table from the seed and keeps its rows."""
+        dm = getattr(self.trainer, "datamodule", None)
+        if self.model.embed.category is not None and hasattr(dm, "item_categories"):
+            self.model.embed.set_categories(dm.item_categories())  # the data set's catalogue
         if not self.sharded or isinstance(self.model.embed.item, ShardedEmbedding):
             return
         try:

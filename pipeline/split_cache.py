@@ -27,17 +27,17 @@ from pathlib import Path
 import numpy as np
 
 from data_gen.schema import META_FILE, dataset_digest, is_timeline, load_meta, read_split, sha256_file
-from pipeline.batches import HIST_COLUMNS, JaggedSplit
+from pipeline.batches import CATEGORY_COLUMNS, HIST_COLUMNS, JaggedSplit
 
 SPLITS = ("train", "val", "test")
 CACHE_DIR = ".cache"  # under the data directory
-CACHE_VERSION = 3  # bump when JaggedSplit's arrays or the marker change meaning
+CACHE_VERSION = 4  # bump when JaggedSplit's arrays or the marker change meaning
 CACHE_MARKER = "complete.json"  # written last: a split directory without it is never read
 log = logging.getLogger(__name__)
 
 
 def _columns(n_dense: int, timeline: bool) -> list[str]:
-    return [*HIST_COLUMNS, "cand_item", *(f"dense_{i}" for i in range(n_dense)), "label", "user_id",
+    return [*HIST_COLUMNS, *CATEGORY_COLUMNS, "cand_item", *(f"dense_{i}" for i in range(n_dense)), "label", "user_id",
             *(["impression_day"] if timeline else [])]
 
 

@@ -28,13 +28,7 @@ def test_the_lab_is_at_most_7_600_lines():
     assert _lines("experiments") <= 7_600
 
 
-# data_gen's owners trim its docstrings (planted, schema, timeline, world: 16-26 lines at 0a0a833);
-# strict: the mark must go once they are in
-DATA_GEN_DOCS = pytest.mark.xfail(strict=True, reason="data_gen module docstrings over 15 lines, trimmed by its slice")
-
-
-@pytest.mark.parametrize("package", [*(p for p in LIBRARY if p != "data_gen"), "experiments",
-                                     pytest.param("data_gen", marks=DATA_GEN_DOCS)])
+@pytest.mark.parametrize("package", [*LIBRARY, "experiments"])
 def test_no_module_docstring_is_over_15_lines_outside_the_public_op_modules(package):
     long = {}
     for path in sorted((REPO / package).rglob("*.py")):

@@ -290,3 +290,43 @@ def test_killed_generate_leaves_nothing_valid(tmp_path):
                  str(out), "--overwrite"]) == 0
     assert validate_dataset(out)["config"]["rows"] == 6000
     assert not list(out.rglob(".*tmp*"))
+
+
+def test_generate_refuses_an_output_it_cannot_hold(tmp_path, capsys):
+    out = tmp_path / "huge"
+    assert main(["generate", "--preset", "tiny", "--rows", "1e12", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "1,000,000,000,000 rows" in err
+    assert " GB" in err and " h " in err and not out.exists()
+
+
+def _fail_writes(monkeypatch, error, after: int = 0):
+    """Let `after` shards be written, then raise `error` for the next."""
+    written, real = [], gen.write_shard
+
+    def write(cols, cfg, path):
+        if len(written) >= after:
+            raise error(path)
+        written.append(path)
+        return real(cols, cfg, path)
+    monkeypatch.setattr(gen, "write_shard", write)
+    return written
+
+
+@pytest.mark.parametrize("code", ["EROFS", "ENOSPC"])
+def test_generate_onto_a_read_only_or_full_disk_fails_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                 code):
+    import errno
+
+    written = _fail_writes(monkeypatch, lambda path: OSError(
+        getattr(errno, code), os.strerror(getattr(errno, code)), str(path)), after=2)
+    out = tmp_path / "d"
+    assert main(["generate", "--preset", "tiny", "--workers", "1", "--quiet", "--out",
+                 str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and os.strerror(getattr(errno, code)) in err
+    assert len(written) == 2  # two shards were complete when the third failed
+    assert not (out / "meta.json").exists() and not list(out.rglob(".part-*"))  # no half shard
+    assert sorted(out.rglob("*.parquet")) == sorted(written)  # only the complete ones
+    with pytest.raises(DataValidationError, match="meta.json"):
+        validate_dataset(out)  # which no reader accepts

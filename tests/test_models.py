@@ -10,7 +10,7 @@ import torch
 from models import ATTENTIONS, Ranker, RankerConfig
 from tolerance import assert_close_to_oracle, resolution_floor
 
-VOCAB, N_ACTIONS, N_DENSE = 97, 3, 5
+VOCAB, N_ACTIONS, N_DENSE, N_CATEGORIES = 97, 3, 5, 7
 
 
 def _batch(lengths: list[int], max_seq_len: int, dtype=torch.float32) -> dict:
@@ -31,7 +31,13 @@ def _batch(lengths: list[int], max_seq_len: int, dtype=torch.float32) -> dict:
 
 def _ranker(attention: str, **kw) -> Ranker:
     cfg = RankerConfig(attention=attention, embed_dim=48, num_heads=2, num_layers=2, pool_heads=3, mlp_dims=[32], **kw)
-    return Ranker(cfg, vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE)
+    model = Ranker(cfg, vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE, n_categories=N_CATEGORIES)
+    if model.embed.category is not None:  # a catalogue with unknown ids (category N_CATEGORIES) too
+        model.embed.set_categories(torch.randint(0, N_CATEGORIES + 1, (VOCAB,)))
+    for p in model.parameters():  # the residual branches start at zero: give them weights to check
+        if p.abs().sum() == 0 and p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.05)
+    return model
 
 
 def _with_attention(model: Ranker, attention: str, dtype: torch.dtype) -> Ranker:
@@ -93,6 +99,33 @@ def test_history_order_matters_through_age_only():
     second = {k: (v[4:] if k.startswith("hist_") else v[1:] if k in ("cand_item", "dense") else v) for k, v in batch.items()}
     second["offsets"] = torch.tensor([0, 6])
     torch.testing.assert_close(model(**second), full[1:])
+
+
+def test_the_category_embedding_reads_the_catalogue_and_can_be_switched_off():
+    batch = _batch([5, 0, 9], 12)
+    model = _ranker("jagged")
+    before = model(**batch)
+    model.embed.set_categories((model.embed.item_category + 1) % (N_CATEGORIES + 1))
+    assert not torch.allclose(model(**batch), before)  # same ids, other categories
+    assert model.embed.item_category.dtype == torch.int32 and "embed.item_category" in model.state_dict()
+    off = _ranker("jagged", category_embedding=False)
+    assert off.embed.category is None and not any("categor" in k for k in off.state_dict())
+    assert Ranker(RankerConfig(), vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE).embed.category is None
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_rotary_positions_make_the_order_of_a_history_visible(attention):
+    """With equal ages, a history and its reverse differ only in order: the ranker with rotary
+    positions tells them apart, the one without gives both the same logit."""
+    batch = _batch([6, 9], 10)
+    batch["hist_age"] = torch.full_like(batch["hist_age"], 3.0)
+    rev = dict(batch)
+    for k in ("hist_item", "hist_action"):
+        rev[k] = torch.cat([batch[k][:6].flip(0), batch[k][6:].flip(0)])
+    for rotary in (True, False):
+        model = _ranker(attention, rotary_positions=rotary)
+        same = torch.allclose(model(**batch), model(**rev), atol=1e-5)
+        assert same != rotary
 
 
 def test_bad_config_says_what_to_fix():

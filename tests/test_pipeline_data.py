@@ -126,3 +126,32 @@ def test_loader_bench_with_worker_processes(tiny, capsys):
     loader_bench(["--data", str(tiny), "--batch-size", "64", "--workers", "1", "--batches", "5"])
     out = capsys.readouterr().out
     assert "batches/s" in out and "workers=1" in out
+
+
+def test_the_category_columns_reach_the_ranker_as_its_catalogue(tiny, tmp_path):
+    """Every split's item and category columns give one catalogue (item id -> the category its rows
+    show); a fit copies it into the ranker's category embedding before the first step."""
+    import pytorch_lightning as pl
+
+    from data_gen.config import config_from_dict
+    from data_gen.world import build_world, world_seed
+    from models import RankerConfig
+    from pipeline.module import RankerModule
+
+    meta = json.loads((tiny / "meta.json").read_text())
+    dm = RankerData(str(tiny), batch_size=32, max_seq_len=8, num_workers=0)
+    assert dm.spec["n_categories"] == meta["config"]["n_categories"]
+    table = dm.item_categories()
+    shown = build_world(config_from_dict(meta["config"]), world_seed(meta["seed"])).shown_category
+    seen = np.zeros(len(table), bool)
+    for split in ("train", "val", "test"):
+        t = read_split(tiny, split, ["hist_item", "cand_item"])
+        seen[t.column("hist_item").combine_chunks().flatten().to_numpy()] = True
+        seen[t.column("cand_item").to_numpy()] = True
+    assert np.array_equal(table[seen], shown[seen]) and (table[~seen] == dm.spec["n_categories"]).all()
+    module = RankerModule(RankerConfig(embed_dim=32, num_layers=1, mlp_dims=[8]), data_spec=dm.spec)
+    assert (module.model.embed.item_category == dm.spec["n_categories"]).all()  # unknown until fit
+    pl.Trainer(max_steps=1, limit_val_batches=0, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False,
+               default_root_dir=tmp_path).fit(module, datamodule=dm)
+    assert np.array_equal(module.model.embed.item_category.numpy(), table)

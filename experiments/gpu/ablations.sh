@@ -8,6 +8,7 @@
 #
 #   PARTS="seq_len sparsity" bash experiments/gpu/ablations.sh          # throughput: one run at a time
 #   PARTS="auc_parity history_value model profile reproduce" bash experiments/gpu/ablations.sh
+#   PARTS=world bash experiments/gpu/ablations.sh   # issue 42: each ranker part vs the data (3 seeds; run twice)
 #
 # The accuracy parts may share the call with the GPU kernel tests (both are correctness only;
 # never with the benchmarks, whose timings need the GPU alone):
@@ -15,7 +16,7 @@
 # Parts (NAME, or NAME@axis=label,...[@axis=label,...]: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), alure
 # (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), s2 (dense vs
 # S2 attention on the `long` data, each run alone on its GPU), history_value,
-# model, auc_parity (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
+# model, auc_parity, world (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
 # their throughput as shared), profile (`make profile`: the training loop's trace per attention layout at the
 # PRESET, default paper, into experiments/results/training/<gpu>/profile-<preset>[-b<batch>]/<attention>/),
 # reproduce (a jagged fit at max_seq_len 1024 with trainer.deterministic=warn, then `experiments.reproduce` of it:
@@ -89,7 +90,7 @@ for spec in $PARTS; do
   for c in "${conds[@]}"; do [ -n "$c" ] && where+=(--where "$c"); done
   case $part in
     seq_len|sparsity|compile|smoke|batch_size|s2) sweep "$part" "${where[@]}" "${through[@]}" ;;
-    history_value|model|auc_parity) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
+    history_value|model|auc_parity|world) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
     alure)  # the user encoder (days 1-12), its daily export, then the ranker sweep; each step once per machine
       ue=data/timeline/user_embeddings
       if [ ! -f "$ue/encoder.pt.json" ]; then  # written when the encoder is saved
