@@ -129,6 +129,9 @@ def test_the_ranker_with_s2_layers():
 
     base = dict(embed_dim=32, num_heads=2, num_layers=2, mlp_dims=[16], kernel_backend="torch")
     dense = Ranker(RankerConfig(**base), vocab_size=50, n_actions=3, n_dense=2).double()
+    for p in dense.parameters():  # the blocks start as the identity: give their outputs weights to check
+        if p.abs().sum() == 0:
+            torch.nn.init.normal_(p, std=0.05)
     inputs = _ranker_inputs([0, 5, 40, 64, 70], 64)
     inputs["hist_age"] = inputs["hist_age"].double()
     inputs["dense"] = inputs["dense"].double()
