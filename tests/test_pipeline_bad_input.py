@@ -8,7 +8,6 @@ import builtins
 import errno
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from pipeline.cli import main
-from test_pipeline_cli import CONFIGS, all_runs, fit_args, fresh_tracking_uri
+from test_pipeline_cli import CONFIGS, all_runs, fit_args, tracking  # noqa: F401 (a fixture)
 from test_pipeline_data import tiny_data_dir
 
 QUICK = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
@@ -27,14 +26,6 @@ QUICK = ["--trainer.max_epochs", "1", "--trainer.limit_train_batches", "2", "--t
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return tiny_data_dir(tmp_path_factory)
-
-
-@pytest.fixture
-def tracking(tmp_path, tmp_path_factory, monkeypatch) -> str:
-    monkeypatch.setattr(sys, "argv", ["pipeline"])
-    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
 
 
 def one_line(args: list[str], capsys, status: int) -> str:

@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from pipeline.cli import main
 from pipeline.errors import ConfigError
 from pipeline.tracking import HTTP_BOUNDS
-from test_pipeline_cli import all_runs, fit_args, fresh_tracking_uri
+from test_pipeline_cli import all_runs, fit_args, fresh_tracking_uri, tracking  # noqa: F401 (a fixture)
 from test_pipeline_data import tiny_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -246,14 +246,6 @@ def test_a_store_another_program_is_creating_is_waited_for(tmp_path, monkeypatch
 
 
 # --- data, disks, drivers ------------------------------------------------------------------
-@pytest.fixture
-def tracking(tmp_path, tmp_path_factory, monkeypatch) -> str:
-    monkeypatch.setattr(sys, "argv", ["pipeline"])
-    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    return uri
-
-
 def run_main(args: list[str], capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exc:
         main(args)
