@@ -538,6 +538,7 @@ def test_medium_grid_extends_small_with_its_config_space():
             assert all(c in medium_space for c in space(f, s, "small"))
 
 
+@pytest.mark.slow
 def test_the_elementwise_ops_are_a_sweep_family_timed_through_their_module_dict(tmp_path, capsys):
     """The elementwise forward launcher reads its module's dict, not the launch table: the sweep puts
     each config in that dict for the call (and restores it), every config computes the hand
@@ -624,6 +625,7 @@ def synthetic_rows(seed=0) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_costmodel_picks_the_best_config_on_held_out_shapes(capsys):
     rows = synthetic_rows()
     hand = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # a fixed rule, right for no shape
@@ -833,6 +835,7 @@ def test_costmodel_bad_cli_exits_2(tmp_path):
     assert e.value.code == 2
 
 
+@pytest.mark.slow
 def test_judge_on_new_counts_only_the_shapes_outside_the_small_grid(monkeypatch):
     """Where the hand rules were retuned on the small grid's shapes, --judge-on new leaves those out
     of the slowdowns (they still train the model); a family whose rules were not keeps them all."""
@@ -854,6 +857,7 @@ def test_judge_on_new_counts_only_the_shapes_outside_the_small_grid(monkeypatch)
     assert costmodel.parse_args(["eval", "--data", __file__, "--judge-on", "new"]).judge_on == "new"
 
 
+@pytest.mark.slow
 def test_default_evaluation_holds_out_one_shape_at_a_time():
     """folds 0 (the default): one fold per shape, each shape judged by a model fitted on all the
     others; its verdicts can differ from 5 folds', which hold out several shapes at once."""

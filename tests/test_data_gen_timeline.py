@@ -246,6 +246,7 @@ def test_the_data_module_reads_timeline_data_unchanged(timeline_data):
     assert batch["n_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_fit_on_timeline_data(timeline_data, tracking, tmp_path):
     path, _ = timeline_data
     cli_main(fit_args(path, tmp_path, "--mlflow.run_name", "timeline", "--mlflow.system_metrics",

@@ -39,6 +39,7 @@ def test_dense_triton_cpu(lengths, Tq, H, D, N, bias, dtype):
     check_dense(lengths, Tq, H, D, N, bias, dtype, "cpu")
 
 
+@pytest.mark.slow
 def test_dense_triton_cpu_many_sequences():
     # B > 64 reaches the coarse level of the dK/dV programs' search for their sequence
     rng = random.Random(7)

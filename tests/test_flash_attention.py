@@ -44,6 +44,7 @@ def test_flash_triton_cpu(lengths, H, D, N, causal, dtype):
 
 
 @pytest.mark.parametrize("causal,dtype", [(True, F32), (False, BF16)])
+@pytest.mark.slow
 def test_flash_triton_cpu_many_sequences(causal, dtype):
     # B > 64 reaches the coarse level of the kernels' search for their sequence; lengths around
     # the block sizes, empty ones, and some past max_seq_len

@@ -66,6 +66,7 @@ def _compare(model, compiled, values, offsets):
         torch.testing.assert_close(g_c, g_e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_inductor_matches_eager():
     torch._dynamo.reset()
     model, values = Tiny("auto"), torch.randn(sum(LENGTHS), D)
@@ -74,6 +75,7 @@ def test_compile_fullgraph_inductor_matches_eager():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("total_known", [True, False])
+@pytest.mark.slow
 def test_compile_sees_one_opaque_op_per_call(backend, total_known):
     # Each public call is a single jagged:: node (the torch reference's loops stay inside it),
     # including padded_to_jagged with a data-dependent T; fwd+bwd run through AOTAutograd. A call

@@ -56,6 +56,7 @@ def test_values_that_cannot_work_are_one_line_before_a_run_exists(tiny, tracking
     assert all_runs(tracking) == {}
 
 
+@pytest.mark.slow
 def test_the_padded_layouts_at_a_workable_length_are_not_refused(tiny, tracking, tmp_path):
     main(fit_args(tiny, tmp_path, *QUICK, "--model.ranker.attention", "dense", "--mlflow.run_name", "dense"))
     assert all_runs(tracking)["dense"].info.status == "FINISHED"
@@ -103,6 +104,7 @@ def test_a_nan_model_fails_before_its_validation_is_logged(tiny, tracking, tmp_p
     assert not any(k.startswith("val/") for k in run.data.metrics), run.data.metrics
 
 
+@pytest.mark.slow
 def test_a_full_checkpoint_disk_names_the_file_and_leaves_no_truncated_checkpoint(tiny, tracking, tmp_path, capsys,
                                                                                  monkeypatch):
     """The disk of the checkpoint directory fills up in the middle of a checkpoint's write."""

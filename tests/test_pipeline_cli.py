@@ -66,6 +66,7 @@ def history(uri: str, run_id: str, keys=QUALITY) -> dict[str, dict[int, float]]:
     return {k: {m.step: m.value for m in client.get_metric_history(run_id, k)} for k in keys}
 
 
+@pytest.mark.slow
 def test_fit_records_the_run_and_is_seeded(tiny, tracking, tmp_path, monkeypatch):
     # sample often: a tiny CPU run can end within one default interval, before any publish
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")
@@ -103,6 +104,7 @@ def test_fit_records_the_run_and_is_seeded(tiny, tracking, tmp_path, monkeypatch
     assert [f.path for f in client.list_artifacts(a.info.run_id, "data")] == ["data/meta.json"]
 
 
+@pytest.mark.slow
 def test_layouts_train_the_same_function(tiny, tracking, tmp_path):
     """Same seed, same data: dense and jagged start from the same weights and stay close."""
     for attention in ("dense", "jagged"):
@@ -198,6 +200,7 @@ def test_nan_loss_fails_the_run_and_names_the_step(tiny, tracking, tmp_path, cap
     assert all_runs(tracking)["nan"].info.status == "FAILED"
 
 
+@pytest.mark.slow
 def test_compiled_model_trains_like_the_eager_one(tiny, tracking, tmp_path):
     """model.compile_model: one torch.compile(dynamic=True) graph around the ranker; same losses."""
     import torch._dynamo
@@ -240,6 +243,7 @@ def test_early_stopping_inside_an_epoch_as_the_accuracy_ablations_validate(tiny,
     assert tested - checks[val.index(min(val))] in (0, 1)
 
 
+@pytest.mark.slow
 def test_fit_tests_the_monitored_best_checkpoint_and_stops_early(tiny, tracking, tmp_path, capsys):
     """checkpoint.monitor set: the test metrics are of the best checkpoint's weights (test/weights_step
     names its step); EarlyStopping given as a trainer callback ends the run; unset: the final weights."""

@@ -120,6 +120,7 @@ def test_metrics_over_both_ranks_are_the_one_process_metrics(two_ranks):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.slow
 def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
     batches = _batches(str(tiny), 0, 1)
     weights = {}

@@ -28,6 +28,7 @@ def test_the_key_follows_the_subcommand(tmp_path, monkeypatch):
     assert cache_file(["fit", "--help"]).parent == tmp_path / "jagged-attn"
 
 
+@pytest.mark.slow
 def test_the_second_help_comes_from_the_cache_and_reads_the_same(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
 

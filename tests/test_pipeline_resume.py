@@ -65,6 +65,7 @@ def history(run) -> dict:
             for k in run.client.get_run(run.run_id).data.metrics}
 
 
+@pytest.mark.slow
 def test_a_finished_run_is_never_reopened(tiny, run, capsys):
     before, info = history(run), run.client.get_run(run.run_id).info
     line = fails_before_training(fit_args(tiny, run.root, *QUICK, "--ckpt_path", str(run.ckpt)), capsys)

@@ -149,6 +149,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_torchrun_trains_the_sharded_table_over_two_nodes_of_two_processes(tiny, tmp_path, tmp_path_factory):
     """Two torchrun launchers on this machine as two nodes (static rendezvous on localhost), one
     MLflow run of world size 4."""

@@ -168,6 +168,7 @@ def _agree(rank: int, world: int, rendezvous: str, flagged_at: int, out: str) ->
         Path(f"{out}.{rank}").write_text(str(stopped_at))
 
 
+@pytest.mark.slow
 def test_the_ranks_stop_at_the_same_batch_whichever_rank_was_signalled(tmp_path):
     out = str(tmp_path / "stopped")
     mp.start_processes(_agree, args=(2, str(tmp_path / "rdv"), 12, out), nprocs=2, join=True, start_method="spawn")

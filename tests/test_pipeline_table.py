@@ -74,6 +74,7 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
 
 
 @pytest.mark.parametrize("world, shards", [(2, 2), (3, 3), (4, 2)])
+@pytest.mark.slow
 def test_the_sharded_table_looks_up_and_trains_like_the_replicated_one(world, shards, tmp_path):
     """Every process in one table's shards, and (4, 2) two tables of two shards each."""
     mp.start_processes(_worker, args=(world, shards, str(tmp_path / "store")), nprocs=world, start_method="spawn")

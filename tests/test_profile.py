@@ -7,11 +7,14 @@ import json
 import math
 import sys
 
+import pytest
+
 from pipeline.cli import main
 from test_pipeline_cli import fit_args, fresh_tracking_uri
 from test_pipeline_data import tiny_data_dir
 
 
+@pytest.mark.slow
 def test_the_loop_trace_reports_the_attention_share(tmp_path, tmp_path_factory, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pipeline"])
     monkeypatch.chdir(tmp_path)  # the run's artifacts (./mlruns of a new sqlite store) go there, not into the checkout

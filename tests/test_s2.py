@@ -219,6 +219,7 @@ def _s2_matches_the_reference(causal: bool, tag: str) -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.slow
 def test_triton_kernels_with_tall_tiles(causal):
     """The GPU's bf16 tiles (key chunks as tall as the query tile, several chunks a block or one,
     dK/dV query steps shorter than its key rows) in fp32 in the interpreter, where the kernels
@@ -297,6 +298,7 @@ def test_bench_ideal_speedup_and_report(tmp_path):
     assert md.name == "s2.md" and (tmp_path / "s2.png").is_file() and "commit abc" in text
 
 
+@pytest.mark.slow
 def test_triton_s2_compiles_as_one_opaque_op_per_call():
     """Under torch.compile(fullgraph=True) the Triton route is the op's custom ops (no graph break),
     and the compiled forward and gradients equal the eager ones."""

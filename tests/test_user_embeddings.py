@@ -52,6 +52,7 @@ def _frame(path):
             for c in t.column_names}
 
 
+@pytest.mark.slow
 def test_the_encoder_logs_its_cost_and_the_export_is_as_of_each_next_day(exported, timeline_data):  # noqa: F811
     record = json.loads((exported / "enc.pt.json").read_text())
     assert record["steps"] == 12 and record["cutoff_day"] == timeline_data[1]["config"]["days"] - 1
@@ -255,6 +256,7 @@ def test_the_encoder_commands_refuse_bad_input_with_exit_2(exported, tiny_data, 
     assert "--as-of must be in [2, 7]" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_earlier_cutoff_day_labels_and_times_the_days_it_trained_and_validated(timeline_data, tracking,  # noqa: F811
                                                                                    tmp_path, capsys):
     """--cutoff-day 4 trains on days 1-3 and validates on the validation day (6 of 7), not on day 4."""
