@@ -11,13 +11,33 @@ from torch import nn
 from models.attention import Histories, rotary_angles, rotate
 
 _MAX_AGE_DAYS = 3650.0
+# ids start small: a rarely seen item's random vector would otherwise drown its category's (and
+# its action's and age's) in every attention score
 ITEM_INIT_SCALE = 0.1
+_ITEM_DRAW_ROWS = 1 << 18  # rows per draw of the item table's initial values
+
+
+def draw_item_rows(seed: int, vocab_size: int, dim: int, rank: int = 0, world: int = 1,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """Rows ``rank::world`` ([ceil((vocab_size - rank) / world), dim] fp32) of the item table's
+    initial values: N(0, (ITEM_INIT_SCALE / sqrt(dim))^2) from a generator of their own seeded with
+    `seed`, drawn in fixed blocks of rows, so that every process draws the same table whichever
+    rows it keeps (a shard of a table no process could hold whole) and the global RNG is untouched."""
+    gen = torch.Generator(device).manual_seed(seed)
+    parts = []
+    for lo in range(0, vocab_size, _ITEM_DRAW_ROWS):
+        block = torch.randn(min(_ITEM_DRAW_ROWS, vocab_size - lo), dim, generator=gen, device=device)
+        parts.append(block[(rank - lo) % world::world])
+    rows = torch.cat(parts) if parts else torch.empty(0, dim, device=device)
+    return rows.mul_(ITEM_INIT_SCALE * dim**-0.5)
 
 
 class HistoryEmbedding(nn.Module):
     """Item (+ category) + action + age-bucket embeddings of the history rows, summed: -> [T, D].
 
-    The item table is shared with the candidate (:attr:`item`, :meth:`candidate`). Ages (days,
+    The item table is shared with the candidate (:attr:`item`, :meth:`candidate`); its initial
+    rows come from :func:`draw_item_rows` with ``item_seed`` (on the ``meta`` device with
+    ``item_device="meta"``: a caller that keeps a shard draws it). Ages (days,
     >= 0) fall into log-spaced buckets from one hour to ten years. ``sparse_item``: the item
     table's gradient is a sparse tensor (the rows a batch looked up) instead of a dense
     ``[vocab_size, dim]`` one. ``n_categories`` > 0: an item's category embedding is added to its
@@ -26,9 +46,12 @@ class HistoryEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, n_actions: int, dim: int, num_age_buckets: int, sparse_item: bool = False,
-                 n_categories: int = 0):
+                 n_categories: int = 0, item_device: str | None = None):
         super().__init__()
-        self.item = nn.Embedding(vocab_size, dim, sparse=sparse_item)
+        self.item_seed = torch.initial_seed()  # seed_everything's seed: the table's own draw
+        rows = torch.empty(vocab_size, dim, device="meta") if item_device == "meta" else \
+            draw_item_rows(self.item_seed, vocab_size, dim)
+        self.item = nn.Embedding(vocab_size, dim, sparse=sparse_item, _weight=rows)
         self.action = nn.Embedding(n_actions, dim)
         self.age = nn.Embedding(num_age_buckets, dim)
         self.category = nn.Embedding(n_categories + 1, dim) if n_categories > 0 else None
@@ -39,9 +62,6 @@ class HistoryEmbedding(nn.Module):
         for table in (self.action, self.age, self.category):
             if table is not None:
                 nn.init.normal_(table.weight, std=dim**-0.5)
-        # ids start small: a rarely seen item's random vector would otherwise drown its
-        # category's (and its action's and age's) in every attention score
-        nn.init.normal_(self.item.weight, std=ITEM_INIT_SCALE * dim**-0.5)
 
     def set_categories(self, item_category) -> None:
         """The category of every item id ([vocab_size] ints in [0, n_categories]; n_categories:

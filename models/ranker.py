@@ -34,16 +34,18 @@ class Ranker(nn.Module):
     (``embed.set_categories``). The parameters do not depend on the attention layout: a
     state_dict of one loads into the others.
     ``sparse_item_grad`` makes the item table's gradient sparse (how it is computed, not what:
-    the training loop chooses it, :mod:`pipeline.gradsync`).
+    the training loop chooses it, :mod:`pipeline.gradsync`); ``item_device="meta"`` leaves the
+    item table undrawn, for a caller that shards it (:func:`models.layers.draw_item_rows`).
     """
 
     def __init__(self, cfg: RankerConfig, *, vocab_size: int, n_actions: int, n_dense: int,
-                 sparse_item_grad: bool = False, n_categories: int = 0):
+                 sparse_item_grad: bool = False, n_categories: int = 0, item_device: str | None = None):
         super().__init__()
         self.cfg = cfg
         d, rotary = cfg.embed_dim, cfg.rotary_positions
         self.embed = HistoryEmbedding(vocab_size, n_actions, d, cfg.num_age_buckets, sparse_item=sparse_item_grad,
-                                      n_categories=n_categories if cfg.category_embedding else 0)
+                                      n_categories=n_categories if cfg.category_embedding else 0,
+                                      item_device=item_device)
         s2 = cfg.s2
         self.blocks = nn.ModuleList(
             EncoderBlock(d, cfg.num_heads, cfg.ffn_mult, None if s2 is None or s2.is_dense(i) else s2.shards(),

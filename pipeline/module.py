@@ -14,6 +14,7 @@ evaluation example counted once (the data module shards evaluation without paddi
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import time
@@ -29,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import MeanMetric
 
 from models import Ranker, RankerConfig, feature_width
+from models.layers import draw_item_rows
 from pipeline.dist import all_reduce, rank, world_size
 from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
@@ -154,7 +156,8 @@ class RankerModule(pl.LightningModule):
         self._table_bytes = [0, 0, 0]  # training lookups of this process: all-to-all bytes, gather bytes, steps
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense",
-                            n_categories=data_spec.get("n_categories", 0))
+                            n_categories=data_spec.get("n_categories", 0),
+                            item_device="meta" if self.sharded else None)  # each process draws its shard in setup
         table = self.model.embed.item.weight
         self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()),
                                   manual_table=self.cuda_graphs or self.sharded, table_sync=table_sync)
@@ -186,15 +189,18 @@ class RankerModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         """The data set's item categories into the category embedding. With the sharded layout, the
-        item table becomes this process's shard (the process group exists from here on): every
-        process drew the whole table from the seed and keeps its rows."""
+        item table becomes this process's shard (the process group exists from here on), drawn on
+        its device: the rows of the table the replicated layout draws from the same seed."""
         dm = getattr(self.trainer, "datamodule", None)
         if self.model.embed.category is not None and hasattr(dm, "item_categories"):
             self.model.embed.set_categories(dm.item_categories())  # the data set's catalogue
         if not self.sharded or isinstance(self.model.embed.item, ShardedEmbedding):
             return
         try:
-            self.model.embed.item = ShardedEmbedding.over(self.model.embed.item.weight, self.table_shards)
+            embed = self.model.embed
+            device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
+            rows = functools.partial(draw_item_rows, embed.item_seed, *embed.item.weight.shape, device=device)
+            embed.item = ShardedEmbedding.drawn(rows, *embed.item.weight.shape, self.table_shards)
         except ValueError as err:
             raise ConfigError(f"model.{err}: every process must hold one shard of one whole table") from None
         self.grad_sync = GradSync("dense", self.model.embed.item.weight, list(self.model.parameters()),

@@ -90,7 +90,7 @@ class _Exchange(torch.autograd.Function):
 
 
 class ShardedEmbedding(nn.Module):
-    """The rows ``rank::world`` of the item table `full` ([V, D]), looked up by global ids.
+    """The rows ``rank::world`` of an item table of `num_embeddings` rows, looked up by global ids.
 
     ``weight`` ([shard_rows(V, rank, world), D]) is this process's shard; a lookup
     ``ids [*] -> [*, D]`` (or a :meth:`prefetch`) is a collective: every process of `group` (the
@@ -99,28 +99,35 @@ class ShardedEmbedding(nn.Module):
     :meth:`sync_replicas` sums. The gradient is the mean over all processes, as DDP's.
     """
 
-    def __init__(self, full: torch.Tensor, rank: int, world: int, group=None, replica_group=None, replicas: int = 1):
+    def __init__(self, shard: torch.Tensor, num_embeddings: int, rank: int, world: int, group=None,
+                 replica_group=None, replicas: int = 1):
         super().__init__()
-        self.num_embeddings, self.embedding_dim = full.shape
+        self.num_embeddings, self.embedding_dim = num_embeddings, shard.shape[1]
         self.rank, self.world, self.group = rank, world, group
         self.replica_group, self.replicas = replica_group, replicas
-        self.weight = nn.Parameter(full.detach()[rank::world].clone())
+        self.weight = nn.Parameter(shard)
         self.sent_bytes = self.gather_bytes = self.lookups = 0
         self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def over(cls, full: torch.Tensor, shards: int = 0) -> "ShardedEmbedding":
-        """This process's shard of `full` in the default process group, tiled by tables of `shards`
-        processes (0: all); a collective (every rank creates every group). ValueError if `shards`
-        does not divide the world size."""
+        """This process's shard of `full` ([V, D]): :meth:`drawn` with its rows."""
+        return cls.drawn(lambda r, w: full.detach()[r::w].clone(), *full.shape, shards)
+
+    @classmethod
+    def drawn(cls, rows, num_embeddings: int, dim: int, shards: int = 0) -> "ShardedEmbedding":
+        """This process's shard in the default process group, tiled by tables of `shards` processes
+        (0: all), its values ``rows(rank, world)`` (the table's rows ``rank::world``); a collective
+        (every rank creates every group). ValueError if `shards` does not divide the world size."""
         world, shards = world_size(), shards or world_size()
         tables, replicas = shard_groups(world, shards)
         if world == 1:
-            return cls(full, 0, 1)
+            return cls(rows(0, 1), num_embeddings, 0, 1)
         # the lookups' own groups, apart from DDP's
         shard_group = [dist.new_group(ranks) for ranks in tables][rank() // shards]
         replica_group = [dist.new_group(ranks) for ranks in replicas][rank() % shards] if shards < world else None
-        return cls(full, rank() % shards, shards, shard_group, replica_group, world // shards)
+        return cls(rows(rank() % shards, shards), num_embeddings, rank() % shards, shards, shard_group,
+                   replica_group, world // shards)
 
     def prefetch(self, *ids: torch.Tensor) -> None:
         """One exchange for the rows of every tensor of `ids`; each lookup of one of those very

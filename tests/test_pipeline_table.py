@@ -88,6 +88,33 @@ def test_table_shards_must_divide_the_world_size():
 
 def test_one_process_holds_the_whole_table():
     full = torch.randn(V, D)
-    table = ShardedEmbedding(full, 0, 1)
+    table = ShardedEmbedding(full.clone(), V, 0, 1)
     ids = torch.tensor([3, 3, 36, 0])
     assert torch.equal(table(ids), full[ids]) and torch.equal(table.gather(table.weight), full)
+
+
+def test_every_process_draws_its_rows_of_the_same_table(monkeypatch):
+    """The item table's initial rows are the same whichever process draws which rows (blocks of 7
+    rows here), and drawing them leaves the global RNG alone: a ranker whose table is left on the
+    meta device (a shard's) has every other weight of the ranker that draws it whole."""
+    import models.layers
+    from models import Ranker, RankerConfig
+
+    monkeypatch.setattr(models.layers, "_ITEM_DRAW_ROWS", 7)
+    whole = models.layers.draw_item_rows(5, 30, D)
+    for world in (1, 2, 3, 4):
+        shards = [models.layers.draw_item_rows(5, 30, D, r, world) for r in range(world)]
+        assert [s.shape[0] for s in shards] == [shard_rows(30, r, world) for r in range(world)]
+        for r, s in enumerate(shards):
+            assert torch.equal(s, whole[r::world])
+    assert not torch.equal(whole, models.layers.draw_item_rows(6, 30, D))
+    assert whole.std().item() == pytest.approx(models.layers.ITEM_INIT_SCALE * D**-0.5, rel=0.2)
+    kw = dict(vocab_size=30, n_actions=3, n_dense=2)
+    torch.manual_seed(1)
+    drawn = Ranker(RankerConfig(embed_dim=8, num_layers=1, mlp_dims=[8]), **kw)
+    torch.manual_seed(1)
+    meta = Ranker(RankerConfig(embed_dim=8, num_layers=1, mlp_dims=[8]), item_device="meta", **kw)
+    assert meta.embed.item.weight.is_meta
+    assert torch.equal(drawn.embed.item.weight, models.layers.draw_item_rows(torch.initial_seed(), 30, 8))
+    for (name, a), (_, b) in zip(drawn.state_dict().items(), meta.state_dict().items()):
+        assert name == "embed.item.weight" or torch.equal(a, b), name
