@@ -99,6 +99,9 @@ class RankerConfig:
         rotary_positions: rotate the queries and keys of self-attention and target attention by
             each item's recency (rotary embeddings; the candidate sits just after the most recent
             item), so that attention sees the order of the history; off: age buckets only.
+        raw_history: target attention, the mean and the poolings read the embedded items before
+            the encoder blocks, and a second target attention reads the encoded ones (the blocks
+            can only add to what the ranker without them reads); off: all read the encoded items.
         pool_heads: poolings of the interaction block.
         mlp_dims: hidden widths of the final MLP.
         kernel_backend: the kernels' implementation: auto (Triton on CUDA, torch reference on
@@ -119,6 +122,7 @@ class RankerConfig:
     interaction: bool = True
     category_embedding: bool = True
     rotary_positions: bool = True
+    raw_history: bool = False
     pool_heads: int = 4
     mlp_dims: list[int] = field(default_factory=lambda: [256, 128])
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"

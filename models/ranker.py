@@ -19,7 +19,9 @@ class Ranker(nn.Module):
     encoded history
     -> candidate-conditioned pooling of the history (interaction block)
     -> MLP over [candidate, mean of the encoded history, target attention, pooling,
-    dense features, user embedding, log1p(length)] -> logit.
+    dense features, user embedding, log1p(length)] -> logit. With ``cfg.raw_history`` the mean,
+    target attention and pooling read the items before the blocks, and a second target attention
+    reads the encoded ones (the blocks can only add).
 
     With ``cfg.user_embedding`` the ``dense`` input carries, after the data set's n_dense
     features, an embedding learned offline (dim values) and a known flag: rows without one
@@ -53,6 +55,10 @@ class Ranker(nn.Module):
             for i in range(cfg.num_layers))
         self.norm = nn.LayerNorm(d)
         self.target = TargetAttention(d, cfg.num_heads, rotary=rotary) if cfg.target_attention else None
+        two_reads = cfg.raw_history and cfg.num_layers > 0
+        # with raw_history the features read the items before the encoder; the encoder adds a read
+        self.target_encoded = TargetAttention(d, cfg.num_heads, rotary=rotary) if two_reads else None
+        self.norm_raw = nn.LayerNorm(d) if two_reads else None
         self.interaction = HistoryInteraction(d, cfg.pool_heads) if cfg.interaction else None
         self.n_dense = n_dense
         self.dense_proj = nn.Linear(n_dense, d) if n_dense > 0 else None
@@ -60,7 +66,8 @@ class Ranker(nn.Module):
         if user is not None:
             self.user_unknown = nn.Parameter(torch.zeros(user.dim))
             self.user_proj = nn.Sequential(nn.LayerNorm(user.dim), nn.Linear(user.dim, d))
-        n_feats = 2 + cfg.target_attention + cfg.pool_heads * cfg.interaction + (n_dense > 0) + 2 * (user is not None)
+        n_feats = (2 + cfg.target_attention + two_reads + cfg.pool_heads * cfg.interaction + (n_dense > 0)
+                   + 2 * (user is not None))
         in_dim = d * n_feats + 1
         self.head = mlp(in_dim, cfg.mlp_dims)
 
@@ -83,11 +90,16 @@ class Ranker(nn.Module):
         """
         hist = Histories(offsets, max_seq_len, self.cfg.attention, self.cfg.kernel_backend)
         x = hist.layout(self.embed(hist_item, hist_action, hist_age))  # [T, D] or [B, N, D]
+        raw = x
         for block in self.blocks:
             x = block(x, hist)
         x = self.norm(x)
         cand = self.embed.candidate(cand_item)  # [B, D]
-        feats = [cand, self._mean(x, hist)]
+        feats = []
+        if self.target_encoded is not None:
+            feats.append(self.target_encoded(cand, x, hist))
+            x = self.norm_raw(raw)
+        feats += [cand, self._mean(x, hist)]
         if self.target is not None:
             feats.append(self.target(cand, x, hist))
         if self.interaction is not None:

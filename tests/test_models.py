@@ -30,7 +30,8 @@ def _batch(lengths: list[int], max_seq_len: int, dtype=torch.float32) -> dict:
 
 
 def _ranker(attention: str, **kw) -> Ranker:
-    cfg = RankerConfig(attention=attention, embed_dim=48, num_heads=2, num_layers=2, pool_heads=3, mlp_dims=[32], **kw)
+    cfg = RankerConfig(**{"attention": attention, "embed_dim": 48, "num_heads": 2, "num_layers": 2, "pool_heads": 3,
+                          "mlp_dims": [32], **kw})
     model = Ranker(cfg, vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE, n_categories=N_CATEGORIES)
     if model.embed.category is not None:  # a catalogue with unknown ids (category N_CATEGORIES) too
         model.embed.set_categories(torch.randint(0, N_CATEGORIES + 1, (VOCAB,)))
@@ -41,7 +42,8 @@ def _ranker(attention: str, **kw) -> Ranker:
 
 
 def _with_attention(model: Ranker, attention: str, dtype: torch.dtype) -> Ranker:
-    other = _ranker(attention, target_attention=model.cfg.target_attention, interaction=model.cfg.interaction)
+    other = _ranker(attention, target_attention=model.cfg.target_attention, interaction=model.cfg.interaction,
+                    raw_history=model.cfg.raw_history)
     other.load_state_dict(model.state_dict(), strict=True)
     return other.to(dtype)
 
@@ -56,7 +58,7 @@ def _logits_and_grads(model: Ranker, batch: dict, weights: torch.Tensor):
 
 
 @pytest.mark.parametrize("lengths,max_seq_len", [([0, 1, 7, 12, 3], 12), ([5], 5), ([0, 0], 4), ([33, 2, 0, 17], 40)])
-@pytest.mark.parametrize("blocks", [dict(), dict(target_attention=False, interaction=False)])
+@pytest.mark.parametrize("blocks", [dict(), dict(target_attention=False, interaction=False), dict(raw_history=True)])
 def test_layouts_agree_with_fp64_oracle(lengths, max_seq_len, blocks):
     """Logits and every parameter gradient of each attention vs the fp64 dense oracle."""
     base = _ranker("dense", **blocks)
@@ -126,6 +128,31 @@ def test_rotary_positions_make_the_order_of_a_history_visible(attention):
         model = _ranker(attention, rotary_positions=rotary)
         same = torch.allclose(model(**batch), model(**rev), atol=1e-5)
         assert same != rotary
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_raw_history_reads_the_items_before_the_blocks_and_adds_a_read_of_the_encoded_ones(attention):
+    """With raw_history, target attention, the mean and the poolings equal those of the ranker
+    without blocks (same weights); only the extra target attention sees what the blocks did."""
+    batch = _batch([5, 0, 9, 1], 12)
+    raw = _ranker(attention, raw_history=True)
+    plain = _ranker(attention, num_layers=0)
+    state = {k.replace("norm_raw.", "norm."): v for k, v in raw.state_dict().items()
+             if not k.startswith(("blocks.", "norm.", "target_encoded.", "head."))}
+    missing = plain.load_state_dict(state, strict=False).missing_keys
+    assert missing == [k for k in plain.state_dict() if k.startswith("head.")]
+    seen = {}
+    for name, model in (("raw", raw), ("plain", plain)):
+        for part in ("target", "interaction"):
+            getattr(model, part).register_forward_hook(lambda m, i, o, key=(name, part): seen.__setitem__(key, o))
+        model(**batch)
+    for part in ("target", "interaction"):
+        torch.testing.assert_close(seen["raw", part], seen["plain", part])
+    assert raw.head[0].in_features == plain.head[0].in_features + raw.cfg.embed_dim
+    before = raw(**batch)
+    torch.nn.init.normal_(raw.blocks[0].qkv.weight)  # the blocks reach the logit through target_encoded
+    assert not torch.allclose(raw(**batch), before)
+    assert _ranker(attention, raw_history=True, num_layers=0).target_encoded is None
 
 
 def test_bad_config_says_what_to_fix():
