@@ -18,6 +18,7 @@ from pipeline.gradsync import all_gather_into, allreduce_bytes
 
 TABLE_LAYOUTS = ("replicated", "sharded")
 _CHUNK_ROWS = 1 << 20  # rows per collective when a shard is gathered or its optimizer state
+_INDEXED_ELEMENTS = 1 << 30  # elements per index_add_ into a shard's gradient
 
 
 def shard_groups(world: int, shards: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -47,6 +48,19 @@ def sent_bytes_gather(t_max: int, world: int, row_bytes: int) -> int:
     ids all-gathered (padded to the step's largest count `t_max`), each process's partial rows
     reduce-scattered back, and in the backward the rows' gradients all-gathered (ring collectives)."""
     return (world - 1) * t_max * (8 + 2 * row_bytes)
+
+
+def add_rows(into: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``into[index] += rows`` (repeated indices add up), in blocks of rows of fewer than
+    _INDEXED_ELEMENTS elements: CUDA's index_add_ fails on a tensor of 2^31 elements or more (a
+    shard of 25M x 128)."""
+    step = max(1, _INDEXED_ELEMENTS // max(1, into[0].numel()))
+    if into.shape[0] <= step:
+        return into.index_add_(0, index, rows)
+    for lo in range(0, into.shape[0], step):
+        mine = ((index >= lo) & (index < lo + step)).nonzero().squeeze(1)
+        into[lo:lo + step].index_add_(0, index[mine] - lo, rows[mine])
+    return into
 
 
 class _Exchange(torch.autograd.Function):
@@ -85,7 +99,7 @@ class _Exchange(torch.autograd.Function):
         grad_uniq.index_add_(0, inverse, grad_out.reshape(-1, grad_out.shape[-1]))  # [U, D]
         grad_rows = grad_uniq.new_empty(local.numel(), grad_uniq.shape[1])
         dist.all_to_all_single(grad_rows, grad_uniq[order].contiguous(), ctx.recv, ctx.send, group=table.group)
-        grad = grad_rows.new_zeros(ctx.shape).index_add_(0, local, grad_rows)
+        grad = add_rows(grad_rows.new_zeros(ctx.shape), local, grad_rows)
         return grad.div_(table.world * table.replicas), None, None  # the mean over processes, as DDP's
 
 

@@ -11,7 +11,8 @@ import torch
 import torch.multiprocessing as mp
 
 from pipeline.dist import gloo_worker
-from pipeline.table import ShardedEmbedding, sent_bytes_gather, shard_groups, shard_rows
+import pipeline.table
+from pipeline.table import ShardedEmbedding, add_rows, sent_bytes_gather, shard_groups, shard_rows
 
 V, D = 37, 5  # 37 rows: no world size here divides them
 
@@ -118,3 +119,13 @@ def test_every_process_draws_its_rows_of_the_same_table(monkeypatch):
     assert torch.equal(drawn.embed.item.weight, models.layers.draw_item_rows(torch.initial_seed(), 30, 8))
     for (name, a), (_, b) in zip(drawn.state_dict().items(), meta.state_dict().items()):
         assert name == "embed.item.weight" or torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("elements", [1, D, 3 * D + 2, 10**6])
+def test_rows_add_into_the_gradient_in_blocks_as_in_one(monkeypatch, elements):
+    """A shard's gradient too large for one index_add_ on CUDA takes the rows block by block."""
+    monkeypatch.setattr(pipeline.table, "_INDEXED_ELEMENTS", elements)
+    index = torch.tensor([36, 0, 5, 5, 17, 36, 1])
+    rows = torch.randn(index.numel(), D, dtype=torch.float64)
+    want = torch.zeros(V, D, dtype=torch.float64).index_add_(0, index, rows)
+    assert torch.equal(add_rows(torch.zeros(V, D, dtype=torch.float64), index, rows), want)
