@@ -206,10 +206,11 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     lines += recovery_section(df, x, spec, mem, out)
     lines += profile_section(out_root, spec.get("profile"))
     oracle = oracle_of(client, df) if spec.get("oracle") else None
+    window = spec["oracle"] if type(spec.get("oracle")) is int else None  # oracle: K, every run's window K
     if oracle:
-        lines += oracle_section(df, x, oracle, series)
+        lines += oracle_section(df, x, oracle, series, window)
     made.append(plots.line_plot(df, x, order, series, "test/auc", "test AUC", "Test AUC", out / "auc.png",
-                                oracle=oracle, subtitle=sub, seeds=seeds, baseline=0.5))
+                                oracle=oracle if window is None else None, subtitle=sub, seeds=seeds, baseline=0.5))
     if spec.get("pareto"):
         made.append(plots.pareto_plot(df, x, names, THROUGHPUT, out / "pareto.png", oracle, subtitle=sub))
     made = [p for p in made if p is not None]

@@ -85,14 +85,21 @@ def oracle_at(oracle: dict, k) -> float | None:
     return oracle.get("auc") if value is None and _holds_longest(oracle, k) else value
 
 
-def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = ()) -> list[str]:
+def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (), window: int | None = None) -> list[str]:
+    """Each run's test AUC beside the oracle's from the last `window` items (None: the run's x) and
+    the share of the gap between the oracle with no history and that one which the run closes."""
+    none = oracle.get("auc_recent_0")
+    rows = []
+    for row in df.iter_rows(named=True):
+        seen, auc = oracle_at(oracle, row[x] if window is None else window), row.get("test/auc")
+        closed = None if None in (seen, auc, none) or seen <= none else (auc - none) / (seen - none)
+        rows.append([*(row[s] for s in series), row[x], fmt(auc, ".4f"), fmt(seen, ".4f"), fmt(closed, ".0%")])
     lines = ["", "## Test AUC against the oracle (the planted label model, meta.json)", "",
              f"Oracle: full history {oracle.get('auc', float('nan')):.4f}, no history "
              f"{oracle.get('auc_recent_0', float('nan')):.4f}.", "",
-             *table_lines([*series, x, "model test AUC", f"oracle AUC from the last {x} items"],
-                                [[*(row[s] for s in series), row[x], fmt(row.get("test/auc"), ".4f"),
-                                  fmt(oracle_at(oracle, row[x]), ".4f")] for row in df.iter_rows(named=True)])]
-    if any(_holds_longest(oracle, k) for k in df[x].to_list()):
+             *table_lines([*series, x, "model test AUC", f"oracle AUC from the last {window or x} items",
+                           "gap closed (no history -> oracle)"], rows)]
+    if any(_holds_longest(oracle, k) for k in ([window] if window else df[x].to_list())):
         longest = oracle["longest_history"]
         lines += ["", f"The longest test history has {longest} items: from the last {longest} or more, the "
                   "oracle sees every item, and its AUC is the full history's."]

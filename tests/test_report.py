@@ -78,13 +78,17 @@ def test_ratios_and_oracle_section():
     assert sections.ratio_section(alone, "max_seq_len") == []  # only the baseline ran: no empty table
     lines = sections.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
                                   {"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81})
-    assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | - |" in lines
+    # the gap closed: (0.70 - 0.60) / (0.81 - 0.60)
+    assert "| 256 | 0.7000 | 0.8100 | 48% |" in lines and "| 4096 | 0.7500 | - | - |" in lines
+    fixed = sections.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
+                                    {"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81}, window=256)
+    assert "| 4096 | 0.7500 | 0.8100 | 71% |" in fixed and any("from the last 256 items" in line for line in fixed)
     whole = sections.with_whole_window({"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81}, 4096)
     assert whole["auc_recent_4096"] == 0.86 and whole["longest_history"] == 4096
     assert sections.with_whole_window({"auc": 0.86, "auc_recent_1024": 0.85}, 1024)["auc_recent_1024"] == 0.85  # measured wins
     lines = sections.oracle_section(df.filter(pl.col("attention") == "jagged"), "max_seq_len",
                                   sections.with_whole_window({"auc": 0.86, "auc_recent_256": 0.81}, 1024))
-    assert "| 256 | 0.7000 | 0.8100 |" in lines and "| 4096 | 0.7500 | 0.8600 |" in lines  # 4096 >= the longest
+    assert "| 256 | 0.7000 | 0.8100 | - |" in lines and "| 4096 | 0.7500 | 0.8600 | - |" in lines  # 4096 >= the longest
     assert any("longest test history has 1024 items" in line for line in lines)
 
 
