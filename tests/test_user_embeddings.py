@@ -330,7 +330,8 @@ def test_bad_encoder_files_are_one_line_and_never_unpickled(exported, timeline_d
 
 
 @pytest.mark.parametrize("command", ["fit", "export"])
-@pytest.mark.parametrize("store, message", [("hang", "answers /health but not its API"), ("closed", "is unreachable")])
+@pytest.mark.parametrize("store, message", [  # a hanging server is waited out: 5 s
+    pytest.param("hang", "answers /health but not its API", marks=pytest.mark.slow), ("closed", "is unreachable")])
 def test_the_encoder_commands_check_the_tracking_server_first(exported, timeline_data, server, monkeypatch,  # noqa: F811
                                                               capsys, tmp_path, command, store, message):
     """Against a server that answers /health but not its API, fit hung 900 s; against an
