@@ -58,7 +58,7 @@ XDIST = $(shell $(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) 
 test: setup ## run the whole CPU test suite (Triton kernels through TRITON_INTERPRET=1; TEST_WORKERS=2 processes)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" $(XDIST) $(PYTEST_ARGS)
 
-test-fast: setup ## the CPU suite without the tests marked slow (multi-process DDP, end-to-end fits, sweeps and reports)
+test-fast: setup ## the CPU suite without the tests marked slow (end-to-end fits, multi-process runs, sweeps, long interpreter grids): < 2 min
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu and not slow" $(XDIST) $(PYTEST_ARGS)
 
 test-gpu: setup ## run the GPU tests (kernels compiled by Triton, on a CUDA device)
