@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -29,10 +30,10 @@ from lightning_fabric.plugins import CheckpointIO
 
 from pipeline.callbacks import ModelSummary, PerfMonitor, ProgressBar, RunChecks
 from pipeline.data import RankerData
-from pipeline.dist import launch_rank_zero
+from pipeline.dist import launch_rank_zero, world_size
 from pipeline.errors import ConfigError, check_writable
 from pipeline.module import RankerModule
-from pipeline.signals import StopOnSignal
+from pipeline.signals import StopOnSignal, flush_and_exit
 from pipeline.resume import AtomicCheckpointIO, check_resume, checkpoint_run_id, load_checkpoint
 from pipeline.tracking import (
     MLflowRun,
@@ -445,7 +446,17 @@ def resolved_config(parser, cfg, validate: bool = True) -> tuple[str, dict]:
 
 
 def main(args: list[str] | None = None) -> None:
-    """The CLI entry point: one line for expected failures, FAILED/KILLED runs, the exit status."""
-    status = run_command(lambda: RankerCLI(args=args))
+    """The CLI entry point: one line for expected failures, FAILED/KILLED runs, the exit status.
+    A process of a distributed run that failed exits at once (its run already ended): the
+    interpreter's teardown (NCCL's) could wait forever on peers left in a collective."""
+    try:
+        status = run_command(lambda: RankerCLI(args=args))
+    except Exception:
+        if world_size() == 1:
+            raise
+        traceback.print_exc()
+        status = 1
+    if status and world_size() > 1:
+        flush_and_exit(status)
     if status:
         raise SystemExit(status)

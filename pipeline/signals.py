@@ -101,6 +101,14 @@ class StopOnSignal(pl.Callback):
 
     on_train_batch_end = on_validation_batch_end = on_test_batch_end = on_predict_batch_end = _check
 
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        # a rank that fails alone leaves its peers in a collective it never joins, and Lightning's
+        # teardown or NCCL's may then wait on them: the watchdog ends it if the error does not
+        if world_size() > 1 and not isinstance(exception, (SIGTERMException, KeyboardInterrupt)) \
+                and _state.watchdog is not None:
+            _state.watchdog.fail(f"error: this process failed ({type(exception).__name__}) and did not end within "
+                                 f"{PEER_GRACE_S:g} s; ended it")
+
 
 class _Watchdog(threading.Thread):
     """Learns of SIGTERM and SIGINT through the signal wakeup fd (while the main thread is blocked
@@ -124,6 +132,12 @@ class _Watchdog(threading.Thread):
             self.deadline = (time.monotonic() + GRACE_S, code, "KILLED",
                              f"stopped by {name}: the run did not stop within {GRACE_S:g} s (another process "
                              f"of the run is stopped or stuck); ended it")
+
+    def fail(self, message: str) -> None:
+        """This process failed while others may wait for it in a collective: end it, FAILED, if
+        it has not ended within PEER_GRACE_S."""
+        if self.deadline is None:
+            self.deadline = (time.monotonic() + PEER_GRACE_S, 1, "FAILED", message)
 
     def _peer_died(self) -> str | None:
         if self.launched and os.getppid() != self.parent:

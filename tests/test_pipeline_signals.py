@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,6 +52,17 @@ class SlowEndOnRankZero(pl.Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         if trainer.global_rank == 0 and isinstance(exception, SIGTERMException):
             time.sleep(SLOW_END_S)
+
+
+class FailOnRankOne(pl.Callback):
+    """Rank 1 fails at its third batch with an error nothing expects, and its interpreter's exit
+    would then wait forever (as NCCL's teardown can, on peers left in a collective): a thread
+    that never ends."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and batch_idx == 2:
+            threading.Thread(target=threading.Event().wait, name="never-ends").start()  # not a daemon
+            raise RuntimeError("injected failure on rank 1")
 
 
 def _started_ddp_fit(tiny: Path, tmp_path: Path, uri: str, *extra: str) -> tuple[subprocess.Popen, int]:
@@ -182,3 +194,20 @@ def test_lightnings_sigterm_hooks_that_are_replaced_still_exist():
     assert callable(getattr(_SignalConnector, "_sigterm_notifier_fn", None))
     assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
     assert callable(getattr(subprocess_script, "_launch_process_observer", None))  # SIGKILLs rank 0 otherwise
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_and_cannot_exit_still_ends_every_rank(tiny, tmp_path, tmp_path_factory):
+    """An error on one rank alone: that rank exits at once (its teardown never waited for), rank 0
+    then sees its peer gone: both end within the bound, non-zero, the run FAILED."""
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
+    fail = tmp_path / "fail.yaml"
+    fail.write_text("trainer:\n  callbacks:\n    - class_path: test_pipeline_signals.FailOnRankOne\n")
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", *fit_args(tiny, tmp_path, *LONG, "--config", str(fail))],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    code, err, took = _ended(proc, time.monotonic())  # start-up included: well under a minute here
+    assert code == 1 and took < BOUND_S + 60, (code, took, err[-3000:])
+    assert "injected failure on rank 1" in err, err[-3000:]
+    assert all_runs(uri)["long"].info.status == "FAILED"
