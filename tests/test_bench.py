@@ -489,3 +489,35 @@ def test_every_bench_and_tuning_verb_answers_help_without_the_heavy_imports():
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = [line for line in proc.stdout.splitlines() if line.split(" ", 1)[0] in verbs]
     assert said == [f"{verb} []" for verb in verbs], proc.stdout[-2000:]
+
+
+def _packed_sdpa(q, k, v, *, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, return_lse):
+    """cuDNN's sdpa_torch on packed tokens, done in torch: what the provider must call it with."""
+    assert return_lse and max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    assert max_seqlen_kv == int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max()) and cu_seqlens_q.dtype == torch.int32
+    out = torch.cat([torch.softmax(qs.transpose(0, 1) @ ks.permute(1, 2, 0) * q.shape[-1] ** -0.5, -1) @ vs.transpose(0, 1)
+                     for qs, ks, vs in zip(q.tensor_split(cu_seqlens_q[1:-1].tolist()),
+                                           *(t.tensor_split(cu_seqlens_kv[1:-1].tolist()) for t in (k, v)))], dim=1)
+    return out.transpose(0, 1), None
+
+
+@pytest.mark.parametrize("kind", ["attention", "dense_attention"])
+def test_cudnn_varlen_is_called_on_packed_tokens_and_skipped_where_it_cannot_run(monkeypatch, kind):
+    """The cuDNN peer's arguments (cu_seqlens, max lengths, its differentiable path), checked
+    against the reference with a stand-in for the wheel; without the wheel or CUDA: a reason."""
+    import sys
+    import types
+
+    from experiments.bench import providers
+
+    j = layouts.make_jagged(Shape(5, 24, 2, 16, 0.5, Tq=3), torch.device("cpu"), torch.float32)
+    cpu = RunConfig(device=torch.device("cpu"))
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+    assert providers.cudnn_skip(j, cpu) == "unavailable (nvidia-cudnn-frontend is not installed)"
+    monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(sdpa_torch=_packed_sdpa))
+    assert providers.cudnn_skip(j, cpu) == "unavailable (CUDA only)"
+    table = providers.DENSE_ATTENTION_PROVIDERS if kind == "dense_attention" else providers.ATTENTION_PROVIDERS
+    (peer,) = [p for p in table if p.name == "cudnn_varlen"]
+    prep = peer.prepare(j, cpu)
+    ref = layouts.reference_dense_attention(j) if kind == "dense_attention" else layouts.reference_self_attention(j)
+    torch.testing.assert_close(prep.to_ref(prep.fwd()), ref.to(torch.float32), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,8 @@
 Self-attention (``ATTENTION_PROVIDERS``): jagged (ours, [T, H, D] + offsets); dense_torch and
 sdpa_padded_mask, padded [B, H, N, D] with a key mask (the paper's dense attention and dense flash
 attention); varlen_attn (FlashAttention-2 varlen); njt_sdpa (nested jagged tensors); flex_packed
-(compiled FlexAttention, a document mask over the packed tokens). Target attention
+(compiled FlexAttention, a document mask over the packed tokens); cudnn_varlen (cuDNN's SDPA on
+packed tokens, `nvidia-cudnn-frontend`, when importable). Target attention
 (``DENSE_ATTENTION_PROVIDERS``): the same peers with Tq dense queries per sequence.
 """
 
@@ -69,12 +70,26 @@ def _padded(attend, dense_q: bool):
     return prepare
 
 
-def _varlen(j: Jagged, cfg: RunConfig) -> Prepared:
-    varlen_attn = varlen_fn()
-    q, k, v = leaves(j.q, j.k, j.v)
-    cu = j.offsets.to(torch.int32)
-    L = j.max_len
-    return Prepared(lambda: varlen_attn(q, k, v, cu, cu, L, L), [q, k, v], [q, k, v, cu], lambda o: o)
+def _packed(get_call, dense_q: bool):
+    """A peer on packed [T, H, D] tokens, get_call() -> call(q, k, v, cu_q, cu_k, max_q, max_k):
+    varlen_attn's signature; target attention: the B x Tq dense queries as B sequences of Tq."""
+
+    def prepare(j: Jagged, cfg: RunConfig) -> Prepared:
+        call, (B, Tq, H, D), L = get_call(), (j.shape.B, j.shape.Tq, j.shape.H, j.shape.D), j.max_len
+        q, k, v = leaves(j.qd.reshape(B * Tq, H, D) if dense_q else j.q, j.k, j.v)
+        cu_k = j.offsets.to(torch.int32)
+        cu_q = (torch.arange(B + 1, dtype=torch.int32) * Tq).to(j.q.device) if dense_q else cu_k
+        fwd = lambda: call(q, k, v, cu_q, cu_k, Tq if dense_q else L, L)  # noqa: E731
+        held = [q, k, v, cu_k] + ([cu_q] if dense_q else [])
+        return Prepared(fwd, [q, k, v], held, (lambda o: o.view(B, Tq, H, D)) if dense_q else (lambda o: o))
+
+    return prepare
+
+
+def _cudnn_call():
+    import cudnn  # return_lse: its differentiable path
+    return lambda q, k, v, cu_q, cu_k, max_q, max_k: cudnn.sdpa_torch(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)[0]
 
 
 def _njt(j: Jagged, cfg: RunConfig) -> Prepared:
@@ -142,30 +157,29 @@ def _flex(j: Jagged, cfg: RunConfig) -> Prepared:
     return Prepared(lambda: flex(q, k, v, block_mask=block_mask), [q, k, v], held, lambda o: o[0].transpose(0, 1))
 
 
+def cudnn_skip(j: Jagged, cfg: RunConfig) -> str | None:
+    try:
+        import cudnn  # noqa: F401  nvidia-cudnn-frontend, a wheel of its own (experiments/gpu/README.md)
+    except ImportError:
+        return "unavailable (nvidia-cudnn-frontend is not installed)"
+    return cuda_only(j, cfg) or (None if j.q.dtype in (torch.float16, torch.bfloat16) else "fp16 and bf16 only")
+
+
 ATTENTION_PROVIDERS = [
     Provider(OURS, _ours(dense_q=False)),
+    Provider("cudnn_varlen", _packed(_cudnn_call, dense_q=False), cudnn_skip),
     Provider("dense_torch", _padded(dense_torch_attention, dense_q=False)),
     Provider("sdpa_padded_mask", _padded(sdpa_attention, dense_q=False)),
-    Provider("varlen_attn", _varlen, varlen_skip),
+    Provider("varlen_attn", _packed(varlen_fn, dense_q=False), varlen_skip),
     Provider("njt_sdpa", _njt, no_graph=NO_GRAPH_HOST_SYNC),
     Provider("flex_packed", _flex, _flex_skip),
 ]
 
 
-def _varlen_dense(j: Jagged, cfg: RunConfig) -> Prepared:
-    varlen_attn = varlen_fn()
-    B, Tq = j.shape.B, j.shape.Tq
-    q, k, v = leaves(j.qd.reshape(B * Tq, j.shape.H, j.shape.D), j.k, j.v)
-    cu_q = (torch.arange(B + 1, dtype=torch.int32) * Tq).to(j.q.device)
-    cu_k = j.offsets.to(torch.int32)
-    L = j.max_len
-    fwd = lambda: varlen_attn(q, k, v, cu_q, cu_k, Tq, L)  # noqa: E731
-    return Prepared(fwd, [q, k, v], [q, k, v, cu_q, cu_k], lambda o: o.view(B, Tq, j.shape.H, j.shape.D))
-
-
 DENSE_ATTENTION_PROVIDERS = [
     Provider(OURS, _ours(dense_q=True)),
     Provider("sdpa_padded_mask", _padded(sdpa_attention, dense_q=True)),
-    Provider("varlen_attn", _varlen_dense, varlen_skip),
+    Provider("varlen_attn", _packed(varlen_fn, dense_q=True), varlen_skip),
+    Provider("cudnn_varlen", _packed(_cudnn_call, dense_q=True), cudnn_skip),
     Provider("dense_torch", _padded(dense_torch_attention, dense_q=True)),
 ]
