@@ -190,7 +190,7 @@ class RankerModule(pl.LightningModule):
     def setup(self, stage: str) -> None:
         """The data set's item categories into the category embedding. With the sharded layout, the
         item table becomes this process's shard (the process group exists from here on), drawn on
-        its device: the rows of the table the replicated layout draws from the same seed."""
+        its device (on the CPU: the rows of the table the replicated layout draws from the seed)."""
         dm = getattr(self.trainer, "datamodule", None)
         if self.model.embed.category is not None and hasattr(dm, "item_categories"):
             self.model.embed.set_categories(dm.item_categories())  # the data set's catalogue
