@@ -60,21 +60,27 @@ def run_id_from_checkpoint(path: str) -> str | None:
     return checkpoint_run_id(load_checkpoint(path))
 
 
-def _data_digest(data_dir: str) -> str | None:
+def _meta_field(data_dir: str, cast, *keys: str):
+    """cast(meta.json[keys...]) of the data, None if unreadable (the data module's own check says
+    what is wrong)."""
     try:
-        return str(json.loads((Path(data_dir) / "meta.json").read_text())["digest"])
+        value = json.loads((Path(data_dir) / "meta.json").read_text())
+        for key in keys:
+            value = value[key]
+        return cast(value)
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # the data module's own check says what is wrong
+        return None
+
+
+def _data_digest(data_dir: str) -> str | None:
+    return _meta_field(data_dir, str, "digest")
 
 
 def _vocab_size(cfg) -> int | None:
     """Rows of the item table: data.vocab_size, else the data's vocabulary (None if unreadable)."""
     if cfg.data.vocab_size is not None:
         return int(cfg.data.vocab_size)
-    try:
-        return int(json.loads((Path(cfg.data.data_dir) / "meta.json").read_text())["config"]["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # the data module's own check says what is wrong
+    return _meta_field(cfg.data.data_dir, int, "config", "vocab_size")
 
 
 def _embedding_sha(cfg) -> str | None:
@@ -151,7 +157,8 @@ class RankerCLI(LightningCLI):
     def _preflight(self, subcommand: str, cfg) -> None:
         check_ranges(cfg)
         check_padded_memory(cfg)
-        check_table_memory(cfg, _vocab_size(cfg), training=subcommand == "fit")
+        vocab = _vocab_size(cfg)
+        check_table_memory(cfg, vocab, training=subcommand == "fit")
         if cfg.trainer.use_distributed_sampler:
             raise ConfigError("trainer.use_distributed_sampler must stay false: the data module shards every split "
                               "across processes itself (balanced by tokens, evaluation without repeated examples)")
@@ -165,7 +172,7 @@ class RankerCLI(LightningCLI):
         if not cfg.get("ckpt_path"):
             return
         ckpt = load_checkpoint(cfg.ckpt_path)
-        check_checkpoint_vocab(cfg.ckpt_path, ckpt, _vocab_size(cfg))
+        check_checkpoint_vocab(cfg.ckpt_path, ckpt, vocab)
         stored, given = checkpoint_run_id(ckpt), cfg.mlflow.run_id
         if stored and given and stored != given:
             raise ConfigError(f"--mlflow.run_id {given} differs from the run {stored} stored in {cfg.ckpt_path}")
@@ -334,8 +341,7 @@ def check_padded_memory(cfg) -> None:
         need[f"the [{rows}, {ranker.num_heads}, {n:,}, {n:,}] attention scores"] = rows * ranker.num_heads * n * n * 4
     what, size = max(need.items(), key=lambda kv: kv[1])
     gpu = _on_gpu(cfg)
-    have = (torch.cuda.get_device_properties(0).total_memory if gpu and torch.cuda.is_available() else
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    have = _memory(gpu)
     if size > have:
         raise ConfigError(f"data.max_seq_len {n:,} with the padded layout {ranker.attention}: every history is padded "
                           f"to {n:,} items, and {what} alone takes {_gib(size)}, more than the {_gib(have)} of "
@@ -364,6 +370,13 @@ def _on_gpu(cfg) -> bool:
     return cfg.trainer.accelerator in ("gpu", "cuda") or (cfg.trainer.accelerator == "auto" and torch.cuda.is_available())
 
 
+def _memory(gpu: bool, processes: int = 1) -> int:
+    """Bytes of one GPU where `gpu` and CUDA is there, else the host's memory over `processes`."""
+    if gpu and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // processes
+
+
 def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
     """ConfigError when model.table_shards does not divide the world size, or when one process's part
     of the item table (all of it replicated, every S-th row sharded over S processes), with its
@@ -378,8 +391,7 @@ def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
     row = model.ranker.embed_dim * 4 * ((2 + _STATES.get(model.optimizer, 2)) if training else 1)
     rows = -(-vocab // shards) if sharded else vocab
     gpu = _on_gpu(cfg) and torch.cuda.is_available()
-    have = (torch.cuda.get_device_properties(0).total_memory if gpu else
-            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local)
+    have = _memory(gpu, local)
     if rows * row > have:
         where = f"each of {shards} processes' shard" if sharded else "one process's replica"
         extra = f" with its gradient and {model.optimizer} state" if training else ""

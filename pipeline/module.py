@@ -198,8 +198,8 @@ class RankerModule(pl.LightningModule):
             return
         try:
             embed = self.model.embed
-            device = self.trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
-            rows = functools.partial(draw_item_rows, embed.item_seed, *embed.item.weight.shape, device=device)
+            rows = functools.partial(draw_item_rows, embed.item_seed, *embed.item.weight.shape,
+                                     device=self.trainer.strategy.root_device)
             embed.item = ShardedEmbedding.drawn(rows, *embed.item.weight.shape, self.table_shards)
         except ValueError as err:
             raise ConfigError(f"model.{err}: every process must hold one shard of one whole table") from None

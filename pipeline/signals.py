@@ -166,10 +166,8 @@ class _Watchdog(threading.Thread):
     def stop(self) -> None:
         with self.lock:
             self.finished.set()
-        try:  # wake its select() now rather than at its next 1 s timeout
+        with contextlib.suppress(OSError):  # wake its select() now rather than at its next 1 s timeout
             self.writer.send(b"\0")
-        except OSError:
-            pass
         self.join()
         self.reader.close()
         self.writer.close()
