@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels._attention_reference import (
+    attention_mask,
     dense_attention_reference,
     dense_attention_reference_bwd,
     flash_attention_reference,
@@ -51,17 +52,20 @@ def _heads_first(groups: list[Group], *tensors: torch.Tensor, zero_pad: bool = F
     return list(zip(*cols))
 
 
-def _flash_mask(g: Group, causal: bool, dtype: torch.dtype) -> torch.Tensor | None:
+def _flash_mask(g: Group, causal: bool, dtype: torch.dtype, window: int = -1) -> torch.Tensor | None:
     # causal: query i < length sees keys 0..i, all real, so the causal flag alone masks enough
     # (padded query rows are dropped and carry a zero gradient)
+    if window >= 0:  # the reference's boolean mask as an additive one
+        keep = attention_mask(g.valid, False, window)  # [G, 1, L, L]; causality by the flag
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, _NEG_INF)
     return None if causal else _key_mask(g, dtype)
 
 
-def flash_attention_torch_fwd(q, k, v, offsets, max_seq_len, causal, scale):
+def flash_attention_torch_fwd(q, k, v, offsets, max_seq_len, causal, scale, window=-1):
     """(out [T, H, D] in q's dtype, lse [H, T] fp32), as the reference computes them."""
     if not _fused_fits(q):
         with torch.no_grad():
-            out, lse = flash_attention_reference(q, k, v, offsets, max_seq_len, causal, scale)
+            out, lse = flash_attention_reference(q, k, v, offsets, max_seq_len, causal, scale, window=window)
         return out, lse.to(torch.float32)
     T = q.shape[0]
     cdt = compute_dtype(q.dtype)
@@ -70,7 +74,7 @@ def flash_attention_torch_fwd(q, k, v, offsets, max_seq_len, causal, scale):
         qc, kc, vc = (t.to(cdt) for t in (q, k, v))
         outs, lses = [], []
         for g, qkv in zip(groups, _heads_first(groups, qc, kc, vc)):
-            o, lse = _fused_fwd(*qkv, _flash_mask(g, causal, cdt), causal, scale)
+            o, lse = _fused_fwd(*qkv, _flash_mask(g, causal, cdt, window), causal, scale)
             outs.append(o.transpose(1, 2))  # [G, L, H, D]
             lses.append(lse.transpose(1, 2))  # [G, L, H]
         out = scatter_groups(outs, groups, T, qc)
@@ -78,12 +82,12 @@ def flash_attention_torch_fwd(q, k, v, offsets, max_seq_len, causal, scale):
         return out.to(q.dtype), lse.to(torch.float32).t().contiguous()
 
 
-def flash_attention_torch_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale):
+def flash_attention_torch_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale, window=-1):
     """dq, dk, dv of flash_attention_torch_fwd from its saved out and lse."""
     if not _fused_fits(q) or dlse is not None or q.dtype == torch.float64:
         with torch.no_grad():
             return flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len,
-                                                 causal, scale)
+                                                 causal, scale, window)
     T = q.shape[0]
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         groups = length_groups(offsets, max_seq_len) if T and max_seq_len else []
@@ -92,7 +96,7 @@ def flash_attention_torch_bwd(dout, dlse, q, k, v, out, lse, offsets, max_seq_le
         parts: tuple[list, list, list] = ([], [], [])
         dout_blocks = _heads_first(groups, dc, zero_pad=True)
         for g, (dop,), blocks in zip(groups, dout_blocks, _heads_first(groups, qc, kc, vc, oc, lse_t)):
-            grads = _fused_bwd(dop, *blocks, _flash_mask(g, causal, torch.float32), causal, scale)
+            grads = _fused_bwd(dop, *blocks, _flash_mask(g, causal, torch.float32, window), causal, scale)
             for acc, grad in zip(parts, grads):
                 acc.append(grad.transpose(1, 2))  # [G, L, H, D]
         return tuple(scatter_groups(acc, groups, T, qc).to(t.dtype)

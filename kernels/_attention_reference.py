@@ -65,12 +65,18 @@ def padded_attention_bwd(
     return dq, dk, dv, ds
 
 
-def _causal_mask(valid: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Key mask [G, 1, L, L] (or [G, 1, 1, L] without causality) from valid [G, L]."""
+def attention_mask(valid: torch.Tensor, causal: bool, window: int = -1) -> torch.Tensor:
+    """Key mask [G, 1, L, L] (or [G, 1, 1, L] without causality or window) from valid [G, L];
+    window >= 0: query i sees keys j with |i - j| <= window (a padded query row sees every real
+    key, so that no row is empty; its output is dropped)."""
     mask = valid[:, None, None, :]
+    n = valid.shape[1]
     if causal:
-        n = valid.shape[1]
         mask = mask & torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()[None, None]
+    if window >= 0:
+        pos = torch.arange(n, device=valid.device)
+        near = (pos[:, None] - pos[None, :]).abs() <= window  # [L, L]
+        mask = mask & (near[None, None] | ~valid[:, None, :, None])
     return mask
 
 
@@ -92,9 +98,10 @@ def _flash_groups(q, offsets, max_seq_len, cdt, *tensors):
 
 def flash_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
-    causal: bool = False, scale: float | None = None, upcast: bool = True,
+    causal: bool = False, scale: float | None = None, upcast: bool = True, window: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Jagged self-attention. q, k, v [T, H, D] -> (out [T, H, D] in q's dtype, lse [H, T])."""
+    """Jagged self-attention. q, k, v [T, H, D] -> (out [T, H, D] in q's dtype, lse [H, T]);
+    window >= 0: keys within that many places of the query only."""
     T, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cdt = compute_dtype(q.dtype) if upcast else q.dtype
@@ -102,7 +109,7 @@ def flash_attention_reference(
         groups, blocks = _flash_groups(q, offsets, int(max_seq_len), cdt, q, k, v)
         outs, lses = [], []
         for g, (qp, kp, vp) in zip(groups, blocks):  # [G, L, H, D]
-            o, _, lse = padded_attention(qp, kp, vp, _causal_mask(g.valid, causal), None, scale)
+            o, _, lse = padded_attention(qp, kp, vp, attention_mask(g.valid, causal, window), None, scale)
             outs.append(o)
             lses.append(lse.transpose(1, 2))  # [G, L, H]
         out = scatter_groups(outs, groups, T, _like(q, cdt))  # [T, H, D]
@@ -114,7 +121,7 @@ def flash_attention_reference(
 
 def flash_attention_reference_bwd(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
-    v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, causal: bool, scale: float,
+    v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int, causal: bool, scale: float, window: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash_attention_reference: dout [T, H, D], dlse [H, T] or None."""
     T = q.shape[0]
@@ -125,7 +132,7 @@ def flash_attention_reference_bwd(
         groups, blocks = _flash_groups(q, offsets, int(max_seq_len), cdt, q, k, v, dout, dlse_t)
         parts: tuple[list, list, list] = ([], [], [])
         for g, (qp, kp, vp, dop, dlse_p) in zip(groups, blocks):
-            _, p, _ = padded_attention(qp, kp, vp, _causal_mask(g.valid, causal), None, scale)
+            _, p, _ = padded_attention(qp, kp, vp, attention_mask(g.valid, causal, window), None, scale)
             dlse_p = None if dlse_p is None else dlse_p.transpose(1, 2)  # [G, H, L]
             for acc, grad in zip(parts, padded_attention_bwd(qp, kp, vp, p, dop, dlse_p, scale)):
                 acc.append(grad)

@@ -22,16 +22,18 @@ from kernels._triton_common import (LN2_C, LOG2E, LOG2E_C, INTERPRET, dot_precis
 
 # ---- kernels ------------------------------------------------------------------------------
 # Sizes that change from batch to batch are not specialised on (no recompile per batch shape).
-_NO_SPEC = ["stride_lh", "max_seq_len", "num_heads", "num_seqs"]
+_NO_SPEC = ["stride_lh", "max_seq_len", "num_heads", "num_seqs", "window"]
 
 
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi, seq_len,
-    offs_m, offs_n, offs_d, d_ok, qk_scale,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    offs_m, offs_n, offs_d, d_ok, qk_scale, window,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
-    """Online softmax over key blocks [lo, hi); MASKED blocks check length (and causality)."""
+    """Online softmax over key blocks [lo, hi); MASKED blocks check length (and causality, and
+    the window |i - j| <= window: a row may then see no key in a block)."""
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n  # [BN]
         kv_ok = d_ok[None, :]
@@ -43,10 +45,12 @@ def _fwd_inner(
             ok = cols[None, :] < seq_len
             if CAUSAL:
                 ok = ok & (cols[None, :] <= offs_m[:, None])
+            if WINDOW:
+                ok = ok & (tl.abs(cols[None, :] - offs_m[:, None]) <= window)
             s = tl.where(ok, s, float("-inf"))
-        # every row has seen a finite score by now (column 0 is never masked for a real row),
-        # so m_new is finite and exp2 never sees (-inf) - (-inf)
-        m_new, p, alpha, l_i = online_softmax(s, m_i, l_i, False)
+        # without a window every row has seen a finite score by now (column 0 is never masked
+        # for a real row), so m_new is finite and exp2 never sees (-inf) - (-inf)
+        m_new, p, alpha, l_i = online_softmax(s, m_i, l_i, WINDOW)
         v = tl.load(v_base + cols[:, None] * stride_vt + offs_d[None, :], mask=kv_ok, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
         m_i = m_new
@@ -57,11 +61,12 @@ def _fwd_inner(
 def _flash_fwd_kernel(
     Q, K, V, O, LSE, Offsets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lh, qk_scale, max_seq_len, num_heads, num_seqs,
+    stride_lh, qk_scale, max_seq_len, num_heads, num_seqs, window,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One program: BLOCK_M query rows of one (sequence, head) against all its keys."""
+    """One program: BLOCK_M query rows of one (sequence, head) against all its keys (WINDOW:
+    the keys within `window` places only)."""
     pid = tl.program_id(0)
     h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok = row_block(
         pid, Offsets, num_heads, num_seqs, max_seq_len, HEAD_D, BLOCK_M, BLOCK_D)
@@ -88,18 +93,26 @@ def _flash_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # stage 1: key blocks that need no mask; stage 2: the diagonal / ragged-end blocks
+    # (a window: only the blocks it reaches, all masked)
     if CAUSAL:
         lo = start_m  # BLOCK_M is a multiple of BLOCK_N, so [0, start_m) is whole blocks
         hi = tl.minimum(start_m + BLOCK_M, seq_len)
     else:
         lo = (seq_len // BLOCK_N) * BLOCK_N
         hi = seq_len
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, lo,
-                               seq_len, offs_m, offs_n, offs_d, d_ok, qk_scale,
-                               BLOCK_N, False, False, DOT_PREC)
+    if WINDOW:
+        lo = tl.maximum(start_m - window, 0)
+        if not CAUSAL:
+            hi = tl.minimum(start_m + BLOCK_M + window, seq_len)
+    else:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, 0, lo,
+                                   seq_len, offs_m, offs_n, offs_d, d_ok, qk_scale, window,
+                                   BLOCK_N, False, False, False, DOT_PREC)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, lo, hi,
-                               seq_len, offs_m, offs_n, offs_d, d_ok, qk_scale,
-                               BLOCK_N, True, CAUSAL, DOT_PREC)
+                               seq_len, offs_m, offs_n, offs_d, d_ok, qk_scale, window,
+                               BLOCK_N, True, CAUSAL, WINDOW, DOT_PREC)
+    if WINDOW:  # a row past the sequence may have seen no key: keep it finite (never stored)
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     acc = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * LN2_C  # natural log
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], acc.to(O.dtype.element_ty),
@@ -131,9 +144,9 @@ def _attn_bwd_preprocess_kernel(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, lo, hi, seq_len,
-    offs_n, offs_d, d_ok, qk_scale,
+    offs_n, offs_d, d_ok, qk_scale, window,
     BLOCK_M: tl.constexpr, MASK_LEN: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dK, dV of the keys offs_n over the query blocks [lo, hi)."""
     for start_m in range(lo, hi, BLOCK_M):
@@ -154,6 +167,8 @@ def _bwd_dkdv_inner(
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if CAUSAL_MASK:
             p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        if WINDOW:
+            p_t = tl.where(tl.abs(offs_m[None, :] - offs_n[:, None]) <= window, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # [BN, BM]
         ds_t = p_t * (dp_t - delta[None, :])
@@ -164,9 +179,9 @@ def _bwd_dkdv_inner(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo, hi, seq_len,
-    offs_m, offs_d, d_ok, qk_scale,
+    offs_m, offs_d, d_ok, qk_scale, window,
     BLOCK_N: tl.constexpr, MASK_LEN: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """dQ of the queries offs_m over the key blocks [lo, hi)."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -182,6 +197,8 @@ def _bwd_dq_inner(
             p = tl.where(offs_n[None, :] < seq_len, p, 0.0)
         if CAUSAL_MASK:
             p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        if WINDOW:
+            p = tl.where(tl.abs(offs_n[None, :] - offs_m[:, None]) <= window, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # [BM, BN]
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
@@ -193,9 +210,9 @@ def _bwd_dkdv_program(
     pid, Q, K, V, DO, DK, DV, LSE, DELTA, Offsets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
+    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, window,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Program `pid`: dK, dV of BLOCK_N key rows of one (sequence, head), over its queries."""
     h, b, j, seq_start, seq_len, offs_d, d_ok, dk_base, dv_base = key_block_grads(
@@ -217,9 +234,13 @@ def _bwd_dkdv_program(
         # one loop, every block masked: splitting off the few blocks that need masks costs
         # more registers (spills at D = 128) than the masks cost time
         lo = start if CAUSAL else 0
+        hi = seq_len
+        if WINDOW:  # the queries within the window of these keys
+            lo = tl.maximum(start - window, lo)
+            hi = tl.minimum(start + BLOCK_N + window, seq_len)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt,
-                                 stride_dot, lo, seq_len, seq_len, offs_n, offs_d, d_ok,
-                                 qk_scale, BLOCK_M, True, CAUSAL, DOT_PREC)
+                                 stride_dot, lo, hi, seq_len, offs_n, offs_d, d_ok,
+                                 qk_scale, window, BLOCK_M, True, CAUSAL, WINDOW, DOT_PREC)
         tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :],
                  (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
         tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_d[None, :],
@@ -231,9 +252,9 @@ def _bwd_dq_program(
     pid, Q, K, V, DO, DQ, LSE, DELTA, Offsets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_lh,
-    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
+    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, window,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Program `pid`: dQ of BLOCK_M query rows of one (sequence, head), over its keys."""
     h, b, j, seq_start, n_rows, n_slots, seq_len, offs_d, d_ok = row_block(
@@ -255,10 +276,14 @@ def _bwd_dq_program(
         k_base = K + seq_start * stride_kt + h * stride_kh
         v_base = V + seq_start * stride_vt + h * stride_vh
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        lo = 0
         hi = tl.minimum(start + BLOCK_M, seq_len) if CAUSAL else seq_len
-        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, 0, hi,
-                           seq_len, offs_m, offs_d, d_ok, qk_scale, BLOCK_N, True, CAUSAL,
-                           DOT_PREC)
+        if WINDOW:  # the keys within the window of these queries
+            lo = tl.maximum(start - window, 0)
+            hi = tl.minimum(start + BLOCK_M + window, hi)
+        dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, lo, hi,
+                           seq_len, offs_m, offs_d, d_ok, qk_scale, window, BLOCK_N, True, CAUSAL,
+                           WINDOW, DOT_PREC)
         tl.store(dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :],
                  (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
@@ -268,9 +293,10 @@ def _flash_bwd_kernel(
     Q, K, V, DO, DQ, DK, DV, LSE, DELTA, Offsets,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lh,
-    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, num_kv_programs,
+    qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, num_kv_programs, window,
     HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M1: tl.constexpr,
-    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """One launch, two roles: the first num_kv_programs programs compute dK, dV per slot of
     BLOCK_N1 keys (query steps of BLOCK_M1), the others dQ per slot of BLOCK_M2 queries (key
@@ -280,14 +306,14 @@ def _flash_bwd_kernel(
         _bwd_dkdv_program(pid, Q, K, V, DO, DK, DV, LSE, DELTA, Offsets,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                           stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                          stride_lh, qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
-                          HEAD_D, BLOCK_D, BLOCK_N1, BLOCK_M1, CAUSAL, DOT_PREC)
+                          stride_lh, qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, window,
+                          HEAD_D, BLOCK_D, BLOCK_N1, BLOCK_M1, CAUSAL, WINDOW, DOT_PREC)
     else:
         _bwd_dq_program(pid - num_kv_programs, Q, K, V, DO, DQ, LSE, DELTA, Offsets,
                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_dot, stride_doh, stride_dqt, stride_dqh, stride_lh,
-                        qk_scale, sm_scale, max_seq_len, num_heads, num_seqs,
-                        HEAD_D, BLOCK_D, BLOCK_M2, BLOCK_N2, CAUSAL, DOT_PREC)
+                        qk_scale, sm_scale, max_seq_len, num_heads, num_seqs, window,
+                        HEAD_D, BLOCK_D, BLOCK_M2, BLOCK_N2, CAUSAL, WINDOW, DOT_PREC)
 
 
 # ---- block sizes --------------------------------------------------------------------------
@@ -343,23 +369,25 @@ _FWD_KW: dict = _lc.register_cache({})
 _BWD_KW: dict = _lc.register_cache({})
 
 
-def _fwd_kw(D: int, dtype: torch.dtype, causal: bool, short: bool, bucket: tuple = ()) -> dict:
-    key = (D, dtype, causal, short, bucket)
+def _fwd_kw(D: int, dtype: torch.dtype, causal: bool, short: bool, bucket: tuple = (), window: bool = False) -> dict:
+    key = (D, dtype, causal, short, bucket, window)
     return _FWD_KW.get(key) or _build_kw(_FWD_KW, key, "flash_fwd", fwd_config(D, dtype, short), bucket)
 
 
-def _bwd_kw(D: int, dtype: torch.dtype, causal: bool, bucket: tuple = ()) -> dict:
-    key = (D, dtype, causal, bucket)
+def _bwd_kw(D: int, dtype: torch.dtype, causal: bool, bucket: tuple = (), window: bool = False) -> dict:
+    key = (D, dtype, causal, bucket, window)
     return _BWD_KW.get(key) or _build_kw(_BWD_KW, key, "flash_bwd", bwd_config(D, dtype), bucket)
 
 
 def _build_kw(cache: dict, key: tuple, family: str, cfg: dict, bucket: tuple) -> dict:
     """The hand rule `cfg` (or the launch table's pick for `bucket`) with the constexprs, kept in
-    `cache` at `key` (D, dtype, causal first) but in fp32, whose DOT_PREC follows a torch setting."""
+    `cache` at `key` (D, dtype, causal first, has a window last) but in fp32, whose DOT_PREC
+    follows a torch setting. The launch tables were tuned without a window."""
     D, dtype, causal = key[:3]
     if bucket:
         cfg = _lc.tuned(family, (*bucket, D, dtype, int(causal)), cfg)
-    kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal, DOT_PREC=dot_precision(dtype))
+    kw = dict(cfg, HEAD_D=D, BLOCK_D=triton.next_power_of_2(D), CAUSAL=causal, WINDOW=key[-1],
+              DOT_PREC=dot_precision(dtype))
     if dtype != torch.float32:
         cache[key] = kw
     return kw
@@ -369,8 +397,9 @@ def _build_kw(cache: dict, key: tuple, family: str, cfg: dict, bucket: tuple) ->
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, max_seq_len: int,
-                        causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """out [T, H, D] (q's dtype), lse [H, T] fp32. Inputs already validated by the caller."""
+                        causal: bool, scale: float, window: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """out [T, H, D] (q's dtype), lse [H, T] fp32. Inputs already validated by the caller;
+    window -1: every key."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     T, H, D = q.shape
@@ -380,12 +409,12 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offse
     if B == 0 or T == 0:
         return out, lse
     bucket = _lc.bucket(B, max_seq_len, T, H) if _lc.active() else ()  # host ints: no sync
-    kw = _fwd_kw(D, q.dtype, causal, T < 256 * B, bucket)
+    kw = _fwd_kw(D, q.dtype, causal, T < 256 * B, bucket, window >= 0)
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     with device_guard(q):
         _flash_fwd_kernel[(num_slots(T, B, kw["BLOCK_M"]) * H,)](
             q, k, v, out, lse, offsets, qs[0], qs[1], ks[0], ks[1], vs[0], vs[1],
-            H * D, D, T, scale * LOG2E, max_seq_len, H, B, **kw,
+            H * D, D, T, scale * LOG2E, max_seq_len, H, B, window, **kw,
         )
     return out, lse
 
@@ -412,7 +441,7 @@ def attention_bwd_delta(out: torch.Tensor, dout: torch.Tensor, dlse: torch.Tenso
 def flash_attention_bwd(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, offsets: torch.Tensor,
-    max_seq_len: int, causal: bool, scale: float,
+    max_seq_len: int, causal: bool, scale: float, window: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv [T, H, D] in the inputs' dtype."""
     if dout.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -423,14 +452,14 @@ def flash_attention_bwd(
     if B == 0 or T == 0:
         return dq, dk, dv
     delta = attention_bwd_delta(out, dout, dlse)
-    kw = _bwd_kw(D, q.dtype, causal, _lc.bucket(B, max_seq_len, T, H) if _lc.active() else ())
+    kw = _bwd_kw(D, q.dtype, causal, _lc.bucket(B, max_seq_len, T, H) if _lc.active() else (), window >= 0)
     n_kv = num_slots(T, B, kw["BLOCK_N1"]) * H
     n_q = num_slots(T, B, kw["BLOCK_M2"]) * H
     qs, ks, vs, dos, dqs = q.stride(), k.stride(), v.stride(), dout.stride(), dq.stride()
     args = (q, k, v, dout, dq, dk, dv, lse, delta, offsets,
             qs[0], qs[1], ks[0], ks[1], vs[0], vs[1], dos[0], dos[1], dqs[0], dqs[1],
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-            scale * LOG2E, scale, max_seq_len, H, B, n_kv)
+            scale * LOG2E, scale, max_seq_len, H, B, n_kv, window)
     with device_guard(q):
         _flash_bwd_kernel[(n_kv + n_q,)](*args, **kw)
     return dq, dk, dv

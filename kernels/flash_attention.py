@@ -32,21 +32,21 @@ _BWD = {"torch": flash_attention_torch_bwd, "triton": lazy("kernels._flash_atten
 
 @torch.library.custom_op("jagged::flash_attention_fwd", mutates_args=())
 def _fwd_op(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, max_seq_len: int, causal: bool, scale: float,
-            backend: str) -> tuple[Tensor, Tensor]:
-    return _FWD[backend](q, k, v, offsets, max_seq_len, causal, scale)
+            window: int, backend: str) -> tuple[Tensor, Tensor]:
+    return _FWD[backend](q, k, v, offsets, max_seq_len, causal, scale, window)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, offsets, max_seq_len, causal, scale, backend):
+def _(q, k, v, offsets, max_seq_len, causal, scale, window, backend):
     T, H, D = q.shape
     return q.new_empty((T, H, D)), q.new_empty((H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("jagged::flash_attention_bwd", mutates_args=())
 def _bwd_op(dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-            offsets: Tensor, max_seq_len: int, causal: bool, scale: float,
+            offsets: Tensor, max_seq_len: int, causal: bool, scale: float, window: int,
             backend: str) -> tuple[Tensor, Tensor, Tensor]:
-    return _BWD[backend](dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale)
+    return _BWD[backend](dout, dlse, q, k, v, out, lse, offsets, max_seq_len, causal, scale, window)
 
 
 _bwd_op.register_fake(lambda dout, dlse, q, k, v, *_: tuple(t.new_empty(t.shape) for t in (q, k, v)))
@@ -57,32 +57,33 @@ register_autocast("flash_attention_fwd", "lowp")
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, offsets, max_seq_len, causal, scale, backend):
-        return run(_fwd_op, _FWD, q, k, v, offsets, max_seq_len, causal, scale, backend)
+    def forward(q, k, v, offsets, max_seq_len, causal, scale, window, backend):
+        return run(_fwd_op, _FWD, q, k, v, offsets, max_seq_len, causal, scale, window, backend)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, offsets, max_seq_len, causal, scale, backend = inputs
+        q, k, v, offsets, max_seq_len, causal, scale, window, backend = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, offsets)
-        ctx.args = (max_seq_len, causal, scale, backend)
+        ctx.args = (max_seq_len, causal, scale, window, backend)
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None and dlse is None:
-            return (None,) * 8
+            return (None,) * 9
         q, k, v, out, lse, offsets = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        max_seq_len, causal, scale, backend = ctx.args
+        max_seq_len, causal, scale, window, backend = ctx.args
         if not torch.is_grad_enabled():
             dq, dk, dv = run(_bwd_op, _BWD, dout, dlse, q, k, v, out, lse, offsets, *ctx.args)
         elif backend == "torch":  # create_graph=True: the reference's backward, differentiable
-            dq, dk, dv = flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len, causal, scale)
+            dq, dk, dv = flash_attention_reference_bwd(dout, dlse, q, k, v, offsets, max_seq_len, causal, scale,
+                                                       window)
         else:  # recorded through the custom op: differentiating its result raises a clear error
             dq, dk, dv = _bwd_op(dout, dlse, q, k, v, out, lse, offsets, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 # ---- public function ----------------------------------------------------------------------
@@ -131,6 +132,7 @@ def jagged_flash_attention(
     return_lse: bool = False,
     backend: str = "auto",
     shards: S2Shards | None = None,
+    window: int | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Softmax attention within each sequence of a jagged batch (FlashAttention-2 on the GPU).
 
@@ -154,6 +156,9 @@ def jagged_flash_attention(
             the torch backend runs the masked reference (differentiable twice), Triton its own
             kernels (kernels/_s2_attention_triton.py; no double backward; under torch.compile
             the custom ops ``jagged::s2_attention_fwd`` / ``_bwd``, no graph break).
+        window: query i attends only to keys j with ``|i - j| <= window`` (and ``j <= i`` if
+            causal): a sliding window, whose kernels visit only the key blocks it reaches.
+            None (default): every key. Not with ``shards``.
 
     Returns:
         ``out [T, H, D]`` in the inputs' dtype, with
@@ -168,11 +173,16 @@ def jagged_flash_attention(
         _check_inputs(q, k, v, offsets, max_seq_len)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if window is not None and (type(window) is not int or window < 0):
+        raise ValueError(f"window must be an int >= 0 (or None: every key), got {window!r}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
     resolved = pick_backend(backend, q)
     if shards is not None:
+        if window is not None:
+            raise ValueError("jagged_flash_attention: window and shards are two sparsity patterns; pass one")
         return _s2(q, k, v, offsets, max_seq_len, causal, scale, return_lse, resolved, shards)
-    out, lse = apply(_FlashAttention, q, k, v, offsets, max_seq_len, causal, scale, resolved)
+    out, lse = apply(_FlashAttention, q, k, v, offsets, max_seq_len, causal, scale,
+                     -1 if window is None else window, resolved)
     return (out, lse) if return_lse else out
 
 

@@ -46,9 +46,10 @@ def rotate(x: torch.Tensor, turn: torch.Tensor) -> torch.Tensor:
 
 
 def _padded_attention(q, k, v, key_mask, impl: str):
-    """q [B, Nq, H, Dh], k/v [B, N, H, Dh], key_mask [B, N] bool (True = attend) -> [B, Nq, H, Dh]."""
+    """q [B, Nq, H, Dh], k/v [B, N, H, Dh], key_mask [B, N] or [B, Nq, N] bool (True = attend)
+    -> [B, Nq, H, Dh]."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, *, Dh]
-    mask = key_mask[:, None, None, :]  # [B, 1, 1, N]
+    mask = key_mask[:, None, None, :] if key_mask.dim() == 2 else key_mask[:, None]  # [B, 1, Nq or 1, N]
     if impl == "sdpa":
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     else:
@@ -100,15 +101,25 @@ class Histories:
             self._angles = rotary_angles(pos, x.shape[-1], torch.promote_types(x.dtype, torch.float32))
         return rotate(x, self._angles)
 
-    def self_attention(self, q, k, v, shards=None) -> torch.Tensor:
+    def self_attention(self, q, k, v, shards=None, window: int | None = None) -> torch.Tensor:
         """q, k, v [T, H, Dh] or [B, N, H, Dh] -> the same shape; bidirectional within a history.
-        shards: an S2 layout (kernels.S2Shards; jagged layout only) or None (every key)."""
+        shards: an S2 layout (kernels.S2Shards; jagged layout only) or None (every key);
+        window: item i reads items j with |i - j| <= window only (None: every item)."""
         with record_function("attention/self"):  # a profiler range (pipeline.trace); no-op otherwise
             if not self.padded:
-                return jagged_flash_attention(
-                    q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend, shards=shards
-                )
-            return _padded_attention(q, k, v, self.key_mask, self.attention)
+                return jagged_flash_attention(q, k, v, self.offsets, self.max_seq_len, backend=self.kernel_backend,
+                                              shards=shards, window=window)
+            return _padded_attention(q, k, v, self._window_mask(window), self.attention)
+
+    def _window_mask(self, window: int | None) -> torch.Tensor:
+        """Keys each query reads in the padded layout: [B, N] (every real key) or, with a window,
+        [B, N, N] (real keys within it; a padded query reads every real key, so that no softmax
+        row is empty: its output is never read)."""
+        if window is None:
+            return self.key_mask
+        pos = torch.arange(self.max_seq_len, device=self.offsets.device)
+        near = (pos[:, None] - pos[None, :]).abs() <= window  # [N, N]
+        return self.key_mask[:, None, :] & (near[None] | ~self.mask[:, :, None])
 
     def target_attention(self, q, k, v) -> torch.Tensor:
         """q [B, 1, H, Dh] over k, v in this layout -> [B, 1, H, Dh]; zeros for empty histories."""

@@ -102,6 +102,9 @@ class RankerConfig:
         raw_history: target attention, the mean and the poolings read the embedded items before
             the encoder blocks, and a second target attention reads the encoded ones (the blocks
             can only add to what the ranker without them reads); off: all read the encoded items.
+        local_window: self-attention of an item reads only the items at most this many places
+            before or after it in its history (every head, every block): a locality prior that
+            lets the blocks learn short-range order (data_gen's motifs); none: the whole history.
         pool_heads: poolings of the interaction block.
         mlp_dims: hidden widths of the final MLP.
         kernel_backend: the kernels' implementation: auto (Triton on CUDA, torch reference on
@@ -123,6 +126,7 @@ class RankerConfig:
     category_embedding: bool = True
     rotary_positions: bool = True
     raw_history: bool = False
+    local_window: Optional[int] = None
     pool_heads: int = 4
     mlp_dims: list[int] = field(default_factory=lambda: [256, 128])
     kernel_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -145,6 +149,11 @@ class RankerConfig:
                 raise InvalidConfig(f"model.ranker.s2: {self.num_heads} heads see {coverage:.0%} of the block residues "
                                     f"of stride {self.s2.stride}: older context is lost; use num_heads >= stride or "
                                     "set s2.allow_partial_context true")
+        if self.local_window is not None and self.local_window < 1:
+            raise InvalidConfig(f"model.ranker.local_window must be >= 1 (or null: the whole history), "
+                                f"got {self.local_window}")
+        if self.local_window is not None and self.s2 is not None:
+            raise InvalidConfig("model.ranker.local_window and model.ranker.s2 are two sparsity patterns: set one")
         if self.attention not in ATTENTIONS:
             raise InvalidConfig(f"model.ranker.attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:

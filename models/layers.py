@@ -82,9 +82,10 @@ class EncoderBlock(nn.Module):
     """Pre-norm transformer block: x + Attn(LN(x)), then x + FFN(LN(x)); with ``shards`` (an
     S2 layout, kernels.S2Shards) each head attends to its strided key blocks only."""
 
-    def __init__(self, dim: int, num_heads: int, ffn_mult: int, shards=None, rotary: bool = False):
+    def __init__(self, dim: int, num_heads: int, ffn_mult: int, shards=None, rotary: bool = False,
+                 window: int | None = None):
         super().__init__()
-        self.num_heads, self.shards = num_heads, shards  # shards: an S2 layout or None (dense)
+        self.num_heads, self.shards, self.window = num_heads, shards, window  # shards: an S2 layout or None (dense)
         self.rotary = rotary  # q and k rotated by the items' recency (Histories.rotary)
         self.norm1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
@@ -101,7 +102,7 @@ class EncoderBlock(nn.Module):
         q, k, v = qkv.unbind(-3)  # [..., H, Dh]
         if self.rotary:
             q, k = hist.rotary(q), hist.rotary(k)
-        x = x + self.proj(hist.self_attention(q, k, v, self.shards).flatten(-2))
+        x = x + self.proj(hist.self_attention(q, k, v, self.shards, self.window).flatten(-2))
         return x + self.ffn(self.norm2(x))
 
 

@@ -51,7 +51,7 @@ class Ranker(nn.Module):
         s2 = cfg.s2
         self.blocks = nn.ModuleList(
             EncoderBlock(d, cfg.num_heads, cfg.ffn_mult, None if s2 is None or s2.is_dense(i) else s2.shards(),
-                         rotary=rotary)
+                         rotary=rotary, window=cfg.local_window)
             for i in range(cfg.num_layers))
         self.norm = nn.LayerNorm(d)
         self.target = TargetAttention(d, cfg.num_heads, rotary=rotary) if cfg.target_attention else None

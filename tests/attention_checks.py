@@ -77,9 +77,9 @@ def _compare_lse(lse, oracle_lse, lowp_lse, tag):
 
 
 def check_flash(lengths, H, D, max_seq_len, causal, dtype, device, backend="triton",
-                lse_grad=False, scale=None, layout="separate"):
+                lse_grad=False, scale=None, layout="separate", window=None):
     """One case of jagged_flash_attention, forward + backward, against the oracle."""
-    tag = f"flash L={list(lengths)[:6]} N={max_seq_len} H={H} D={D} causal={causal} {dtype}"
+    tag = f"flash L={list(lengths)[:6]} N={max_seq_len} H={H} D={D} causal={causal} window={window} {dtype}"
     off = make_offsets(lengths, device)
     T = int(sum(lengths))
     if layout == "fused":  # q, k, v as strided slices of one [T, 3, H, D] projection
@@ -91,7 +91,7 @@ def check_flash(lengths, H, D, max_seq_len, causal, dtype, device, backend="trit
                   for _ in range(3)]
         q, k, v = leaves
     out, lse = jagged_flash_attention(q, k, v, off, max_seq_len, causal=causal, scale=scale,
-                                      return_lse=True, backend=backend)
+                                      return_lse=True, backend=backend, window=window)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if lse_grad else None
     outs, gouts = ([out, lse], [dout, dlse]) if lse_grad else ([out], [dout])
@@ -101,7 +101,8 @@ def check_flash(lengths, H, D, max_seq_len, causal, dtype, device, backend="trit
 
     def ref(dt, upcast):
         xs = [t.detach().to(dt).requires_grad_() for t in (q, k, v)]
-        o, l = flash_attention_reference(*xs, off, max_seq_len, causal, scale, upcast=upcast)
+        o, l = flash_attention_reference(*xs, off, max_seq_len, causal, scale, upcast=upcast,
+                                         window=-1 if window is None else window)
         outs_r = [o, l] if lse_grad else [o]
         g_r = [dout.to(o.dtype)] + ([dlse.to(l.dtype)] if lse_grad else [])
         return o, l, _grads(outs_r, xs, g_r)

@@ -106,6 +106,67 @@ def test_flash_auto_backend_on_cpu_is_torch():
     torch.testing.assert_close(out, flash_attention_reference(q, k, v, off, 4)[0])
 
 
+# ---- sliding window -------------------------------------------------------------------------
+
+WINDOW_CASES = [
+    # lengths, H, D, max_seq_len, causal, window, dtype: windows inside one block of 16, across
+    # blocks, wider than any sequence; truncated and empty sequences
+    ([0, 1, 17, 40], 2, 16, 40, False, 1, F32),
+    ([0, 1, 17, 40], 2, 16, 40, True, 3, F32),
+    ([40, 3, 20], 1, 24, 17, False, 20, BF16),
+    ([33, 0, 50], 1, 32, 50, False, 18, F16),
+    ([33, 0, 50], 2, 32, 50, True, 0, BF16),
+]
+
+
+@pytest.mark.parametrize("lengths,H,D,N,causal,window,dtype", WINDOW_CASES)
+def test_flash_window_triton_cpu(lengths, H, D, N, causal, window, dtype):
+    check_flash(lengths, H, D, N, causal, dtype, "cpu", window=window)
+
+
+def test_flash_window_lse_grad_and_torch_backend():
+    check_flash([0, 37, 9], 2, 16, 37, False, F32, "cpu", lse_grad=True, window=5)
+    check_flash([0, 1, 9, 23], 2, 16, 20, False, torch.float64, "cpu", backend="torch", window=2)
+    check_flash([5, 30], 1, 24, 30, True, BF16, "cpu", backend="torch", window=4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_window_reference_is_the_masked_softmax(causal):
+    """The reference's window against softmax over an explicit per-sequence loop."""
+    torch.manual_seed(3)
+    lengths, w, N = [0, 6, 13, 2], 3, 11
+    off = make_offsets(lengths, "cpu")
+    q, k, v = (torch.randn(sum(lengths), 2, 16, dtype=torch.float64) for _ in range(3))
+    out = flash_attention_reference(q, k, v, off, N, causal, window=w)[0]
+    for b, n in enumerate(lengths):
+        s0, n = int(off[b]), min(n, N)
+        for i in range(n):
+            keys = [j for j in range(n) if abs(i - j) <= w and (j <= i or not causal)]
+            sc = torch.einsum("hd,jhd->hj", q[s0 + i], k[s0 + torch.tensor(keys)]) / 4.0
+            want = torch.einsum("hj,jhd->hd", sc.softmax(-1), v[s0 + torch.tensor(keys)])
+            torch.testing.assert_close(out[s0 + i], want)
+
+
+def test_flash_window_zero_is_the_values_and_wide_is_every_key():
+    torch.manual_seed(4)
+    off = make_offsets([7, 0, 20], "cpu")
+    q, k, v = (torch.randn(27, 2, 16) for _ in range(3))
+    torch.testing.assert_close(jagged_flash_attention(q, k, v, off, 20, window=0, backend="triton"), v)
+    torch.testing.assert_close(jagged_flash_attention(q, k, v, off, 20, window=19, backend="triton"),
+                               jagged_flash_attention(q, k, v, off, 20, backend="triton"))
+
+
+def test_flash_window_refused():
+    q = torch.randn(4, 1, 16)
+    off = make_offsets([4], "cpu")
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="window must be an int >= 0"):
+            jagged_flash_attention(q, q, q, off, 4, window=bad)
+    from kernels import S2Shards
+    with pytest.raises(ValueError, match="window and shards"):
+        jagged_flash_attention(q, q, q, off, 4, window=2, shards=S2Shards(16, 1, 2))
+
+
 # ---- GPU: compiled kernels, bigger and more awkward shapes --------------------------------
 
 GPU_CONFIGS = [(dt, d, c) for dt, dims in ((BF16, (16, 48, 64, 96, 128, 256)),
@@ -129,6 +190,14 @@ def _gpu_shapes():
 def test_flash_triton_gpu(dtype, D, causal, shape):
     lengths, H, N = _gpu_shapes()[shape]
     check_flash(lengths, H, D, N, causal, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,D", [(BF16, 32), (BF16, 64), (F16, 128), (F32, 48)])
+@pytest.mark.parametrize("causal,window", [(False, 2), (False, 100), (True, 8)])
+def test_flash_window_triton_gpu(dtype, D, causal, window):
+    check_flash([0, 1, 127, 129, 1000], 3, D, 1000, causal, dtype, "cuda", window=window)
+    check_flash([1000, 5, 300], 2, D, 700, causal, dtype, "cuda", window=window)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from models import ATTENTIONS, Ranker, RankerConfig
+from models.attention import Histories
 from tolerance import assert_close_to_oracle, resolution_floor
 
 VOCAB, N_ACTIONS, N_DENSE, N_CATEGORIES = 97, 3, 5, 7
@@ -43,7 +44,7 @@ def _ranker(attention: str, **kw) -> Ranker:
 
 def _with_attention(model: Ranker, attention: str, dtype: torch.dtype) -> Ranker:
     other = _ranker(attention, target_attention=model.cfg.target_attention, interaction=model.cfg.interaction,
-                    raw_history=model.cfg.raw_history)
+                    raw_history=model.cfg.raw_history, local_window=model.cfg.local_window)
     other.load_state_dict(model.state_dict(), strict=True)
     return other.to(dtype)
 
@@ -58,7 +59,8 @@ def _logits_and_grads(model: Ranker, batch: dict, weights: torch.Tensor):
 
 
 @pytest.mark.parametrize("lengths,max_seq_len", [([0, 1, 7, 12, 3], 12), ([5], 5), ([0, 0], 4), ([33, 2, 0, 17], 40)])
-@pytest.mark.parametrize("blocks", [dict(), dict(target_attention=False, interaction=False), dict(raw_history=True)])
+@pytest.mark.parametrize("blocks", [dict(), dict(target_attention=False, interaction=False), dict(raw_history=True),
+                                    dict(local_window=2)])
 def test_layouts_agree_with_fp64_oracle(lengths, max_seq_len, blocks):
     """Logits and every parameter gradient of each attention vs the fp64 dense oracle."""
     base = _ranker("dense", **blocks)
@@ -73,6 +75,26 @@ def test_layouts_agree_with_fp64_oracle(lengths, max_seq_len, blocks):
         assert grads.keys() == oracle_grads.keys()
         for name, g in grads.items():
             assert_close_to_oracle(g, oracle_grads[name].float(), lowp_grads[name], f"{attention} grad {name}")
+
+
+def test_a_local_window_limits_what_each_item_reads():
+    """With local_window w, changing the item w + 1 places before the newest one leaves the
+    newest item's encoding (after one block) unchanged in every layout; within it, changed."""
+    base = _ranker("dense", local_window=2)
+    batch = _batch([9], 9)
+    for attention in ATTENTIONS:
+        model = _with_attention(base, attention, torch.float64)
+        hist = Histories(batch["offsets"], 9, attention)
+
+        def newest(items):
+            x = hist.layout(model.embed(items, batch["hist_action"], batch["hist_age"]).double())
+            x = model.blocks[0](x, hist)
+            return x.reshape(-1, x.shape[-1])[8]
+
+        far, near = batch["hist_item"].clone(), batch["hist_item"].clone()
+        far[5], near[6] = (far[5] + 1) % VOCAB, (near[6] + 1) % VOCAB
+        torch.testing.assert_close(newest(far), newest(batch["hist_item"]), msg=attention)
+        assert not torch.allclose(newest(near), newest(batch["hist_item"])), attention
 
 
 def test_state_dict_is_layout_independent():
@@ -213,3 +235,12 @@ def test_layouts_agree_on_cuda_in_bf16_autocast(lengths, max_seq_len):
             except AssertionError as miss:
                 misses.append(str(miss))
     assert not misses, "\n".join(misses)
+
+
+def test_bad_local_windows_are_refused():
+    from models.config import InvalidConfig, S2Config
+
+    with pytest.raises(InvalidConfig, match="local_window must be >= 1"):
+        RankerConfig(local_window=0)
+    with pytest.raises(InvalidConfig, match="local_window and model.ranker.s2"):
+        RankerConfig(local_window=4, s2=S2Config(block=16, local_blocks=1, stride=2))
