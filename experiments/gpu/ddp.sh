@@ -15,6 +15,7 @@
 #   CALL_BUDGET_S=200 PARTS=scaling REPEAT_FROM=2 REPEATS=3 LOG=ddp-repeats.log bash experiments/gpu/ddp.sh
 #       # more repeats of the scaling runs (named NAME#2, NAME#3) for their spread
 #   PARTS="shard" bash experiments/gpu/ddp.sh      # on 4 GPUs: the sharded table's weak scaling
+#   PARTS=auc AUC_DEVICES="1 2 4" bash experiments/gpu/ddp.sh   # test AUC at equal global batch and steps
 #   PARTS="bigtable" bash experiments/gpu/ddp.sh   # on 4 GPUs: the 100M-item table; also writes
 #       $OUT/bigtable.json (per run: exit status, the refusal or error line, examples/s, peak memory)
 # On a CPU (the check of this script): ACCEL=cpu DATA=data/tiny CONFIG=experiments/configs/tiny.yaml
@@ -114,6 +115,21 @@ out["lines"] = [ln for ln in text.splitlines() if ln.startswith("error: ") or "O
 json.dump(out, open(sys.argv[2], "w"), indent=1)
 print(json.dumps(out, indent=1))
 PY
+fi
+if has auc; then  # test AUC at equal global batch and steps: one pass at AUC_BATCH rows per step, split over
+  # 1..N GPUs (AUC_DEVICES), replicated and sharded table, AUC_SEEDS seeds; the whole test split
+  for seed in ${AUC_SEEDS:-0 1}; do
+    for w in ${AUC_DEVICES:-1 2}; do
+      per=$(( ${AUC_BATCH:-1024} / w )) steps=$(( ${AUC_ROWS:-1000000} / ${AUC_BATCH:-1024} ))
+      layouts="replicated"; [ "$w" -gt 1 ] && layouts="replicated sharded"
+      for layout in $layouts; do
+        STEPS=$steps fit "acc-g$w-$layout-s$seed" "$w" "$([ "$w" = 1 ] && echo single || echo ddp)" \
+          --model.ranker.attention jagged --data.batch_size "$per" --seed_everything "$seed" \
+          --model.table_layout "$layout" --trainer.limit_test_batches 1.0 \
+          $([ "$layout" = sharded ] && echo --model.cuda_graphs false)
+      done
+    done
+  done
 fi
 if has modes; then  # 2 GPUs, eager steps (graphs replay dense gradients only), the whole test split
   for mode in $MODES; do  # rows: the dense gradient exchanged as its touched rows (model.table_sync)
