@@ -31,6 +31,7 @@ from torchmetrics import MeanMetric
 
 from models import Ranker, RankerConfig, feature_width
 from models.layers import draw_item_rows
+from pipeline.batches import last_items
 from pipeline.dist import all_reduce, rank, world_size
 from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
@@ -106,6 +107,11 @@ class RankerModule(pl.LightningModule):
             it must divide the world size): each group of table_shards consecutive ranks (a node's
             processes, when it is their count) holds the whole table, and the groups sum their
             shards' gradients with one all-reduce.
+        curriculum_steps: the first curriculum_steps training steps read only the last
+            curriculum_items items of each history (validation and test the whole window): a
+            pattern among few items of a long history (data_gen's motifs) is learned on short
+            histories first, and carries over to long ones (docs/data.md); 0 (default): none.
+        curriculum_items: the history those steps read.
     """
 
     def __init__(
@@ -123,6 +129,8 @@ class RankerModule(pl.LightningModule):
         table_sync: Literal["allreduce", "rows"] = "allreduce",
         table_layout: Literal["replicated", "sharded"] = "replicated",
         table_shards: int = 0,
+        curriculum_steps: int = 0,
+        curriculum_items: int = 8,
     ):
         super().__init__()
         if data_spec is None:
@@ -133,6 +141,9 @@ class RankerModule(pl.LightningModule):
             raise ConfigError("model.cuda_graphs and model.compile_model exclude each other: choose one")
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
+        if curriculum_steps < 0 or curriculum_items < 1:
+            raise ConfigError(f"model.curriculum_steps must be >= 0 and model.curriculum_items >= 1, got "
+                              f"{curriculum_steps} and {curriculum_items}")
         _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
         _check_layout(table_layout, embedding_grad, cuda_graphs or compile_model, table_sync, table_shards)
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
@@ -141,7 +152,8 @@ class RankerModule(pl.LightningModule):
             {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
              "data_spec": dict(data_spec), "compile_model": bool(compile_model),
              "cuda_graphs": bool(cuda_graphs), "token_buckets": int(token_buckets), "optimizer": optimizer,
-             "embedding_grad": embedding_grad, "table_sync": table_sync},
+             "embedding_grad": embedding_grad, "table_sync": table_sync,
+             "curriculum_steps": int(curriculum_steps), "curriculum_items": int(curriculum_items)},
             logger=False,
         )
         # the step is written out (forward, backward, optimizer step) so that it can be a graph replay
@@ -149,6 +161,7 @@ class RankerModule(pl.LightningModule):
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.compile_model, self._compiled = bool(compile_model), None
         self.cuda_graphs, self.token_buckets = bool(cuda_graphs), int(token_buckets)
+        self.curriculum_steps, self.curriculum_items = int(curriculum_steps), int(curriculum_items)
         self._graphs: GraphedTrainStep | None = None
         self._cpu_buckets: list[StaticBatch] = []
         self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
@@ -222,6 +235,8 @@ class RankerModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt, step = self.optimizers(), self.global_step
         sent = (self.model.embed.item.sent_bytes, self.model.embed.item.gather_bytes) if self.sharded else None
+        if step < self.curriculum_steps:
+            batch = last_items(batch, self.curriculum_items)
         if self._graphs is not None:
             loss = self._graphs(batch)  # forward + backward replayed; gradients in .grad
         else:
