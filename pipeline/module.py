@@ -38,7 +38,7 @@ from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
 from pipeline.cuda_graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
 from pipeline.optim import OPTIMIZERS, build_optimizer, param_groups, table_index
-from pipeline.table import TABLE_LAYOUTS, ShardedEmbedding
+from pipeline.table import TABLE_EXCHANGES, TABLE_LAYOUTS, ShardedEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,11 @@ class RankerModule(pl.LightningModule):
             its gradient) or sharded (each of W processes holds every W-th row and lookups exchange
             ids and rows, never the table's gradient: pipeline/table.py); dense embedding
             gradients, eager steps. Checkpoints hold the whole table in either layout.
+        table_exchange: with the sharded layout, how a training step's lookup moves ids and rows:
+            alltoall (default: each distinct id to its owner, the sizes read on the host every
+            lookup) or gather (the ids padded to the largest step of the data, all-gathered, the
+            rows reduce-scattered back: no host sync, more bytes; pipeline/table.py). Evaluation
+            uses the all-to-all.
         table_shards: with the sharded layout, the processes that shard one table (0: all of them;
             it must divide the world size): each group of table_shards consecutive ranks (a node's
             processes, when it is their count) holds the whole table, and the groups sum their
@@ -129,6 +134,7 @@ class RankerModule(pl.LightningModule):
         table_sync: Literal["allreduce", "rows"] = "allreduce",
         table_layout: Literal["replicated", "sharded"] = "replicated",
         table_shards: int = 0,
+        table_exchange: Literal["alltoall", "gather"] = "alltoall",
         curriculum_steps: int = 0,
         curriculum_items: int = 8,
     ):
@@ -146,6 +152,9 @@ class RankerModule(pl.LightningModule):
                               f"{curriculum_steps} and {curriculum_items}")
         _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
         _check_layout(table_layout, embedding_grad, cuda_graphs or compile_model, table_sync, table_shards)
+        if table_exchange not in TABLE_EXCHANGES or (table_exchange != "alltoall" and table_layout != "sharded"):
+            raise ConfigError(f"model.table_exchange is one of {', '.join(TABLE_EXCHANGES)}, and not alltoall only with "
+                              f"model.table_layout sharded; got {table_exchange!r} with {table_layout}")
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
         # table's layout, which a checkpoint's hyper-parameters would impose on the command loading it
         self.save_hyperparameters(
@@ -167,6 +176,7 @@ class RankerModule(pl.LightningModule):
         self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
         self.optimizer_name, self.sharded, self.table_shards = optimizer, table_layout == "sharded", table_shards
         self._table_bytes = [0, 0, 0]  # training lookups of this process: all-to-all bytes, gather bytes, steps
+        self.table_exchange, self._lookup_capacity = table_exchange, 0  # the gather's capacity: set at train start
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense",
                             n_categories=data_spec.get("n_categories", 0),
@@ -193,7 +203,8 @@ class RankerModule(pl.LightningModule):
     def forward(self, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in _MODEL_INPUTS}
         if self.sharded:  # one exchange for the ranker's two lookups of these very tensors
-            self.model.embed.item.prefetch(inputs["hist_item"], inputs["cand_item"])
+            self.model.embed.item.prefetch(inputs["hist_item"], inputs["cand_item"],
+                                           capacity=self._lookup_capacity if self.training else 0)
         if not self.compile_model:
             return self.model(**inputs)
         if self._compiled is None:  # built on first use, after the module has moved to its device
@@ -273,6 +284,14 @@ class RankerModule(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.grad_sync.broadcast()
+        if self.sharded and self.table_exchange == "gather":
+            counts = self._token_counts()
+            if counts is None:
+                raise ConfigError("model.table_exchange gather needs the RankerData data module (its steps' sizes)")
+            # a process's rows of a step: at most the global batch (the sampler splits it by tokens)
+            rows = self.trainer.datamodule.batch_size * world_size()
+            most = torch.tensor(int(counts.max(initial=0)) + rows, device=self.device)
+            self._lookup_capacity = int(all_reduce(most, "max"))  # every process's largest step: one size
         if self.device.type == "cuda":
             self._prepare_step()
         else:

@@ -3,7 +3,10 @@
 Over a shard group of S processes, row ``i`` lives on its rank ``i % S`` at local row ``i // S``. A
 lookup sends each distinct id to its owner and gets its row back (an all-to-all of ids, then of rows,
 as TorchRec's row-wise sharding); the backward sends the rows' gradients to their owners, which add
-them into the shard's gradient. With W / S > 1 groups, each holds the whole table and the shards'
+them into the shard's gradient. The all-to-all's sizes are read on the host; at a fixed capacity
+(``TABLE_EXCHANGES`` gather: a training step's ids padded to a size every process knows) the
+lookup all-gathers the ids, each owner fills its rows, and a reduce-scatter returns them, with no
+host sync (more bytes: ``sent_bytes_gather``). With W / S > 1 groups, each holds the whole table and the shards'
 gradients are summed across groups. Layout, bytes, checkpoints: docs/training.md#sharded-item-table.
 """
 
@@ -17,6 +20,7 @@ from pipeline.dist import rank, world_size
 from pipeline.gradsync import all_gather_into, allreduce_bytes
 
 TABLE_LAYOUTS = ("replicated", "sharded")
+TABLE_EXCHANGES = ("alltoall", "gather")
 _CHUNK_ROWS = 1 << 20  # rows per collective when a shard is gathered or its optimizer state
 _INDEXED_ELEMENTS = 1 << 30  # elements per index_add_ into a shard's gradient
 
@@ -103,6 +107,52 @@ class _Exchange(torch.autograd.Function):
         return grad.div_(table.world * table.replicas), None, None  # the mean over processes, as DDP's
 
 
+def _reduce_scatter(out: torch.Tensor, rows: torch.Tensor, group) -> None:
+    """out = this rank's block of the sum over the group of `rows` ([W * C, D] -> [C, D]); Gloo
+    (the CPU tests) has no reduce-scatter: an all-reduce and a slice."""
+    if dist.get_backend(group) == "gloo":
+        dist.all_reduce(rows, group=group)
+        r = dist.get_rank(group)
+        out.copy_(rows[r * out.shape[0]:(r + 1) * out.shape[0]])
+    else:
+        dist.reduce_scatter_tensor(out, rows, group=group)
+
+
+class _GatherExchange(torch.autograd.Function):
+    """The lookup at a fixed capacity C: every process's ids ([n <= C], padded with -1) all-gathered,
+    each owner's rows of them (zeros elsewhere) reduce-scattered back; the backward all-gathers the
+    rows' gradients and each owner adds those of its ids. No size is read on the host."""
+
+    @staticmethod
+    def forward(ctx, weight, ids, table, capacity):
+        W, n, D = table.world, ids.numel(), weight.shape[1]
+        padded = ids.new_full((capacity,), -1, dtype=torch.int64)
+        padded[:n] = ids.reshape(-1)
+        every = padded.new_empty(W * capacity)
+        all_gather_into(every, padded, group=table.group)
+        mine = (every >= 0) & (every % W == table.rank)  # [W * C] the ids this shard holds
+        local = torch.where(mine, every // W, 0)
+        rows = weight.detach().index_select(0, local) * mine[:, None].to(weight.dtype)  # [W * C, D]
+        out = rows.new_empty(capacity, D)
+        _reduce_scatter(out, rows, table.group)
+        ctx.save_for_backward(local, mine)
+        ctx.table, ctx.n, ctx.shape = table, n, weight.shape
+        table.count_gather(capacity, D * weight.element_size())
+        return out[:n].view(*ids.shape, D)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        local, mine = ctx.saved_tensors
+        table, (C, D) = ctx.table, (local.numel() // ctx.table.world, ctx.shape[1])
+        grad = grad_out.new_zeros(C, D)
+        grad[:ctx.n] = grad_out.reshape(-1, D)
+        every = grad.new_empty(table.world * C, D)
+        all_gather_into(every, grad, group=table.group)
+        rows = every * mine[:, None].to(every.dtype)  # others' ids add zeros to row 0
+        grad_w = add_rows(rows.new_zeros(ctx.shape), local, rows)
+        return grad_w.div_(table.world * table.replicas), None, None, None
+
+
 class ShardedEmbedding(nn.Module):
     """The rows ``rank::world`` of an item table of `num_embeddings` rows, looked up by global ids.
 
@@ -143,11 +193,19 @@ class ShardedEmbedding(nn.Module):
         return cls(rows(rank() % shards, shards), num_embeddings, rank() % shards, shards, shard_group,
                    replica_group, world // shards)
 
-    def prefetch(self, *ids: torch.Tensor) -> None:
+    def prefetch(self, *ids: torch.Tensor, capacity: int = 0) -> None:
         """One exchange for the rows of every tensor of `ids`; each lookup of one of those very
-        tensors that follows gets its rows from it (once), instead of an exchange of its own."""
+        tensors that follows gets its rows from it (once), instead of an exchange of its own.
+        `capacity` > 0 (the same on every process, at least the ids' total): the fixed-size
+        exchange without a host sync (_GatherExchange); 0: the all-to-all."""
         self._fetched = []
-        rows = self(torch.cat([i.reshape(-1).long() for i in ids]))  # [sum of numel, D]
+        flat = torch.cat([i.reshape(-1).long() for i in ids])
+        if capacity and self.world > 1:
+            if flat.numel() > capacity:
+                raise ValueError(f"{flat.numel()} ids exceed the lookup capacity {capacity}")
+            rows = _GatherExchange.apply(self.weight, flat, self, capacity)
+        else:
+            rows = self(flat)  # [sum of numel, D]
         self._fetched = list(zip(ids, rows.split([i.numel() for i in ids])))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -164,6 +222,11 @@ class ShardedEmbedding(nn.Module):
         if self.replicas > 1 and self.weight.grad is not None:
             dist.all_reduce(self.weight.grad, group=self.replica_group)
             self.sent_bytes += allreduce_bytes(self.weight.grad.numel() * self.weight.grad.element_size(), self.replicas)
+
+    def count_gather(self, capacity: int, row_bytes: int) -> None:
+        self.sent_bytes += sent_bytes_gather(capacity, self.world, row_bytes)
+        self.gather_bytes += sent_bytes_gather(capacity, self.world, row_bytes)
+        self.lookups += 1
 
     def count(self, send: list[int], recv: list[int], t_max: int, row_bytes: int) -> None:
         self.sent_bytes += sent_bytes_alltoall(send, recv, self.rank, row_bytes)

@@ -135,6 +135,7 @@ def _free_port() -> int:
         ([], "http://127.0.0.1:{port}", "tracking server .* is unreachable"),
         (["--ckpt_path", "/nonexistent.ckpt"], None, "no such checkpoint"),
         (["--model.curriculum_items", "0"], None, "model.curriculum_items >= 1, got 0 and 0"),
+        (["--model.table_exchange", "gather"], None, "not alltoall only with model.table_layout sharded"),
     ],
 )
 def test_bad_input_fails_before_training(tiny, tracking, tmp_path, monkeypatch, capsys, extra, env_uri, message):

@@ -37,7 +37,8 @@ def layouts(tiny, tmp_path_factory):
     uri = fresh_tracking_uri(tmp_path_factory, root)
     for name, layout in (("replicated", ["--model.table_layout", "replicated"]),
                          ("sharded", ["--model.table_layout", "sharded"]),
-                         ("one-shard", ["--model.table_layout", "sharded", "--model.table_shards", "1"])):
+                         ("one-shard", ["--model.table_layout", "sharded", "--model.table_shards", "1"]),
+                         ("gather", ["--model.table_layout", "sharded", "--model.table_exchange", "gather"])):
         proc = _fit(fit_args(tiny, root / name, *TWO, *layout, "--mlflow.run_name", name), uri)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return root, uri, all_runs(uri)
@@ -58,12 +59,17 @@ def test_the_sharded_table_trains_like_the_replicated_one_and_sends_less(layouts
     assert shd.data.params["model.table_layout"] == "sharded"
     _same_history(history(uri, shd.info.run_id), history(uri, rep.info.run_id), "sharded")
     _same_history(history(uri, runs["one-shard"].info.run_id), history(uri, rep.info.run_id), "one-shard")
+    _same_history(history(uri, runs["gather"].info.run_id), history(uri, rep.info.run_id), "gather")
     m_rep, m_shd = rep.data.metrics, shd.data.metrics
     # the table's gradient (20,000 x 32 float32) leaves the all-reduce; its lookups send less than that
     table_mb = 20_000 * 32 * 4 / 2**20
     assert m_rep["comm/sent_mb_per_step"] - m_shd["comm/sent_mb_per_step"] == pytest.approx(table_mb, rel=1e-3)
     assert 0 < m_shd["comm/table_sent_mb_per_step"] < m_shd["comm/table_gather_mb_per_step"] < table_mb
     assert "comm/table_sent_mb_per_step" not in m_rep
+    # the fixed-capacity exchange sends what the gather-style estimate says, at the data's largest step
+    m_gat = runs["gather"].data.metrics
+    assert m_gat["comm/table_sent_mb_per_step"] == pytest.approx(m_gat["comm/table_gather_mb_per_step"])
+    assert m_gat["comm/table_sent_mb_per_step"] >= m_shd["comm/table_gather_mb_per_step"]
 
 
 def _test_auc(tiny: Path, root: Path, ckpt: Path, uri: str, *extra: str) -> float:

@@ -68,6 +68,17 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids]))).backward()
         table.sync_replicas()
         torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
+        # the fixed-capacity exchange (no host sync): the same rows and gradient, its bytes
+        table.weight.grad, sent, capacity = None, table.sent_bytes, 60  # above every process's 23 + 5 * 3 + 12 ids
+        table.prefetch(*ids, capacity=capacity)
+        outs = [table(i) for i in ids]
+        assert all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
+        sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids]))).backward()
+        assert table.sent_bytes - sent == sent_bytes_gather(capacity, shards, D * 8) and table.lookups == 4
+        table.sync_replicas()
+        torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
+        with pytest.raises(ValueError, match="exceed the lookup capacity 10"):
+            table.prefetch(*ids, capacity=10)
         gathered = table.gather(table.weight.detach())
         assert (gathered is None) == (s != 0)
         if s == 0:
