@@ -288,10 +288,9 @@ class RankerModule(pl.LightningModule):
             counts = self._token_counts()
             if counts is None:
                 raise ConfigError("model.table_exchange gather needs the RankerData data module (its steps' sizes)")
-            # a process's rows of a step: at most the global batch (the sampler splits it by tokens)
-            rows = self.trainer.datamodule.batch_size * world_size()
-            most = torch.tensor(int(counts.max(initial=0)) + rows, device=self.device)
-            self._lookup_capacity = int(all_reduce(most, "max"))  # every process's largest step: one size
+            # the largest step as the steps run: padded to its token bucket, with the bucket's extra example
+            most = max(token_capacities(counts, self.token_buckets)) + self.trainer.datamodule.batch_size + 1
+            self._lookup_capacity = int(all_reduce(torch.tensor(most, device=self.device), "max"))  # one size
         if self.device.type == "cuda":
             self._prepare_step()
         else:
