@@ -103,8 +103,8 @@ class RankerConfig:
             the encoder blocks, and a second target attention reads the encoded ones (the blocks
             can only add to what the ranker without them reads); off: all read the encoded items.
         local_window: self-attention of an item reads only the items at most this many places
-            before or after it in its history (every head, every block): a locality prior that
-            lets the blocks learn short-range order (data_gen's motifs); none: the whole history.
+            before or after it in its history (every head, every block): a locality prior for
+            short-range order (data_gen's motifs; docs/data.md: what it did); none: the whole history.
         pool_heads: poolings of the interaction block.
         mlp_dims: hidden widths of the final MLP.
         kernel_backend: the kernels' implementation: auto (Triton on CUDA, torch reference on

@@ -80,7 +80,8 @@ class HistoryEmbedding(nn.Module):
 
 class EncoderBlock(nn.Module):
     """Pre-norm transformer block: x + Attn(LN(x)), then x + FFN(LN(x)); with ``shards`` (an
-    S2 layout, kernels.S2Shards) each head attends to its strided key blocks only."""
+    S2 layout, kernels.S2Shards) each head attends to its strided key blocks only, with
+    ``window`` each item to the items at most that many places away."""
 
     def __init__(self, dim: int, num_heads: int, ffn_mult: int, shards=None, rotary: bool = False,
                  window: int | None = None):

@@ -113,9 +113,10 @@ class RankerModule(pl.LightningModule):
             processes, when it is their count) holds the whole table, and the groups sum their
             shards' gradients with one all-reduce.
         curriculum_steps: the first curriculum_steps training steps read only the last
-            curriculum_items items of each history (validation and test the whole window): a
-            pattern among few items of a long history (data_gen's motifs) is learned on short
-            histories first, and carries over to long ones (docs/data.md); 0 (default): none.
+            curriculum_items items of each history (validation and test the whole window), so
+            that a pattern among few nearby items (data_gen's motifs) can be learned on short
+            histories first (docs/data.md: what it did); their steps are shorter, so throughput
+            metrics that include them overstate a full step; 0 (default): none.
         curriculum_items: the history those steps read.
     """
 

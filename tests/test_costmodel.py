@@ -105,7 +105,7 @@ def test_tuned_without_table_is_the_hand_rule_itself():
     # the launcher's cached launch dict is exactly the hand rule's, keyed as before
     kw = _fwd_kw(16, torch.bfloat16, False, True, ())
     assert {k: kw[k] for k in fwd_config(16, torch.bfloat16, True)} == fwd_config(16, torch.bfloat16, True)
-    assert (16, torch.bfloat16, False, True, ()) in _FWD_KW
+    assert (16, torch.bfloat16, False, True, (), False) in _FWD_KW  # no window
 
 
 def test_tuned_with_table_replaces_known_keys_only(tmp_path, monkeypatch):
