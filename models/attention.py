@@ -77,6 +77,7 @@ class Histories:
         self.lengths = offsets[1:] - offsets[:-1]  # [B]
         self.padded = attention != "jagged"
         self._angles = None
+        self._windows: dict[int, torch.Tensor] = {}  # window -> [B, N, N] mask of the padded layouts
         if self.padded:
             pos = torch.arange(self.max_seq_len, device=offsets.device)
             self.mask = pos[None, :] < self.lengths[:, None]  # [B, N] real items
@@ -117,9 +118,11 @@ class Histories:
         row is empty: its output is never read)."""
         if window is None:
             return self.key_mask
-        pos = torch.arange(self.max_seq_len, device=self.offsets.device)
-        near = (pos[:, None] - pos[None, :]).abs() <= window  # [N, N]
-        return self.key_mask[:, None, :] & (near[None] | ~self.mask[:, :, None])
+        if window not in self._windows:  # once per batch: every block reads the same mask
+            pos = torch.arange(self.max_seq_len, device=self.offsets.device)
+            near = (pos[:, None] - pos[None, :]).abs() <= window  # [N, N]
+            self._windows[window] = self.key_mask[:, None, :] & (near[None] | ~self.mask[:, :, None])
+        return self._windows[window]
 
     def target_attention(self, q, k, v) -> torch.Tensor:
         """q [B, 1, H, Dh] over k, v in this layout -> [B, 1, H, Dh]; zeros for empty histories."""
