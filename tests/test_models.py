@@ -202,10 +202,12 @@ def _smooth_head(model: Ranker) -> Ranker:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lengths,max_seq_len", [([0, 1, 70, 128, 33, 5], 128), ([300, 0, 257, 1], 300)])
-def test_layouts_agree_on_cuda_in_bf16_autocast(lengths, max_seq_len):
+@pytest.mark.parametrize("window", [None, 2])
+def test_layouts_agree_on_cuda_in_bf16_autocast(lengths, max_seq_len, window):
     """On the GPU (Triton kernels in the jagged attention), in bf16 autocast as the paper preset
-    trains: each attention within 2x the dense attention's own bf16 error against the fp64 oracle."""
-    base = _ranker("dense")
+    trains: each attention within 2x the dense attention's own bf16 error against the fp64 oracle;
+    with and without a local window."""
+    base = _ranker("dense", local_window=window)
     batch = _batch(lengths, max_seq_len)
     weights = torch.randn(len(lengths))
     oracle_logits, oracle_grads = _logits_and_grads(_smooth_head(_with_attention(base, "dense", torch.float64)),
