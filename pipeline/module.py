@@ -285,15 +285,16 @@ class RankerModule(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.grad_sync.broadcast()
+        counts = self._token_counts()  # the steps' sizes, once: the token buckets of every use below
+        caps = token_capacities(counts, self.token_buckets) if counts is not None and len(counts) else []
         if self.sharded and self.table_exchange == "gather":
-            counts = self._token_counts()
-            if counts is None:
+            if not caps:
                 raise ConfigError("model.table_exchange gather needs the RankerData data module (its steps' sizes)")
             # the largest step as the steps run: padded to its token bucket, with the bucket's extra example
-            most = max(token_capacities(counts, self.token_buckets)) + self.trainer.datamodule.batch_size + 1
+            most = max(caps) + self.trainer.datamodule.batch_size + 1
             self._lookup_capacity = int(all_reduce(torch.tensor(most, device=self.device), "max"))  # one size
         if self.device.type == "cuda":
-            self._prepare_step()
+            self._prepare_step(counts, caps)
         else:
             if self.cuda_graphs:
                 log.warning("model.cuda_graphs needs a CUDA device; training eagerly on %s", self.device)
@@ -301,22 +302,20 @@ class RankerModule(pl.LightningModule):
             # graphs do on a GPU (same losses and gradients): allocations of a few fixed sizes do
             # not fragment the C allocator's heap, which grew the process by tens of MB per
             # hundred steps with a new activation size every step.
-            counts = self._token_counts()
-            if counts is not None and len(counts):
-                dm = self.trainer.datamodule
-                self._cpu_buckets = [StaticBatch(c, dm.batch_size, self.data_spec_n_dense, dm.max_seq_len, self.device)
-                                     for c in token_capacities(counts, self.token_buckets)]
+            dm = self.trainer.datamodule
+            self._cpu_buckets = [StaticBatch(c, dm.batch_size, self.data_spec_n_dense, dm.max_seq_len, self.device)
+                                 for c in caps]
             keep_heap()
         # what is alive now (modules, compiled kernels, data) is never traversed by the garbage
         # collector again: a full collection over it took hundreds of ms, every few hundred steps
         gc.collect()
         gc.freeze()
 
-    def _prepare_step(self) -> None:
-        """Kernels compiled (and graphs captured) on batches of the data's shape, before step 1."""
+    def _prepare_step(self, counts: np.ndarray | None, caps: list[int]) -> None:
+        """Kernels compiled (and graphs captured) on batches of the data's shape (its steps' token
+        counts, and their buckets `caps`), before step 1."""
         t0 = time.perf_counter()
-        counts = self._token_counts()
-        if counts is None:
+        if not caps:
             return
         dm, amp = self.trainer.datamodule, autocast_dtype(self.trainer.precision)
         params = [p for p in self.parameters() if p.requires_grad]
@@ -324,7 +323,6 @@ class RankerModule(pl.LightningModule):
             if amp == torch.float16:
                 raise ConfigError("model.cuda_graphs supports trainer.precision 32-true and bf16-mixed "
                                   "(16-mixed needs a gradient scaler outside the graph)")
-            caps = token_capacities(counts, self.token_buckets)
             self._graphs = GraphedTrainStep(self._graph_loss, params, caps, dm.batch_size, self.data_spec_n_dense,
                                             dm.max_seq_len, self.device, amp)
             try:

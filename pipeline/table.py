@@ -224,8 +224,9 @@ class ShardedEmbedding(nn.Module):
             self.sent_bytes += allreduce_bytes(self.weight.grad.numel() * self.weight.grad.element_size(), self.replicas)
 
     def count_gather(self, capacity: int, row_bytes: int) -> None:
-        self.sent_bytes += sent_bytes_gather(capacity, self.world, row_bytes)
-        self.gather_bytes += sent_bytes_gather(capacity, self.world, row_bytes)
+        sent = sent_bytes_gather(capacity, self.world, row_bytes)
+        self.sent_bytes += sent
+        self.gather_bytes += sent
         self.lookups += 1
 
     def count(self, send: list[int], recv: list[int], t_max: int, row_bytes: int) -> None:
