@@ -27,7 +27,7 @@ from pipeline.runenv import REPO_ROOT
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
 KERNELS = "kernels/*/bench-*.json*"  # experiments.bench's result files; each GPU's report.md beside them
 EXPECTED = ["seq_len", "sparsity", "batch_size", "compile", "auc_parity", "history_value", "model", "world"]
-BEYOND = ["s2", "alure", "world_order"]  # listed once they have run
+BEYOND = ["s2", "alure", "world_order", "world_order_converge"]  # listed once they have run
 PAPER_CLAIMS = [  # (level, claim, how ours is measured, where)
     ("kernel", "up to 9x faster and 22x less memory than dense attention",
      "jagged flash attention vs materialised dense attention (`dense_torch`), headline shape", "kernels"),
