@@ -349,7 +349,7 @@ def check_padded_memory(cfg) -> None:
                           f"data.max_seq_len")
 
 
-_STATES = {"adamw": 2, "adagrad": 1, "sgd": 0}  # tensors of the optimizer's state per parameter
+_STATES = {"adamw": 2, "adagrad": 1, "sgd": 0, "rowwise": 0}  # the optimizer's state per table element
 
 
 def _processes(cfg) -> tuple[int, int]:
@@ -389,6 +389,7 @@ def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
     if vocab is None:
         return
     row = model.ranker.embed_dim * 4 * ((2 + _STATES.get(model.optimizer, 2)) if training else 1)
+    row += 4 if training and model.optimizer == "rowwise" else 0  # its one float per row
     rows = -(-vocab // shards) if sharded else vocab
     gpu = _on_gpu(cfg) and torch.cuda.is_available()
     have = _memory(gpu, local)

@@ -77,6 +77,7 @@ class RankerModule(pl.LightningModule):
     Args:
         ranker: the architecture (models.RankerConfig; ranker.attention picks dense, sdpa or jagged).
         lr: the optimizer's learning rate.
+        table_lr: the item table's, under sgd, adagrad and rowwise (default: lr).
         weight_decay: the optimizer's weight decay.
         betas: AdamW's betas.
         data_spec: sizes and training CTR of the data set (linked from the data module; not set by hand).
@@ -91,11 +92,12 @@ class RankerModule(pl.LightningModule):
             bucketed all-reduce outside the graph.
         token_buckets: token capacities (one CUDA graph each, or on the CPU one fixed batch shape
             each); more pad less and take longer to capture.
-        optimizer: adamw (default), sgd or adagrad (pipeline/optim.py; sgd and adagrad treat the
-            three embedding_grad modes alike, AdamW cannot: that module says why).
+        optimizer: adamw (default), sgd, adagrad or rowwise (AdamW, the item table row-wise Adagrad:
+            one float of state per row; pipeline/optim.py; all but adamw treat the three
+            embedding_grad modes alike, AdamW cannot: that module says why).
         embedding_grad: the item table's gradient: dense (default), sparse or densify
             (pipeline/gradsync.py: how it is computed and averaged over processes); sparse needs
-            sgd or adagrad. Same function and, with sgd or adagrad, the same training.
+            sgd, adagrad or rowwise. Same function and, with those three, the same training.
         table_sync: how a dense item-table gradient is averaged over processes: allreduce
             (default: the whole table) or rows (only the rows a process touched, all-gathered and
             summed back: the same mean, a fraction of the bytes; pipeline/gradsync.py).
@@ -124,13 +126,14 @@ class RankerModule(pl.LightningModule):
         self,
         ranker: RankerConfig = RankerConfig(),
         lr: float = 1e-3,
+        table_lr: float | None = None,
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.98),
         data_spec: dict | None = None,
         compile_model: bool = False,
         cuda_graphs: bool = False,
         token_buckets: int = 4,
-        optimizer: Literal["adamw", "sgd", "adagrad"] = "adamw",
+        optimizer: Literal["adamw", "sgd", "adagrad", "rowwise"] = "adamw",
         embedding_grad: Literal["dense", "sparse", "densify"] = "dense",
         table_sync: Literal["allreduce", "rows"] = "allreduce",
         table_layout: Literal["replicated", "sharded"] = "replicated",
@@ -152,6 +155,9 @@ class RankerModule(pl.LightningModule):
             raise ConfigError(f"model.curriculum_steps must be >= 0 and model.curriculum_items >= 1, got "
                               f"{curriculum_steps} and {curriculum_items}")
         _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
+        if table_lr is not None and (optimizer == "adamw" or table_lr <= 0):
+            raise ConfigError(f"model.table_lr must be > 0 and set only with model.optimizer sgd, adagrad or rowwise "
+                              f"(AdamW trains the table at model.lr); got {table_lr} with {optimizer}")
         _check_layout(table_layout, embedding_grad, cuda_graphs or compile_model, table_sync, table_shards)
         if table_exchange not in TABLE_EXCHANGES or (table_exchange != "alltoall" and table_layout != "sharded"):
             raise ConfigError(f"model.table_exchange is one of {', '.join(TABLE_EXCHANGES)}, and not alltoall only with "
@@ -159,7 +165,7 @@ class RankerModule(pl.LightningModule):
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
         # table's layout, which a checkpoint's hyper-parameters would impose on the command loading it
         self.save_hyperparameters(
-            {"ranker": asdict(ranker), "lr": lr, "weight_decay": weight_decay, "betas": list(betas),
+            {"ranker": asdict(ranker), "lr": lr, "table_lr": table_lr, "weight_decay": weight_decay, "betas": list(betas),
              "data_spec": dict(data_spec), "compile_model": bool(compile_model),
              "cuda_graphs": bool(cuda_graphs), "token_buckets": int(token_buckets), "optimizer": optimizer,
              "embedding_grad": embedding_grad, "table_sync": table_sync,
@@ -168,7 +174,7 @@ class RankerModule(pl.LightningModule):
         )
         # the step is written out (forward, backward, optimizer step) so that it can be a graph replay
         self.automatic_optimization = False
-        self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.lr, self.table_lr, self.weight_decay, self.betas = lr, table_lr, weight_decay, tuple(betas)
         self.compile_model, self._compiled = bool(compile_model), None
         self.cuda_graphs, self.token_buckets = bool(cuda_graphs), int(token_buckets)
         self.curriculum_steps, self.curriculum_items = int(curriculum_steps), int(curriculum_items)
@@ -446,7 +452,7 @@ class RankerModule(pl.LightningModule):
         # the `small` ranker's update takes a tenth of the foreach time)
         fused = self.device.type in ("cuda", "cpu") or None
         return build_optimizer(self.optimizer_name, list(self.parameters()), self.model.embed.item.weight, lr=self.lr,
-                               weight_decay=self.weight_decay, betas=self.betas, fused=fused)
+                               weight_decay=self.weight_decay, betas=self.betas, fused=fused, table_lr=self.table_lr)
 
 
 # glibc's mallopt parameters (malloc.h)
@@ -480,7 +486,7 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, tab
     if embedding_grad not in EMBEDDING_GRADS:
         raise ConfigError(f"model.embedding_grad must be one of {', '.join(EMBEDDING_GRADS)}, got {embedding_grad!r}")
     if embedding_grad == "sparse" and optimizer == "adamw":
-        raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd or adagrad: AdamW has no "
+        raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd, adagrad or rowwise: AdamW has no "
                           "sparse-gradient path (pipeline/optim.py says why SparseAdam is not a substitute)")
     if table_sync not in TABLE_SYNCS:
         raise ConfigError(f"model.table_sync must be one of {', '.join(TABLE_SYNCS)}, got {table_sync!r}")

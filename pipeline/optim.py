@@ -1,6 +1,7 @@
-"""The optimizer of a run (``model.optimizer``): AdamW (the default), SGD or Adagrad.
+"""The optimizer of a run (``model.optimizer``): AdamW (the default), SGD, Adagrad, or rowwise
+(AdamW for every parameter but the item table, which takes row-wise Adagrad).
 
-SGD and Adagrad leave the item table undecayed and train the same weights with any
+SGD, Adagrad and rowwise leave the item table undecayed and train the same weights with any
 ``model.embedding_grad``; AdamW needs dense table gradients (why: docs/training.md#optimizers).
 """
 
@@ -9,15 +10,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "sgd", "adagrad")
+OPTIMIZERS = ("adamw", "sgd", "adagrad", "rowwise")
 
 
-def param_groups(name: str, params: list[nn.Parameter], table: nn.Parameter, weight_decay: float) -> list[dict]:
-    """The parameter groups of optimizer `name` (the item table undecayed, last, unless AdamW)."""
+def param_groups(name: str, params: list[nn.Parameter], table: nn.Parameter, weight_decay: float,
+                 table_lr: float | None = None) -> list[dict]:
+    """The parameter groups of optimizer `name` (the item table undecayed, last, at `table_lr`
+    where given, unless AdamW)."""
     if name == "adamw":
         return [{"params": list(params), "weight_decay": weight_decay}]
+    lr = {} if table_lr is None else {"lr": table_lr}
     return [{"params": [p for p in params if p is not table], "weight_decay": weight_decay},
-            {"params": [table], "weight_decay": 0.0}]
+            {"params": [table], "weight_decay": 0.0, **lr}]
 
 
 def table_index(groups: list[dict], table: nn.Parameter) -> int:
@@ -26,7 +30,8 @@ def table_index(groups: list[dict], table: nn.Parameter) -> int:
 
 
 def build_optimizer(name: str, params: list[nn.Parameter], table: nn.Parameter, *, lr: float,
-                    weight_decay: float, betas: tuple[float, float], fused: bool | None) -> torch.optim.Optimizer:
+                    weight_decay: float, betas: tuple[float, float], fused: bool | None,
+                    table_lr: float | None = None) -> torch.optim.Optimizer:
     """The optimizer `name` over `params` (`table`, the item table, among them).
 
     fused: AdamW's one-pass update (CUDA and CPU); the others use torch's default implementation.
@@ -35,5 +40,56 @@ def build_optimizer(name: str, params: list[nn.Parameter], table: nn.Parameter, 
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
-    groups = param_groups(name, params, table, weight_decay)
+    groups = param_groups(name, params, table, weight_decay, table_lr)
+    if name == "rowwise":
+        return RowwiseTableAdamW(groups, lr=lr, betas=betas, fused=fused)
     return (torch.optim.SGD if name == "sgd" else torch.optim.Adagrad)(groups, lr=lr)
+
+
+class RowwiseTableAdamW(torch.optim.AdamW):
+    """AdamW over every group but the last, the item table, which takes row-wise Adagrad (the
+    embedding optimizer of production rankers, FBGEMM's EXACT_ROWWISE_ADAGRAD):
+
+        s[i] += mean_d g[i, d]^2;    w[i] -= lr * g[i] / (sqrt(s[i]) + eps)
+
+    One float of state per row (`sum_sq`, ``[V]``, and a step count) where AdamW keeps two per element, 2 x D x 4
+    bytes a row. A row a step did not touch (a zero row of a dense gradient, or one absent from a
+    sparse gradient) keeps its weights and state, so the three ``model.embedding_grad`` modes train
+    the same table. The update has no host sync with a dense gradient (a CUDA graph can hold it).
+    """
+
+    def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], fused: bool | None,
+                 eps: float = 1e-8):
+        super().__init__(groups, lr=lr, betas=betas, fused=fused)
+        self.table_eps = eps
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # first, as AdamW does: it may compute the gradients
+            with torch.enable_grad():
+                loss = closure()
+        table = self.param_groups[-1]["params"][0]
+        given, lr = table.grad, self.param_groups[-1]["lr"]
+        if given is not None:
+            state = self.state[table]
+            if "sum_sq" not in state:
+                wide = torch.promote_types(table.dtype, torch.float32)  # float32, or float64 for a float64 table
+                state["sum_sq"] = torch.zeros(table.shape[0], dtype=wide, device=table.device)
+                state["step"] = torch.zeros((), dtype=torch.float32, device=table.device)  # AdamW's loader wants one
+            s = state["sum_sq"]
+            state["step"].add_(1)
+            if given.is_sparse:
+                grad = given.coalesce()
+                rows, g = grad.indices()[0], grad.values().to(s.dtype)
+                s.index_add_(0, rows, g.square().mean(1))
+                table.index_add_(0, rows, (g / (s[rows].sqrt() + self.table_eps).unsqueeze(1) * -lr).to(table.dtype))
+            else:  # no [V, D] temporary: a norm per row, then one fused update
+                s.add_(torch.linalg.vector_norm(given, dim=1, dtype=s.dtype).square_(), alpha=1 / table.shape[1])
+                table.addcdiv_(given, s.sqrt().add_(self.table_eps).unsqueeze(1), value=-lr)
+            table.grad = None  # AdamW skips a parameter without a gradient
+        try:
+            super().step()
+        finally:
+            table.grad = given
+        return loss

@@ -262,7 +262,8 @@ class ShardedEmbedding(nn.Module):
         for opt_state in checkpoint.get("optimizer_states") or []:  # none in a weights-only checkpoint
             states = opt_state["state"]
             if index in states:  # a new dict: the one there is the optimizer's own
-                states[index] = {k: self.gather(v) if torch.is_tensor(v) and v.shape == self.weight.shape else v
+                states[index] = {k: self.gather(v) if torch.is_tensor(v) and v.dim() and v.shape[0] == self.weight.shape[0]
+                                 else v
                                  for k, v in states[index].items()}
 
     def load_rows(self, checkpoint: dict, key: str, index: int) -> None:

@@ -119,7 +119,7 @@ def test_metrics_over_both_ranks_are_the_one_process_metrics(two_ranks):
         assert result["metrics"] == pytest.approx(want, rel=1e-12), json.dumps(result["metrics"])
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise"])
 @pytest.mark.slow
 def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
     batches = _batches(str(tiny), 0, 1)
@@ -143,9 +143,11 @@ def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"embedding_grad": "sparse"}, "needs model.optimizer sgd or adagrad"),
+    ({"embedding_grad": "sparse"}, "needs model.optimizer sgd, adagrad or rowwise"),
     ({"embedding_grad": "densify", "cuda_graphs": True}, "exclude each other"),
     ({"optimizer": "lamb"}, "model.optimizer must be one of"),
+    ({"table_lr": 0.01}, "model.table_lr must be > 0 and set only with model.optimizer sgd"),
+    ({"table_lr": 0.0, "optimizer": "rowwise"}, "got 0.0 with rowwise"),
     ({"table_sync": "rows", "embedding_grad": "densify", "optimizer": "sgd"}, "averages a dense table gradient"),
     ({"table_sync": "ring"}, "model.table_sync must be one of"),
 ])

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_pipeline_bad_input import QUICK, one_line, tracking  # noqa: F401 (a fixture)
 from test_pipeline_cli import CONFIGS, QUALITY, all_runs, fit_args, fresh_tracking_uri, history
@@ -38,7 +39,9 @@ def layouts(tiny, tmp_path_factory):
     for name, layout in (("replicated", ["--model.table_layout", "replicated"]),
                          ("sharded", ["--model.table_layout", "sharded"]),
                          ("one-shard", ["--model.table_layout", "sharded", "--model.table_shards", "1"]),
-                         ("gather", ["--model.table_layout", "sharded", "--model.table_exchange", "gather"])):
+                         ("gather", ["--model.table_layout", "sharded", "--model.table_exchange", "gather"]),
+                         ("rowwise", ["--model.table_layout", "replicated", "--model.optimizer", "rowwise"]),
+                         ("rowwise-sharded", ["--model.table_layout", "sharded", "--model.optimizer", "rowwise"])):
         proc = _fit(fit_args(tiny, root / name, *TWO, *layout, "--mlflow.run_name", name), uri)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return root, uri, all_runs(uri)
@@ -70,6 +73,19 @@ def test_the_sharded_table_trains_like_the_replicated_one_and_sends_less(layouts
     m_gat = runs["gather"].data.metrics
     assert m_gat["comm/table_sent_mb_per_step"] == pytest.approx(m_gat["comm/table_gather_mb_per_step"])
     assert m_gat["comm/table_sent_mb_per_step"] >= m_shd["comm/table_gather_mb_per_step"]
+
+
+@pytest.mark.slow
+def test_the_rowwise_optimizer_trains_a_sharded_table_like_a_replicated_one(tiny, layouts, tmp_path):
+    root, uri, runs = layouts
+    _same_history(history(uri, runs["rowwise-sharded"].info.run_id), history(uri, runs["rowwise"].info.run_id),
+                  "rowwise sharded")
+    assert runs["rowwise"].data.metrics["train/loss_epoch"] != runs["replicated"].data.metrics["train/loss_epoch"]
+    ckpt = next((root / "rowwise-sharded").rglob("last.ckpt"))
+    states = torch.load(ckpt, weights_only=False)["optimizer_states"][0]["state"]
+    assert [tuple(v["sum_sq"].shape) for v in states.values() if "sum_sq" in v] == [(20_000,)]  # the whole table's
+    assert _test_auc(tiny, tmp_path, ckpt, uri) == pytest.approx(
+        runs["rowwise-sharded"].data.metrics["test/auc"], abs=1e-6)
 
 
 def _test_auc(tiny: Path, root: Path, ckpt: Path, uri: str, *extra: str) -> float:

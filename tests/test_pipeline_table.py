@@ -83,6 +83,8 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         assert (gathered is None) == (s != 0)
         if s == 0:
             assert torch.equal(gathered, full)
+        per_row = table.gather(full[s::shards, 0].contiguous())  # a state of one number per row (rowwise)
+        assert s != 0 or torch.equal(per_row, full[:, 0])
 
 
 @pytest.mark.parametrize("world, shards", [(2, 2), (3, 3), (4, 2)])

@@ -1,0 +1,95 @@
+"""model.optimizer rowwise: AdamW for the network, row-wise Adagrad for the item table."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pipeline.optim import build_optimizer
+
+V, D = 9, 4
+
+
+def _model() -> tuple[nn.Module, nn.Parameter]:
+    torch.manual_seed(3)
+    model = nn.ModuleDict({"table": nn.Embedding(V, D), "head": nn.Linear(D, 1)}).double()
+    return model, model["table"].weight
+
+
+def _grads(step: int) -> torch.Tensor:
+    """A table gradient touching rows 1, 4 and 7 (row 4 twice, on even steps only)."""
+    g = torch.zeros(V, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(step)
+    rows = [1, 4, 7] if step % 2 == 0 else [1, 7]
+    g[rows] = torch.randn(len(rows), D, generator=gen, dtype=torch.float64)
+    return g
+
+
+def test_the_table_takes_rowwise_adagrad_and_the_network_adamw():
+    model, table = _model()
+    head = model["head"].weight
+    ref = nn.Linear(D, 1).double()
+    ref.load_state_dict(model["head"].state_dict())
+    opt = build_optimizer("rowwise", list(model.parameters()), table, lr=0.1, weight_decay=0.01,
+                          betas=(0.9, 0.98), fused=None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.01, betas=(0.9, 0.98))
+    w, s = table.detach().clone(), torch.zeros(V, dtype=torch.float64)
+    for step in range(4):
+        g, gh = _grads(step), torch.randn(1, D, dtype=torch.float64)
+        table.grad, head.grad, model["head"].bias.grad = g.clone(), gh.clone(), torch.ones(1, dtype=torch.float64)
+        ref.weight.grad, ref.bias.grad = gh.clone(), torch.ones(1, dtype=torch.float64)
+        opt.step()
+        ref_opt.step()
+        s += g.square().mean(1)
+        w -= 0.1 * g / (s.sqrt() + 1e-8).unsqueeze(1)
+        assert table.grad is not None and torch.equal(table.grad, g)  # left as it was for the caller
+    torch.testing.assert_close(table.detach(), w, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(head.detach(), ref.weight.detach(), rtol=1e-12, atol=1e-12)
+    untouched = [0, 2, 3, 5, 6, 8]
+    assert torch.equal(table.detach()[untouched], _model()[1].detach()[untouched])  # no decay, no move
+    state = opt.state[table]
+    assert set(state) == {"step", "sum_sq"} and state["sum_sq"].shape == (V,) and state["step"] == 4  # no moments
+    torch.testing.assert_close(state["sum_sq"], s, rtol=1e-12, atol=1e-12)
+
+
+def test_a_sparse_gradient_trains_the_table_as_a_dense_one():
+    tables = []
+    for sparse in (False, True):
+        model, table = _model()
+        opt = build_optimizer("rowwise", list(model.parameters()), table, lr=0.1, weight_decay=0.0,
+                              betas=(0.9, 0.98), fused=None)
+        for step in range(3):
+            g = _grads(step)
+            if sparse:  # row 4's gradient in two pieces, as an embedding's backward gives repeated ids
+                rows = g.abs().sum(1).nonzero().reshape(-1)
+                idx, vals = torch.cat([rows, rows[1:2]]), torch.cat([g[rows], torch.zeros(1, D, dtype=g.dtype)])
+                g = torch.sparse_coo_tensor(idx[None], vals, (V, D), check_invariants=True)
+            table.grad = g
+            opt.step()
+        tables.append(table.detach().clone())
+    torch.testing.assert_close(tables[1], tables[0], rtol=1e-12, atol=1e-12)
+
+
+def test_its_state_survives_a_state_dict_round_trip():
+    name = "rowwise"
+    model, table = _model()
+    opt = build_optimizer(name, list(model.parameters()), table, lr=0.1, weight_decay=0.0, betas=(0.9, 0.98), fused=None)
+    table.grad = _grads(0)
+    opt.step()
+    model2, table2 = _model()
+    opt2 = build_optimizer(name, list(model2.parameters()), table2, lr=0.1, weight_decay=0.0, betas=(0.9, 0.98),
+                           fused=None)
+    opt2.load_state_dict(opt.state_dict())
+    assert torch.equal(opt2.state[table2]["sum_sq"], opt.state[table]["sum_sq"])
+
+
+def test_the_table_can_have_its_own_learning_rate():
+    model, table = _model()
+    opt = build_optimizer("rowwise", list(model.parameters()), table, lr=0.1, weight_decay=0.0, betas=(0.9, 0.98),
+                          fused=None, table_lr=0.5)
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5] and opt.param_groups[-1]["params"] == [table]
+    table.grad = _grads(0)
+    opt.step()
+    g = _grads(0)[1]
+    torch.testing.assert_close(table.detach()[1], _model()[1].detach()[1] - 0.5 * g / g.square().mean().sqrt(),
+                               rtol=1e-6, atol=1e-6)
