@@ -73,7 +73,7 @@ class StaticBatch:
     """
 
     def __init__(self, capacity: int, batch_size: int, n_dense: int, max_seq_len: int,
-                 device: torch.device):
+                 device: torch.device, row_dim: int = 0):
         self.capacity, self.batch_size, self.max_seq_len = int(capacity), int(batch_size), int(max_seq_len)
         B1 = self.batch_size + 1
 
@@ -88,6 +88,9 @@ class StaticBatch:
         self.cand_item = zeros(B1, dtype=torch.int32)
         self.dense = zeros(B1, n_dense, dtype=torch.float32)
         self.label = zeros(self.batch_size, dtype=torch.float32)
+        # with row_dim: the item rows of hist_item then cand_item, looked up outside the graph
+        self.rows = zeros(self.capacity + B1, row_dim, dtype=torch.float32).requires_grad_() if row_dim else None
+        self.rows_grad: torch.Tensor | None = None  # their gradient, written by the replay
 
     def fits(self, batch: dict) -> bool:
         return int(batch["label"].shape[0]) == self.batch_size and int(batch["n_tokens"]) <= self.capacity
@@ -108,9 +111,10 @@ class StaticBatch:
 
     def inputs(self) -> dict:
         """The model's keyword arguments (B + 1 sequences)."""
+        rows = {} if self.rows is None else {"item_rows": self.rows}
         return {"hist_item": self.hist_item, "hist_action": self.hist_action, "hist_age": self.hist_age,
                 "offsets": self.offsets, "max_seq_len": self.max_seq_len, "cand_item": self.cand_item,
-                "dense": self.dense}
+                "dense": self.dense, **rows}
 
 
 def model_inputs(batch: dict) -> dict:
@@ -138,15 +142,19 @@ class GraphedTrainStep:
         params: the parameters to differentiate (their ``.grad`` are set to the shared buffers).
         capacities: token capacities of the buckets (ascending).
         autocast_dtype: torch.bfloat16 for bf16-mixed training, None for full precision.
+        lookup: the sharded table's pipeline.table.GraphedLookup (its rows an input of the graphs,
+            their exchange eager around each replay; the table not among `params`), or None.
     """
 
     def __init__(self, loss_fn: LossFn, params: list[torch.Tensor], capacities: list[int], batch_size: int,
-                 n_dense: int, max_seq_len: int, device: torch.device, autocast_dtype: torch.dtype | None):
+                 n_dense: int, max_seq_len: int, device: torch.device, autocast_dtype: torch.dtype | None,
+                 lookup=None):
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.loss_fn, self.params, self.autocast_dtype = loss_fn, list(params), autocast_dtype
         self.capacities = sorted(int(c) for c in capacities)
-        self.statics = [StaticBatch(c, batch_size, n_dense, max_seq_len, device) for c in self.capacities]
+        self.lookup, dim = lookup, lookup.table.embedding_dim if lookup is not None else 0
+        self.statics = [StaticBatch(c, batch_size, n_dense, max_seq_len, device, dim) for c in self.capacities]
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.losses: list[torch.Tensor] = []
         self.grads: tuple[torch.Tensor, ...] | None = None
@@ -165,16 +173,14 @@ class GraphedTrainStep:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # lazy initialisation on the capturing stream
             for i in order:
-                static = self.statics[i]
-                loss_and_grads(self.loss_fn, static.inputs(), static.label, self.params, self.autocast_dtype)
+                self._loss_and_grads(self.statics[i])
         torch.cuda.current_stream().wait_stream(stream)
         for i in order:
             static = self.statics[i]
             graph = torch.cuda.CUDAGraph()
             # thread_local: the loader's pinning thread may allocate pinned memory meanwhile
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                loss, grads = loss_and_grads(self.loss_fn, static.inputs(), static.label, self.params,
-                                             self.autocast_dtype)
+                loss, grads = self._loss_and_grads(static)
                 if self.grads is None:
                     self.grads = grads  # the largest bucket's gradients are the .grad buffers
                 else:
@@ -185,6 +191,14 @@ class GraphedTrainStep:
         self._bind_grads()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's blocks outside the graphs' pool
+
+    def _loss_and_grads(self, static: StaticBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        extra = [] if static.rows is None else [static.rows]
+        loss, grads = loss_and_grads(self.loss_fn, static.inputs(), static.label, self.params + extra,
+                                     self.autocast_dtype)
+        if extra:
+            static.rows_grad, grads = grads[-1], grads[:-1]
+        return loss, grads
 
     def _bind_grads(self) -> None:
         for p, g in zip(self.params, self.grads):
@@ -205,8 +219,13 @@ class GraphedTrainStep:
         i = self.bucket(batch)
         if i is None:
             return self._eager(batch)
-        self.statics[i].fill(batch)
+        static = self.statics[i]
+        static.fill(batch)
+        if self.lookup is not None:
+            self.lookup.fetch([static.hist_item, static.cand_item], static.rows)
         self.graphs[i].replay()
+        if self.lookup is not None:
+            self.lookup.send_back(static.rows_grad)
         self.replays[i] += 1
         self._bind_grads()
         return self.losses[i].clone()
@@ -218,8 +237,11 @@ class GraphedTrainStep:
                         "for %d examples): trained eagerly (%d such batches so far)",
                         batch["label"].shape[0], int(batch["n_tokens"]), self.capacities,
                         self.statics[0].batch_size, self.fallbacks)
-        loss, grads = loss_and_grads(self.loss_fn, model_inputs(batch), batch["label"], self.params,
+        table = [] if self.lookup is None else [self.lookup.table.weight]  # its exchange's backward runs too
+        loss, grads = loss_and_grads(self.loss_fn, model_inputs(batch), batch["label"], self.params + table,
                                      self.autocast_dtype)
+        if table:
+            table[0].grad, grads = grads[-1], grads[:-1]
         torch._foreach_copy_(list(self.grads), list(grads))
         self._bind_grads()
         return loss

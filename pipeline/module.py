@@ -38,7 +38,7 @@ from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
 from pipeline.cuda_graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
 from pipeline.optim import OPTIMIZERS, build_optimizer, param_groups, table_index
-from pipeline.table import TABLE_EXCHANGES, TABLE_LAYOUTS, ShardedEmbedding
+from pipeline.table import GraphedLookup, TABLE_EXCHANGES, TABLE_LAYOUTS, ShardedEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ class RankerModule(pl.LightningModule):
             step instead of a few hundred kernel launches. Same losses and gradients as the eager
             step; 32-true or bf16-mixed precision; not with compile_model; dense embedding
             gradients only; ignored on CPU. Under DDP the replayed gradients are averaged by one
-            bucketed all-reduce outside the graph.
+            bucketed all-reduce outside the graph; a sharded table (table_exchange gather only)
+            exchanges its rows and their gradients outside it (pipeline.table.GraphedLookup).
         token_buckets: token capacities (one CUDA graph each, or on the CPU one fixed batch shape
             each); more pad less and take longer to capture.
         optimizer: adamw (default), sgd, adagrad or rowwise (AdamW, the item table row-wise Adagrad:
@@ -158,7 +159,8 @@ class RankerModule(pl.LightningModule):
         if table_lr is not None and (optimizer == "adamw" or table_lr <= 0):
             raise ConfigError(f"model.table_lr must be > 0 and set only with model.optimizer sgd, adagrad or rowwise "
                               f"(AdamW trains the table at model.lr); got {table_lr} with {optimizer}")
-        _check_layout(table_layout, embedding_grad, cuda_graphs or compile_model, table_sync, table_shards)
+        _check_layout(table_layout, embedding_grad, (cuda_graphs and table_exchange != "gather") or compile_model,
+                      table_sync, table_shards)
         if table_exchange not in TABLE_EXCHANGES or (table_exchange != "alltoall" and table_layout != "sharded"):
             raise ConfigError(f"model.table_exchange is one of {', '.join(TABLE_EXCHANGES)}, and not alltoall only with "
                               f"model.table_layout sharded; got {table_exchange!r} with {table_layout}")
@@ -209,7 +211,9 @@ class RankerModule(pl.LightningModule):
 
     def forward(self, batch: dict) -> torch.Tensor:
         inputs = {k: batch[k] for k in _MODEL_INPUTS}
-        if self.sharded:  # one exchange for the ranker's two lookups of these very tensors
+        if self.sharded and "item_rows" in batch:  # a captured step's rows, looked up around its replay
+            self.model.embed.item.use_rows(inputs["hist_item"], inputs["cand_item"], rows=batch["item_rows"])
+        elif self.sharded:  # one exchange for the ranker's two lookups of these very tensors
             self.model.embed.item.prefetch(inputs["hist_item"], inputs["cand_item"],
                                            capacity=self._lookup_capacity if self.training else 0)
         if not self.compile_model:
@@ -324,13 +328,16 @@ class RankerModule(pl.LightningModule):
         if not caps:
             return
         dm, amp = self.trainer.datamodule, autocast_dtype(self.trainer.precision)
-        params = [p for p in self.parameters() if p.requires_grad]
+        table = self.model.embed.item
+        graphed = self.sharded and self.cuda_graphs and table.world > 1  # rows exchanged around each replay
+        lookup = GraphedLookup(table, self._lookup_capacity) if graphed else None
+        params = [p for p in self.parameters() if p.requires_grad and not (lookup and p is table.weight)]
         if self.cuda_graphs:
             if amp == torch.float16:
                 raise ConfigError("model.cuda_graphs supports trainer.precision 32-true and bf16-mixed "
                                   "(16-mixed needs a gradient scaler outside the graph)")
             self._graphs = GraphedTrainStep(self._graph_loss, params, caps, dm.batch_size, self.data_spec_n_dense,
-                                            dm.max_seq_len, self.device, amp)
+                                            dm.max_seq_len, self.device, amp, lookup)
             try:
                 self._graphs.capture()
                 what = f"{len(caps)} CUDA graphs captured (token capacities {caps})"
@@ -506,8 +513,8 @@ def _check_layout(table_layout: str, embedding_grad: str, traced: bool, table_sy
                           f"sharded; got {shards} with {table_layout}")
     if table_layout == "sharded" and (embedding_grad != "dense" or table_sync != "allreduce" or traced):
         raise ConfigError(f"model.table_layout sharded keeps the table's gradient with its shard: it takes the default "
-                          f"embedding_grad dense and table_sync allreduce, and eager steps (no cuda_graphs or "
-                          f"compile_model: the lookups' all-to-all changes its sizes every step and reads them on the "
+                          f"embedding_grad dense and table_sync allreduce, no compile_model, and cuda_graphs only with "
+                          f"table_exchange gather (the all-to-all changes its sizes every step and reads them on the "
                           f"host); got embedding_grad {embedding_grad}, table_sync {table_sync}")
 
 

@@ -118,39 +118,70 @@ def _reduce_scatter(out: torch.Tensor, rows: torch.Tensor, group) -> None:
         dist.reduce_scatter_tensor(out, rows, group=group)
 
 
+def gather_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding", capacity: int):
+    """The fixed-capacity lookup's forward, outside autograd: every process's ids ([n <= C], padded
+    with -1) all-gathered, each owner's rows of them (zeros elsewhere) reduce-scattered back.
+    Returns the rows [n, D] and what :func:`scatter_grads` needs. No size is read on the host."""
+    W, n, D = table.world, ids.numel(), weight.shape[1]
+    padded = ids.new_full((capacity,), -1, dtype=torch.int64)
+    padded[:n] = ids.reshape(-1)
+    every = padded.new_empty(W * capacity)
+    all_gather_into(every, padded, group=table.group)
+    mine = (every >= 0) & (every % W == table.rank)  # [W * C] the ids this shard holds
+    local = torch.where(mine, every // W, 0)
+    rows = weight.detach().index_select(0, local) * mine[:, None].to(weight.dtype)  # [W * C, D]
+    out = rows.new_empty(capacity, D)
+    _reduce_scatter(out, rows, table.group)
+    table.count_gather(capacity, D * weight.element_size())
+    return out[:n], (local, mine, n)
+
+
+def scatter_grads(grad_out: torch.Tensor, saved: tuple, table: "ShardedEmbedding") -> torch.Tensor:
+    """The lookup's backward: the rows' gradients [n, D] all-gathered, each owner's added into a
+    gradient of its shard (the mean over processes, as DDP's), returned."""
+    (local, mine, n), shape = saved, table.weight.shape
+    C, D = local.numel() // table.world, shape[1]
+    grad = grad_out.new_zeros(C, D)
+    grad[:n] = grad_out.reshape(-1, D)
+    every = grad.new_empty(table.world * C, D)
+    all_gather_into(every, grad, group=table.group)
+    rows = every * mine[:, None].to(every.dtype)  # others' ids add zeros to row 0
+    return add_rows(rows.new_zeros(shape), local, rows).div_(table.world * table.replicas)
+
+
 class _GatherExchange(torch.autograd.Function):
-    """The lookup at a fixed capacity C: every process's ids ([n <= C], padded with -1) all-gathered,
-    each owner's rows of them (zeros elsewhere) reduce-scattered back; the backward all-gathers the
-    rows' gradients and each owner adds those of its ids. No size is read on the host."""
+    """The lookup at a fixed capacity C (gather_rows), its backward scatter_grads."""
 
     @staticmethod
     def forward(ctx, weight, ids, table, capacity):
-        W, n, D = table.world, ids.numel(), weight.shape[1]
-        padded = ids.new_full((capacity,), -1, dtype=torch.int64)
-        padded[:n] = ids.reshape(-1)
-        every = padded.new_empty(W * capacity)
-        all_gather_into(every, padded, group=table.group)
-        mine = (every >= 0) & (every % W == table.rank)  # [W * C] the ids this shard holds
-        local = torch.where(mine, every // W, 0)
-        rows = weight.detach().index_select(0, local) * mine[:, None].to(weight.dtype)  # [W * C, D]
-        out = rows.new_empty(capacity, D)
-        _reduce_scatter(out, rows, table.group)
-        ctx.save_for_backward(local, mine)
-        ctx.table, ctx.n, ctx.shape = table, n, weight.shape
-        table.count_gather(capacity, D * weight.element_size())
-        return out[:n].view(*ids.shape, D)
+        rows, saved = gather_rows(weight, ids, table, capacity)
+        ctx.save_for_backward(*saved[:2])
+        ctx.table, ctx.n = table, saved[2]
+        return rows.view(*ids.shape, weight.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        local, mine = ctx.saved_tensors
-        table, (C, D) = ctx.table, (local.numel() // ctx.table.world, ctx.shape[1])
-        grad = grad_out.new_zeros(C, D)
-        grad[:ctx.n] = grad_out.reshape(-1, D)
-        every = grad.new_empty(table.world * C, D)
-        all_gather_into(every, grad, group=table.group)
-        rows = every * mine[:, None].to(every.dtype)  # others' ids add zeros to row 0
-        grad_w = add_rows(rows.new_zeros(ctx.shape), local, rows)
-        return grad_w.div_(table.world * table.replicas), None, None, None
+        return scatter_grads(grad_out, (*ctx.saved_tensors, ctx.n), ctx.table), None, None, None
+
+
+class GraphedLookup:
+    """The fixed-capacity lookup around a captured local step (model.cuda_graphs with the sharded
+    table): before the replay the rows of a bucket's ids into its static `rows` buffer, after it
+    their gradients (the replay's `rows_grad`) to the shards. Every collective stays outside the
+    graph, at sizes fixed by the capacity, so the step reads nothing on the host."""
+
+    def __init__(self, table: "ShardedEmbedding", capacity: int):
+        self.table, self.capacity, self._saved = table, capacity, None
+
+    @torch.no_grad()
+    def fetch(self, ids: list[torch.Tensor], rows: torch.Tensor) -> None:
+        got, self._saved = gather_rows(self.table.weight, torch.cat([i.reshape(-1).long() for i in ids]),
+                                       self.table, self.capacity)
+        rows.copy_(got)
+
+    @torch.no_grad()
+    def send_back(self, rows_grad: torch.Tensor) -> None:
+        self.table.weight.grad = scatter_grads(rows_grad, self._saved, self.table)
 
 
 class ShardedEmbedding(nn.Module):
@@ -206,6 +237,10 @@ class ShardedEmbedding(nn.Module):
             rows = _GatherExchange.apply(self.weight, flat, self, capacity)
         else:
             rows = self(flat)  # [sum of numel, D]
+        self._fetched = list(zip(ids, rows.split([i.numel() for i in ids])))
+
+    def use_rows(self, *ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """As :meth:`prefetch`, with the rows of every tensor of `ids` given (GraphedLookup's buffer)."""
         self._fetched = list(zip(ids, rows.split([i.numel() for i in ids])))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -141,7 +141,7 @@ def test_a_killed_sharded_run_resumes_with_its_optimizer_state(tiny, layouts, tm
      "(100,000,000,000 rows) with its gradient and adamw state takes 47,684 GiB"),
     (["--data.vocab_size", "19999"], "data.vocab_size 19,999 is smaller than the vocabulary of"),
     (["--model.cuda_graphs", "true"], "model.table_layout sharded keeps the table's gradient with its shard"),
-    (["--model.compile_model", "true"], "and eager steps (no cuda_graphs or compile_model"),
+    (["--model.compile_model", "true"], "no compile_model, and cuda_graphs only with table_exchange gather"),
     (["--model.table_layout", "replicated", "--model.table_shards", "2"], "set only with model.table_layout sharded"),
 ])
 @pytest.mark.timeout(120)  # a check that let the fit start would wait for absent processes

@@ -10,9 +10,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from models import RankerConfig
 from pipeline.dist import gloo_worker
+from pipeline.errors import ConfigError
+from pipeline.module import RankerModule
 import pipeline.table
-from pipeline.table import ShardedEmbedding, add_rows, sent_bytes_gather, shard_groups, shard_rows
+from test_pipeline_gradsync import SPEC
+from pipeline.table import GraphedLookup, ShardedEmbedding, add_rows, sent_bytes_gather, shard_groups, shard_rows
 
 V, D = 37, 5  # 37 rows: no world size here divides them
 
@@ -75,6 +79,17 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         assert all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
         sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids]))).backward()
         assert table.sent_bytes - sent == sent_bytes_gather(capacity, shards, D * 8) and table.lookups == 4
+        table.sync_replicas()
+        torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
+        # around a captured step: the rows fetched into a buffer, the gradient of the buffer sent back
+        table.weight.grad, lookup = None, GraphedLookup(table, capacity)
+        rows = torch.zeros(sum(i.numel() for i in ids), D, dtype=torch.float64, requires_grad=True)
+        lookup.fetch(ids, rows)
+        table.use_rows(*ids, rows=rows)
+        outs = [table(i) for i in ids]
+        assert all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
+        loss = sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids])))
+        lookup.send_back(torch.autograd.grad(loss, [rows])[0])
         table.sync_replicas()
         torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
         with pytest.raises(ValueError, match="exceed the lookup capacity 10"):
@@ -142,3 +157,10 @@ def test_rows_add_into_the_gradient_in_blocks_as_in_one(monkeypatch, elements):
     rows = torch.randn(index.numel(), D, dtype=torch.float64)
     want = torch.zeros(V, D, dtype=torch.float64).index_add_(0, index, rows)
     assert torch.equal(add_rows(torch.zeros(V, D, dtype=torch.float64), index, rows), want)
+
+
+def test_cuda_graphs_take_the_sharded_table_only_with_the_fixed_capacity_exchange():
+    sharded = {"table_layout": "sharded", "cuda_graphs": True}
+    RankerModule(RankerConfig(), data_spec=SPEC, table_exchange="gather", **sharded)  # its rows exchanged outside
+    with pytest.raises(ConfigError, match="cuda_graphs only with table_exchange gather"):
+        RankerModule(RankerConfig(), data_spec=SPEC, **sharded)

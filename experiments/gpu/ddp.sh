@@ -33,8 +33,8 @@ PARTS=${PARTS:-"data balance scaling modes"}
 SCALING=${SCALING:-"jagged:1:single jagged:1:ddp jagged:2:ddp sdpa:1:single sdpa:1:ddp sdpa:2:ddp"}
 MODES=${MODES:-"dense sparse densify rows"}
 # attention:devices:strategy[:variant]; variant: a table_sync (allreduce, rows), eager (no CUDA
-# graphs), sharded (the sharded table, eager) or sharded-gather (its lookups at a fixed capacity, no host
-# sync); runs_table.py compares each with its own 1-GPU base
+# graphs), sharded (the sharded table, eager), sharded-gather (its lookups at a fixed capacity, no host
+# sync) or sharded-graphs (those lookups around CUDA-graph steps); runs_table.py compares each with its own 1-GPU base
 SHARD=${SHARD:-"jagged:1:single:eager jagged:1:ddp:sharded jagged:2:ddp:sharded jagged:4:ddp:sharded"}
 BIG_VOCAB=${BIG_VOCAB:-100000000} BIG_DEVICES=${BIG_DEVICES:-4}
 REPEATS=${REPEATS:-1}  # runs of each scaling configuration (named NAME#k from the second on)
@@ -56,6 +56,7 @@ scaled() {  # scaled attention:devices:strategy[:variant] SUFFIX: one weak-scali
     eager) extra=(--model.cuda_graphs false) ;;
     sharded) extra=(--model.table_layout sharded --model.cuda_graphs false) ;;
     sharded-gather) extra=(--model.table_layout sharded --model.table_exchange gather --model.cuda_graphs false) ;;
+    sharded-graphs) extra=(--model.table_layout sharded --model.table_exchange gather) ;;  # the preset's graphs
     *) extra=(--model.table_sync "$variant") ;;
   esac
   fit "$attention-w$devices-$strategy${variant:+-$variant}$2" "$devices" "$strategy" \
