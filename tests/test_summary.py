@@ -176,7 +176,12 @@ def test_history_and_architecture_sections_read_their_reports(tmp_path):
     assert "| 1024 | 0.7300 | +0.0300 | 0.8500 | +0.1000 |" in text and "| 8192 | - | - | 0.8600 | +0.0000 |" in text
     assert "highest at max_seq_len 1024 (0.7300), +0.0300 over 64; at 4096 it is -0.0050 against that" in text
     assert "(the oracle's own gain there: +0.0100)" in text
-    assert "| layers_0 | OK | 0.7600 | +0.0100 |" in text and "| dim_256 | FAILED | - | - |" in text
+    assert "| layers_0 | 1 | 0.7600 | +0.0100 |" in text and "dim_256" not in text  # finished runs only
+    _report(tmp_path, "world_order", [{"status": s, "variant": v, "test/auc": a} for v, s, a in (
+        ("baseline", "OK", 0.80), ("baseline", "OK", 0.82), ("no_self_attention", "OK", 0.78))])
+    text = summary.build(tmp_path)  # the paper preset's world, over its seeds, in place of the model ablation
+    assert "| baseline | 2 | 0.8100 | baseline |" in text and "| no_self_attention | 1 | 0.7800 | -0.0300 |" in text
+    assert "layers_0" not in text
 
 
 def test_the_points_column_counts_failed_runs_whatever_their_reason(tmp_path):
