@@ -349,7 +349,8 @@ def check_padded_memory(cfg) -> None:
                           f"data.max_seq_len")
 
 
-_STATES = {"adamw": 2, "adagrad": 1, "sgd": 0, "rowwise": 0}  # the optimizer's state per table element
+# the optimizer's state of the item table: (floats per element, floats per row)
+_STATES = {"adamw": (2, 0), "adagrad": (1, 0), "sgd": (0, 0), "rowwise": (0, 1)}
 
 
 def _processes(cfg) -> tuple[int, int]:
@@ -388,8 +389,8 @@ def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
                           f"trainer.num_nodes): every process must hold one shard of one whole table")
     if vocab is None:
         return
-    row = model.ranker.embed_dim * 4 * ((2 + _STATES.get(model.optimizer, 2)) if training else 1)
-    row += 4 if training and model.optimizer == "rowwise" else 0  # its one float per row
+    (per_element, per_row), dim = _STATES.get(model.optimizer, (2, 0)), model.ranker.embed_dim
+    row = 4 * (dim * (2 + per_element) + per_row) if training else 4 * dim  # weights, gradient, state
     rows = -(-vocab // shards) if sharded else vocab
     gpu = _on_gpu(cfg) and torch.cuda.is_available()
     have = _memory(gpu, local)

@@ -52,8 +52,8 @@ class RowwiseTableAdamW(torch.optim.AdamW):
 
         s[i] += mean_d g[i, d]^2;    w[i] -= lr * g[i] / (sqrt(s[i]) + eps)
 
-    One float of state per row (`sum_sq`, ``[V]``, and a step count) where AdamW keeps two per element, 2 x D x 4
-    bytes a row. A row a step did not touch (a zero row of a dense gradient, or one absent from a
+    One float of state per row (`sum_sq`, ``[V]``, and a step count) where AdamW keeps two per
+    element, 2 x D x 4 bytes a row. A row a step did not touch (a zero row of a dense gradient, or one absent from a
     sparse gradient) keeps its weights and state, so the three ``model.embedding_grad`` modes train
     the same table. The update has no host sync with a dense gradient (a CUDA graph can hold it).
     """

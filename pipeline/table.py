@@ -237,7 +237,7 @@ class ShardedEmbedding(nn.Module):
             rows = _GatherExchange.apply(self.weight, flat, self, capacity)
         else:
             rows = self(flat)  # [sum of numel, D]
-        self._fetched = list(zip(ids, rows.split([i.numel() for i in ids])))
+        self.use_rows(*ids, rows=rows)
 
     def use_rows(self, *ids: torch.Tensor, rows: torch.Tensor) -> None:
         """As :meth:`prefetch`, with the rows of every tensor of `ids` given (GraphedLookup's buffer)."""
