@@ -243,7 +243,7 @@ def model_ablation_lines(found: dict[str, dict]) -> list[str]:
     for r in _ok(doc):
         runs.setdefault(r["variant"], []).append(r["test/auc"])
     mean = {v: sum(a) / len(a) for v, a in runs.items()}
-    lines = [f"From [{name}]({doc['path']}/report.md): one change at a time from the paper preset's jagged ranker "
+    lines = [f"From [{name}]({doc['path']}/report.md): each variant of the grid (its settings in the report) "
              "at max_seq_len 256, the mean test AUC over its runs (seeds; their spread in the report).",
              "", "| variant | runs | mean test AUC | against the baseline |", "|---|---:|---:|---:|"]
     for v, m in mean.items():
