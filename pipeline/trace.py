@@ -2,8 +2,10 @@
 
 Two windows of ``count`` steps from the process's step ``first``: ``torch.profiler`` writes
 ``loop_trace.json.gz`` (chrome://tracing, ui.perfetto.dev), ``loop_ops.txt`` and
-``loop_summary.json`` (per step: wall and device-busy time, launches, attention's time and share);
-then ``cProfile`` writes ``loop_python.txt``. Files go to ``trace_dir`` and the run's ``trace/``.
+``loop_summary.json`` (per step: wall and device-busy time, launches, attention's time and share,
+and :func:`busy_split`'s compute, NCCL, exposed NCCL and idle device time); then ``cProfile`` writes
+``loop_python.txt``. Files go to ``trace_dir`` (``rank<k>/`` in it for each of several processes)
+and the run's ``trace/``.
 Attention is only seen in eager steps: a CUDA-graph replay or a compiled step hides its ranges.
 """
 
@@ -56,6 +58,22 @@ def attention_us(events, cuda: bool) -> tuple[float, float, int]:
     return sum(t(e) for e in ranges), sum(t(e) for e in bwd if not nested(e)), len(ranges)
 
 
+def busy_split(kernels: list[tuple[str, float, float]], wall_us: float) -> dict[str, float]:
+    """Device time of (name, start, end) kernel spans: compute (non-NCCL kernels' union), comm (NCCL
+    kernels' union), exposed comm (NCCL time under no compute kernel) and idle (wall minus the union
+    of all: the step waiting on its host), in the spans' unit."""
+    def union(spans):
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(spans):
+            total, end = total + max(0.0, b - max(a, end)), max(end, b)
+        return total
+    comm = [(a, b) for n, a, b in kernels if "nccl" in n.lower()]
+    compute = [(a, b) for n, a, b in kernels if "nccl" not in n.lower()]
+    every = union(comm + compute)
+    return {"compute": union(compute), "comm": union(comm), "exposed_comm": every - union(compute),
+            "idle": max(0.0, wall_us - every)}
+
+
 class LoopTrace:
     def __init__(self, steps: list[int], out_dir: str | None = None):
         if len(steps) != 2 or steps[0] < 0 or steps[1] < 1:
@@ -101,6 +119,7 @@ class LoopTrace:
     # ---- outputs ---------------------------------------------------------------------------
     def _dir(self, trainer) -> Path:
         path = Path(self.out_dir or Path(trainer.default_root_dir) / "traces")
+        path = path / f"rank{trainer.global_rank}" if trainer.world_size > 1 else path
         path.mkdir(parents=True, exist_ok=True)
         return path
 
@@ -128,6 +147,8 @@ class LoopTrace:
             # what a step spends in attention, of its wall time (null: no attention range was seen)
             "attention_ms_per_step": attn_ms, "attention_bwd_ms_per_step": bwd_ms,
             "attention_share": None if attn_ms is None else attn_ms / wall_ms,
+            **{f"{k}_ms_per_step": v / 1000.0 / self.count for k, v in busy_split(
+                [(e.name, e.time_range.start, e.time_range.end) for e in device_events], 1e6 * wall_s).items()},
         }
         cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
         text = f"# {self.count} steps from step {self.first}: {json.dumps(self._summary)}\n\n"

@@ -16,6 +16,7 @@
 #       # more repeats of the scaling runs (named NAME#2, NAME#3) for their spread
 #   PARTS="shard" bash experiments/gpu/ddp.sh      # on 4 GPUs: the sharded table's weak scaling
 #   PARTS=auc AUC_DEVICES="1 2 4" bash experiments/gpu/ddp.sh   # test AUC at equal global batch and steps
+#   PARTS=trace TRACE_DEVICES="2 4" bash experiments/gpu/ddp.sh   # the step split of ranks 0 and 1: $OUT/trace-split.md
 #   PARTS="bigtable" bash experiments/gpu/ddp.sh   # on 4 GPUs: the 100M-item table; also writes
 #       $OUT/bigtable.json (per run: exit status, the refusal or error line, examples/s, peak memory)
 # On a CPU (the check of this script): ACCEL=cpu DATA=data/tiny CONFIG=experiments/configs/tiny.yaml
@@ -95,6 +96,26 @@ if has shard; then  # the sharded table: eager steps, its base the same eager st
     suffix=""; [ "$rep" -gt 1 ] && suffix="#$rep"
     for spec in $SHARD; do scaled "$spec" "$suffix"; done
   done
+fi
+if has trace; then  # the step of rank 0 and rank 1 split from a trace: compute, NCCL, exposed NCCL, idle (host)
+  for w in ${TRACE_DEVICES:-2 4}; do
+    fit "jagged-w$w-ddp-sharded-graphs-trace" "$w" ddp --model.ranker.attention jagged --model.table_layout sharded \
+      --model.table_exchange gather --trainer.limit_test_batches 5 --perf.trace_steps "${TRACE_STEPS:-[150, 20]}" --perf.trace_dir "$OUT/trace-w$w"
+  done
+  python3 - "$OUT" <<'PY' | tee "$OUT/trace-split.md"
+import json, sys, time
+from pathlib import Path
+for _ in range(60):  # the other ranks may still be writing theirs when rank 0's launcher returns
+    if all(len(list(d.glob("rank*/loop_summary.json"))) >= int(d.name[7:]) for d in Path(sys.argv[1]).glob("trace-w*")):
+        break
+    time.sleep(1)
+keys = ("wall", "compute", "comm", "exposed_comm", "idle")
+print("| W | rank | " + " | ".join(f"{k} ms/step" for k in keys) + " |\n|---|---|" + "---:|" * len(keys))
+for path in sorted(Path(sys.argv[1]).glob("trace-w*/rank*/loop_summary.json")):
+    s = json.loads(path.read_text())
+    print(f"| {path.parent.parent.name[7:]} | {path.parent.name[4:]} | "
+          + " | ".join(f"{s[k + '_ms_per_step']:.2f}" for k in keys) + " |")
+PY
 fi
 if has bigtable; then  # a table of BIG_VOCAB x 128 rows (51 GB in fp32): one GPU refuses it, 4 shards train it
   ckpt_off=(--checkpoint.save_last false --checkpoint.save_top_k 0 --trainer.limit_test_batches 2)
