@@ -4,7 +4,8 @@
 # Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set (no .git there). A call cut short loses nothing: rerun the same line (on the
 # same warm machine, or on a fresh one with the returned mlflow.db carried back as ./mlflow.db)
-# and finished runs are skipped.
+# and finished runs are skipped, while the library's code is the same (a point is done only for
+# the code that ran it: experiments.ablation.code_version).
 #
 #   PARTS="seq_len sparsity" bash experiments/gpu/ablations.sh          # throughput: one run at a time
 #   PARTS="auc_parity history_value model profile reproduce" bash experiments/gpu/ablations.sh
