@@ -91,7 +91,7 @@ for spec in $PARTS; do
   for c in "${conds[@]}"; do [ -n "$c" ] && where+=(--where "$c"); done
   case $part in
     seq_len|sparsity|compile|smoke|batch_size|s2) sweep "$part" "${where[@]}" "${through[@]}" ;;
-    history_value|model|auc_parity|world|world_order|world_order_converge) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
+    history_value|model|auc_parity|world|world_order|world_order_converge|order_peak) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
     alure)  # the user encoder (days 1-12), its daily export, then the ranker sweep; each step once per machine
       ue=data/timeline/user_embeddings
       if [ ! -f "$ue/encoder.pt.json" ]; then  # written when the encoder is saved
