@@ -165,20 +165,6 @@ class BatchDataset(Dataset):
         return self.split.gather(idx, self.max_seq_len)
 
 
-def last_items(batch: dict, k: int) -> dict:
-    """The batch with each history cut to its last (most recent) `k` items: the jagged columns,
-    offsets and n_tokens of a collated batch (on its device; one host sync, the items kept);
-    max_seq_len and the other columns unchanged."""
-    off = batch["offsets"]
-    t = torch.arange(int(batch["n_tokens"]), device=off.device)
-    row = torch.searchsorted(off[1:], t, right=True)
-    keep = off[row + 1] - t <= k  # [T]
-    offsets = torch.zeros_like(off)
-    offsets[1:] = torch.cumsum((off[1:] - off[:-1]).clamp(max=k), 0)
-    return {**batch, **{name: batch[name][keep] for name in HIST_COLUMNS}, "offsets": offsets,
-            "n_tokens": int(offsets[-1])}
-
-
 def balance_ranks(lengths: np.ndarray, world_size: int) -> np.ndarray:
     """The rank of every row of G global batches: lengths [G, n] int -> ranks [G, n] int64.
 

@@ -31,7 +31,6 @@ from torchmetrics import MeanMetric
 
 from models import Ranker, RankerConfig, feature_width
 from models.layers import draw_item_rows
-from pipeline.batches import last_items
 from pipeline.dist import all_reduce, rank, world_size
 from pipeline.errors import ConfigError
 from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
@@ -104,8 +103,8 @@ class RankerModule(pl.LightningModule):
             summed back: the same mean, a fraction of the bytes; pipeline/gradsync.py).
         table_layout: replicated (default: every process holds the whole item table, DDP averages
             its gradient) or sharded (each of W processes holds every W-th row and lookups exchange
-            ids and rows, never the table's gradient: pipeline/table.py); dense embedding
-            gradients, eager steps. Checkpoints hold the whole table in either layout.
+            ids and rows, never the table's gradient: pipeline/table.py); embedding_grad dense or
+            sparse (the shard's, at a fixed size). Checkpoints hold the whole table in either layout.
         table_exchange: with the sharded layout, how a training step's lookup moves ids and rows:
             alltoall (default: each distinct id to its owner, the sizes read on the host every
             lookup) or gather (the ids padded to the largest step of the data, all-gathered, the
@@ -115,12 +114,6 @@ class RankerModule(pl.LightningModule):
             it must divide the world size): each group of table_shards consecutive ranks (a node's
             processes, when it is their count) holds the whole table, and the groups sum their
             shards' gradients with one all-reduce.
-        curriculum_steps: the first curriculum_steps training steps read only the last
-            curriculum_items items of each history (validation and test the whole window), so
-            that a pattern among few nearby items (data_gen's motifs) can be learned on short
-            histories first (docs/data.md: what it did); their steps are shorter, so throughput
-            metrics that include them overstate a full step; 0 (default): none.
-        curriculum_items: the history those steps read.
     """
 
     def __init__(
@@ -140,8 +133,6 @@ class RankerModule(pl.LightningModule):
         table_layout: Literal["replicated", "sharded"] = "replicated",
         table_shards: int = 0,
         table_exchange: Literal["alltoall", "gather"] = "alltoall",
-        curriculum_steps: int = 0,
-        curriculum_items: int = 8,
     ):
         super().__init__()
         if data_spec is None:
@@ -152,10 +143,7 @@ class RankerModule(pl.LightningModule):
             raise ConfigError("model.cuda_graphs and model.compile_model exclude each other: choose one")
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
-        if curriculum_steps < 0 or curriculum_items < 1:
-            raise ConfigError(f"model.curriculum_steps must be >= 0 and model.curriculum_items >= 1, got "
-                              f"{curriculum_steps} and {curriculum_items}")
-        _check_gradients(optimizer, embedding_grad, cuda_graphs, table_sync)
+        _check_gradients(optimizer, embedding_grad, cuda_graphs and table_layout != "sharded", table_sync)
         if table_lr is not None and (optimizer == "adamw" or table_lr <= 0):
             raise ConfigError(f"model.table_lr must be > 0 and set only with model.optimizer sgd, adagrad or rowwise "
                               f"(AdamW trains the table at model.lr); got {table_lr} with {optimizer}")
@@ -170,8 +158,7 @@ class RankerModule(pl.LightningModule):
             {"ranker": asdict(ranker), "lr": lr, "table_lr": table_lr, "weight_decay": weight_decay, "betas": list(betas),
              "data_spec": dict(data_spec), "compile_model": bool(compile_model),
              "cuda_graphs": bool(cuda_graphs), "token_buckets": int(token_buckets), "optimizer": optimizer,
-             "embedding_grad": embedding_grad, "table_sync": table_sync,
-             "curriculum_steps": int(curriculum_steps), "curriculum_items": int(curriculum_items)},
+             "embedding_grad": embedding_grad, "table_sync": table_sync},
             logger=False,
         )
         # the step is written out (forward, backward, optimizer step) so that it can be a graph replay
@@ -179,7 +166,6 @@ class RankerModule(pl.LightningModule):
         self.lr, self.table_lr, self.weight_decay, self.betas = lr, table_lr, weight_decay, tuple(betas)
         self.compile_model, self._compiled = bool(compile_model), None
         self.cuda_graphs, self.token_buckets = bool(cuda_graphs), int(token_buckets)
-        self.curriculum_steps, self.curriculum_items = int(curriculum_steps), int(curriculum_items)
         self._graphs: GraphedTrainStep | None = None
         self._cpu_buckets: list[StaticBatch] = []
         self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
@@ -236,6 +222,7 @@ class RankerModule(pl.LightningModule):
             rows = functools.partial(draw_item_rows, embed.item_seed, *embed.item.weight.shape,
                                      device=self.trainer.strategy.root_device)
             embed.item = ShardedEmbedding.drawn(rows, *embed.item.weight.shape, self.table_shards)
+            embed.item.sparse_grad = self.hparams.embedding_grad == "sparse"
         except ValueError as err:
             raise ConfigError(f"model.{err}: every process must hold one shard of one whole table") from None
         self.grad_sync = GradSync("dense", self.model.embed.item.weight, list(self.model.parameters()),
@@ -257,8 +244,6 @@ class RankerModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt, step = self.optimizers(), self.global_step
         sent = (self.model.embed.item.sent_bytes, self.model.embed.item.gather_bytes) if self.sharded else None
-        if step < self.curriculum_steps:
-            batch = last_items(batch, self.curriculum_items)
         if self._graphs is not None:
             loss = self._graphs(batch)  # forward + backward replayed; gradients in .grad
         else:
@@ -511,9 +496,9 @@ def _check_layout(table_layout: str, embedding_grad: str, traced: bool, table_sy
     if shards < 0 or (shards and table_layout != "sharded"):
         raise ConfigError(f"model.table_shards must be >= 0 (0: every process), and set only with model.table_layout "
                           f"sharded; got {shards} with {table_layout}")
-    if table_layout == "sharded" and (embedding_grad != "dense" or table_sync != "allreduce" or traced):
-        raise ConfigError(f"model.table_layout sharded keeps the table's gradient with its shard: it takes the default "
-                          f"embedding_grad dense and table_sync allreduce, no compile_model, and cuda_graphs only with "
+    if table_layout == "sharded" and (embedding_grad == "densify" or table_sync != "allreduce" or traced):
+        raise ConfigError(f"model.table_layout sharded keeps the table's gradient with its shard: it takes embedding_grad "
+                          f"dense or sparse, the default table_sync allreduce, no compile_model, and cuda_graphs only with "
                           f"table_exchange gather (the all-to-all changes its sizes every step and reads them on the "
                           f"host); got embedding_grad {embedding_grad}, table_sync {table_sync}")
 

@@ -46,6 +46,21 @@ def build_optimizer(name: str, params: list[nn.Parameter], table: nn.Parameter, 
     return (torch.optim.SGD if name == "sgd" else torch.optim.Adagrad)(groups, lr=lr)
 
 
+def summed_rows(grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, gradients) of a sparse [V, D] `grad`, each row once with its repeats added up, at the
+    size of its entries (coalesce reads the count on the host): the slots past the distinct rows
+    hold row 0 with a zero gradient."""
+    rows, values = grad._indices()[0], grad._values().to(dtype)
+    if grad.is_coalesced():
+        return rows, values
+    rows, order = rows.sort()
+    first = torch.ones_like(rows, dtype=torch.bool)
+    first[1:] = rows[1:] != rows[:-1]
+    slot = first.cumsum(0) - 1  # the distinct row each entry adds to
+    return (rows.new_zeros(rows.shape).index_add_(0, slot, rows * first),
+            values.new_zeros(values.shape).index_add_(0, slot, values[order]))
+
+
 class RowwiseTableAdamW(torch.optim.AdamW):
     """AdamW over every group but the last, the item table, which takes row-wise Adagrad (the
     embedding optimizer of production rankers, FBGEMM's EXACT_ROWWISE_ADAGRAD):
@@ -80,8 +95,7 @@ class RowwiseTableAdamW(torch.optim.AdamW):
             s = state["sum_sq"]
             state["step"].add_(1)
             if given.is_sparse:
-                grad = given.coalesce()
-                rows, g = grad.indices()[0], grad.values().to(s.dtype)
+                rows, g = summed_rows(given, s.dtype)
                 s.index_add_(0, rows, g.square().mean(1))
                 table.index_add_(0, rows, (g / (s[rows].sqrt() + self.table_eps).unsqueeze(1) * -lr).to(table.dtype))
             else:  # no [V, D] temporary: a norm per row, then one fused update

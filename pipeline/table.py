@@ -67,6 +67,16 @@ def add_rows(into: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> tor
     return into
 
 
+def shard_grad(table: "ShardedEmbedding", local: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The shard's gradient: `rows` [N, D] added at its rows `local` (repeats add up), the mean over
+    processes (as DDP's). With ``table.sparse_grad`` a sparse one of N rows, uncoalesced (no sizes
+    read on the host: pipeline.optim sums its repeats); else dense."""
+    rows = rows.div_(table.world * table.replicas)
+    if table.sparse_grad:
+        return torch.sparse_coo_tensor(local[None], rows, table.weight.shape)
+    return add_rows(rows.new_zeros(table.weight.shape), local, rows)
+
+
 class _Exchange(torch.autograd.Function):
     """Rows of `ids` from the shards (forward) and their gradients back to the shards (backward)."""
 
@@ -91,7 +101,7 @@ class _Exchange(torch.autograd.Function):
         by_id = torch.empty_like(got)
         by_id[order] = got  # [U, D] in the order of uniq
         ctx.save_for_backward(inverse, order, local)
-        ctx.table, ctx.send, ctx.recv, ctx.shape = table, send, recv, weight.shape
+        ctx.table, ctx.send, ctx.recv = table, send, recv
         table.count(send, recv, max(row[W] for row in every), rows.shape[1] * rows.element_size())
         return by_id.index_select(0, inverse).view(*ids.shape, rows.shape[1])
 
@@ -103,8 +113,7 @@ class _Exchange(torch.autograd.Function):
         grad_uniq.index_add_(0, inverse, grad_out.reshape(-1, grad_out.shape[-1]))  # [U, D]
         grad_rows = grad_uniq.new_empty(local.numel(), grad_uniq.shape[1])
         dist.all_to_all_single(grad_rows, grad_uniq[order].contiguous(), ctx.recv, ctx.send, group=table.group)
-        grad = add_rows(grad_rows.new_zeros(ctx.shape), local, grad_rows)
-        return grad.div_(table.world * table.replicas), None, None  # the mean over processes, as DDP's
+        return shard_grad(table, local, grad_rows), None, None
 
 
 def _reduce_scatter(out: torch.Tensor, rows: torch.Tensor, group) -> None:
@@ -139,14 +148,13 @@ def gather_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbeddin
 def scatter_grads(grad_out: torch.Tensor, saved: tuple, table: "ShardedEmbedding") -> torch.Tensor:
     """The lookup's backward: the rows' gradients [n, D] all-gathered, each owner's added into a
     gradient of its shard (the mean over processes, as DDP's), returned."""
-    (local, mine, n), shape = saved, table.weight.shape
-    C, D = local.numel() // table.world, shape[1]
+    (local, mine, n), D = saved, table.weight.shape[1]
+    C = local.numel() // table.world
     grad = grad_out.new_zeros(C, D)
     grad[:n] = grad_out.reshape(-1, D)
     every = grad.new_empty(table.world * C, D)
     all_gather_into(every, grad, group=table.group)
-    rows = every * mine[:, None].to(every.dtype)  # others' ids add zeros to row 0
-    return add_rows(rows.new_zeros(shape), local, rows).div_(table.world * table.replicas)
+    return shard_grad(table, local, every * mine[:, None].to(every.dtype))  # others' ids: zeros to row 0
 
 
 class _GatherExchange(torch.autograd.Function):
@@ -202,6 +210,7 @@ class ShardedEmbedding(nn.Module):
         self.replica_group, self.replicas = replica_group, replicas
         self.weight = nn.Parameter(shard)
         self.sent_bytes = self.gather_bytes = self.lookups = 0
+        self.sparse_grad = False  # the gradient as a sparse tensor of the looked-up rows (shard_grad)
         self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
@@ -255,6 +264,7 @@ class ShardedEmbedding(nn.Module):
     def sync_replicas(self) -> None:
         """After the backward: the shard's gradient summed over its replicas (a no-op with one)."""
         if self.replicas > 1 and self.weight.grad is not None:
+            self.weight.grad = self.weight.grad.to_dense()  # an all-reduce takes dense tensors
             dist.all_reduce(self.weight.grad, group=self.replica_group)
             self.sent_bytes += allreduce_bytes(self.weight.grad.numel() * self.weight.grad.element_size(), self.replicas)
 

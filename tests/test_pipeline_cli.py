@@ -134,7 +134,8 @@ def _free_port() -> int:
         (["--trainer.no_such_key", "1"], None, "unrecognized arguments: --trainer.no_such_key"),
         ([], "http://127.0.0.1:{port}", "tracking server .* is unreachable"),
         (["--ckpt_path", "/nonexistent.ckpt"], None, "no such checkpoint"),
-        (["--model.curriculum_items", "0"], None, "model.curriculum_items >= 1, got 0 and 0"),
+        (["--model.table_layout", "sharded", "--model.embedding_grad", "densify"], None,
+         "it takes embedding_grad dense or sparse"),
         (["--model.table_exchange", "gather"], None, "not alltoall only with model.table_layout sharded"),
     ],
 )
@@ -200,31 +201,6 @@ def test_nan_loss_fails_the_run_and_names_the_step(tiny, tracking, tmp_path, cap
     assert exc.value.code == 1
     assert "loss is NaN/inf at step" in capsys.readouterr().err
     assert all_runs(tracking)["nan"].info.status == "FAILED"
-
-
-@pytest.mark.slow
-def test_the_curriculum_steps_read_only_the_last_items(tiny, tracking, tmp_path, monkeypatch):
-    """model.curriculum_steps 2 of 4: the first two training steps see each history cut to its
-    last curriculum_items items, the others (and evaluation) the whole window."""
-    import pipeline.module
-    from pipeline.batches import last_items
-
-    cut = []
-
-    def spy(batch, k):
-        out = last_items(batch, k)
-        lengths = out["offsets"][1:] - out["offsets"][:-1]
-        cut.append((k, int(lengths.max()), int(batch["n_tokens"]), out["n_tokens"]))
-        return out
-
-    monkeypatch.setattr(pipeline.module, "last_items", spy)
-    main(fit_args(tiny, tmp_path, "--mlflow.run_name", "curriculum", "--mlflow.system_metrics", "false",
-                  "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "0",
-                  "--trainer.limit_test_batches", "1", "--model.curriculum_steps", "2", "--model.curriculum_items", "3"))
-    assert all_runs(tracking)["curriculum"].info.status == "FINISHED"
-    assert len(cut) == 2, cut
-    for k, longest, before, after in cut:
-        assert k == 3 and longest <= 3 and after < before
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from data_gen.schema import read_split
-from pipeline.batches import EpochBatchSampler, JaggedSplit, last_items
+from pipeline.batches import EpochBatchSampler, JaggedSplit
 from experiments.loader_bench import main as loader_bench
 from pipeline.data import RankerData
 from pipeline.errors import ConfigError
@@ -155,16 +155,3 @@ def test_the_category_columns_reach_the_ranker_as_its_catalogue(tiny, tmp_path):
                enable_progress_bar=False, enable_model_summary=False,
                default_root_dir=tmp_path).fit(module, datamodule=dm)
     assert np.array_equal(module.model.embed.item_category.numpy(), table)
-
-
-def test_last_items_keeps_the_most_recent_items_of_each_history():
-    off = torch.tensor([0, 0, 3, 13, 18])
-    item = torch.arange(18, dtype=torch.int32)
-    batch = {"hist_item": item, "hist_action": (item % 3).to(torch.int8), "hist_age": item.float() / 2,
-             "offsets": off, "n_tokens": 18, "max_seq_len": 10, "label": torch.zeros(4)}
-    out = last_items(batch, 4)
-    want = [0, 1, 2, 9, 10, 11, 12, 14, 15, 16, 17]  # all 3 of row 1, the last 4 of rows 2 and 3
-    assert out["hist_item"].tolist() == want and out["offsets"].tolist() == [0, 0, 3, 7, 11]
-    assert out["hist_action"].tolist() == [w % 3 for w in want] and out["hist_age"].tolist() == [w / 2 for w in want]
-    assert out["n_tokens"] == 11 and out["max_seq_len"] == 10 and out["label"] is batch["label"]
-    assert last_items(batch, 10)["hist_item"].tolist() == list(range(18))

@@ -60,10 +60,13 @@ def test_a_sparse_gradient_trains_the_table_as_a_dense_one():
                               betas=(0.9, 0.98), fused=None)
         for step in range(3):
             g = _grads(step)
-            if sparse:  # row 4's gradient in two pieces, as an embedding's backward gives repeated ids
+            if sparse:  # a row's gradient in two pieces, unsorted, uncoalesced: as the sharded table gives
                 rows = g.abs().sum(1).nonzero().reshape(-1)
-                idx, vals = torch.cat([rows, rows[1:2]]), torch.cat([g[rows], torch.zeros(1, D, dtype=g.dtype)])
-                g = torch.sparse_coo_tensor(idx[None], vals, (V, D), check_invariants=True)
+                idx, vals = torch.cat([rows, rows[1:2]]), torch.cat([g[rows], 0.75 * g[rows[1:2]]])
+                vals[1] *= 0.25
+                order = torch.randperm(idx.numel(), generator=torch.Generator().manual_seed(step))
+                g = torch.sparse_coo_tensor(idx[order][None], vals[order], (V, D), check_invariants=True)
+                assert not g.is_coalesced()
             table.grad = g
             opt.step()
         tables.append(table.detach().clone())

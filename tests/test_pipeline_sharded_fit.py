@@ -41,7 +41,9 @@ def layouts(tiny, tmp_path_factory):
                          ("one-shard", ["--model.table_layout", "sharded", "--model.table_shards", "1"]),
                          ("gather", ["--model.table_layout", "sharded", "--model.table_exchange", "gather"]),
                          ("rowwise", ["--model.table_layout", "replicated", "--model.optimizer", "rowwise"]),
-                         ("rowwise-sharded", ["--model.table_layout", "sharded", "--model.optimizer", "rowwise"])):
+                         ("rowwise-sharded", ["--model.table_layout", "sharded", "--model.optimizer", "rowwise"]),
+                         ("rowwise-sparse", ["--model.table_layout", "sharded", "--model.optimizer", "rowwise",
+                                             "--model.table_exchange", "gather", "--model.embedding_grad", "sparse"])):
         proc = _fit(fit_args(tiny, root / name, *TWO, *layout, "--mlflow.run_name", name), uri)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return root, uri, all_runs(uri)
@@ -80,6 +82,9 @@ def test_the_rowwise_optimizer_trains_a_sharded_table_like_a_replicated_one(tiny
     root, uri, runs = layouts
     _same_history(history(uri, runs["rowwise-sharded"].info.run_id), history(uri, runs["rowwise"].info.run_id),
                   "rowwise sharded")
+    # the shard's gradient as a fixed-size sparse tensor of the looked-up rows: the same training
+    _same_history(history(uri, runs["rowwise-sparse"].info.run_id), history(uri, runs["rowwise"].info.run_id),
+                  "rowwise sharded, sparse gradient")
     assert runs["rowwise"].data.metrics["train/loss_epoch"] != runs["replicated"].data.metrics["train/loss_epoch"]
     ckpt = next((root / "rowwise-sharded").rglob("last.ckpt"))
     states = torch.load(ckpt, weights_only=False)["optimizer_states"][0]["state"]

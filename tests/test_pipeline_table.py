@@ -92,6 +92,24 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         lookup.send_back(torch.autograd.grad(loss, [rows])[0])
         table.sync_replicas()
         torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
+        # model.embedding_grad sparse: each exchange leaves the same gradient as a sparse tensor
+        table.sparse_grad = True
+        for capacity in (0, capacity, -1):  # the all-to-all, the fixed capacity, around a captured step
+            table.weight.grad = None
+            if capacity < 0:
+                lookup.fetch(ids, rows)
+                table.use_rows(*ids, rows=rows)
+            else:
+                table.prefetch(*ids, capacity=capacity)
+            loss = sum((table(i) * u).sum() for i, u in zip(ids, _upstream(rank, [i.shape for i in ids])))
+            if capacity < 0:
+                lookup.send_back(torch.autograd.grad(loss, [rows])[0])
+            else:
+                loss.backward()
+            assert table.weight.grad.is_sparse
+            table.sync_replicas()  # with replicas, densified for their all-reduce
+            torch.testing.assert_close(table.weight.grad.to_dense(), want[s::shards], rtol=1e-12, atol=1e-12)
+        table.sparse_grad = False
         with pytest.raises(ValueError, match="exceed the lookup capacity 10"):
             table.prefetch(*ids, capacity=10)
         gathered = table.gather(table.weight.detach())
