@@ -3,10 +3,10 @@
 # and SDPA rankers from 1 to 2 GPUs at the paper preset (same batch of 512 per GPU, CUDA-graph
 # steps, bf16, max_seq_len 1024), the dense / sparse / densify embedding gradients on 2 GPUs
 # (eager steps, Adagrad: the optimizer that treats them alike), and the token balance of the
-# sampler on the paper data; the item table sharded by rows (model.table_layout sharded, eager
-# steps) at 1, 2 and 4 GPUs against the same eager step on one GPU; and a 100M-item table
-# (data.vocab_size) that one GPU cannot hold, replicated on one GPU (refused in one line: the
-# result) and sharded over 4. Each part runs only if the call's budget still holds it; a later
+# sampler on the paper data; the item table sharded by rows (model.table_layout sharded, CUDA-graph
+# steps around the fixed-capacity exchange; AdamW, and row-wise Adagrad on a sparse shard gradient)
+# at 1, 2 and 4 GPUs; and a 100M-item table (data.vocab_size) that one GPU cannot hold with AdamW,
+# replicated on one GPU (refused in one line: the result) and sharded over 4. Each part runs only if the call's budget still holds it; a later
 # call with the returned mlflow.db carried back adds to the same runs table.
 # Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set (no .git there). Returns $OUT/ddp.log, $OUT/ddp-summary.md, $OUT/mlflow.db,
@@ -35,8 +35,9 @@ SCALING=${SCALING:-"jagged:1:single jagged:1:ddp jagged:2:ddp sdpa:1:single sdpa
 MODES=${MODES:-"dense sparse densify rows"}
 # attention:devices:strategy[:variant]; variant: a table_sync (allreduce, rows), eager (no CUDA
 # graphs), sharded (the sharded table, eager), sharded-gather (its lookups at a fixed capacity, no host
-# sync) or sharded-graphs (those lookups around CUDA-graph steps); runs_table.py compares each with its own 1-GPU base
-SHARD=${SHARD:-"jagged:1:single:eager jagged:1:ddp:sharded jagged:2:ddp:sharded jagged:4:ddp:sharded"}
+# sync), sharded-graphs (those lookups around CUDA-graph steps) or sharded-sparse (and row-wise Adagrad on
+# a sparse shard gradient); runs_table.py compares each with its own 1-GPU base
+SHARD=${SHARD:-"jagged:1:single jagged:2:ddp:sharded-graphs jagged:4:ddp:sharded-graphs jagged:1:ddp:sharded-sparse jagged:2:ddp:sharded-sparse jagged:4:ddp:sharded-sparse"}
 BIG_VOCAB=${BIG_VOCAB:-100000000} BIG_DEVICES=${BIG_DEVICES:-4}
 REPEATS=${REPEATS:-1}  # runs of each scaling configuration (named NAME#k from the second on)
 REPEAT_FROM=${REPEAT_FROM:-1}  # a later invocation adds repeats REPEAT_FROM..REPEATS
@@ -58,6 +59,8 @@ scaled() {  # scaled attention:devices:strategy[:variant] SUFFIX: one weak-scali
     sharded) extra=(--model.table_layout sharded --model.cuda_graphs false) ;;
     sharded-gather) extra=(--model.table_layout sharded --model.table_exchange gather --model.cuda_graphs false) ;;
     sharded-graphs) extra=(--model.table_layout sharded --model.table_exchange gather) ;;  # the preset's graphs
+    sharded-sparse) extra=(--model.table_layout sharded --model.table_exchange gather --model.optimizer rowwise
+                           --model.embedding_grad sparse) ;;  # graphs; the shard's gradient sparse, row-wise Adagrad
     *) extra=(--model.table_sync "$variant") ;;
   esac
   fit "$attention-w$devices-$strategy${variant:+-$variant}$2" "$devices" "$strategy" \
@@ -120,14 +123,18 @@ fi
 if has bigtable; then  # a table of BIG_VOCAB x 128 rows (51 GB in fp32): one GPU refuses it, 4 shards train it
   ckpt_off=(--checkpoint.save_last false --checkpoint.save_top_k 0 --trainer.limit_test_batches 2)
   fit "bigtable-w1-single" 1 single --data.vocab_size "$BIG_VOCAB" --model.ranker.attention jagged "${ckpt_off[@]}"
+  # AdamW (graph steps, the fixed-capacity exchange), then row-wise Adagrad on a sparse shard gradient
   fit "bigtable-w$BIG_DEVICES-ddp-sharded" "$BIG_DEVICES" ddp --data.vocab_size "$BIG_VOCAB" --model.ranker.attention jagged \
-    --model.table_layout sharded --model.cuda_graphs false "${ckpt_off[@]}"
+    --model.table_layout sharded --model.table_exchange gather "${ckpt_off[@]}"
+  fit "bigtable-w$BIG_DEVICES-ddp-sharded-sparse" "$BIG_DEVICES" ddp --data.vocab_size "$BIG_VOCAB" --model.ranker.attention \
+    jagged --model.table_layout sharded --model.table_exchange gather --model.optimizer rowwise --model.embedding_grad sparse \
+    "${ckpt_off[@]}"
   python3 - "$log" "$OUT/bigtable.json" "$BIG_DEVICES" <<'PY'
 import json, re, sys
 import mlflow
 text = open(sys.argv[1]).read()
 out = {}
-for name in ("bigtable-w1-single", f"bigtable-w{sys.argv[3]}-ddp-sharded"):
+for name in ("bigtable-w1-single", f"bigtable-w{sys.argv[3]}-ddp-sharded", f"bigtable-w{sys.argv[3]}-ddp-sharded-sparse"):
     rc = re.findall(rf"^{name} rc=(\d+)", text, re.M)
     runs = mlflow.search_runs(experiment_names=["ddp"], filter_string=f"attributes.run_name = '{name}'",
                               output_format="list")

@@ -52,14 +52,14 @@ def main(argv: list[str]) -> None:
         print(f"| {name} | {status} | {rs[-1].data.tags.get('world_size', '-')} | "
               + " | ".join(_cell(rs, k) for k in keys) + " |")
     scaling = [(m, groups[name]) for name in groups
-               if (m := re.fullmatch(r"(\w+)-w(\d+)-ddp(-rows|-allreduce|-sharded|-sharded-gather|-sharded-graphs|-eager)?", name))
+               if (m := re.fullmatch(r"(\w+)-w(\d+)-ddp(-rows|-allreduce|-sharded|-sharded-gather|-sharded-graphs|-sharded-sparse|-eager)?", name))
                and m.group(2) != "1"]
     if scaling:
         print("\n| attention | W | variant | efficiency vs 1-process DDP | vs single process |\n|---|---:|---|---:|---:|")
     for m, rs in scaling:
         attention, world, variant, cells = m.group(1), int(m.group(2)), m.group(3) or "", []
         eager = "-eager" if variant in ("-sharded", "-sharded-gather", "-eager") else ""
-        own = variant if eager or variant == "-sharded-graphs" else ""  # the variant's own 1-process run
+        own = variant if eager or variant in ("-sharded-graphs", "-sharded-sparse") else ""  # its own 1-process run
         for base in (f"{attention}-w1-ddp{own}", f"{attention}-w1-single{eager}"):
             speeds, refs = _values(rs, SPEED), _values(groups.get(base, []), SPEED)
             pairs = [s / (world * r) for s in speeds for r in refs]
