@@ -87,7 +87,7 @@ class RankerModule(pl.LightningModule):
             of a CUDA graph per token bucket (pipeline/cuda_graphs.py): microseconds of host time per
             step instead of a few hundred kernel launches. Same losses and gradients as the eager
             step; 32-true or bf16-mixed precision; not with compile_model; dense embedding
-            gradients only; ignored on CPU. Under DDP the replayed gradients are averaged by one
+            gradients (a sharded table's may be sparse); ignored on CPU. DDP averages the replayed ones by one
             bucketed all-reduce outside the graph; a sharded table (table_exchange gather only)
             exchanges its rows and their gradients outside it (pipeline.table.GraphedLookup).
         token_buckets: token capacities (one CUDA graph each, or on the CPU one fixed batch shape
