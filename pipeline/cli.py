@@ -390,13 +390,14 @@ def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
     if vocab is None:
         return
     (per_element, per_row), dim = _STATES.get(model.optimizer, (2, 0)), model.ranker.embed_dim
-    row = 4 * (dim * (2 + per_element) + per_row) if training else 4 * dim  # weights, gradient, state
+    grad = model.embedding_grad != "sparse"  # a sparse gradient holds a step's rows, not the table's
+    row = 4 * (dim * (1 + grad + per_element) + per_row) if training else 4 * dim  # weights, gradient, state
     rows = -(-vocab // shards) if sharded else vocab
     gpu = _on_gpu(cfg) and torch.cuda.is_available()
     have = _memory(gpu, local)
     if rows * row > have:
         where = f"each of {shards} processes' shard" if sharded else "one process's replica"
-        extra = f" with its gradient and {model.optimizer} state" if training else ""
+        extra = f" with its {'gradient and ' * grad}{model.optimizer} state" if training else ""
         raise ConfigError(f"the item table of {vocab:,} x {model.ranker.embed_dim} float32 rows does not fit: {where} "
                           f"({rows:,} rows){extra} takes {_gib(rows * row)}, more than the {_gib(have)} of "
                           f"{'a GPU' if gpu else 'a process'}; shard it (model.table_layout sharded) over at least "
