@@ -67,6 +67,12 @@ def add_rows(into: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> tor
     return into
 
 
+def per_row(state, rows: int) -> bool:
+    """Whether an optimizer state holds one entry per row of a table of `rows` rows (AdamW's moments,
+    the row-wise Adagrad's sums): the part of a checkpoint that is sharded like the table."""
+    return torch.is_tensor(state) and state.dim() > 0 and state.shape[0] == rows
+
+
 def shard_grad(table: "ShardedEmbedding", local: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """The shard's gradient: `rows` [N, D] added at its rows `local` (repeats add up), the mean over
     processes (as DDP's). With ``table.sparse_grad`` a sparse one of N rows, uncoalesced (no sizes
@@ -307,8 +313,7 @@ class ShardedEmbedding(nn.Module):
         for opt_state in checkpoint.get("optimizer_states") or []:  # none in a weights-only checkpoint
             states = opt_state["state"]
             if index in states:  # a new dict: the one there is the optimizer's own
-                states[index] = {k: self.gather(v) if torch.is_tensor(v) and v.dim() and v.shape[0] == self.weight.shape[0]
-                                 else v
+                states[index] = {k: self.gather(v) if per_row(v, self.weight.shape[0]) else v
                                  for k, v in states[index].items()}
 
     def load_rows(self, checkpoint: dict, key: str, index: int) -> None:
@@ -318,5 +323,5 @@ class ShardedEmbedding(nn.Module):
         for opt_state in checkpoint.get("optimizer_states") or []:
             rows = opt_state["state"].get(index, {})
             for k, v in rows.items():
-                if torch.is_tensor(v) and v.dim() and v.shape[0] == self.num_embeddings:
+                if per_row(v, self.num_embeddings):
                     rows[k] = v[self.rank::self.world].contiguous()  # fused AdamW miscomputes on strided state

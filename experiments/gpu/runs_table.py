@@ -2,8 +2,8 @@
 configuration (the run name without ``#<k>``, the k-th repeat), each metric the mean over its
 finished repeats [their range], then, for runs named ``<attention>-w<W>-ddp[-<variant>]``, the weak-
 scaling efficiency: examples/s at W processes / (W x the same run's at 1, DDP and plain; for the
-eager variants, sharded and eager, plain is the eager single process ``<attention>-w1-single-eager``; sharded-graphs
-has graphs, so its plain base is ``<attention>-w1-single``).
+eager variants, sharded and eager, plain is the eager single process ``<attention>-w1-single-eager``; every
+variant but a table_sync has its own 1-process DDP run, ``<attention>-w1-ddp-<variant>``).
 
     python experiments/gpu/runs_table.py <experiment> [metric ...]      # loop.sh, ddp.sh
 """
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
     for m, rs in scaling:
         attention, world, variant, cells = m.group(1), int(m.group(2)), m.group(3) or "", []
         eager = "-eager" if variant in ("-sharded", "-sharded-gather", "-eager") else ""
-        own = variant if eager or variant in ("-sharded-graphs", "-sharded-sparse") else ""  # its own 1-process run
+        own = "" if variant in ("", "-rows", "-allreduce") else variant  # a table_sync's base: plain 1-process DDP
         for base in (f"{attention}-w1-ddp{own}", f"{attention}-w1-single{eager}"):
             speeds, refs = _values(rs, SPEED), _values(groups.get(base, []), SPEED)
             pairs = [s / (world * r) for s in speeds for r in refs]
