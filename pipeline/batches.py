@@ -112,6 +112,20 @@ class JaggedSplit:
         """History items of every row after truncation to max_seq_len: [R] int64."""
         return np.minimum(np.diff(self.row_offsets), max_seq_len)
 
+    def owner_counts(self, max_seq_len: int, owners: int) -> np.ndarray:
+        """Item ids of every row, its history cut to max_seq_len and its candidate, held by each of
+        `owners` table shards (shard id % owners): [R, owners] int64. In blocks of rows: a few MB."""
+        end, keep = self.row_offsets[1:], self.lengths(max_seq_len)
+        out = np.zeros((self.num_rows, owners), np.int64)
+        for lo in range(0, self.num_rows, 1 << 15):
+            k = keep[lo:lo + (1 << 15)]
+            starts = np.concatenate([[0], np.cumsum(k)[:-1]])
+            src = np.arange(k.sum(), dtype=np.int64) + np.repeat(end[lo:lo + len(k)] - k - starts, k)
+            key = np.repeat(np.arange(len(k)) * owners, k) + self.item[src] % owners
+            out[lo:lo + len(k)] = np.bincount(key, minlength=len(k) * owners).reshape(len(k), owners)
+        out[np.arange(self.num_rows), self.cand % owners] += 1
+        return out
+
     def gather(self, idx: np.ndarray, max_seq_len: int) -> dict:
         """The batch of rows `idx` [B]: jagged histories cut to their most recent max_seq_len."""
         end = self.row_offsets[idx + 1]
@@ -237,9 +251,8 @@ class EpochBatchSampler(Sampler):
         return self.batch_size * self.world_size
 
     def __len__(self) -> int:
-        if self.drop_last:
-            return self.num_rows // self.global_batch_size
-        return -(-self.num_rows // self.global_batch_size)
+        n, gb = self.num_rows, self.global_batch_size
+        return n // gb if self.drop_last else -(-n // gb)
 
     def order(self, epoch: int) -> np.ndarray:
         """The row order of an epoch (global batches are its consecutive slices)."""
@@ -264,8 +277,10 @@ class EpochBatchSampler(Sampler):
         return out
 
     def batch_sums(self, values: np.ndarray, epoch: int) -> np.ndarray:
-        """sum(values[idx]) for every batch idx this rank gets in an epoch: e.g. its token counts."""
-        return np.array([values[idx].sum() for idx in self.batches(epoch)], dtype=values.dtype)
+        """sum(values[idx]) for every batch idx this rank gets in an epoch: e.g. its token counts
+        (values [R]: [batches]; values [R, K]: [batches, K])."""
+        return np.array([values[idx].sum(0) for idx in self.batches(epoch)], dtype=values.dtype).reshape(
+            -1, *values.shape[1:])
 
     def __iter__(self) -> Iterator[np.ndarray]:
         batches = self.batches(self.epoch)

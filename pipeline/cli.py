@@ -78,9 +78,8 @@ def _data_digest(data_dir: str) -> str | None:
 
 def _vocab_size(cfg) -> int | None:
     """Rows of the item table: data.vocab_size, else the data's vocabulary (None if unreadable)."""
-    if cfg.data.vocab_size is not None:
-        return int(cfg.data.vocab_size)
-    return _meta_field(cfg.data.data_dir, int, "config", "vocab_size")
+    given = cfg.data.vocab_size
+    return int(given) if given is not None else _meta_field(cfg.data.data_dir, int, "config", "vocab_size")
 
 
 def _embedding_sha(cfg) -> str | None:

@@ -222,7 +222,8 @@ class GraphedTrainStep:
         static = self.statics[i]
         static.fill(batch)
         if self.lookup is not None:
-            self.lookup.fetch([static.hist_item, static.cand_item], static.rows)
+            self.lookup.fetch([static.hist_item, static.cand_item], static.rows,
+                              limits=(int(batch["n_tokens"]), static.batch_size))  # the rest pads
         self.graphs[i].replay()
         if self.lookup is not None:
             self.lookup.send_back(static.rows_grad)

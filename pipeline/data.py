@@ -155,14 +155,18 @@ class RankerData(pl.LightningDataModule):
         return EpochBatchSampler(data.num_rows, batch_size, shuffle=train, drop_last=train, seed=self.seed,
                                  lengths=lengths, rank=rank, world_size=world)
 
-    def train_token_counts(self, epochs) -> np.ndarray:
+    def train_token_counts(self, epochs, owners: int = 0) -> np.ndarray:
         """History items (after truncation to max_seq_len) of every training batch of this
         process in `epochs` (an iterable of epoch numbers), in training order: exact, from the
-        sampler's order."""
+        sampler's order. With `owners`, [batches, 1 + owners]: those counts, then the batch's item
+        ids (its histories as truncated, and its candidates) held by each of `owners` table shards."""
         self.setup("fit")
-        lengths = self._splits["train"].lengths(self.max_seq_len)
+        data = self._splits["train"]
+        values = data.lengths(self.max_seq_len)
+        if owners:
+            values = np.concatenate([values[:, None], data.owner_counts(self.max_seq_len, owners)], axis=1)
         sampler = self._sampler("train", self.batch_size, train=True)
-        return np.concatenate([sampler.batch_sums(lengths, e) for e in epochs] or [np.zeros(0, np.int64)])
+        return np.concatenate([sampler.batch_sums(values, e) for e in epochs] or [values[:0]])
 
     def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
         data = self._splits[split]

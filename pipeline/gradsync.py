@@ -1,9 +1,8 @@
 """Gradients across processes: the item table's gradient modes and the all-reduce done by hand.
 
 :class:`GradSync` averages, after the backward and before the optimizer step, what DDP's reducer
-cannot: the item table's gradient in ``sparse``/``densify`` mode (``model.embedding_grad``) or
-``rows`` sync (``model.table_sync``), and every gradient of a CUDA-graph step (no reducer hooks
-fire in a replay). The modes, their bytes and why they train alike: docs/training.md#gradient-sync.
+cannot: the item table's gradient in ``sparse``/``densify`` mode (``model.embedding_grad``) and
+every gradient of a CUDA-graph step (no reducer hooks fire in a replay). The modes, their bytes and why they train alike: docs/training.md#gradient-sync.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from torch import nn
 from pipeline.dist import world_size
 
 EMBEDDING_GRADS = ("dense", "sparse", "densify")
-TABLE_SYNCS = ("allreduce", "rows")
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 # all_gather_single is the newer name; older torch releases only have the other
 all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -60,18 +58,6 @@ def allgather_sparse(grad: torch.Tensor, world: int) -> tuple[torch.Tensor, int]
     return mean, sent
 
 
-def allgather_rows_(grad: torch.Tensor, world: int) -> int:
-    """Average a dense gradient ``[V, D]`` over processes in place by exchanging only its nonzero
-    rows; returns the bytes this process sent. Equal to the dense all-reduce's mean: a row that is
-    zero in a process adds nothing to the sum."""
-    idx = grad.ne(0).any(dim=1).nonzero().squeeze(1)  # the rows this process touched (a host sync)
-    sparse = torch.sparse_coo_tensor(idx[None], grad.index_select(0, idx), grad.shape, is_coalesced=True)
-    mean, sent = allgather_sparse(sparse, world)
-    grad.zero_()
-    grad.index_put_((mean.indices()[0],), mean.values())  # coalesced: one value per row
-    return sent
-
-
 def allreduce_mean(grads: list[torch.Tensor], world: int, bucket_bytes: int = BUCKET_BYTES) -> int:
     """Average dense gradients over processes in place (bucketed); returns the bytes sent."""
     big = [g for g in grads if _nbytes(g) >= bucket_bytes]
@@ -101,8 +87,6 @@ class GradSync:
     Args:
         mode: ``model.embedding_grad``.
         table: the item table (``nn.Embedding.weight``).
-        table_sync: ``model.table_sync``: ``allreduce`` or ``rows`` (dense mode only; with rows the
-            table is averaged here, never in the reducer).
         params: every trainable parameter, the table included.
         manual_table: average the table here on every step, not in DDP's reducer (always so
             unless mode is dense; with dense, when CUDA graphs are configured).
@@ -111,14 +95,11 @@ class GradSync:
     """
 
     def __init__(self, mode: str, table: nn.Parameter, params: list[nn.Parameter], manual_table: bool,
-                 bucket_bytes: int = BUCKET_BYTES, table_sync: str = "allreduce", local_table: bool = False):
+                 bucket_bytes: int = BUCKET_BYTES, local_table: bool = False):
         if mode not in EMBEDDING_GRADS:
             raise ValueError(f"embedding_grad must be one of {EMBEDDING_GRADS}, got {mode!r}")
-        if table_sync not in TABLE_SYNCS or (table_sync == "rows" and mode != "dense"):
-            raise ValueError(f"table_sync must be one of {TABLE_SYNCS} (rows with a dense gradient only), "
-                             f"got {table_sync!r} with {mode!r}")
-        self.mode, self.table, self.table_sync, self.local_table = mode, table, table_sync, local_table
-        self.manual_table = manual_table or mode != "dense" or table_sync == "rows"
+        self.mode, self.table, self.local_table = mode, table, local_table
+        self.manual_table = manual_table or mode != "dense"
         self.others = [p for p in params if p is not table]
         self.bucket_bytes = bucket_bytes
         self.sent_bytes = 0  # by this process, over `steps` synchronised steps
@@ -135,8 +116,6 @@ class GradSync:
         sent, dense = 0, list(self.others) if all_grads else []
         if self.mode == "sparse":
             self.table.grad, sent = allgather_sparse(self.table.grad, world)
-        elif self.table_sync == "rows":
-            sent = allgather_rows_(self.table.grad, world)
         elif (self.manual_table or all_grads) and not self.local_table:
             dense.insert(0, self.table)
         sent += allreduce_mean([p.grad for p in dense], world, self.bucket_bytes) if dense else 0

@@ -33,7 +33,7 @@ from models import Ranker, RankerConfig, feature_width
 from models.layers import draw_item_rows
 from pipeline.dist import all_reduce, rank, world_size
 from pipeline.errors import ConfigError
-from pipeline.gradsync import EMBEDDING_GRADS, TABLE_SYNCS, GradSync
+from pipeline.gradsync import EMBEDDING_GRADS, GradSync
 from pipeline.cuda_graphs import GraphedTrainStep, StaticBatch, loss_and_grads, token_capacities
 from pipeline.metrics import ranking_metrics
 from pipeline.optim import OPTIMIZERS, build_optimizer, param_groups, table_index
@@ -88,7 +88,7 @@ class RankerModule(pl.LightningModule):
             step instead of a few hundred kernel launches. Same losses and gradients as the eager
             step; 32-true or bf16-mixed precision; not with compile_model; dense embedding
             gradients (a sharded table's may be sparse); ignored on CPU. DDP averages the replayed ones by one
-            bucketed all-reduce outside the graph; a sharded table (table_exchange gather only)
+            bucketed all-reduce outside the graph; a sharded table (table_exchange alltoall_fixed)
             exchanges its rows and their gradients outside it (pipeline.table.GraphedLookup).
         token_buckets: token capacities (one CUDA graph each, or on the CPU one fixed batch shape
             each); more pad less and take longer to capture.
@@ -98,18 +98,15 @@ class RankerModule(pl.LightningModule):
         embedding_grad: the item table's gradient: dense (default), sparse or densify
             (pipeline/gradsync.py: how it is computed and averaged over processes); sparse needs
             sgd, adagrad or rowwise. Same function and, with those three, the same training.
-        table_sync: how a dense item-table gradient is averaged over processes: allreduce
-            (default: the whole table) or rows (only the rows a process touched, all-gathered and
-            summed back: the same mean, a fraction of the bytes; pipeline/gradsync.py).
         table_layout: replicated (default: every process holds the whole item table, DDP averages
             its gradient) or sharded (each of W processes holds every W-th row and lookups exchange
             ids and rows, never the table's gradient: pipeline/table.py); embedding_grad dense or
             sparse (the shard's, at a fixed size). Checkpoints hold the whole table in either layout.
         table_exchange: with the sharded layout, how a training step's lookup moves ids and rows:
             alltoall (default: each distinct id to its owner, the sizes read on the host every
-            lookup) or gather (the ids padded to the largest step of the data, all-gathered, the
-            rows reduce-scattered back: no host sync, more bytes; pipeline/table.py). Evaluation
-            uses the all-to-all.
+            lookup) or alltoall_fixed (each owner a fixed number of slots in every process's
+            message, the data's largest count for one owner: no host sync; pipeline/table.py).
+            Evaluation uses the all-to-all.
         table_shards: with the sharded layout, the processes that shard one table (0: all of them;
             it must divide the world size): each group of table_shards consecutive ranks (a node's
             processes, when it is their count) holds the whole table, and the groups sum their
@@ -129,10 +126,9 @@ class RankerModule(pl.LightningModule):
         token_buckets: int = 4,
         optimizer: Literal["adamw", "sgd", "adagrad", "rowwise"] = "adamw",
         embedding_grad: Literal["dense", "sparse", "densify"] = "dense",
-        table_sync: Literal["allreduce", "rows"] = "allreduce",
         table_layout: Literal["replicated", "sharded"] = "replicated",
         table_shards: int = 0,
-        table_exchange: Literal["alltoall", "gather"] = "alltoall",
+        table_exchange: Literal["alltoall", "alltoall_fixed"] = "alltoall",
     ):
         super().__init__()
         if data_spec is None:
@@ -143,22 +139,18 @@ class RankerModule(pl.LightningModule):
             raise ConfigError("model.cuda_graphs and model.compile_model exclude each other: choose one")
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
-        _check_gradients(optimizer, embedding_grad, cuda_graphs and table_layout != "sharded", table_sync)
+        _check_gradients(optimizer, embedding_grad, cuda_graphs and table_layout != "sharded")
         if table_lr is not None and (optimizer == "adamw" or table_lr <= 0):
             raise ConfigError(f"model.table_lr must be > 0 and set only with model.optimizer sgd, adagrad or rowwise "
                               f"(AdamW trains the table at model.lr); got {table_lr} with {optimizer}")
-        _check_layout(table_layout, embedding_grad, (cuda_graphs and table_exchange != "gather") or compile_model,
-                      table_sync, table_shards)
-        if table_exchange not in TABLE_EXCHANGES or (table_exchange != "alltoall" and table_layout != "sharded"):
-            raise ConfigError(f"model.table_exchange is one of {', '.join(TABLE_EXCHANGES)}, and not alltoall only with "
-                              f"model.table_layout sharded; got {table_exchange!r} with {table_layout}")
+        _check_layout(table_layout, embedding_grad, compile_model, cuda_graphs, table_exchange, table_shards)
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
         # table's layout, which a checkpoint's hyper-parameters would impose on the command loading it
         self.save_hyperparameters(
             {"ranker": asdict(ranker), "lr": lr, "table_lr": table_lr, "weight_decay": weight_decay, "betas": list(betas),
              "data_spec": dict(data_spec), "compile_model": bool(compile_model),
              "cuda_graphs": bool(cuda_graphs), "token_buckets": int(token_buckets), "optimizer": optimizer,
-             "embedding_grad": embedding_grad, "table_sync": table_sync},
+             "embedding_grad": embedding_grad},
             logger=False,
         )
         # the step is written out (forward, backward, optimizer step) so that it can be a graph replay
@@ -170,15 +162,15 @@ class RankerModule(pl.LightningModule):
         self._cpu_buckets: list[StaticBatch] = []
         self._eval_statics: dict[tuple[int, int], StaticBatch] = {}
         self.optimizer_name, self.sharded, self.table_shards = optimizer, table_layout == "sharded", table_shards
-        self._table_bytes = [0, 0, 0]  # training lookups of this process: all-to-all bytes, gather bytes, steps
-        self.table_exchange, self._lookup_capacity = table_exchange, 0  # the gather's capacity: set at train start
+        self._table_bytes = [0, 0, 0]  # training lookups of this process: bytes sent, a gather's bytes, steps
+        self.table_exchange, self._lookup_slots = table_exchange, 0  # alltoall_fixed's slots: set at train start
         self.model = Ranker(ranker, vocab_size=data_spec["vocab_size"], n_actions=data_spec["n_actions"],
                             n_dense=data_spec["n_dense"], sparse_item_grad=embedding_grad != "dense",
                             n_categories=data_spec.get("n_categories", 0),
                             item_device="meta" if self.sharded else None)  # each process draws its shard in setup
         table = self.model.embed.item.weight
         self.grad_sync = GradSync(embedding_grad, table, list(self.model.parameters()),
-                                  manual_table=self.cuda_graphs or self.sharded, table_sync=table_sync)
+                                  manual_table=self.cuda_graphs or self.sharded)
         self.data_spec_n_dense = feature_width(int(data_spec["n_dense"]), ranker)  # a batch's "dense" columns
         self.val_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
         self.test_metrics = nn.ModuleDict(ranking_metrics(data_spec["train_ctr"]))
@@ -200,8 +192,9 @@ class RankerModule(pl.LightningModule):
         if self.sharded and "item_rows" in batch:  # a captured step's rows, looked up around its replay
             self.model.embed.item.use_rows(inputs["hist_item"], inputs["cand_item"], rows=batch["item_rows"])
         elif self.sharded:  # one exchange for the ranker's two lookups of these very tensors
-            self.model.embed.item.prefetch(inputs["hist_item"], inputs["cand_item"],
-                                           capacity=self._lookup_capacity if self.training else 0)
+            B = batch["label"].shape[0] if "label" in batch else inputs["cand_item"].shape[0]  # a bucket's extra one pads
+            self.model.embed.item.prefetch(inputs["hist_item"], inputs["cand_item"], limits=(inputs["offsets"][B], B),
+                                           slots=self._lookup_slots if self.training else 0)
         if not self.compile_model:
             return self.model(**inputs)
         if self._compiled is None:  # built on first use, after the module has moved to its device
@@ -239,7 +232,7 @@ class RankerModule(pl.LightningModule):
 
     def _graph_loss(self, inputs: dict, label: torch.Tensor) -> torch.Tensor:
         # the loss of a bucket's padded batch: its extra padding example (past len(label)) is dropped
-        return F.binary_cross_entropy_with_logits(self(inputs)[: label.shape[0]], label)
+        return F.binary_cross_entropy_with_logits(self({**inputs, "label": label})[: label.shape[0]], label)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         opt, step = self.optimizers(), self.global_step
@@ -280,14 +273,16 @@ class RankerModule(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.grad_sync.broadcast()
-        counts = self._token_counts()  # the steps' sizes, once: the token buckets of every use below
+        owners = self.model.embed.item.world if self.sharded and self.table_exchange == "alltoall_fixed" else 0
+        counts = self._token_counts(owners)  # the steps' sizes (and ids per shard), once, for every use below
+        if owners and counts is None:
+            raise ConfigError("model.table_exchange alltoall_fixed needs the RankerData data module (its steps' sizes)")
+        if owners and len(counts):  # one size on every process: the most ids of one owner in a step (2% more:
+            # the epochs past the 20 planned; check_finite_loss says if an id found no slot)
+            self._lookup_slots = int(all_reduce(torch.tensor(int(counts[:, 1:].max() * 1.02) + 1, device=self.device),
+                                                "max"))
+            counts = counts[:, 0]
         caps = token_capacities(counts, self.token_buckets) if counts is not None and len(counts) else []
-        if self.sharded and self.table_exchange == "gather":
-            if not caps:
-                raise ConfigError("model.table_exchange gather needs the RankerData data module (its steps' sizes)")
-            # the largest step as the steps run: padded to its token bucket, with the bucket's extra example
-            most = max(caps) + self.trainer.datamodule.batch_size + 1
-            self._lookup_capacity = int(all_reduce(torch.tensor(most, device=self.device), "max"))  # one size
         if self.device.type == "cuda":
             self._prepare_step(counts, caps)
         else:
@@ -315,7 +310,7 @@ class RankerModule(pl.LightningModule):
         dm, amp = self.trainer.datamodule, autocast_dtype(self.trainer.precision)
         table = self.model.embed.item
         graphed = self.sharded and self.cuda_graphs and table.world > 1  # rows exchanged around each replay
-        lookup = GraphedLookup(table, self._lookup_capacity) if graphed else None
+        lookup = GraphedLookup(table, self._lookup_slots) if graphed else None
         params = [p for p in self.parameters() if p.requires_grad and not (lookup and p is table.weight)]
         if self.cuda_graphs:
             if amp == torch.float16:
@@ -343,16 +338,17 @@ class RankerModule(pl.LightningModule):
         for logger in self.trainer.loggers:
             logger.log_metrics({"perf/prepare_s": elapsed}, step=self.global_step)
 
-    def _token_counts(self) -> np.ndarray | None:
+    def _token_counts(self, owners: int = 0) -> np.ndarray | None:
         """History items of every training batch of the planned epochs (the data module's
-        exact schedule), or None when the data module cannot say."""
+        exact schedule; with `owners`, and its ids per table shard: RankerData.train_token_counts),
+        or None when the data module cannot say."""
         dm = getattr(self.trainer, "datamodule", None)
         if dm is None or not hasattr(dm, "train_token_counts"):
             log.warning("no RankerData data module: no token buckets (CUDA graphs, fixed CPU shapes) and no warm-up")
             return None
         # from epoch 0 whatever the epoch a resumed run starts at: the same buckets, the same numbers
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 20
-        return dm.train_token_counts(range(min(max_epochs, 20)))  # later epochs are alike
+        return dm.train_token_counts(range(min(max_epochs, 20)), owners)  # later epochs are alike
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.sharded:  # the whole table and its optimizer state, as the replicated layout saves them
@@ -393,6 +389,10 @@ class RankerModule(pl.LightningModule):
         none = torch.iinfo(torch.int64).max
         first = all_reduce(torch.where(self._bad_step < 0, none, self._bad_step), "min")
         step = -1 if int(first) == none else int(first)
+        lost = int(self.model.embed.item.overflow) if self._lookup_slots else 0
+        if lost:  # ids past alltoall_fixed's slots got zero rows
+            raise RuntimeError(f"{lost} item ids of this process's steps found no slot of model.table_exchange alltoall_fixed "
+                               f"({self._lookup_slots} per owner, the planned epochs' most): use table_exchange alltoall")
         if step >= 0:
             raise NonFiniteLossError(
                 f"training loss is NaN/inf at step {step} (global step, 0-based): lower model.lr, "
@@ -472,7 +472,7 @@ def keep_heap() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
-def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, table_sync: str = "allreduce") -> None:
+def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool) -> None:
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     if embedding_grad not in EMBEDDING_GRADS:
@@ -480,35 +480,31 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool, tab
     if embedding_grad == "sparse" and optimizer == "adamw":
         raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd, adagrad or rowwise: AdamW has no "
                           "sparse-gradient path (pipeline/optim.py says why SparseAdam is not a substitute)")
-    if table_sync not in TABLE_SYNCS:
-        raise ConfigError(f"model.table_sync must be one of {', '.join(TABLE_SYNCS)}, got {table_sync!r}")
-    if table_sync == "rows" and embedding_grad != "dense":
-        raise ConfigError(f"model.table_sync rows averages a dense table gradient; with embedding_grad "
-                          f"{embedding_grad} the table's exchange is fixed by that mode (pipeline/gradsync.py)")
     if embedding_grad != "dense" and cuda_graphs:
         raise ConfigError(f"model.embedding_grad {embedding_grad} and model.cuda_graphs exclude each other: "
                           "a graph replays fixed shapes, a sparse gradient's size changes every step")
 
 
-def _check_layout(table_layout: str, embedding_grad: str, traced: bool, table_sync: str, shards: int) -> None:
-    if table_layout not in TABLE_LAYOUTS:
-        raise ConfigError(f"model.table_layout must be one of {', '.join(TABLE_LAYOUTS)}, got {table_layout!r}")
-    if shards < 0 or (shards and table_layout != "sharded"):
+def _check_layout(layout: str, embedding_grad: str, compiled: bool, graphs: bool, exchange: str, shards: int) -> None:
+    if layout not in TABLE_LAYOUTS:
+        raise ConfigError(f"model.table_layout must be one of {', '.join(TABLE_LAYOUTS)}, got {layout!r}")
+    if shards < 0 or (shards and layout != "sharded"):
         raise ConfigError(f"model.table_shards must be >= 0 (0: every process), and set only with model.table_layout "
-                          f"sharded; got {shards} with {table_layout}")
-    if table_layout == "sharded" and (embedding_grad == "densify" or table_sync != "allreduce" or traced):
+                          f"sharded; got {shards} with {layout}")
+    if exchange not in TABLE_EXCHANGES or (exchange != "alltoall" and layout != "sharded"):
+        raise ConfigError(f"model.table_exchange is one of {', '.join(TABLE_EXCHANGES)}, and not alltoall only with "
+                          f"model.table_layout sharded; got {exchange!r} with {layout}")
+    if layout == "sharded" and (embedding_grad == "densify" or compiled or (graphs and exchange == "alltoall")):
         raise ConfigError(f"model.table_layout sharded keeps the table's gradient with its shard: it takes embedding_grad "
-                          f"dense or sparse, the default table_sync allreduce, no compile_model, and cuda_graphs only with "
-                          f"table_exchange gather (the all-to-all changes its sizes every step and reads them on the "
-                          f"host); got embedding_grad {embedding_grad}, table_sync {table_sync}")
+                          f"dense or sparse, no compile_model, and cuda_graphs only with table_exchange alltoall_fixed "
+                          f"(the plain all-to-all changes its sizes every step and reads them on the host); got "
+                          f"embedding_grad {embedding_grad}, table_exchange {exchange}")
 
 
 def autocast_dtype(precision) -> torch.dtype | None:
     """The autocast dtype of a Lightning precision setting (None: no autocast)."""
     p = str(precision)
-    if "mixed" not in p:
-        return None
-    return torch.bfloat16 if p.startswith("bf16") else torch.float16
+    return None if "mixed" not in p else torch.bfloat16 if p.startswith("bf16") else torch.float16
 
 
 def eval_capacity(tokens: int) -> int:

@@ -3,11 +3,13 @@
 Over a shard group of S processes, row ``i`` lives on its rank ``i % S`` at local row ``i // S``. A
 lookup sends each distinct id to its owner and gets its row back (an all-to-all of ids, then of rows,
 as TorchRec's row-wise sharding); the backward sends the rows' gradients to their owners, which add
-them into the shard's gradient. The all-to-all's sizes are read on the host; at a fixed capacity
-(``TABLE_EXCHANGES`` gather: a training step's ids padded to a size every process knows) the
-lookup all-gathers the ids, each owner fills its rows, and a reduce-scatter returns them, with no
-host sync (more bytes: ``sent_bytes_gather``). With W / S > 1 groups, each holds the whole table and the shards'
-gradients are summed across groups. Layout, bytes, checkpoints: docs/training.md#sharded-item-table.
+them into the shard's gradient. That all-to-all's sizes are read on the host; ``alltoall_fixed``
+gives each owner a fixed number of slots of every process's message (the data's largest count for
+one owner), so no size is read and a CUDA-graph step can run around it. A RowwiseParallel-style
+gather (every process's ids all-gathered, the rows reduce-scattered back) would send about W
+times its bytes: ``ShardedEmbedding.gather_bytes`` counts them. With W / S > 1 groups, each holds
+the whole table and the shards' gradients are summed across groups. Layout, bytes, checkpoints:
+docs/training.md#sharded-item-table.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pipeline.dist import rank, world_size
 from pipeline.gradsync import all_gather_into, allreduce_bytes
 
 TABLE_LAYOUTS = ("replicated", "sharded")
-TABLE_EXCHANGES = ("alltoall", "gather")
+TABLE_EXCHANGES = ("alltoall", "alltoall_fixed")
 _CHUNK_ROWS = 1 << 20  # rows per collective when a shard is gathered or its optimizer state
 _INDEXED_ELEMENTS = 1 << 30  # elements per index_add_ into a shard's gradient
 
@@ -47,11 +49,12 @@ def sent_bytes_alltoall(send: list[int], recv: list[int], rank: int, row_bytes: 
     return ids_out * 8 + rows_in * row_bytes + ids_out * row_bytes
 
 
-def sent_bytes_gather(t_max: int, world: int, row_bytes: int) -> int:
-    """Bytes one process would send with the RowwiseParallel-style lookup instead: every process's
-    ids all-gathered (padded to the step's largest count `t_max`), each process's partial rows
-    reduce-scattered back, and in the backward the rows' gradients all-gathered (ring collectives)."""
-    return (world - 1) * t_max * (8 + 2 * row_bytes)
+def sent_bytes_fixed(size: int, world: int, row_bytes: int) -> int:
+    """Bytes one process sends for a lookup at a fixed size and its backward: `size` ids, rows and
+    row gradients to each of the other processes: alltoall_fixed's slots per owner, or for a
+    RowwiseParallel-style gather, the step's id count (ring all-gather of the ids, reduce-scatter of
+    the rows, all-gather of their gradients)."""
+    return (world - 1) * size * (8 + 2 * row_bytes)
 
 
 def add_rows(into: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,8 @@ class _Exchange(torch.autograd.Function):
         by_id[order] = got  # [U, D] in the order of uniq
         ctx.save_for_backward(inverse, order, local)
         ctx.table, ctx.send, ctx.recv = table, send, recv
-        table.count(send, recv, max(row[W] for row in every), rows.shape[1] * rows.element_size())
+        row_bytes = rows.shape[1] * rows.element_size()
+        table.tally(sent_bytes_alltoall(send, recv, r, row_bytes), max(row[W] for row in every), row_bytes)
         return by_id.index_select(0, inverse).view(*ids.shape, rows.shape[1])
 
     @staticmethod
@@ -122,80 +126,87 @@ class _Exchange(torch.autograd.Function):
         return shard_grad(table, local, grad_rows), None, None
 
 
-def _reduce_scatter(out: torch.Tensor, rows: torch.Tensor, group) -> None:
-    """out = this rank's block of the sum over the group of `rows` ([W * C, D] -> [C, D]); Gloo
-    (the CPU tests) has no reduce-scatter: an all-reduce and a slice."""
-    if dist.get_backend(group) == "gloo":
-        dist.all_reduce(rows, group=group)
-        r = dist.get_rank(group)
-        out.copy_(rows[r * out.shape[0]:(r + 1) * out.shape[0]])
-    else:
-        dist.reduce_scatter_tensor(out, rows, group=group)
+def masked_ids(ids: list[torch.Tensor], limits) -> torch.Tensor:
+    """The flat ids of `ids` with -1 (no row, nothing exchanged) past each one's first `limits[k]`
+    entries (an int or a device scalar: no host sync): a bucket's padding, which holds stale ids."""
+    flat = [i.reshape(-1).long() for i in ids]
+    return torch.cat([torch.where(torch.arange(f.numel(), device=f.device) < n, f, -1)
+                      for f, n in zip(flat, [f.numel() for f in flat] if limits is None else limits)])
 
 
-def gather_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding", capacity: int):
-    """The fixed-capacity lookup's forward, outside autograd: every process's ids ([n <= C], padded
-    with -1) all-gathered, each owner's rows of them (zeros elsewhere) reduce-scattered back.
-    Returns the rows [n, D] and what :func:`scatter_grads` needs. No size is read on the host."""
+def route_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding", slots: int):
+    """The alltoall_fixed exchange's forward, outside autograd: each id ([n], -1: none) into one of
+    the `slots` places its owner (id % W) has in this process's message, the W x slots ids sent to
+    their owners in one all-to-all of equal parts, their rows (zeros for empty places) sent back in
+    another. An id past its owner's slots gets zeros and is counted in ``table.overflow`` (checked
+    at the loss checks). Returns the rows [n, D] and what :func:`route_grads` needs."""
     W, n, D = table.world, ids.numel(), weight.shape[1]
-    padded = ids.new_full((capacity,), -1, dtype=torch.int64)
-    padded[:n] = ids.reshape(-1)
-    every = padded.new_empty(W * capacity)
-    all_gather_into(every, padded, group=table.group)
-    mine = (every >= 0) & (every % W == table.rank)  # [W * C] the ids this shard holds
-    local = torch.where(mine, every // W, 0)
-    rows = weight.detach().index_select(0, local) * mine[:, None].to(weight.dtype)  # [W * C, D]
-    out = rows.new_empty(capacity, D)
-    _reduce_scatter(out, rows, table.group)
-    table.count_gather(capacity, D * weight.element_size())
-    return out[:n], (local, mine, n)
+    ids = ids.reshape(-1)
+    owner = torch.where(ids >= 0, ids % W, W)  # [n] W: no owner
+    by_owner, order = torch.sort(owner, stable=True)
+    first = torch.searchsorted(by_owner, torch.arange(W + 1, device=ids.device))  # (CUDA's bincount reads a max)
+    place = torch.empty_like(order)
+    place[order] = torch.arange(n, device=ids.device) - first[by_owner]  # [n] its rank among its owner's ids
+    fits = (owner < W) & (place < slots)
+    table.overflow += ((owner < W) & ~fits).sum()
+    slot = torch.where(fits, owner * slots + place, W * slots)  # [n] the last slot: a bin, never sent
+    send = ids.new_full((W * slots + 1,), -1)
+    send[slot] = torch.where(fits, ids, -1)
+    asked = torch.empty_like(send[:-1])
+    dist.all_to_all_single(asked, send[:-1], group=table.group)
+    mine = asked >= 0  # [W * slots] the ids each process asks of this shard
+    local = torch.where(mine, asked // W, 0)
+    rows = weight.detach().index_select(0, local) * mine[:, None].to(weight.dtype)
+    got = torch.empty_like(rows)
+    dist.all_to_all_single(got, rows, group=table.group)
+    table.tally(sent_bytes_fixed(slots, W, D * weight.element_size()), n, D * weight.element_size())
+    return torch.cat([got, got.new_zeros(1, D)])[slot], (local, mine, slot)
 
 
-def scatter_grads(grad_out: torch.Tensor, saved: tuple, table: "ShardedEmbedding") -> torch.Tensor:
-    """The lookup's backward: the rows' gradients [n, D] all-gathered, each owner's added into a
-    gradient of its shard (the mean over processes, as DDP's), returned."""
-    (local, mine, n), D = saved, table.weight.shape[1]
-    C = local.numel() // table.world
-    grad = grad_out.new_zeros(C, D)
-    grad[:n] = grad_out.reshape(-1, D)
-    every = grad.new_empty(table.world * C, D)
-    all_gather_into(every, grad, group=table.group)
-    return shard_grad(table, local, every * mine[:, None].to(every.dtype))  # others' ids: zeros to row 0
+def route_grads(grad_out: torch.Tensor, saved: tuple, table: "ShardedEmbedding") -> torch.Tensor:
+    """route_rows' backward: the rows' gradients [n, D] to their owners by the reverse all-to-all,
+    each owner's added into a gradient of its shard (the mean over processes, as DDP's), returned."""
+    local, mine, slot = saved
+    grad = grad_out.new_zeros(local.numel() + 1, table.weight.shape[1])
+    grad[slot] = grad_out.reshape(-1, grad.shape[1])  # the bin last
+    every = torch.empty_like(grad[:-1])
+    dist.all_to_all_single(every, grad[:-1], group=table.group)
+    return shard_grad(table, local, every * mine[:, None].to(every.dtype))  # empty slots: zeros to row 0
 
 
-class _GatherExchange(torch.autograd.Function):
-    """The lookup at a fixed capacity C (gather_rows), its backward scatter_grads."""
+class _FixedExchange(torch.autograd.Function):
+    """A lookup by route_rows, its backward route_grads."""
 
     @staticmethod
-    def forward(ctx, weight, ids, table, capacity):
-        rows, saved = gather_rows(weight, ids, table, capacity)
-        ctx.save_for_backward(*saved[:2])
-        ctx.table, ctx.n = table, saved[2]
+    def forward(ctx, weight, ids, table, slots):
+        rows, saved = route_rows(weight, ids, table, slots)
+        ctx.save_for_backward(*saved)
+        ctx.table = table
         return rows.view(*ids.shape, weight.shape[1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        return scatter_grads(grad_out, (*ctx.saved_tensors, ctx.n), ctx.table), None, None, None
+        return route_grads(grad_out, ctx.saved_tensors, ctx.table), None, None, None
 
 
 class GraphedLookup:
-    """The fixed-capacity lookup around a captured local step (model.cuda_graphs with the sharded
+    """The alltoall_fixed lookup around a captured local step (model.cuda_graphs with the sharded
     table): before the replay the rows of a bucket's ids into its static `rows` buffer, after it
     their gradients (the replay's `rows_grad`) to the shards. Every collective stays outside the
-    graph, at sizes fixed by the capacity, so the step reads nothing on the host."""
+    graph, at sizes fixed by `slots`, so the step reads nothing on the host."""
 
-    def __init__(self, table: "ShardedEmbedding", capacity: int):
-        self.table, self.capacity, self._saved = table, capacity, None
+    def __init__(self, table: "ShardedEmbedding", slots: int):
+        self.table, self.slots, self._saved = table, slots, None
 
     @torch.no_grad()
-    def fetch(self, ids: list[torch.Tensor], rows: torch.Tensor) -> None:
-        got, self._saved = gather_rows(self.table.weight, torch.cat([i.reshape(-1).long() for i in ids]),
-                                       self.table, self.capacity)
+    def fetch(self, ids: list[torch.Tensor], rows: torch.Tensor, limits=None) -> None:
+        """`limits`: the real entries of each of `ids` (masked_ids); the rest is a bucket's padding."""
+        got, self._saved = route_rows(self.table.weight, masked_ids(ids, limits), self.table, self.slots)
         rows.copy_(got)
 
     @torch.no_grad()
     def send_back(self, rows_grad: torch.Tensor) -> None:
-        self.table.weight.grad = scatter_grads(rows_grad, self._saved, self.table)
+        self.table.weight.grad = route_grads(rows_grad, self._saved, self.table)
 
 
 class ShardedEmbedding(nn.Module):
@@ -216,6 +227,7 @@ class ShardedEmbedding(nn.Module):
         self.replica_group, self.replicas = replica_group, replicas
         self.weight = nn.Parameter(shard)
         self.sent_bytes = self.gather_bytes = self.lookups = 0
+        self.overflow = torch.zeros((), dtype=torch.int64, device=shard.device)  # ids past alltoall_fixed's slots
         self.sparse_grad = False  # the gradient as a sparse tensor of the looked-up rows (shard_grad)
         self._fetched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -239,19 +251,17 @@ class ShardedEmbedding(nn.Module):
         return cls(rows(rank() % shards, shards), num_embeddings, rank() % shards, shards, shard_group,
                    replica_group, world // shards)
 
-    def prefetch(self, *ids: torch.Tensor, capacity: int = 0) -> None:
+    def prefetch(self, *ids: torch.Tensor, slots: int = 0, limits=None) -> None:
         """One exchange for the rows of every tensor of `ids`; each lookup of one of those very
         tensors that follows gets its rows from it (once), instead of an exchange of its own.
-        `capacity` > 0 (the same on every process, at least the ids' total): the fixed-size
-        exchange without a host sync (_GatherExchange); 0: the all-to-all."""
+        `slots` > 0 (the same on every process): alltoall_fixed with `slots` per owner, no host
+        sync, of only the first `limits[k]` ids of each tensor (masked_ids; None: all); 0: the
+        all-to-all."""
         self._fetched = []
-        flat = torch.cat([i.reshape(-1).long() for i in ids])
-        if capacity and self.world > 1:
-            if flat.numel() > capacity:
-                raise ValueError(f"{flat.numel()} ids exceed the lookup capacity {capacity}")
-            rows = _GatherExchange.apply(self.weight, flat, self, capacity)
+        if slots and self.world > 1:
+            rows = _FixedExchange.apply(self.weight, masked_ids(list(ids), limits), self, slots)
         else:
-            rows = self(flat)  # [sum of numel, D]
+            rows = self(torch.cat([i.reshape(-1).long() for i in ids]))  # [sum of numel, D]
         self.use_rows(*ids, rows=rows)
 
     def use_rows(self, *ids: torch.Tensor, rows: torch.Tensor) -> None:
@@ -274,15 +284,10 @@ class ShardedEmbedding(nn.Module):
             dist.all_reduce(self.weight.grad, group=self.replica_group)
             self.sent_bytes += allreduce_bytes(self.weight.grad.numel() * self.weight.grad.element_size(), self.replicas)
 
-    def count_gather(self, capacity: int, row_bytes: int) -> None:
-        sent = sent_bytes_gather(capacity, self.world, row_bytes)
+    def tally(self, sent: int, ids: int, row_bytes: int) -> None:
+        """A lookup's bytes: `sent`, and what a RowwiseParallel-style gather would send for `ids` ids."""
         self.sent_bytes += sent
-        self.gather_bytes += sent
-        self.lookups += 1
-
-    def count(self, send: list[int], recv: list[int], t_max: int, row_bytes: int) -> None:
-        self.sent_bytes += sent_bytes_alltoall(send, recv, self.rank, row_bytes)
-        self.gather_bytes += sent_bytes_gather(t_max, self.world, row_bytes)
+        self.gather_bytes += sent_bytes_fixed(ids, self.world, row_bytes)
         self.lookups += 1
 
     def gather(self, shard: torch.Tensor) -> torch.Tensor | None:

@@ -136,7 +136,7 @@ def _free_port() -> int:
         (["--ckpt_path", "/nonexistent.ckpt"], None, "no such checkpoint"),
         (["--model.table_layout", "sharded", "--model.embedding_grad", "densify"], None,
          "it takes embedding_grad dense or sparse"),
-        (["--model.table_exchange", "gather"], None, "not alltoall only with model.table_layout sharded"),
+        (["--model.table_exchange", "alltoall_fixed"], None, "not alltoall only with model.table_layout sharded"),
     ],
 )
 def test_bad_input_fails_before_training(tiny, tracking, tmp_path, monkeypatch, capsys, extra, env_uri, message):

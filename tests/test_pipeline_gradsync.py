@@ -27,8 +27,6 @@ from test_pipeline_data import tiny_data_dir
 WORLD, BATCH, MAX_SEQ_LEN = 2, 24, 16
 CFG = RankerConfig(attention="jagged", embed_dim=32, num_heads=2, num_layers=1, pool_heads=2, mlp_dims=[16])
 SPEC = {"vocab_size": 20_000, "n_actions": 4, "n_dense": 4, "train_ctr": 0.2}
-# (name, embedding_grad, table_sync): every mode, and the dense gradient exchanged as its rows
-CASES = [(mode, mode, "allreduce") for mode in EMBEDDING_GRADS] + [("dense-rows", "dense", "rows")]
 
 
 def _ranker(mode: str) -> Ranker:
@@ -60,14 +58,13 @@ def _worker(rank: int, store: str, data_dir: str, out: str) -> None:
     with gloo_worker(rank, WORLD, store):
         batch = _batches(data_dir, rank, WORLD)[0]
         result = {"grads": {}, "sent": {}}
-        for name, mode, table_sync in CASES:
+        for mode in EMBEDDING_GRADS:
             model = _ranker(mode)
             _loss(model, batch).backward()
             params = list(model.parameters())
-            sync = GradSync(mode, model.embed.item.weight, params, manual_table=True, bucket_bytes=64 * 2**10,
-                            table_sync=table_sync)
+            sync = GradSync(mode, model.embed.item.weight, params, manual_table=True, bucket_bytes=64 * 2**10)
             sync(all_grads=True)  # what a CUDA-graph step runs after its replay
-            result["grads"][name], result["sent"][name] = _grads(model), sync.sent_bytes
+            result["grads"][mode], result["sent"][mode] = _grads(model), sync.sent_bytes
         rng = np.random.default_rng(11)  # the same predictions in every process; each updates its part
         logits, labels = torch.tensor(rng.normal(size=301)), torch.tensor(rng.integers(0, 2, 301)).double()
         part = slice(0, 180) if rank == 0 else slice(180, 301)  # uneven shares, as the sampler may give
@@ -97,14 +94,13 @@ def test_every_mode_averages_to_the_one_process_gradient_of_the_global_batch(tin
     model = _ranker("dense")
     _loss(model, _batches(str(tiny), 0, 1)[0]).backward()  # one process, the whole global batch
     want = _grads(model)
-    for case, _, _ in CASES:
+    for case in EMBEDDING_GRADS:
         for rank, result in enumerate(two_ranks):
             got = result["grads"][case]
             for name, g in want.items():
                 torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12, msg=f"{case} rank {rank} {name}")
     sent = two_ranks[0]["sent"]
     assert sent["dense"] == sent["densify"] and 0 < sent["sparse"] < sent["dense"]
-    assert sent["dense-rows"] == sent["sparse"]  # the same rows cross, whether the gradient was sparse or not
 
 
 @pytest.mark.slow
@@ -148,8 +144,6 @@ def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
     ({"optimizer": "lamb"}, "model.optimizer must be one of"),
     ({"table_lr": 0.01}, "model.table_lr must be > 0 and set only with model.optimizer sgd"),
     ({"table_lr": 0.0, "optimizer": "rowwise"}, "got 0.0 with rowwise"),
-    ({"table_sync": "rows", "embedding_grad": "densify", "optimizer": "sgd"}, "averages a dense table gradient"),
-    ({"table_sync": "ring"}, "model.table_sync must be one of"),
 ])
 def test_gradient_settings_that_cannot_work_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -164,8 +158,6 @@ def test_the_item_table_is_left_to_gradsync_only_when_it_must_be():
     assert set(ignored["sparse"]) == set(ignored["densify"]) == buffers | {"model.embed.item.weight"}
     graphs = RankerModule(RankerConfig(), data_spec=SPEC, cuda_graphs=True)._ddp_params_and_buffers_to_ignore
     assert "model.embed.item.weight" in graphs
-    rows = RankerModule(RankerConfig(), data_spec=SPEC, table_sync="rows")._ddp_params_and_buffers_to_ignore
-    assert "model.embed.item.weight" in rows
 
 
 def _all_reduce_then(rank: int, store: str, fail: bool) -> None:

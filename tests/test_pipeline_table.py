@@ -16,7 +16,7 @@ from pipeline.errors import ConfigError
 from pipeline.module import RankerModule
 import pipeline.table
 from test_pipeline_gradsync import SPEC
-from pipeline.table import GraphedLookup, ShardedEmbedding, add_rows, sent_bytes_gather, shard_groups, shard_rows
+from pipeline.table import GraphedLookup, ShardedEmbedding, add_rows, sent_bytes_fixed, shard_groups, shard_rows
 
 V, D = 37, 5  # 37 rows: no world size here divides them
 
@@ -63,7 +63,7 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         rows_in = sum(int((u % shards == s).sum()) for r in mine if r != rank for u in distinct[r])
         assert lookup_bytes == ids_out * 8 + (rows_in + ids_out) * D * 8
         t_max = [max(_inputs(r)[k].numel() for r in mine) for k in range(2)]
-        assert table.gather_bytes == sum(sent_bytes_gather(t, shards, D * 8) for t in t_max) and table.lookups == 2
+        assert table.gather_bytes == sum(sent_bytes_fixed(t, shards, D * 8) for t in t_max) and table.lookups == 2
         # one exchange for both lookups of those very tensors: the same rows and gradient
         table.weight.grad = None
         table.prefetch(*ids)
@@ -72,46 +72,57 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids]))).backward()
         table.sync_replicas()
         torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
-        # the fixed-capacity exchange (no host sync): the same rows and gradient, its bytes
-        table.weight.grad, sent, capacity = None, table.sent_bytes, 60  # above every process's 23 + 5 * 3 + 12 ids
-        table.prefetch(*ids, capacity=capacity)
+        # alltoall_fixed (no host sync) at the most ids any process has of one owner: the same rows and
+        # gradient, its bytes; the same around a captured step (rows fetched into a buffer, the
+        # buffer's gradient sent back), with a dense and a sparse gradient
+        slots = max(int(torch.bincount(torch.cat([i.reshape(-1).long() for i in _inputs(r)]) % shards).max())
+                    for r in mine)
+        table.weight.grad, sent = None, table.sent_bytes
+        table.prefetch(*ids, slots=slots)
         outs = [table(i) for i in ids]
         assert all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
         sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids]))).backward()
-        assert table.sent_bytes - sent == sent_bytes_gather(capacity, shards, D * 8) and table.lookups == 4
+        assert table.sent_bytes - sent == sent_bytes_fixed(slots, shards, D * 8)
         table.sync_replicas()
         torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
-        # around a captured step: the rows fetched into a buffer, the gradient of the buffer sent back
-        table.weight.grad, lookup = None, GraphedLookup(table, capacity)
+        lookup = GraphedLookup(table, slots)
         rows = torch.zeros(sum(i.numel() for i in ids), D, dtype=torch.float64, requires_grad=True)
-        lookup.fetch(ids, rows)
-        table.use_rows(*ids, rows=rows)
-        outs = [table(i) for i in ids]
-        assert all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
-        loss = sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids])))
-        lookup.send_back(torch.autograd.grad(loss, [rows])[0])
-        table.sync_replicas()
-        torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
-        # model.embedding_grad sparse: each exchange leaves the same gradient as a sparse tensor
-        table.sparse_grad = True
-        for capacity in (0, capacity, -1):  # the all-to-all, the fixed capacity, around a captured step
-            table.weight.grad = None
-            if capacity < 0:
-                lookup.fetch(ids, rows)
-                table.use_rows(*ids, rows=rows)
-            else:
-                table.prefetch(*ids, capacity=capacity)
-            loss = sum((table(i) * u).sum() for i, u in zip(ids, _upstream(rank, [i.shape for i in ids])))
-            if capacity < 0:
-                lookup.send_back(torch.autograd.grad(loss, [rows])[0])
-            else:
-                loss.backward()
-            assert table.weight.grad.is_sparse
+        for sparse in (False, True):
+            table.weight.grad, table.sparse_grad = None, sparse
+            lookup.fetch(ids, rows)
+            table.use_rows(*ids, rows=rows)
+            outs = [table(i) for i in ids]
+            assert all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
+            loss = sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids])))
+            lookup.send_back(torch.autograd.grad(loss, [rows])[0])
+            assert table.weight.grad.is_sparse == sparse
             table.sync_replicas()  # with replicas, densified for their all-reduce
             torch.testing.assert_close(table.weight.grad.to_dense(), want[s::shards], rtol=1e-12, atol=1e-12)
+        # a bucket's padding (entries past each tensor's limit) is neither looked up nor sent
         table.sparse_grad = False
-        with pytest.raises(ValueError, match="exceed the lookup capacity 10"):
-            table.prefetch(*ids, capacity=10)
+        rows.data.fill_(7.0)
+        lookup.fetch(ids, rows, limits=(ids[0].numel() // 2, 5))
+        real = torch.cat([ids[0][: ids[0].numel() // 2].long(), ids[1].reshape(-1)[:5]])
+        kept = torch.cat([torch.arange(ids[0].numel()) < ids[0].numel() // 2, torch.arange(12) < 5])
+        assert torch.equal(rows[kept], full[real]) and not rows[~kept].any()
+        lookup.send_back(torch.zeros_like(rows))
+        assert table.lookups == 7 and not table.overflow
+        # one slot short: the ids past it get zero rows, and are counted
+        table.prefetch(*ids, slots=slots - 1)
+        outs = torch.cat([table(i).reshape(-1, D) for i in ids])
+        flat = torch.cat([i.reshape(-1).long() for i in ids])
+        lost = int((flat % shards).bincount(minlength=shards).sub(slots - 1).clamp(min=0).sum())
+        assert int(table.overflow) == lost and int((outs == 0).all(1).sum()) == lost
+        with torch.no_grad():
+            assert torch.equal(outs[outs.ne(0).any(1)], full[flat][outs.ne(0).any(1)])
+        # model.embedding_grad sparse through the all-to-all: the same gradient as a sparse tensor
+        table.sparse_grad, table.weight.grad = True, None
+        table.prefetch(*ids)
+        sum((table(i) * u).sum() for i, u in zip(ids, _upstream(rank, [i.shape for i in ids]))).backward()
+        assert table.weight.grad.is_sparse
+        table.sync_replicas()
+        torch.testing.assert_close(table.weight.grad.to_dense(), want[s::shards], rtol=1e-12, atol=1e-12)
+        table.sparse_grad = False
         gathered = table.gather(table.weight.detach())
         assert (gathered is None) == (s != 0)
         if s == 0:
@@ -179,6 +190,6 @@ def test_rows_add_into_the_gradient_in_blocks_as_in_one(monkeypatch, elements):
 
 def test_cuda_graphs_take_the_sharded_table_only_with_the_fixed_capacity_exchange():
     sharded = {"table_layout": "sharded", "cuda_graphs": True}
-    RankerModule(RankerConfig(), data_spec=SPEC, table_exchange="gather", **sharded)  # its rows exchanged outside
-    with pytest.raises(ConfigError, match="cuda_graphs only with table_exchange gather"):
+    RankerModule(RankerConfig(), data_spec=SPEC, table_exchange="alltoall_fixed", **sharded)  # rows exchanged outside
+    with pytest.raises(ConfigError, match="cuda_graphs only with table_exchange alltoall_fixed"):
         RankerModule(RankerConfig(), data_spec=SPEC, **sharded)

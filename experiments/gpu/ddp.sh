@@ -4,7 +4,7 @@
 # steps, bf16, max_seq_len 1024), the dense / sparse / densify embedding gradients on 2 GPUs
 # (eager steps, Adagrad: the optimizer that treats them alike), and the token balance of the
 # sampler on the paper data; the item table sharded by rows (model.table_layout sharded, CUDA-graph
-# steps around the fixed-capacity exchange; AdamW, and row-wise Adagrad on a sparse shard gradient)
+# steps around the fixed-size all-to-all; AdamW, and row-wise Adagrad on a sparse shard gradient)
 # at 1, 2 and 4 GPUs; and a 100M-item table (data.vocab_size) that one GPU cannot hold with AdamW,
 # replicated on one GPU (refused in one line: the result) and sharded over 4. Each part runs only if the call's budget still holds it; a later
 # call with the returned mlflow.db carried back adds to the same runs table.
@@ -32,11 +32,11 @@ CONFIG=${CONFIG:-experiments/configs/paper.yaml}
 STEPS=${STEPS:-300}
 PARTS=${PARTS:-"data balance scaling modes"}
 SCALING=${SCALING:-"jagged:1:single jagged:1:ddp jagged:2:ddp sdpa:1:single sdpa:1:ddp sdpa:2:ddp"}
-MODES=${MODES:-"dense sparse densify rows"}
-# attention:devices:strategy[:variant]; variant: a table_sync (allreduce, rows), eager (no CUDA
-# graphs), sharded (the sharded table, eager), sharded-gather (its lookups at a fixed capacity, no host
-# sync), sharded-graphs (those lookups around CUDA-graph steps) or sharded-sparse (and row-wise Adagrad on
-# a sparse shard gradient); runs_table.py compares each with its own 1-GPU base
+MODES=${MODES:-"dense sparse densify"}
+# attention:devices:strategy[:variant]; variant: eager (no CUDA graphs), sharded (the sharded table,
+# eager), sharded-fixed (its lookups by the fixed-size all-to-all, no host sync, eager), sharded-graphs
+# (those lookups around CUDA-graph steps) or sharded-sparse (and row-wise Adagrad on a sparse shard
+# gradient); runs_table.py compares each with its own 1-GPU base
 SHARD=${SHARD:-"jagged:1:single jagged:2:ddp:sharded-graphs jagged:4:ddp:sharded-graphs jagged:1:ddp:sharded-sparse jagged:2:ddp:sharded-sparse jagged:4:ddp:sharded-sparse"}
 BIG_VOCAB=${BIG_VOCAB:-100000000} BIG_DEVICES=${BIG_DEVICES:-4}
 REPEATS=${REPEATS:-1}  # runs of each scaling configuration (named NAME#k from the second on)
@@ -57,11 +57,11 @@ scaled() {  # scaled attention:devices:strategy[:variant] SUFFIX: one weak-scali
     "") ;;
     eager) extra=(--model.cuda_graphs false) ;;
     sharded) extra=(--model.table_layout sharded --model.cuda_graphs false) ;;
-    sharded-gather) extra=(--model.table_layout sharded --model.table_exchange gather --model.cuda_graphs false) ;;
-    sharded-graphs) extra=(--model.table_layout sharded --model.table_exchange gather) ;;  # the preset's graphs
-    sharded-sparse) extra=(--model.table_layout sharded --model.table_exchange gather --model.optimizer rowwise
+    sharded-fixed) extra=(--model.table_layout sharded --model.table_exchange alltoall_fixed --model.cuda_graphs false) ;;
+    sharded-graphs) extra=(--model.table_layout sharded --model.table_exchange alltoall_fixed) ;;  # the preset's graphs
+    sharded-sparse) extra=(--model.table_layout sharded --model.table_exchange alltoall_fixed --model.optimizer rowwise
                            --model.embedding_grad sparse) ;;  # graphs; the shard's gradient sparse, row-wise Adagrad
-    *) extra=(--model.table_sync "$variant") ;;
+    *) echo "unknown variant $variant" >&2; return 2 ;;
   esac
   fit "$attention-w$devices-$strategy${variant:+-$variant}$2" "$devices" "$strategy" \
     --model.ranker.attention "$attention" --trainer.limit_test_batches 5 "${extra[@]}"
@@ -103,7 +103,7 @@ fi
 if has trace; then  # the step of rank 0 and rank 1 split from a trace: compute, NCCL, exposed NCCL, idle (host)
   for w in ${TRACE_DEVICES:-2 4}; do
     fit "jagged-w$w-ddp-sharded-graphs-trace" "$w" ddp --model.ranker.attention jagged --model.table_layout sharded \
-      --model.table_exchange gather --trainer.limit_test_batches 5 --perf.trace_steps "${TRACE_STEPS:-[150, 20]}" --perf.trace_dir "$OUT/trace-w$w"
+      --model.table_exchange alltoall_fixed --trainer.limit_test_batches 5 --perf.trace_steps "${TRACE_STEPS:-[150, 20]}" --perf.trace_dir "$OUT/trace-w$w"
   done
   python3 - "$OUT" <<'PY' | tee "$OUT/trace-split.md"
 import json, sys, time
@@ -123,11 +123,11 @@ fi
 if has bigtable; then  # a table of BIG_VOCAB x 128 rows (51 GB in fp32): one GPU refuses it, 4 shards train it
   ckpt_off=(--checkpoint.save_last false --checkpoint.save_top_k 0 --trainer.limit_test_batches 2)
   fit "bigtable-w1-single" 1 single --data.vocab_size "$BIG_VOCAB" --model.ranker.attention jagged "${ckpt_off[@]}"
-  # AdamW (graph steps, the fixed-capacity exchange), then row-wise Adagrad on a sparse shard gradient
+  # AdamW (graph steps, the fixed-size all-to-all), then row-wise Adagrad on a sparse shard gradient
   fit "bigtable-w$BIG_DEVICES-ddp-sharded" "$BIG_DEVICES" ddp --data.vocab_size "$BIG_VOCAB" --model.ranker.attention jagged \
-    --model.table_layout sharded --model.table_exchange gather "${ckpt_off[@]}"
+    --model.table_layout sharded --model.table_exchange alltoall_fixed "${ckpt_off[@]}"
   fit "bigtable-w$BIG_DEVICES-ddp-sharded-sparse" "$BIG_DEVICES" ddp --data.vocab_size "$BIG_VOCAB" --model.ranker.attention \
-    jagged --model.table_layout sharded --model.table_exchange gather --model.optimizer rowwise --model.embedding_grad sparse \
+    jagged --model.table_layout sharded --model.table_exchange alltoall_fixed --model.optimizer rowwise --model.embedding_grad sparse \
     "${ckpt_off[@]}"
   python3 - "$log" "$OUT/bigtable.json" "$BIG_DEVICES" <<'PY'
 import json, re, sys
@@ -163,8 +163,8 @@ if has auc; then  # test AUC at equal global batch and steps: one pass at AUC_BA
   done
 fi
 if has modes; then  # 2 GPUs, eager steps (graphs replay dense gradients only), the whole test split
-  for mode in $MODES; do  # rows: the dense gradient exchanged as its touched rows (model.table_sync)
-    grad_args=(--model.embedding_grad "$mode"); [ "$mode" = rows ] && grad_args=(--model.table_sync rows)
+  for mode in $MODES; do
+    grad_args=(--model.embedding_grad "$mode")
     fit "jagged-w2-$mode" "${MODE_DEVICES:-2}" ddp --model.ranker.attention jagged --model.cuda_graphs false \
       "${grad_args[@]}" --model.optimizer adagrad --model.lr "${ADAGRAD_LR:-0.02}" \
       --trainer.limit_test_batches 1.0

@@ -2,8 +2,8 @@
 configuration (the run name without ``#<k>``, the k-th repeat), each metric the mean over its
 finished repeats [their range], then, for runs named ``<attention>-w<W>-ddp[-<variant>]``, the weak-
 scaling efficiency: examples/s at W processes / (W x the same run's at 1, DDP and plain; for the
-eager variants, sharded and eager, plain is the eager single process ``<attention>-w1-single-eager``; every
-variant but a table_sync has its own 1-process DDP run, ``<attention>-w1-ddp-<variant>``).
+eager variants, sharded, sharded-fixed and eager, plain is the eager single process
+``<attention>-w1-single-eager``; every variant has its own 1-process DDP run, ``<attention>-w1-ddp-<variant>``).
 
     python experiments/gpu/runs_table.py <experiment> [metric ...]      # loop.sh, ddp.sh
 """
@@ -52,14 +52,14 @@ def main(argv: list[str]) -> None:
         print(f"| {name} | {status} | {rs[-1].data.tags.get('world_size', '-')} | "
               + " | ".join(_cell(rs, k) for k in keys) + " |")
     scaling = [(m, groups[name]) for name in groups
-               if (m := re.fullmatch(r"(\w+)-w(\d+)-ddp(-rows|-allreduce|-sharded|-sharded-gather|-sharded-graphs|-sharded-sparse|-eager)?", name))
+               if (m := re.fullmatch(r"(\w+)-w(\d+)-ddp(-sharded|-sharded-fixed|-sharded-graphs|-sharded-sparse|-eager)?", name))
                and m.group(2) != "1"]
     if scaling:
         print("\n| attention | W | variant | efficiency vs 1-process DDP | vs single process |\n|---|---:|---|---:|---:|")
     for m, rs in scaling:
         attention, world, variant, cells = m.group(1), int(m.group(2)), m.group(3) or "", []
-        eager = "-eager" if variant in ("-sharded", "-sharded-gather", "-eager") else ""
-        own = "" if variant in ("", "-rows", "-allreduce") else variant  # a table_sync's base: plain 1-process DDP
+        eager = "-eager" if variant in ("-sharded", "-sharded-fixed", "-eager") else ""
+        own = variant
         for base in (f"{attention}-w1-ddp{own}", f"{attention}-w1-single{eager}"):
             speeds, refs = _values(rs, SPEED), _values(groups.get(base, []), SPEED)
             pairs = [s / (world * r) for s in speeds for r in refs]
