@@ -27,7 +27,7 @@ from pipeline.runenv import REPO_ROOT
 ABLATIONS = REPO_ROOT / "experiments" / "ablations"
 KERNELS = "kernels/*/bench-*.json*"  # experiments.bench's result files; each GPU's report.md beside them
 EXPECTED = ["seq_len", "sparsity", "batch_size", "compile", "auc_parity", "history_value", "model", "world"]
-BEYOND = ["s2", "alure", "world_order", "world_order_converge"]  # listed once they have run
+BEYOND = ["s2", "alure", "world_order", "world_order_converge", "order_peak"]  # listed once they have run
 PAPER_CLAIMS = [  # (level, claim, how ours is measured, where)
     ("kernel", "up to 9x faster and 22x less memory than dense attention",
      "jagged flash attention vs materialised dense attention (`dense_torch`), headline shape", "kernels"),
@@ -235,8 +235,8 @@ def _diff(a: float | None, b: float | None) -> float | None:
 
 def model_ablation_lines(found: dict[str, dict]) -> list[str]:
     """Which parts of the ranker pay: the mean test AUC over seeds per variant against the baseline's,
-    from world_order (the paper preset's world) where it has run, else the model ablation."""
-    name = "world_order" if "world_order" in found else "model"
+    from order_peak or world_order (the paper preset's world, at the peak or one pass) where run, else model."""
+    name = next((n for n in ("order_peak", "world_order") if n in found), "model")
     if (doc := found.get(name)) is None:
         return ["No model ablation yet (`make experiment-world_order` on the GPU)."]
     runs: dict[str, list[float]] = {}
