@@ -332,6 +332,8 @@ class RankerModule(pl.LightningModule):
                                  self.device)
             loss_and_grads(self._graph_loss, static.inputs(), static.label, params, amp)
             torch.cuda.synchronize(self.device)
+            if self.sharded:  # that batch's stale ids are no step's: not counted as lost
+                table.overflow.zero_()
             what = "kernels compiled on a batch of the data's shape"
         elapsed = time.perf_counter() - t0
         log.info("training step prepared in %.1f s: %s", elapsed, what)

@@ -135,13 +135,12 @@ def masked_ids(ids: list[torch.Tensor], limits) -> torch.Tensor:
 
 
 def route_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding", slots: int):
-    """The alltoall_fixed exchange's forward, outside autograd: each id ([n], -1: none) into one of
+    """The alltoall_fixed exchange's forward, outside autograd: each id (flat [n], -1: none) into one of
     the `slots` places its owner (id % W) has in this process's message, the W x slots ids sent to
     their owners in one all-to-all of equal parts, their rows (zeros for empty places) sent back in
     another. An id past its owner's slots gets zeros and is counted in ``table.overflow`` (checked
     at the loss checks). Returns the rows [n, D] and what :func:`route_grads` needs."""
     W, n, D = table.world, ids.numel(), weight.shape[1]
-    ids = ids.reshape(-1)
     owner = torch.where(ids >= 0, ids % W, W)  # [n] W: no owner
     by_owner, order = torch.sort(owner, stable=True)
     first = torch.searchsorted(by_owner, torch.arange(W + 1, device=ids.device))  # (CUDA's bincount reads a max)

@@ -42,13 +42,15 @@ BIG_VOCAB=${BIG_VOCAB:-100000000} BIG_DEVICES=${BIG_DEVICES:-4}
 REPEATS=${REPEATS:-1}  # runs of each scaling configuration (named NAME#k from the second on)
 REPEAT_FROM=${REPEAT_FROM:-1}  # a later invocation adds repeats REPEAT_FROM..REPEATS
 EXTRA=${EXTRA:-}
+EXPERIMENT=${EXPERIMENT:-ddp}  # the MLflow experiment of the runs and of $OUT/<it>-summary.md (another per batch size:
+# EXPERIMENT=ddp-b2048 EXTRA="--data.batch_size 2048", the same run names)
 budget=${CALL_BUDGET_S:-570}
 log=$OUT/${LOG:-ddp.log}
 left() { echo $((budget - SECONDS)); }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 save() {
   cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null
-  python3 experiments/gpu/runs_table.py ddp > "$OUT/ddp-summary.md" 2>> "$log"
+  python3 experiments/gpu/runs_table.py "$EXPERIMENT" > "$OUT/${EXPERIMENT}-summary.md" 2>> "$log"
 }
 scaled() {  # scaled attention:devices:strategy[:variant] SUFFIX: one weak-scaling run of the preset
   local attention devices strategy variant extra=()
@@ -74,7 +76,7 @@ fit() {  # fit NAME DEVICES STRATEGY ARGS...: one run of the preset, skipped whe
   timeout $(( $(left) - 30 )) python3 -m pipeline fit --config experiments/configs/base.yaml --config "$CONFIG" \
     --data.data_dir "$DATA" --trainer.max_steps "$STEPS" \
     --trainer.limit_val_batches 0 --checkpoint.save_top_k 0 --checkpoint.save_last false \
-    --mlflow.experiment_name ddp --mlflow.run_name "$name" "${dist[@]}" "$@" $EXTRA >> "$log" 2>&1
+    --mlflow.experiment_name "$EXPERIMENT" --mlflow.run_name "$name" "${dist[@]}" "$@" $EXTRA >> "$log" 2>&1
   echo "$name rc=$? at ${SECONDS}s" | tee -a "$log"
   save
 }
@@ -130,14 +132,14 @@ if has bigtable; then  # a table of BIG_VOCAB x 128 rows (51 GB in fp32): one GP
     "${ckpt_off[@]}"
   fit "bigtable-w$BIG_DEVICES-ddp-sharded" "$BIG_DEVICES" ddp --data.vocab_size "$BIG_VOCAB" --model.ranker.attention jagged \
     --model.table_layout sharded --model.table_exchange alltoall_fixed "${ckpt_off[@]}"
-  python3 - "$log" "$OUT/bigtable.json" "$BIG_DEVICES" <<'PY'
+  python3 - "$log" "$OUT/bigtable.json" "$BIG_DEVICES" "$EXPERIMENT" <<'PY'
 import json, re, sys
 import mlflow
 text = open(sys.argv[1]).read()
 out = {}
 for name in ("bigtable-w1-single", f"bigtable-w{sys.argv[3]}-ddp-sharded", f"bigtable-w{sys.argv[3]}-ddp-sharded-sparse"):
     rc = re.findall(rf"^{name} rc=(\d+)", text, re.M)
-    runs = mlflow.search_runs(experiment_names=["ddp"], filter_string=f"attributes.run_name = '{name}'",
+    runs = mlflow.search_runs(experiment_names=[sys.argv[4]], filter_string=f"attributes.run_name = '{name}'",
                               output_format="list")
     m = runs[0].data.metrics if runs else {}
     out[name] = {"rc": int(rc[-1]) if rc else None, "status": runs[0].info.status if runs else "no run",
@@ -172,5 +174,5 @@ if has modes; then  # 2 GPUs, eager steps (graphs replay dense gradients only), 
   done
 fi
 save
-cat "$OUT/ddp-summary.md"
+cat "$OUT/${EXPERIMENT}-summary.md"
 grep -E "rc=|Traceback|Error" "$log" | tail -30
