@@ -160,7 +160,7 @@ if has auc; then  # test AUC at equal global batch and steps: one pass at AUC_BA
         STEPS=$steps fit "acc-g$w-$layout-s$seed" "$w" "$([ "$w" = 1 ] && echo single || echo ddp)" \
           --model.ranker.attention jagged --data.batch_size "$per" --seed_everything "$seed" \
           --model.table_layout "$layout" --trainer.limit_test_batches 1.0 \
-          $([ "$layout" = sharded ] && echo --model.cuda_graphs false)
+          $([ "$layout" = sharded ] && echo --model.table_exchange alltoall_fixed)
       done
     done
   done
