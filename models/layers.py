@@ -68,14 +68,23 @@ class HistoryEmbedding(nn.Module):
         unknown), copied in place (a captured CUDA graph keeps reading the same buffer)."""
         self.item_category.copy_(torch.as_tensor(item_category))
 
-    def candidate(self, item: torch.Tensor) -> torch.Tensor:
-        """The candidate's embedding [B, D]: its item's, plus its category's."""
-        x = self.item(item)
+    def item_rows(self, hist: torch.Tensor, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The item table's rows of the histories [T] and the candidates [B] by one lookup: one
+        [vocab_size, D] gradient where two lookups make two and add them. A sharded table
+        (pipeline.table) looks up each of these very tensors from its prefetch."""
+        if not isinstance(self.item, nn.Embedding):
+            return self.item(hist), self.item(cand)
+        return self.item(torch.cat([hist.long(), cand.long()])).split([hist.numel(), cand.numel()])
+
+    def candidate(self, item: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The candidate's embedding [B, D]: its item's (`rows`, if looked up), plus its category's."""
+        x = self.item(item) if rows is None else rows
         return x if self.category is None else x + self.category(self.item_category[item.long()])
 
-    def forward(self, item: torch.Tensor, action: torch.Tensor, age: torch.Tensor) -> torch.Tensor:
+    def forward(self, item: torch.Tensor, action: torch.Tensor, age: torch.Tensor,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         buckets = torch.bucketize(age.float(), self.age_edges)  # [T] in [0, num_age_buckets)
-        return self.candidate(item) + self.action(action.long()) + self.age(buckets)  # [T, D]
+        return self.candidate(item, rows) + self.action(action.long()) + self.age(buckets)  # [T, D]
 
 
 class EncoderBlock(nn.Module):

@@ -89,12 +89,13 @@ class Ranker(nn.Module):
         the data set's dense features, then the user embedding's columns if configured).
         """
         hist = Histories(offsets, max_seq_len, self.cfg.attention, self.cfg.kernel_backend)
-        x = hist.layout(self.embed(hist_item, hist_action, hist_age))  # [T, D] or [B, N, D]
+        hist_rows, cand_rows = self.embed.item_rows(hist_item, cand_item)
+        x = hist.layout(self.embed(hist_item, hist_action, hist_age, hist_rows))  # [T, D] or [B, N, D]
         raw = x
         for block in self.blocks:
             x = block(x, hist)
         x = self.norm(x)
-        cand = self.embed.candidate(cand_item)  # [B, D]
+        cand = self.embed.candidate(cand_item, cand_rows)  # [B, D]
         feats = []
         if self.target_encoded is not None:
             feats.append(self.target_encoded(cand, x, hist))

@@ -55,11 +55,6 @@ def _seed_to_int(seed) -> int:
     return 0 if isinstance(seed, bool) else int(seed)
 
 
-def run_id_from_checkpoint(path: str) -> str | None:
-    """The MLflow run id a checkpoint of `pipeline fit` was written by (None if it has none)."""
-    return checkpoint_run_id(load_checkpoint(path))
-
-
 def _meta_field(data_dir: str, cast, *keys: str):
     """cast(meta.json[keys...]) of the data, None if unreadable (the data module's own check says
     what is wrong)."""

@@ -24,11 +24,6 @@ def allreduce_bytes(nbytes: int, world: int) -> int:
     return 2 * (world - 1) * nbytes // world
 
 
-def allgather_bytes(nbytes_each: int, world: int) -> int:
-    """Bytes one process sends in a ring all-gather of `nbytes_each` per process."""
-    return (world - 1) * nbytes_each
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -54,7 +49,7 @@ def allgather_sparse(grad: torch.Tensor, world: int) -> tuple[torch.Tensor, int]
     real = torch.arange(m, device=idx.device)[None, :] < counts[:, None]  # [W, m]
     mean = torch.sparse_coo_tensor(all_idx[real][None], all_val[real] / world, g.shape,
                                    check_invariants=False).coalesce()  # indices of coalesced tensors: valid
-    sent = sum(allgather_bytes(_nbytes(t), world) for t in (counts[:1], idx_pad, val_pad))
+    sent = sum((world - 1) * _nbytes(t) for t in (counts[:1], idx_pad, val_pad))  # ring all-gathers
     return mean, sent
 
 

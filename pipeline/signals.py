@@ -41,10 +41,6 @@ class _State:
 _state = _State()
 
 
-def stop_requested() -> bool:
-    return _state.requested
-
-
 def _on_sigterm(signum, frame) -> None:
     _state.requested = True
     # inside a trainer Lightning's handler is the one installed (it calls this one): StopOnSignal

@@ -246,3 +246,20 @@ def test_bad_local_windows_are_refused():
         RankerConfig(local_window=0)
     with pytest.raises(InvalidConfig, match="local_window and model.ranker.s2"):
         RankerConfig(local_window=4, s2=S2Config(block=16, local_blocks=1, stride=2))
+
+
+def test_the_history_and_the_candidates_are_one_lookup_with_the_two_lookups_rows_and_gradient():
+    """HistoryEmbedding.item_rows looks both up at once: one [vocab, D] gradient instead of two summed."""
+    from models.layers import HistoryEmbedding
+
+    emb = HistoryEmbedding(50, 3, 8, 6, n_categories=4).double()
+    hist, cand = torch.randint(0, 50, (30,), dtype=torch.int32), torch.randint(0, 50, (5,))
+    rows = emb.item_rows(hist, cand)
+    assert [r.shape for r in rows] == [(30, 8), (5, 8)]
+    assert torch.equal(rows[0], emb.item(hist)) and torch.equal(rows[1], emb.item(cand))
+    (rows[0].sum() * 2 + rows[1].pow(2).sum()).backward()
+    one = emb.item.weight.grad.clone()
+    emb.zero_grad()
+    (emb.item(hist).sum() * 2 + emb.item(cand).pow(2).sum()).backward()
+    torch.testing.assert_close(one, emb.item.weight.grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(emb.candidate(cand, rows[1]), emb.candidate(cand))

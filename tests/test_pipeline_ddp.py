@@ -13,7 +13,8 @@ import pytest
 import pytorch_lightning as pl
 from mlflow.tracking import MlflowClient
 
-from pipeline.cli import main, run_id_from_checkpoint
+from pipeline.cli import main
+from pipeline.resume import checkpoint_run_id, load_checkpoint
 from pipeline.cuda_graphs import loss_and_grads, model_inputs
 from test_pipeline_cli import QUALITY, all_runs, fit_args, fresh_tracking_uri, history
 from test_pipeline_data import tiny_data_dir
@@ -104,7 +105,7 @@ def test_a_killed_ddp_run_resumes_into_the_same_run(tiny, two_processes, tmp_pat
     killed = all_runs(uri)["killed"]
     assert killed.info.status == "RUNNING"
     ckpt = next(root.rglob("last.ckpt"))
-    assert run_id_from_checkpoint(str(ckpt)) == killed.info.run_id
+    assert checkpoint_run_id(load_checkpoint(str(ckpt))) == killed.info.run_id
     proc = _fit(fit_args(tiny, root, *args, "--ckpt_path", str(ckpt)), uri)
     assert proc.returncode == 0, proc.stderr[-4000:]
     runs = all_runs(uri)

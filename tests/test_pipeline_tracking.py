@@ -12,7 +12,8 @@ import pytest
 import pytorch_lightning as pl
 from mlflow.tracking import MlflowClient
 
-from pipeline.cli import main, run_id_from_checkpoint
+from pipeline.cli import main
+from pipeline.resume import checkpoint_run_id, load_checkpoint
 from test_pipeline_cli import QUALITY, all_runs, fit_args, fresh_tracking_uri, history
 from test_pipeline_data import tiny_data_dir
 
@@ -76,7 +77,7 @@ def test_killed_run_resumes_into_the_same_mlflow_run(tiny, uninterrupted, tmp_pa
     killed = all_runs(uri)["killed"]
     assert killed.info.status == "RUNNING"  # what a SIGKILL leaves behind
     ckpt = next(root.rglob("last.ckpt"))
-    assert run_id_from_checkpoint(str(ckpt)) == killed.info.run_id
+    assert checkpoint_run_id(load_checkpoint(str(ckpt))) == killed.info.run_id
     before = history(uri, killed.info.run_id)
     assert max(before["train/loss_step"]) >= 9 and not before["test/auc"]
 
