@@ -181,13 +181,14 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_torchrun_trains_the_sharded_table_over_two_nodes_of_two_processes(tiny, tmp_path, tmp_path_factory):
     """Two torchrun launchers on this machine as two nodes (static rendezvous on localhost), one
-    MLflow run of world size 4."""
+    MLflow run of world size 4; each node's two processes shard one table (lookups inside the node)."""
     uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
     port = _free_port()
     args = fit_args(tiny, tmp_path / "run", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3",
                     "--trainer.limit_val_batches", "1", "--trainer.limit_test_batches", "1", "--data.batch_size", "16",
                     "--mlflow.system_metrics", "false", "--torch_num_threads", "1", *DDP, "--trainer.devices", "2",
-                    "--trainer.num_nodes", "2", "--model.table_layout", "sharded", "--mlflow.run_name", "nodes")
+                    "--trainer.num_nodes", "2", "--model.table_layout", "sharded", "--model.table_shards", "2",
+                    "--model.table_exchange", "alltoall_fixed", "--mlflow.run_name", "nodes")  # a table per node
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
                                "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", str(port),
