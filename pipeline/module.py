@@ -139,7 +139,7 @@ class RankerModule(pl.LightningModule):
             raise ConfigError("model.cuda_graphs and model.compile_model exclude each other: choose one")
         if token_buckets < 1:
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
-        _check_gradients(optimizer, embedding_grad, cuda_graphs and table_layout != "sharded")
+        _check_gradients(optimizer, embedding_grad)
         if table_lr is not None and (optimizer == "adamw" or table_lr <= 0):
             raise ConfigError(f"model.table_lr must be > 0 and set only with model.optimizer sgd, adagrad or rowwise "
                               f"(AdamW trains the table at model.lr); got {table_lr} with {optimizer}")
@@ -474,7 +474,7 @@ def keep_heap() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
-def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool) -> None:
+def _check_gradients(optimizer: str, embedding_grad: str) -> None:
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
     if embedding_grad not in EMBEDDING_GRADS:
@@ -482,14 +482,14 @@ def _check_gradients(optimizer: str, embedding_grad: str, cuda_graphs: bool) -> 
     if embedding_grad == "sparse" and optimizer == "adamw":
         raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd, adagrad or rowwise: AdamW has no "
                           "sparse-gradient path (pipeline/optim.py says why SparseAdam is not a substitute)")
-    if embedding_grad != "dense" and cuda_graphs:
-        raise ConfigError(f"model.embedding_grad {embedding_grad} and model.cuda_graphs exclude each other: "
-                          "a graph replays fixed shapes, a sparse gradient's size changes every step")
 
 
 def _check_layout(layout: str, embedding_grad: str, compiled: bool, graphs: bool, exchange: str, shards: int) -> None:
     if layout not in TABLE_LAYOUTS:
         raise ConfigError(f"model.table_layout must be one of {', '.join(TABLE_LAYOUTS)}, got {layout!r}")
+    if layout == "replicated" and embedding_grad != "dense" and graphs:  # a shard's sparse gradient has a fixed size
+        raise ConfigError(f"model.embedding_grad {embedding_grad} and model.cuda_graphs exclude each other: "
+                          "a graph replays fixed shapes, a sparse gradient's size changes every step")
     if shards < 0 or (shards and layout != "sharded"):
         raise ConfigError(f"model.table_shards must be >= 0 (0: every process), and set only with model.table_layout "
                           f"sharded; got {shards} with {layout}")

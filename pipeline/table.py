@@ -150,7 +150,7 @@ def route_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding
     table.overflow += ((owner < W) & ~fits).sum()
     slot = torch.where(fits, owner * slots + place, W * slots)  # [n] the last slot: a bin, never sent
     send = ids.new_full((W * slots + 1,), -1)
-    send[slot] = torch.where(fits, ids, -1)
+    send[slot] = ids  # the ids that found no slot into the bin
     asked = torch.empty_like(send[:-1])
     dist.all_to_all_single(asked, send[:-1], group=table.group)
     mine = asked >= 0  # [W * slots] the ids each process asks of this shard
