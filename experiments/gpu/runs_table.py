@@ -59,8 +59,7 @@ def main(argv: list[str]) -> None:
     for m, rs in scaling:
         attention, world, variant, cells = m.group(1), int(m.group(2)), m.group(3) or "", []
         eager = "-eager" if variant in ("-sharded", "-sharded-fixed", "-eager") else ""
-        own = variant
-        for base in (f"{attention}-w1-ddp{own}", f"{attention}-w1-single{eager}"):
+        for base in (f"{attention}-w1-ddp{variant}", f"{attention}-w1-single{eager}"):
             speeds, refs = _values(rs, SPEED), _values(groups.get(base, []), SPEED)
             pairs = [s / (world * r) for s in speeds for r in refs]
             cells.append("-" if not pairs else f"{sum(speeds) / len(speeds) / (world * sum(refs) / len(refs)):.1%}"
