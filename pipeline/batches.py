@@ -112,18 +112,22 @@ class JaggedSplit:
         """History items of every row after truncation to max_seq_len: [R] int64."""
         return np.minimum(np.diff(self.row_offsets), max_seq_len)
 
-    def owner_counts(self, max_seq_len: int, owners: int) -> np.ndarray:
-        """Item ids of every row, its history cut to max_seq_len and its candidate, held by each of
-        `owners` table shards (shard id % owners): [R, owners] int64. In blocks of rows: a few MB."""
-        end, keep = self.row_offsets[1:], self.lengths(max_seq_len)
-        out = np.zeros((self.num_rows, owners), np.int64)
-        for lo in range(0, self.num_rows, 1 << 15):
-            k = keep[lo:lo + (1 << 15)]
-            starts = np.concatenate([[0], np.cumsum(k)[:-1]])
-            src = np.arange(k.sum(), dtype=np.int64) + np.repeat(end[lo:lo + len(k)] - k - starts, k)
-            key = np.repeat(np.arange(len(k)) * owners, k) + self.item[src] % owners
-            out[lo:lo + len(k)] = np.bincount(key, minlength=len(k) * owners).reshape(len(k), owners)
-        out[np.arange(self.num_rows), self.cand % owners] += 1
+    def owner_counts(self, batches, max_seq_len: int, owners: int) -> np.ndarray:
+        """Distinct item ids of each batch of rows (`batches`: index arrays; the histories cut to
+        max_seq_len, and the candidates) held by each of `owners` table shards (shard id % owners):
+        [len(batches), owners] int64."""
+        ids = self.item[self.row_offsets[0]:self.row_offsets[-1]]
+        seen = np.full(int(max(ids.max(initial=0), self.cand.max(initial=0))) + 1, -1, np.int64)  # id -> a position
+        out, done = np.zeros((len(batches), owners), np.int64), 0
+        for b, idx in enumerate(batches):
+            end = self.row_offsets[idx + 1]
+            keep = np.minimum(end - self.row_offsets[idx], max_seq_len)
+            src = np.arange(keep.sum(), dtype=np.int64) + np.repeat(end - keep - (np.cumsum(keep) - keep), keep)
+            got = np.concatenate([self.item[src], self.cand[idx]])
+            at = np.arange(done, done + len(got))
+            seen[got] = at  # of an id's repeats one position stays: the id counted once
+            out[b] = np.bincount(got[seen[got] == at] % owners, minlength=owners)
+            done += len(got)
         return out
 
     def gather(self, idx: np.ndarray, max_seq_len: int) -> dict:

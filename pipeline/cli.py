@@ -35,19 +35,8 @@ from pipeline.errors import ConfigError, check_writable
 from pipeline.module import RankerModule
 from pipeline.signals import StopOnSignal, flush_and_exit
 from pipeline.resume import AtomicCheckpointIO, check_resume, checkpoint_run_id, load_checkpoint
-from pipeline.tracking import (
-    MLflowRun,
-    RunLogger,
-    check_tracking,
-    end_run,
-    environment_tags,
-    flatten,
-    log_run_inputs,
-    logged_steps,
-    git_commit,
-    run_command,
-    tracking_uri,
-)
+from pipeline.tracking import (MLflowRun, RunLogger, check_tracking, end_run, environment_tags, flatten, git_commit,
+                               log_run_inputs, logged_steps, run_command, tracking_uri)
 from pipeline.user_features import manifest_path
 
 

@@ -155,18 +155,22 @@ class RankerData(pl.LightningDataModule):
         return EpochBatchSampler(data.num_rows, batch_size, shuffle=train, drop_last=train, seed=self.seed,
                                  lengths=lengths, rank=rank, world_size=world)
 
-    def train_token_counts(self, epochs, owners: int = 0) -> np.ndarray:
+    def train_token_counts(self, epochs) -> np.ndarray:
         """History items (after truncation to max_seq_len) of every training batch of this
         process in `epochs` (an iterable of epoch numbers), in training order: exact, from the
-        sampler's order. With `owners`, [batches, 1 + owners]: those counts, then the batch's item
-        ids (its histories as truncated, and its candidates) held by each of `owners` table shards."""
+        sampler's order."""
         self.setup("fit")
-        data = self._splits["train"]
-        values = data.lengths(self.max_seq_len)
-        if owners:
-            values = np.concatenate([values[:, None], data.owner_counts(self.max_seq_len, owners)], axis=1)
+        values = self._splits["train"].lengths(self.max_seq_len)
         sampler = self._sampler("train", self.batch_size, train=True)
         return np.concatenate([sampler.batch_sums(values, e) for e in epochs] or [values[:0]])
+
+    def train_owner_counts(self, epochs, owners: int, steps: int | None = None) -> np.ndarray:
+        """Distinct item ids (the histories as truncated, and the candidates) of each of `owners`
+        table shards in every training batch of this process in `epochs`, in training order, the
+        first `steps` batches only (None: all): [batches, owners], exact, from the sampler's order."""
+        self.setup("fit")
+        batches = self._sampler("train", self.batch_size, train=True).batches
+        return self._splits["train"].owner_counts([i for e in epochs for i in batches(e)][:steps], self.max_seq_len, owners)
 
     def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
         data = self._splits[split]

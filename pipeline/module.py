@@ -273,31 +273,29 @@ class RankerModule(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.grad_sync.broadcast()
-        owners = self.model.embed.item.world if self.sharded and self.table_exchange == "alltoall_fixed" else 0
-        counts = self._token_counts(owners)  # the steps' sizes (and ids per shard), once, for every use below
-        if owners and counts is None:
-            raise ConfigError("model.table_exchange alltoall_fixed needs the RankerData data module (its steps' sizes)")
-        if owners and len(counts):  # one size on every process: the most ids of one owner in a step (2% more:
-            # the epochs past the 20 planned; check_finite_loss says if an id found no slot)
-            self._lookup_slots = int(all_reduce(torch.tensor(int(counts[:, 1:].max() * 1.02) + 1, device=self.device),
-                                                "max"))
-            counts = counts[:, 0]
+        counts = self._token_counts()  # the steps' sizes, once, for every use below
+        if self.sharded and self.table_exchange == "alltoall_fixed":
+            if counts is None:
+                raise ConfigError("model.table_exchange alltoall_fixed needs the RankerData data module (its steps' ids)")
+            # one size on every process: the most distinct ids of one owner in a planned step (2% more: the
+            # epochs past the 20 planned; check_finite_loss says if an id found no slot)
+            steps = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None
+            most = self.trainer.datamodule.train_owner_counts(self._planned_epochs(), self.model.embed.item.world,
+                                                              steps).max(initial=0)
+            self._lookup_slots = int(all_reduce(torch.tensor(int(most * 1.02) + 1, device=self.device), "max"))
         caps = token_capacities(counts, self.token_buckets) if counts is not None and len(counts) else []
         if self.device.type == "cuda":
             self._prepare_step(counts, caps)
         else:
             if self.cuda_graphs:
                 log.warning("model.cuda_graphs needs a CUDA device; training eagerly on %s", self.device)
-            # On the CPU every step runs on a batch padded to one of a few token capacities, as the
-            # graphs do on a GPU (same losses and gradients): allocations of a few fixed sizes do
-            # not fragment the C allocator's heap, which grew the process by tens of MB per
-            # hundred steps with a new activation size every step.
+            # on the CPU too a step runs on a batch padded to one of a few token capacities: allocations of a few
+            # sizes do not fragment the C heap (which grew tens of MB per hundred steps with a new size every step)
             dm = self.trainer.datamodule
             self._cpu_buckets = [StaticBatch(c, dm.batch_size, self.data_spec_n_dense, dm.max_seq_len, self.device)
                                  for c in caps]
             keep_heap()
-        # what is alive now (modules, compiled kernels, data) is never traversed by the garbage
-        # collector again: a full collection over it took hundreds of ms, every few hundred steps
+        # what is alive now is never traversed by the GC again (a full collection took hundreds of ms)
         gc.collect()
         gc.freeze()
 
@@ -340,17 +338,19 @@ class RankerModule(pl.LightningModule):
         for logger in self.trainer.loggers:
             logger.log_metrics({"perf/prepare_s": elapsed}, step=self.global_step)
 
-    def _token_counts(self, owners: int = 0) -> np.ndarray | None:
+    def _token_counts(self) -> np.ndarray | None:
         """History items of every training batch of the planned epochs (the data module's
-        exact schedule; with `owners`, and its ids per table shard: RankerData.train_token_counts),
-        or None when the data module cannot say."""
+        exact schedule: RankerData.train_token_counts), or None when the data module cannot say."""
         dm = getattr(self.trainer, "datamodule", None)
         if dm is None or not hasattr(dm, "train_token_counts"):
             log.warning("no RankerData data module: no token buckets (CUDA graphs, fixed CPU shapes) and no warm-up")
             return None
+        return dm.train_token_counts(self._planned_epochs())
+
+    def _planned_epochs(self) -> range:
         # from epoch 0 whatever the epoch a resumed run starts at: the same buckets, the same numbers
         max_epochs = self.trainer.max_epochs if self.trainer.max_epochs and self.trainer.max_epochs > 0 else 20
-        return dm.train_token_counts(range(min(max_epochs, 20)), owners)  # later epochs are alike
+        return range(min(max_epochs, 20))  # later epochs are alike
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         if self.sharded:  # the whole table and its optimizer state, as the replicated layout saves them

@@ -4,8 +4,8 @@ Over a shard group of S processes, row ``i`` lives on its rank ``i % S`` at loca
 lookup sends each distinct id to its owner and gets its row back (an all-to-all of ids, then of rows,
 as TorchRec's row-wise sharding); the backward sends the rows' gradients to their owners, which add
 them into the shard's gradient. That all-to-all's sizes are read on the host; ``alltoall_fixed``
-gives each owner a fixed number of slots of every process's message (the data's largest count for
-one owner), so no size is read and a CUDA-graph step can run around it. A RowwiseParallel-style
+gives each owner a fixed number of slots of every process's message (the data's largest count of
+distinct ids for one owner), so no size is read and a CUDA-graph step can run around it. A RowwiseParallel-style
 gather (every process's ids all-gathered, the rows reduce-scattered back) would send about W
 times its bytes: ``ShardedEmbedding.gather_bytes`` counts them. With W / S > 1 groups, each holds
 the whole table and the shards' gradients are summed across groups. Layout, bytes, checkpoints:
@@ -135,22 +135,27 @@ def masked_ids(ids: list[torch.Tensor], limits) -> torch.Tensor:
 
 
 def route_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding", slots: int):
-    """The alltoall_fixed exchange's forward, outside autograd: each id (flat [n], -1: none) into one of
-    the `slots` places its owner (id % W) has in this process's message, the W x slots ids sent to
-    their owners in one all-to-all of equal parts, their rows (zeros for empty places) sent back in
-    another. An id past its owner's slots gets zeros and is counted in ``table.overflow`` (checked
-    at the loss checks). Returns the rows [n, D] and what :func:`route_grads` needs."""
+    """The alltoall_fixed exchange's forward, outside autograd: each distinct id (flat [n], -1: none)
+    into one of the `slots` places its owner (id % W) has in this process's message (an id's repeats
+    share its place), the W x slots ids sent to their owners in one all-to-all of equal parts, their
+    rows (zeros for empty places) sent back in another. A distinct id past its owner's slots gets
+    zeros and is counted in ``table.overflow`` (checked at the loss checks). Returns the rows [n, D]
+    and what :func:`route_grads` needs."""
     W, n, D = table.world, ids.numel(), weight.shape[1]
     owner = torch.where(ids >= 0, ids % W, W)  # [n] W: no owner
-    by_owner, order = torch.sort(owner, stable=True)
-    first = torch.searchsorted(by_owner, torch.arange(W + 1, device=ids.device))  # (CUDA's bincount reads a max)
-    place = torch.empty_like(order)
-    place[order] = torch.arange(n, device=ids.device) - first[by_owner]  # [n] its rank among its owner's ids
+    key, order = torch.sort(owner * table.num_embeddings + ids.clamp(min=0))  # by owner, then id
+    new = torch.ones_like(key, dtype=torch.bool)
+    new[1:] = key[1:] != key[:-1]  # [n] the first of its id, in sorted order
+    before = torch.cat([new.new_zeros(1, dtype=torch.long), torch.cumsum(new, 0)])  # [n + 1] distinct ids before
+    first = torch.searchsorted(key, torch.arange(W + 1, device=ids.device) * table.num_embeddings)  # [W + 1]
+    place, first_of_id = torch.empty_like(order), torch.empty_like(new)
+    place[order] = before[1:] - 1 - before[first][key // table.num_embeddings]  # its id's rank among its owner's
+    first_of_id[order] = new
     fits = (owner < W) & (place < slots)
-    table.overflow += ((owner < W) & ~fits).sum()
+    table.overflow += ((owner < W) & ~fits & first_of_id).sum()
     slot = torch.where(fits, owner * slots + place, W * slots)  # [n] the last slot: a bin, never sent
     send = ids.new_full((W * slots + 1,), -1)
-    send[slot] = ids  # the ids that found no slot into the bin
+    send[slot] = ids  # an id's repeats into its one slot; the ids that found none into the bin
     asked = torch.empty_like(send[:-1])
     dist.all_to_all_single(asked, send[:-1], group=table.group)
     mine = asked >= 0  # [W * slots] the ids each process asks of this shard
@@ -163,11 +168,12 @@ def route_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding
 
 
 def route_grads(grad_out: torch.Tensor, saved: tuple, table: "ShardedEmbedding") -> torch.Tensor:
-    """route_rows' backward: the rows' gradients [n, D] to their owners by the reverse all-to-all,
-    each owner's added into a gradient of its shard (the mean over processes, as DDP's), returned."""
+    """route_rows' backward: the rows' gradients [n, D] summed per slot (an id's repeats), sent to
+    their owners by the reverse all-to-all, each owner's added into a gradient of its shard (the
+    mean over processes, as DDP's), returned."""
     local, mine, slot = saved
     grad = grad_out.new_zeros(local.numel() + 1, table.weight.shape[1])
-    grad[slot] = grad_out.reshape(-1, grad.shape[1])  # the bin last
+    grad.index_add_(0, slot, grad_out.reshape(-1, grad.shape[1]))  # the bin last
     every = torch.empty_like(grad[:-1])
     dist.all_to_all_single(every, grad[:-1], group=table.group)
     return shard_grad(table, local, every * mine[:, None].to(every.dtype))  # empty slots: zeros to row 0

@@ -96,15 +96,17 @@ def test_token_counts_are_those_of_the_training_batches(tmp_path_factory):
     from test_pipeline_data import tiny_data_dir
 
     dm = RankerData(str(tiny_data_dir(tmp_path_factory)), batch_size=48, max_seq_len=20, num_workers=0)
-    counts, by_owner = dm.train_token_counts([0, 1]), dm.train_token_counts([0, 1], owners=3)
+    counts, by_owner = dm.train_token_counts([0, 1]), dm.train_owner_counts([0, 1], owners=3)
     loader = dm.train_dataloader()
     seen, owned = [], []
     for epoch in (0, 1):
         loader.sampler.set_epoch(epoch)
-        for b in loader:  # alltoall_fixed's slots: a batch's ids (histories as cut, candidates) per shard
+        for b in loader:  # alltoall_fixed's slots: a batch's distinct ids (histories as cut, candidates) per shard
             seen.append(b["n_tokens"])
-            owned.append(torch.cat([b["hist_item"], b["cand_item"]]).long().remainder(3).bincount(minlength=3).tolist())
-    assert counts.tolist() == seen and by_owner.tolist() == [[t, *o] for t, o in zip(seen, owned)]
+            owned.append(torch.cat([b["hist_item"], b["cand_item"]]).long().unique().remainder(3).bincount(minlength=3).tolist())
+    assert counts.tolist() == seen and by_owner.tolist() == owned
+    assert dm.train_owner_counts([0, 1], owners=3, steps=5).tolist() == owned[:5]
+    assert sum(map(sum, owned)) < sum(seen) + 48 * len(seen)  # ids repeat within a batch: fewer distinct
 
 
 # ---- on the GPU: graph replays against the eager step ------------------------------------------

@@ -72,11 +72,13 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids]))).backward()
         table.sync_replicas()
         torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
-        # alltoall_fixed (no host sync) at the most ids any process has of one owner: the same rows and
-        # gradient, its bytes; the same around a captured step (rows fetched into a buffer, the
-        # buffer's gradient sent back), with a dense and a sparse gradient
-        slots = max(int(torch.bincount(torch.cat([i.reshape(-1).long() for i in _inputs(r)]) % shards).max())
+        # alltoall_fixed (no host sync) at the most distinct ids any process has of one owner (an id's
+        # repeats share a slot): the same rows and gradient, its bytes; the same around a captured step
+        # (rows fetched into a buffer, the buffer's gradient sent back), with a dense and a sparse gradient
+        slots = max(int(torch.bincount(torch.cat([i.reshape(-1).long() for i in _inputs(r)]).unique() % shards).max())
                     for r in mine)
+        assert slots < max(int(torch.bincount(torch.cat([i.reshape(-1).long() for i in _inputs(r)]) % shards).max())
+                           for r in mine)  # fewer than all ids: the inputs repeat ids
         table.weight.grad, sent = None, table.sent_bytes
         table.prefetch(*ids, slots=slots)
         outs = [table(i) for i in ids]
@@ -107,14 +109,15 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         assert torch.equal(rows[kept], full[real]) and not rows[~kept].any()
         lookup.send_back(torch.zeros_like(rows))
         assert table.lookups == 7 and not table.overflow
-        # one slot short: the ids past it get zero rows, and are counted
+        # one slot short: an owner's largest distinct ids past it get zero rows (every repeat), and are counted
         table.prefetch(*ids, slots=slots - 1)
         outs = torch.cat([table(i).reshape(-1, D) for i in ids])
         flat = torch.cat([i.reshape(-1).long() for i in ids])
-        lost = int((flat % shards).bincount(minlength=shards).sub(slots - 1).clamp(min=0).sum())
-        assert int(table.overflow) == lost and int((outs == 0).all(1).sum()) == lost
+        lost = torch.cat([u[u % shards == o][slots - 1:] for u in [flat.unique()] for o in range(shards)])
+        hit = torch.isin(flat, lost)
+        assert int(table.overflow) == lost.numel() and torch.equal((outs == 0).all(1), hit)
         with torch.no_grad():
-            assert torch.equal(outs[outs.ne(0).any(1)], full[flat][outs.ne(0).any(1)])
+            assert torch.equal(outs[~hit], full[flat][~hit])
         # model.embedding_grad sparse through the all-to-all: the same gradient as a sparse tensor
         table.sparse_grad, table.weight.grad = True, None
         table.prefetch(*ids)
