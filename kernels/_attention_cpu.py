@@ -10,13 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._attention_reference import (
-    attention_mask,
-    dense_attention_reference,
-    dense_attention_reference_bwd,
-    flash_attention_reference,
-    flash_attention_reference_bwd,
-)
+from kernels._attention_reference import (attention_mask, dense_attention_reference, dense_attention_reference_bwd,
+                                          flash_attention_reference, flash_attention_reference_bwd)
 from kernels._jagged_common import compute_dtype
 from kernels._segments import Group, by_seq, gather_groups, length_groups, scatter_groups
 

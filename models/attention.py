@@ -19,13 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from kernels import (
-    jagged_dense_attention,
-    jagged_dense_bmm,
-    jagged_flash_attention,
-    jagged_jagged_bmm,
-    jagged_to_padded,
-)
+from kernels import jagged_dense_attention, jagged_dense_bmm, jagged_flash_attention, jagged_jagged_bmm, jagged_to_padded
 
 
 def rotary_angles(pos: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -202,18 +202,21 @@ class RankerModule(pl.LightningModule):
         return self._compiled(**inputs)
 
     def setup(self, stage: str) -> None:
-        """The data set's item categories into the category embedding. With the sharded layout, the
-        item table becomes this process's shard (the process group exists from here on), drawn on
-        its device (on the CPU: the rows of the table the replicated layout draws from the seed)."""
-        dm = getattr(self.trainer, "datamodule", None)
+        """The data set's item categories into the category embedding. The item table's initial rows
+        are drawn from the seed on the device the run trains on, for either layout: with the sharded
+        layout the table becomes this process's shard (the process group exists from here on), its
+        rows those of the replicated table of the same seed and device (an equal start)."""
+        dm, device = getattr(self.trainer, "datamodule", None), self.trainer.strategy.root_device
         if self.model.embed.category is not None and hasattr(dm, "item_categories"):
             self.model.embed.set_categories(dm.item_categories())  # the data set's catalogue
+        if not self.sharded and stage == "fit" and device.type == "cuda":  # drawn as a shard is: CUDA's generator
+            weight = self.model.embed.item.weight
+            weight.data.copy_(draw_item_rows(self.model.embed.item_seed, *weight.shape, device=device))
         if not self.sharded or isinstance(self.model.embed.item, ShardedEmbedding):
             return
         try:
             embed = self.model.embed
-            rows = functools.partial(draw_item_rows, embed.item_seed, *embed.item.weight.shape,
-                                     device=self.trainer.strategy.root_device)
+            rows = functools.partial(draw_item_rows, embed.item_seed, *embed.item.weight.shape, device=device)
             embed.item = ShardedEmbedding.drawn(rows, *embed.item.weight.shape, self.table_shards)
             embed.item.sparse_grad = self.hparams.embedding_grad == "sparse"
         except ValueError as err:

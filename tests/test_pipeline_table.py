@@ -181,6 +181,45 @@ def test_every_process_draws_its_rows_of_the_same_table(monkeypatch):
         assert name == "embed.item.weight" or torch.equal(a, b), name
 
 
+def _set_up(layout: str, device: torch.device, stage: str = "fit") -> RankerModule:
+    from types import SimpleNamespace
+
+    torch.manual_seed(3)
+    module = RankerModule(RankerConfig(embed_dim=8, num_layers=1, mlp_dims=[8]), data_spec=SPEC, table_layout=layout)
+    module._trainer = SimpleNamespace(datamodule=None, strategy=SimpleNamespace(root_device=device))
+    module.setup(stage)
+    return module
+
+
+def test_a_cuda_run_draws_the_replicated_table_on_its_device_as_the_sharded_one(monkeypatch):
+    """Both layouts draw the item table from the seed on the run's device (CUDA's generator draws
+    other numbers than the CPU's): at one seed they start from one table. Training only: a test or
+    a validation keeps the rows it has."""
+    calls = []
+
+    def draw(seed, vocab, dim, rank=0, world=1, device="cpu"):
+        calls.append((seed, vocab, dim, rank, world, str(device)))
+        return torch.full((shard_rows(vocab, rank, world), dim), 7.0)
+
+    monkeypatch.setattr(pipeline.module, "draw_item_rows", draw)
+    for stage in ("test", "validate"):
+        assert not (_set_up("replicated", torch.device("cuda", 0), stage).model.embed.item.weight == 7).any()
+    assert not (_set_up("replicated", torch.device("cpu")).model.embed.item.weight == 7).any() and not calls
+    for layout in ("replicated", "sharded"):
+        module = _set_up(layout, torch.device("cuda", 0))
+        assert calls.pop() == (module.model.embed.item_seed, SPEC["vocab_size"], 8, 0, 1, "cuda:0")
+        assert (module.model.embed.item.weight == 7).all()
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_replicated_and_the_sharded_table_start_alike():
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    replicated, sharded = _set_up("replicated", cuda), _set_up("sharded", cuda)
+    assert torch.equal(replicated.model.embed.item.weight.cpu(), sharded.model.embed.item.weight.cpu())
+    assert not torch.equal(replicated.model.embed.item.weight.cpu(), _set_up("replicated", torch.device("cpu"))
+                           .model.embed.item.weight)
+
+
 @pytest.mark.parametrize("elements", [1, D, 3 * D + 2, 10**6])
 def test_rows_add_into_the_gradient_in_blocks_as_in_one(monkeypatch, elements):
     """A shard's gradient too large for one index_add_ on CUDA takes the rows block by block."""
