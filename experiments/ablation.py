@@ -296,11 +296,9 @@ def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | Non
             raise ConfigError(f"{path}: report.{key} {report[key]!r} is not an axis ({names})")
     _check_targets(path, report, points)
     _check_recovery(path, report, points)
-    return Ablation(
-        name=str(raw["name"]), path=path.resolve(), description=str(raw.get("description", "")),
-        experiment=str(raw.get("experiment", DEFAULT_EXPERIMENT)), configs=configs,
-        timeout_s=raw.get("timeout_s"), report=report, axes=names, points=points, raw=raw,
-    )
+    return Ablation(name=str(raw["name"]), path=path.resolve(), description=str(raw.get("description", "")),
+                    experiment=str(raw.get("experiment", DEFAULT_EXPERIMENT)), configs=configs,
+                    timeout_s=raw.get("timeout_s"), report=report, axes=names, points=points, raw=raw)
 
 
 def _exclusions(path: Path, raw: Any, axes: list) -> list[dict[str, set[str]]]:

@@ -183,12 +183,10 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     stop = early_stopping_words(parent)
     lines = [*header_lines(parent, df, commit, stop), "", "## Runs", "", runs_.markdown_table(header, rows)]
     sub, seeds = plot_subtitle(parent, df, stop), spec.get("seeds")
-    made = [
-        plots.line_plot(df, x, order, series, THROUGHPUT, "training examples/s (steady steps)", "Training throughput",
-                        out / "throughput.png", subtitle=sub, seeds=seeds),
-        plots.line_plot(df, x, order, series, mem, mem_label, "Peak memory", out / "memory.png", subtitle=sub,
-                        seeds=seeds),
-    ]
+    made = [plots.line_plot(df, x, order, series, THROUGHPUT, "training examples/s (steady steps)",
+                            "Training throughput", out / "throughput.png", subtitle=sub, seeds=seeds),
+            plots.line_plot(df, x, order, series, mem, mem_label, "Peak memory", out / "memory.png", subtitle=sub,
+                            seeds=seeds)]
     base, ser = spec.get("baseline"), spec.get("series")
     rat: dict = {}
     ratio_axes = [x, *(a for a in names if a not in (x, ser))]

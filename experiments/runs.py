@@ -88,11 +88,9 @@ def find_parent(client: MlflowClient, ref: str, experiment_ids: list[str] | None
 def child_runs(parent: Run) -> list[Run]:
     import mlflow
 
-    return mlflow.search_runs(
-        experiment_ids=[parent.info.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",  # a hex id: no quoting
-        order_by=["attributes.start_time ASC"], output_format="list",
-    )
+    return mlflow.search_runs(experiment_ids=[parent.info.experiment_id], order_by=["attributes.start_time ASC"],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",  # a hex id: no quoting
+                              output_format="list")
 
 
 def new_run(client: MlflowClient, experiment_ids: list[str], filter_string: str, known: set[str]) -> Run | None:

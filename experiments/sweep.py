@@ -50,12 +50,8 @@ def fit_command(abl: Ablation, point: Point, parent_id: str) -> list[str]:
         cmd += ["--config", str(cfg)]
     for key, value in point.overrides.items():
         cmd += [f"--{key}", cli_value(value)]
-    return cmd + [
-        "--data.data_dir", str(point.dataset.dir),
-        "--mlflow.experiment_name", abl.experiment,
-        "--mlflow.parent_run_id", parent_id,
-        "--mlflow.run_name", abl.run_name(point),
-    ]
+    return cmd + ["--data.data_dir", str(point.dataset.dir), "--mlflow.experiment_name", abl.experiment,
+                  "--mlflow.parent_run_id", parent_id, "--mlflow.run_name", abl.run_name(point)]
 
 
 class Sweep:

@@ -111,13 +111,11 @@ def run(args, device: torch.device, suites: list[str], modes: tuple[str, ...], a
     from experiments.bench.stamp import make_stamp, stamp_line
 
     start = time.monotonic()
-    cfg = RunConfig(
-        device=device, dtype=DTYPES[args.dtype], modes=modes, warmup_ms=args.warmup, rep_ms=args.rep,
-        ours_backend="triton" if device.type == "cuda" else "torch",
-        providers=frozenset(args.providers.split(",")) if args.providers else None, max_shapes=args.max_shapes,
-        seed=args.seed, flex_max_tokens=args.flex_max_tokens, flex_budget_s=args.flex_budget_s,
-        deadline=start + args.deadline_s if args.deadline_s else None, graph_ms=args.graph_ms,
-    )
+    cfg = RunConfig(device=device, dtype=DTYPES[args.dtype], modes=modes, warmup_ms=args.warmup, rep_ms=args.rep,
+                    ours_backend="triton" if device.type == "cuda" else "torch", max_shapes=args.max_shapes,
+                    providers=frozenset(args.providers.split(",")) if args.providers else None, seed=args.seed,
+                    flex_max_tokens=args.flex_max_tokens, flex_budget_s=args.flex_budget_s, graph_ms=args.graph_ms,
+                    deadline=start + args.deadline_s if args.deadline_s else None)
     stamp = make_stamp(device, args.commit)
     if args.force:
         forced_text = "; ".join(f"{fam} " + ",".join(f"{k}={v}" for k, v in kv.items()) for fam, kv in args.force.items())

@@ -61,16 +61,8 @@ def make_jagged(shape: Shape, device: torch.device, dtype: torch.dtype, seed: in
         return torch.randn(*size, device=device, dtype=dtype, generator=gen)
 
     qd = rand(shape.B, shape.Tq, shape.H, shape.D) if shape.Tq else None
-    return Jagged(
-        shape=shape,
-        lengths=lengths,
-        offsets=offsets_from_lengths(lengths).to(device),
-        pos=padded_positions(lengths, shape.N, device),
-        q=rand(*dims),
-        k=rand(*dims),
-        v=rand(*dims),
-        qd=qd,
-    )
+    return Jagged(shape=shape, lengths=lengths, offsets=offsets_from_lengths(lengths).to(device),
+                  pos=padded_positions(lengths, shape.N, device), q=rand(*dims), k=rand(*dims), v=rand(*dims), qd=qd)
 
 
 def to_padded(x: torch.Tensor, pos: torch.Tensor, B: int, N: int, fill: float = 0.0) -> torch.Tensor:

@@ -80,7 +80,5 @@ def make_stamp(device: torch.device, commit: str | None = None) -> dict:
 
 
 def stamp_line(st: dict) -> str:
-    return (
-        f"{st['gpu']} · torch {st['torch']} · triton {st['triton']} · CUDA {st['cuda']} · "
-        f"commit {st['commit']} · {st['date']}" + (f" · launch table {st['launch_table']}" if st.get("launch_table") else "")
-    )
+    return (f"{st['gpu']} · torch {st['torch']} · triton {st['triton']} · CUDA {st['cuda']} · commit {st['commit']} · "
+            f"{st['date']}" + (f" · launch table {st['launch_table']}" if st.get("launch_table") else ""))

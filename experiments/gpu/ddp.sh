@@ -10,7 +10,7 @@
 # call with the returned mlflow.db carried back adds to the same runs table.
 # Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set (no .git there). Returns $OUT/ddp.log, $OUT/ddp-summary.md, $OUT/mlflow.db,
-# $OUT/ddp-token-balance.md.
+# $OUT/ddp-token-balance.md and $OUT/<experiment>-scaling.png (runs_table.py --plot: examples/s and efficiency vs GPUs).
 #   PARTS="data balance scaling modes" bash experiments/gpu/ddp.sh             # everything once
 #   CALL_BUDGET_S=200 PARTS=scaling REPEAT_FROM=2 REPEATS=3 LOG=ddp-repeats.log bash experiments/gpu/ddp.sh
 #       # more repeats of the scaling runs (named NAME#2, NAME#3) for their spread
@@ -50,7 +50,7 @@ left() { echo $((budget - SECONDS)); }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 save() {
   cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null
-  python3 experiments/gpu/runs_table.py "$EXPERIMENT" > "$OUT/${EXPERIMENT}-summary.md" 2>> "$log"
+  python3 experiments/gpu/runs_table.py "$EXPERIMENT" --plot "$OUT/${EXPERIMENT}-scaling.png" > "$OUT/${EXPERIMENT}-summary.md" 2>> "$log"
 }
 scaled() {  # scaled attention:devices:strategy[:variant] SUFFIX: one weak-scaling run of the preset
   local attention devices strategy variant extra=()
