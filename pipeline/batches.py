@@ -116,29 +116,29 @@ class JaggedSplit:
         """Distinct item ids of each batch of rows (`batches`: index arrays; the histories cut to
         max_seq_len, and the candidates) held by each of `owners` table shards (shard id % owners):
         [len(batches), owners] int64."""
-        ids = self.item[self.row_offsets[0]:self.row_offsets[-1]]
-        seen = np.full(int(max(ids.max(initial=0), self.cand.max(initial=0))) + 1, -1, np.int64)  # id -> a position
+        seen = np.full(len(self.item_category), -1, np.int64)  # id (the catalogue's) -> a position
         out, done = np.zeros((len(batches), owners), np.int64), 0
         for b, idx in enumerate(batches):
-            end = self.row_offsets[idx + 1]
-            keep = np.minimum(end - self.row_offsets[idx], max_seq_len)
-            src = np.arange(keep.sum(), dtype=np.int64) + np.repeat(end - keep - (np.cumsum(keep) - keep), keep)
-            got = np.concatenate([self.item[src], self.cand[idx]])
+            got = np.concatenate([self.item[self._history(idx, max_seq_len)[1]], self.cand[idx]])
             at = np.arange(done, done + len(got))
             seen[got] = at  # of an id's repeats one position stays: the id counted once
             out[b] = np.bincount(got[seen[got] == at] % owners, minlength=owners)
             done += len(got)
         return out
 
-    def gather(self, idx: np.ndarray, max_seq_len: int) -> dict:
-        """The batch of rows `idx` [B]: jagged histories cut to their most recent max_seq_len."""
+    def _history(self, idx: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets [B + 1], src [T]) of rows `idx`' histories cut to their most recent max_seq_len:
+        the jagged offsets, and where each item lies in the flat arrays."""
         end = self.row_offsets[idx + 1]
         keep = np.minimum(end - self.row_offsets[idx], max_seq_len)  # [B]
         offsets = np.zeros(len(idx) + 1, np.int64)
         np.cumsum(keep, out=offsets[1:])
-        total = int(offsets[-1])
         # row t of the batch reads values[end_b - keep_b + (t - offsets_b)]
-        src = np.arange(total, dtype=np.int64) + np.repeat(end - keep - offsets[:-1], keep)
+        return offsets, np.arange(offsets[-1], dtype=np.int64) + np.repeat(end - keep - offsets[:-1], keep)
+
+    def gather(self, idx: np.ndarray, max_seq_len: int) -> dict:
+        """The batch of rows `idx` [B]: jagged histories cut to their most recent max_seq_len."""
+        offsets, src = self._history(idx, max_seq_len)
         dense = self.dense[idx]
         if self.user_features is not None:
             table, rows = self.user_features
@@ -151,7 +151,7 @@ class JaggedSplit:
             "cand_item": torch.from_numpy(self.cand[idx]),  # [B] int32
             "dense": torch.from_numpy(dense),  # [B, models.feature_width] float32
             "label": torch.from_numpy(self.label[idx]),  # [B] float32
-            "n_tokens": total,
+            "n_tokens": int(offsets[-1]),
             "max_seq_len": int(max_seq_len),
         }
 
