@@ -246,6 +246,10 @@ class PerfMonitor(pl.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._reset_peak(pl_module)
         gc.callbacks.append(self._gc_callback)
+        left = trainer.estimated_stepping_batches - trainer.global_step  # this process's steps (inf: unknown)
+        if self.trace is not None and self.trace.first + self.trace.count > left:
+            logging.getLogger(__name__).warning("perf.trace_steps [%d, %d] ends past this run's %d steps: no trace "
+                                                "is written", self.trace.first, self.trace.count, left)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         self._break()

@@ -16,7 +16,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import mlflow
 import torch
@@ -122,6 +122,9 @@ class RankerCLI(LightningCLI):
         parser.set_defaults({"trainer.use_distributed_sampler": False})
 
     def add_arguments_to_parser(self, parser) -> None:
+        for split in ("train", "val", "test"):  # Lightning's Union[float, int] reads "1" as 1.0, all batches
+            limit = next(a for a in parser._actions if a.dest == f"trainer.limit_{split}_batches")
+            limit._typehint = Optional[Union[int, float]]  # "1": one batch, as Lightning's docs mean it
         parser.link_arguments("seed_everything", "data.seed", compute_fn=_seed_to_int)
         parser.link_arguments("data.spec", "model.data_spec", apply_on="instantiate")
         # the ranker's user embedding option tells the data module what to join

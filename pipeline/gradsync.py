@@ -87,8 +87,7 @@ class GradSync:
         manual_table: average the table here on every step, not in DDP's reducer (always so
             unless mode is dense; with dense, when CUDA graphs are configured).
         bucket_bytes: the size of the flattened buckets of small gradients.
-        local_table: the table is this process's shard (pipeline/table.py): never averaged here.
-    """
+        local_table: the table is this process's shard (pipeline/table.py): never averaged here."""
 
     def __init__(self, mode: str, table: nn.Parameter, params: list[nn.Parameter], manual_table: bool,
                  bucket_bytes: int = BUCKET_BYTES, local_table: bool = False):

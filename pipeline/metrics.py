@@ -77,8 +77,7 @@ class AUC(BinaryAUROC):
     """Exact ROC AUC fed with logits like the others (sigmoid applied here, never guessed).
 
     AUC is undefined when the labels hold one class only: NaN then, with a warning in the log
-    (torchmetrics returns 0.0, which reads as a perfectly wrong ranker).
-    """
+    (torchmetrics returns 0.0, which reads as a perfectly wrong ranker)."""
 
     def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:  # type: ignore[override]
         super().update(torch.sigmoid(logits.float()), target.long())

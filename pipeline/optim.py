@@ -34,8 +34,7 @@ def build_optimizer(name: str, params: list[nn.Parameter], table: nn.Parameter, 
                     table_lr: float | None = None) -> torch.optim.Optimizer:
     """The optimizer `name` over `params` (`table`, the item table, among them).
 
-    fused: AdamW's one-pass update (CUDA and CPU); the others use torch's default implementation.
-    """
+    fused: AdamW's one-pass update (CUDA and CPU); the others use torch's default implementation."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {name!r}")
     if name == "adamw":
@@ -70,8 +69,7 @@ class RowwiseTableAdamW(torch.optim.AdamW):
     One float of state per row (`sum_sq`, ``[V]``, and a step count) where AdamW keeps two per
     element, 2 x D x 4 bytes a row. A row a step did not touch (a zero row of a dense gradient, or one absent from a
     sparse gradient) keeps its weights and state, so the three ``model.embedding_grad`` modes train
-    the same table. The update has no host sync with a dense gradient (a CUDA graph can hold it).
-    """
+    the same table. The update has no host sync with a dense gradient (a CUDA graph can hold it)."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], fused: bool | None,
                  eps: float = 1e-8):

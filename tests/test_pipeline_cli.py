@@ -275,3 +275,15 @@ def test_fit_tests_the_monitored_best_checkpoint_and_stops_early(tiny, tracking,
     assert retest_auc != pytest.approx(runs["final"].data.metrics["test/auc"], abs=1e-6)  # other weights, other AUC
     final = history(tracking, runs["final"].info.run_id, ("test/weights_step",))
     assert list(final["test/weights_step"].values()) == [2 * 8]  # tiny.yaml: 2 epochs, the final weights
+
+
+def test_a_limit_of_1_is_one_batch_not_every_batch(tiny, tracking, tmp_path):
+    """Lightning annotates the trainer's limit_*_batches Union[float, int]: read float first, "1"
+    would be 1.0, every batch of the split."""
+    main(fit_args(tiny, tmp_path, "--mlflow.run_name", "one", "--mlflow.system_metrics", "false",
+                  "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "1", "--trainer.limit_val_batches", "1",
+                  "--trainer.limit_test_batches", "0.5"))
+    run = all_runs(tracking)["one"]
+    assert [run.data.params[f"trainer.limit_{s}_batches"] for s in ("train", "val", "test")] == ["1", "1", "0.5"]
+    steps = [m.step for m in MlflowClient(tracking).get_metric_history(run.info.run_id, "train/loss_epoch")]
+    assert steps == [0]  # the epoch of one step logs its loss at its step (0-based)

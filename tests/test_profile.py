@@ -4,6 +4,7 @@ and its share of a training step, beside the files it always wrote."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from types import SimpleNamespace
@@ -50,3 +51,16 @@ def test_each_process_of_several_traces_into_its_own_folder(tmp_path):
     alone = SimpleNamespace(default_root_dir=str(tmp_path), global_rank=0, world_size=1)
     assert LoopTrace([1, 1])._dir(rank1) == tmp_path / "traces" / "rank1"
     assert LoopTrace([1, 1], str(tmp_path / "t"))._dir(alone) == tmp_path / "t"
+
+
+def test_a_trace_past_the_runs_last_step_is_a_warning_at_the_start(tmp_path, tmp_path_factory, monkeypatch, caplog):
+    monkeypatch.setattr(sys, "argv", ["pipeline"])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", fresh_tracking_uri(tmp_path_factory, tmp_path))
+    out = tmp_path / "trace"
+    with caplog.at_level(logging.WARNING, logger="pipeline.callbacks"):
+        main(fit_args(tiny_data_dir(tmp_path_factory), tmp_path, "--trainer.accelerator", "cpu", "--mlflow.system_metrics",
+                      "false", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0", "--perf.trace_steps",
+                      "[2, 2]", "--perf.trace_dir", str(out)))
+    assert "perf.trace_steps [2, 2] ends past this run's 3 steps: no trace is written" in caplog.text
+    assert not (out / "loop_summary.json").exists()

@@ -15,7 +15,7 @@
 #   CALL_BUDGET_S=200 PARTS=scaling REPEAT_FROM=2 REPEATS=3 LOG=ddp-repeats.log bash experiments/gpu/ddp.sh
 #       # more repeats of the scaling runs (named NAME#2, NAME#3) for their spread
 #   PARTS="shard" bash experiments/gpu/ddp.sh      # on 4 GPUs: the sharded table's weak scaling
-#   PARTS=auc AUC_DEVICES="1 2 4" bash experiments/gpu/ddp.sh   # test AUC at equal global batch and steps
+#   PARTS=auc AUC_DEVICES="1 2 4" bash experiments/gpu/ddp.sh   # test AUC at equal global batch and steps (AUC_LAYOUTS: of W > 1)
 #   PARTS=trace TRACE_DEVICES="2 4" bash experiments/gpu/ddp.sh   # the step split of ranks 0 and 1: $OUT/trace-split.md
 #   PARTS="bigtable" bash experiments/gpu/ddp.sh   # on 4 GPUs: the 100M-item table; also writes
 #       $OUT/bigtable.json (per run: exit status, the refusal or error line, examples/s, peak memory)
@@ -155,7 +155,7 @@ if has auc; then  # test AUC at equal global batch and steps: one pass at AUC_BA
   for seed in ${AUC_SEEDS:-0 1}; do
     for w in ${AUC_DEVICES:-1 2}; do
       per=$(( ${AUC_BATCH:-1024} / w )) steps=$(( ${AUC_ROWS:-1000000} / ${AUC_BATCH:-1024} ))
-      layouts="replicated"; [ "$w" -gt 1 ] && layouts="replicated sharded"
+      layouts="replicated"; [ "$w" -gt 1 ] && layouts="${AUC_LAYOUTS:-replicated sharded}"
       for layout in $layouts; do
         STEPS=$steps fit "acc-g$w-$layout-s$seed" "$w" "$([ "$w" = 1 ] && echo single || echo ddp)" \
           --model.ranker.attention jagged --data.batch_size "$per" --seed_everything "$seed" \
