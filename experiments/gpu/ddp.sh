@@ -116,7 +116,10 @@ for _ in range(60):  # the other ranks may still be writing theirs when rank 0's
     time.sleep(1)
 keys = ("wall", "compute", "comm", "exposed_comm", "idle")
 print("| W | rank | " + " | ".join(f"{k} ms/step" for k in keys) + " |\n|---|---|" + "---:|" * len(keys))
-for path in sorted(Path(sys.argv[1]).glob("trace-w*/rank*/loop_summary.json")):
+paths = sorted(Path(sys.argv[1]).glob("trace-w*/rank*/loop_summary.json"))
+if not paths:
+    print("no trace was written: the fits' logs say why (a perf.trace_steps window past a run's last step warns)")
+for path in paths:
     s = json.loads(path.read_text())
     print(f"| {path.parent.parent.name[7:]} | {path.parent.name[4:]} | "
           + " | ".join(f"{s[k + '_ms_per_step']:.2f}" for k in keys) + " |")
