@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import importlib.metadata
 import json
 import platform
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -237,7 +239,10 @@ def fail_active_run(status: str = "FAILED") -> str | None:
     run = mlflow.active_run()
     if run is None:
         return None
-    run_id = run.info.run_id
+    run_id, handled = run.info.run_id, sys.exc_info()[1]
+    if is_interrupt(handled):  # raised inside a read of the store, its frames hold the read open: a sqlite
+        traceback.clear_frames(handled.__traceback__)  # lock on every write, the run's end included
+        gc.collect()
     with interrupts_deferred():
         try:
             end_run(status)

@@ -241,6 +241,48 @@ def test_a_sigterm_while_the_run_starts_waits_until_the_run_can_be_ended(tmp_pat
     assert run.info.status == "KILLED"
 
 
+def test_a_sigterm_inside_a_store_read_does_not_keep_the_run_from_ending(tmp_path, tmp_path_factory, monkeypatch):
+    """A sweep killed while its fit logs its inputs: run_command's handler raised SIGTERMException
+    inside an MLflow read of the sqlite store, after the query ran and before its rows were fetched.
+    SQLAlchemy closes a cursor on an Exception only, so the read stayed open in the exception's
+    frames, and its lock kept every other connection from writing the run's end (20 s busy timeout,
+    each try) until the watchdog ended the process: the run left RUNNING without params."""
+    import mlflow
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+    from sqlalchemy.orm import loading
+
+    from pipeline.tracking import MLflowRun, fail_active_run
+
+    uri = fresh_tracking_uri(tmp_path_factory, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    real_instances, real_terminate, ends = loading.instances, MlflowClient.set_terminated, []
+
+    def interrupted(*args, **kwargs):  # where the handler raised: the query ran, its rows not yet read
+        monkeypatch.setattr(loading, "instances", real_instances)
+        raise SIGTERMException()
+
+    def counted(self, *args, **kwargs):
+        ends.append(args)
+        return real_terminate(self, *args, **kwargs)
+
+    try:  # system metrics: a second thread of the run, so the store holds more than one connection
+        run_id = MLflowRun(experiment_name="read", system_metrics=True).start({"t": "1"})
+        monkeypatch.setattr(loading, "instances", interrupted)
+        monkeypatch.setattr(MlflowClient, "set_terminated", counted)
+        with pytest.raises(SIGTERMException):
+            try:
+                mlflow.log_params({"a": "1"})
+            except SIGTERMException:
+                fail_active_run("KILLED")  # as run_command does, while the exception is handled
+                raise
+    finally:
+        monkeypatch.undo()
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+    assert MlflowClient(uri).get_run(run_id).info.status == "KILLED"
+    assert len(ends) == 1, "the run's end failed while the interrupted read held the store"
+
+
 def test_the_projects_experiments_open_as_model_training_with_a_saved_view(tmp_path, tmp_path_factory, monkeypatch):
     """MLflow 3.17 opens an experiment in its GenAI view unless told otherwise: every experiment a
     run of the pipeline starts in is tagged mlflow.experimentKind, and a saved view of the runs list
