@@ -62,8 +62,7 @@ def zero_rows(
 
     Used for the jagged rows past max_seq_len: `nprog` programs share the rows grid-stride
     (program `pid` takes row blocks pid, pid + nprog, ...), so every row is written once and
-    the common case (no sequence longer than max_seq_len) costs one empty loop.
-    """
+    the common case (no sequence longer than max_seq_len) costs one empty loop."""
     rows0 = tl.arange(0, BLOCK_R).to(tl.int64)
     zeros = tl.zeros([BLOCK_R, BLOCK_C], dtype=ptr.dtype.element_ty)
     for start in range(row_begin + pid * BLOCK_R, row_end, nprog * BLOCK_R):
@@ -148,8 +147,7 @@ def _locate(Offsets, slot, num_seqs, BLOCK: tl.constexpr):
     """(b, j, seq_start, n_rows, n_slots): work slot `slot` is the j-th of sequence b's n_slots.
 
     b = #{i in [1, B): s(i) <= slot} (s strictly increasing), counted on every _FINE-th i
-    first, then on the _FINE indices after the last one passed: two rounds of loads.
-    """
+    first, then on the _FINE indices after the last one passed: two rounds of loads."""
     cnt = tl.zeros([], tl.int32)
     for c0 in range(0, tl.cdiv(num_seqs, _FINE), _COARSE):
         c = c0 + tl.arange(0, _COARSE)

@@ -29,8 +29,7 @@ def debug_checks_enabled() -> bool:
 def check_offsets(offsets: torch.Tensor, name: str = "offsets", total: int | None = None) -> None:
     """Validate a jagged offsets tensor: 1-D, integer, length >= 1, starts at 0, non-decreasing.
 
-    `total`, when given, is the number of rows of the values tensor; offsets[-1] must equal it.
-    """
+    `total`, when given, is the number of rows of the values tensor; offsets[-1] must equal it."""
     if not isinstance(offsets, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
     if offsets.dim() != 1:

@@ -116,8 +116,7 @@ def jagged_to_padded(
         ``[B, N, D]`` in ``values.dtype``: ``out[b, n] = values[offsets[b] + n]`` for
         ``n < min(len_b, N)``, ``padding_value`` elsewhere. Rows of a sequence past N are
         dropped (the first N rows are kept) and get zero gradient. Exact in every dtype.
-        Backward: ``grad_values = padded_to_jagged(grad)``. Autocast leaves the dtype alone.
-    """
+        Backward: ``grad_values = padded_to_jagged(grad)``. Autocast leaves the dtype alone."""
     check_float(values, "values", ndim=2)
     check_offsets(offsets, total=values.shape[0])
     check_offsets_device(offsets, values)
@@ -140,8 +139,7 @@ def padded_to_jagged(
     Returns:
         ``[T, D]`` in ``padded.dtype``: ``out[offsets[b] + n] = padded[b, n]`` for
         ``n < min(len_b, N)``; rows with ``n >= N`` are zero. Exact in every dtype.
-        Backward: ``grad_padded = jagged_to_padded(grad, offsets, N)`` (zero at padding).
-    """
+        Backward: ``grad_padded = jagged_to_padded(grad, offsets, N)`` (zero at padding)."""
     check_float(padded, "padded", ndim=3)
     check_offsets(offsets, total=total)
     check_offsets_device(offsets, padded)

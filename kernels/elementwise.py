@@ -148,8 +148,7 @@ def jagged_dense_elementwise_add(
         (FBGEMM's truncation); ``dense`` rows ``n >= len_b`` are unused and get zero gradient.
         Under autocast both inputs are promoted to the wider of their dtypes (as torch does
         for mixed-dtype ``add``/``mul``); outside autocast the dtypes must match.
-        Backward: ``grad_values = grad`` (kept rows), ``grad_dense = jagged_to_padded(grad, N)``.
-    """
+        Backward: ``grad_values = grad`` (kept rows), ``grad_dense = jagged_to_padded(grad, N)``."""
     be = _checked(values, offsets, dense, max_seq_len, backend)
     return apply(_Elementwise, *autocast_cast("promote", values, offsets, dense), False, be)
 

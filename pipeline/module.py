@@ -328,6 +328,12 @@ class RankerModule(pl.LightningModule):
                 log.warning("not enough GPU memory to capture the training step as CUDA graphs (%s): training "
                             "eagerly", str(err).split(".")[0])
                 what = "CUDA graphs did not fit in GPU memory: eager steps"
+            # every process steps alike (a replayed step and an eager one make other collectives): eager if one is
+            captured = int(all_reduce(torch.tensor(float(self._graphs is not None), device=self.device), "min"))
+            if self._graphs is not None and not captured:
+                self._graphs, what = None, "CUDA graphs did not fit in another process's GPU memory: eager steps"
+                torch.cuda.empty_cache()
+                log.warning("another process could not capture its CUDA graphs: training eagerly, as it does")
         else:  # one forward and backward on a batch of the data's shape: every kernel compiled now
             static = StaticBatch(int(np.median(counts)), dm.batch_size, self.data_spec_n_dense, dm.max_seq_len,
                                  self.device)

@@ -188,3 +188,35 @@ def test_the_bench_measures_the_bytes_it_predicts(tmp_path):
         assert r["sent_measured"] == pytest.approx(r["sent_predicted"], rel=0.02), r
     text = (out / "ddp-bench.md").read_text()
     assert "| 2 | 0.94 |" in text and (out / "ddp-bench-crossover.png").stat().st_size > 0
+
+
+class _CaptureOOMOnRank0:
+    """GraphedTrainStep's stand-in: rank 0 runs out of memory capturing, the others capture."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def capture(self) -> None:
+        if torch.distributed.get_rank() == 0:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def _prepare_graphs(rank: int, store: str, out: str) -> None:
+    from types import SimpleNamespace
+
+    import pipeline.module
+
+    pipeline.module.GraphedTrainStep = _CaptureOOMOnRank0
+    with gloo_worker(rank, WORLD, store):
+        module = RankerModule(RankerConfig(), data_spec=SPEC, cuda_graphs=True)
+        module._trainer = SimpleNamespace(datamodule=SimpleNamespace(batch_size=4, max_seq_len=8),
+                                          precision="32-true", loggers=[])
+        module._prepare_step(np.array([5, 7]), [256])
+        Path(out, f"rank{rank}").write_text("eager" if module._graphs is None else "graphs")
+
+
+@pytest.mark.slow
+def test_one_process_that_cannot_capture_its_graphs_takes_every_process_to_eager_steps(tmp_path):
+    """A replayed step and an eager one make other collectives: mixed, the processes would hang."""
+    mp.start_processes(_prepare_graphs, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    assert [Path(tmp_path, f"rank{r}").read_text() for r in range(WORLD)] == ["eager"] * WORLD
