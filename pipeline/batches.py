@@ -46,8 +46,7 @@ class JaggedSplit:
     (int16, -1 for ids in none of them; as long as the largest id seen).
 
     ``attach_user_features`` adds per-row columns (a user embedding joined as of the row's day)
-    that ``gather`` appends to the batch's "dense" tensor.
-    """
+    that ``gather`` appends to the batch's "dense" tensor."""
 
     def __init__(self, table: pa.Table, n_dense: int):
         self.num_rows = table.num_rows
@@ -193,8 +192,7 @@ def balance_ranks(lengths: np.ndarray, world_size: int) -> np.ndarray:
     the spread of the ranks' tokens never exceeds the row just placed, and the last rows placed
     are the shortest: on the `paper` data the ranks end within a token of each other
     (experiments/results/ddp-token-balance-paper.md). Deterministic (stable sorts, lowest rank
-    first on ties), vectorised over the G batches: n steps of [G, world_size] work.
-    """
+    first on ties), vectorised over the G batches: n steps of [G, world_size] work."""
     lengths = np.asarray(lengths, dtype=np.int64)
     G, n = lengths.shape
     room = -(-n // world_size)
@@ -229,8 +227,7 @@ class EpochBatchSampler(Sampler):
 
     Within a batch, indices are sorted (when shuffling or sharding): the same examples, gathered
     with better memory locality. ``skip_next(n)`` makes the next epoch started skip its first n
-    batches (a resumed run continues where it stopped).
-    """
+    batches (a resumed run continues where it stopped)."""
 
     def __init__(self, num_rows: int, batch_size: int, *, shuffle: bool, drop_last: bool, seed: int = 0,
                  lengths: np.ndarray | None = None, rank: int = 0, world_size: int = 1):

@@ -95,8 +95,7 @@ class PerfMonitor(pl.Callback):
         trace_steps: [first, count]: profile count steps of the real loop from process step first
             (torch.profiler, then cProfile over the next count); null: no profile.
         trace_dir: where the profile goes (default: <trainer.default_root_dir>/traces); also
-            logged as artifacts of the run (trace/).
-    """
+            logged as artifacts of the run (trace/)."""
 
     def __init__(self, warmup_steps: int = 20, trace_steps: list[int] | None = None, trace_dir: str | None = None):
         if warmup_steps < 0:

@@ -27,8 +27,7 @@ def token_capacities(counts: np.ndarray, buckets: int, round_to: int = _ROUND) -
     chosen to minimise the total padding sum(capacity - count) over `counts`.
 
     An exact dynamic programme over the distinct rounded-up counts: the optimal capacities are
-    among them, and each bucket's capacity is the largest count it holds.
-    """
+    among them, and each bucket's capacity is the largest count it holds."""
     counts = np.asarray(counts, dtype=np.int64)
     if counts.size == 0 or buckets < 1:
         raise ValueError("token_capacities needs at least one count and one bucket")
@@ -69,11 +68,10 @@ class StaticBatch:
     ``B + 1`` sequences: rows ``offsets[b] .. offsets[b+1]`` of the B real ones come from the
     batch; the last sequence owns the rows ``T .. capacity-1`` (whatever an earlier batch left
     there: valid ids, never read by a real example). ``label`` is ``[B]``: the extra example has
-    none and is dropped from the loss.
-    """
+    none and is dropped from the loss."""
 
     def __init__(self, capacity: int, batch_size: int, n_dense: int, max_seq_len: int,
-                 device: torch.device, row_dim: int = 0):
+                 device: torch.device):
         self.capacity, self.batch_size, self.max_seq_len = int(capacity), int(batch_size), int(max_seq_len)
         B1 = self.batch_size + 1
 
@@ -88,9 +86,6 @@ class StaticBatch:
         self.cand_item = zeros(B1, dtype=torch.int32)
         self.dense = zeros(B1, n_dense, dtype=torch.float32)
         self.label = zeros(self.batch_size, dtype=torch.float32)
-        # with row_dim: the item rows of hist_item then cand_item, looked up outside the graph
-        self.rows = zeros(self.capacity + B1, row_dim, dtype=torch.float32).requires_grad_() if row_dim else None
-        self.rows_grad: torch.Tensor | None = None  # their gradient, written by the replay
 
     def fits(self, batch: dict) -> bool:
         return int(batch["label"].shape[0]) == self.batch_size and int(batch["n_tokens"]) <= self.capacity
@@ -111,10 +106,9 @@ class StaticBatch:
 
     def inputs(self) -> dict:
         """The model's keyword arguments (B + 1 sequences)."""
-        rows = {} if self.rows is None else {"item_rows": self.rows}
         return {"hist_item": self.hist_item, "hist_action": self.hist_action, "hist_age": self.hist_age,
                 "offsets": self.offsets, "max_seq_len": self.max_seq_len, "cand_item": self.cand_item,
-                "dense": self.dense, **rows}
+                "dense": self.dense}
 
 
 def model_inputs(batch: dict) -> dict:
@@ -142,9 +136,9 @@ class GraphedTrainStep:
         params: the parameters to differentiate (their ``.grad`` are set to the shared buffers).
         capacities: token capacities of the buckets (ascending).
         autocast_dtype: torch.bfloat16 for bf16-mixed training, None for full precision.
-        lookup: the sharded table's pipeline.table.GraphedLookup (its rows an input of the graphs,
-            their exchange eager around each replay; the table not among `params`), or None.
-    """
+        lookup: the sharded table's pipeline.table.GraphedLookup (each bucket's ids planned by a
+            graph of their own, their rows an input of the step's graph, exchanged eagerly between
+            the two replays and after; the table not among `params`), or None."""
 
     def __init__(self, loss_fn: LossFn, params: list[torch.Tensor], capacities: list[int], batch_size: int,
                  n_dense: int, max_seq_len: int, device: torch.device, autocast_dtype: torch.dtype | None,
@@ -153,8 +147,10 @@ class GraphedTrainStep:
             raise ValueError("CUDA graphs need a CUDA device")
         self.loss_fn, self.params, self.autocast_dtype = loss_fn, list(params), autocast_dtype
         self.capacities = sorted(int(c) for c in capacities)
-        self.lookup, dim = lookup, lookup.table.embedding_dim if lookup is not None else 0
-        self.statics = [StaticBatch(c, batch_size, n_dense, max_seq_len, device, dim) for c in self.capacities]
+        self.lookup = lookup
+        self.statics = [StaticBatch(c, batch_size, n_dense, max_seq_len, device) for c in self.capacities]
+        self.plans: list[tuple] = [()] * len(self.capacities)  # with a lookup: (graph, message, slots)
+        self.rows_grads: list[torch.Tensor | None] = [None] * len(self.capacities)  # the gradient of lookup.got
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.losses: list[torch.Tensor] = []
         self.grads: tuple[torch.Tensor, ...] | None = None
@@ -173,14 +169,19 @@ class GraphedTrainStep:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # lazy initialisation on the capturing stream
             for i in order:
-                self._loss_and_grads(self.statics[i])
+                self._loss_and_grads(i, self._plan(i))
         torch.cuda.current_stream().wait_stream(stream)
         for i in order:
-            static = self.statics[i]
+            plan = None
+            if self.lookup is not None:
+                self.plans[i] = (torch.cuda.CUDAGraph(),)
+                with torch.cuda.graph(self.plans[i][0], pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    plan = self._plan(i)
+                self.plans[i] += plan
             graph = torch.cuda.CUDAGraph()
             # thread_local: the loader's pinning thread may allocate pinned memory meanwhile
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                loss, grads = self._loss_and_grads(static)
+                loss, grads = self._loss_and_grads(i, plan)
                 if self.grads is None:
                     self.grads = grads  # the largest bucket's gradients are the .grad buffers
                 else:
@@ -192,12 +193,18 @@ class GraphedTrainStep:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-up's blocks outside the graphs' pool
 
-    def _loss_and_grads(self, static: StaticBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        extra = [] if static.rows is None else [static.rows]
-        loss, grads = loss_and_grads(self.loss_fn, static.inputs(), static.label, self.params + extra,
-                                     self.autocast_dtype)
+    def _plan(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The lookup's message and slots of bucket `i`'s ids (its padding masked), or None."""
+        static = self.statics[i]
+        limits = (static.offsets[static.batch_size], static.batch_size)  # a device scalar: no sync
+        return None if self.lookup is None else self.lookup.plan([static.hist_item, static.cand_item], limits)
+
+    def _loss_and_grads(self, i: int, plan) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        static, extra = self.statics[i], [] if plan is None else [self.lookup.got]
+        inputs = static.inputs() if plan is None else {**static.inputs(), "item_rows": self.lookup.got[plan[1]]}
+        loss, grads = loss_and_grads(self.loss_fn, inputs, static.label, self.params + extra, self.autocast_dtype)
         if extra:
-            static.rows_grad, grads = grads[-1], grads[:-1]
+            self.rows_grads[i], grads = grads[-1], grads[:-1]
         return loss, grads
 
     def _bind_grads(self) -> None:
@@ -222,11 +229,12 @@ class GraphedTrainStep:
         static = self.statics[i]
         static.fill(batch)
         if self.lookup is not None:
-            self.lookup.fetch([static.hist_item, static.cand_item], static.rows,
-                              limits=(int(batch["n_tokens"]), static.batch_size))  # the rest pads
+            plan, send, _ = self.plans[i]
+            plan.replay()
+            self.lookup.fetch(send, static.capacity + static.batch_size + 1)
         self.graphs[i].replay()
         if self.lookup is not None:
-            self.lookup.send_back(static.rows_grad)
+            self.lookup.send_back(self.rows_grads[i])
         self.replays[i] += 1
         self._bind_grads()
         return self.losses[i].clone()

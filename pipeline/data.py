@@ -52,8 +52,7 @@ class RankerData(pl.LightningDataModule):
             joined to its user's newest embedding as of its day - lag (pipeline/user_features.py);
             the counts of examples without one are in ``user_embedding_stats``.
         vocab_size: rows of the item table (default: the data's vocabulary); more rows than the
-            data's ids make a larger table than the data needs (rows never looked up).
-    """
+            data's ids make a larger table than the data needs (rows never looked up)."""
 
     def __init__(
         self,

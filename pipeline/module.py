@@ -54,8 +54,7 @@ class CumulativeMean(MeanMetric):
 
     torchmetrics' MeanMetric checks every update for NaN (``nans.any()``: a device sync per
     training step, which stalls the host behind the GPU) and turns a Python weight into a
-    host-to-device copy. Non-finite losses are caught by RankerModule's own flag instead.
-    """
+    host-to-device copy. Non-finite losses are caught by RankerModule's own flag instead."""
 
     def update(self, value: torch.Tensor, weight: float = 1.0) -> None:  # type: ignore[override]
         self.mean_value += value.detach().to(self.mean_value.dtype).sum() * weight
@@ -110,8 +109,7 @@ class RankerModule(pl.LightningModule):
         table_shards: with the sharded layout, the processes that shard one table (0: all of them;
             it must divide the world size): each group of table_shards consecutive ranks (a node's
             processes, when it is their count) holds the whole table, and the groups sum their
-            shards' gradients with one all-reduce.
-    """
+            shards' gradients with one all-reduce."""
 
     def __init__(
         self,
@@ -473,8 +471,7 @@ def keep_heap() -> bool:
     on the order of every allocation before, so it changes from run to run and from one
     attention layout to the other. Fixed thresholds (blocks up to 32 MiB from the heap, its
     free top returned only above 1 GiB) end that: a step reuses the pages of the one before,
-    and the process stays at its high-water mark instead of shrinking between steps.
-    """
+    and the process stays at its high-water mark instead of shrinking between steps."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError, TypeError):  # no mallopt (macOS, Windows)

@@ -134,14 +134,13 @@ def masked_ids(ids: list[torch.Tensor], limits) -> torch.Tensor:
                       for f, n in zip(flat, [f.numel() for f in flat] if limits is None else limits)])
 
 
-def route_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding", slots: int):
-    """The alltoall_fixed exchange's forward, outside autograd: each distinct id (flat [n], -1: none)
-    into one of the `slots` places its owner (id % W) has in this process's message (an id's repeats
-    share its place), the W x slots ids sent to their owners in one all-to-all of equal parts, their
-    rows (zeros for empty places) sent back in another. A distinct id past its owner's slots gets
-    zeros and is counted in ``table.overflow`` (checked at the loss checks). Returns the rows [n, D]
-    and what :func:`route_grads` needs."""
-    W, n, D = table.world, ids.numel(), weight.shape[1]
+def plan_slots(ids: torch.Tensor, table: "ShardedEmbedding", slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The alltoall_fixed message of the distinct ids of `ids` (flat [n], -1: none), local work with
+    no host sync (a captured graph's): each into one of the `slots` places its owner (id % W) has
+    (an id's repeats share its place). Returns the message [W * slots + 1] (-1: an empty place; the
+    last one a bin, never sent) and each id's slot [n]. A distinct id past its owner's slots goes
+    to the bin, its row zeros, and is counted in ``table.overflow`` (checked at the loss checks)."""
+    W = table.world
     owner = torch.where(ids >= 0, ids % W, W)  # [n] W: no owner
     key, order = torch.sort(owner * table.num_embeddings + ids.clamp(min=0))  # by owner, then id
     new = torch.ones_like(key, dtype=torch.bool)
@@ -153,65 +152,76 @@ def route_rows(weight: torch.Tensor, ids: torch.Tensor, table: "ShardedEmbedding
     first_of_id[order] = new
     fits = (owner < W) & (place < slots)
     table.overflow += ((owner < W) & ~fits & first_of_id).sum()
-    slot = torch.where(fits, owner * slots + place, W * slots)  # [n] the last slot: a bin, never sent
+    slot = torch.where(fits, owner * slots + place, W * slots)
     send = ids.new_full((W * slots + 1,), -1)
     send[slot] = ids  # an id's repeats into its one slot; the ids that found none into the bin
+    return send, slot
+
+
+def exchange_rows(weight: torch.Tensor, send: torch.Tensor, table: "ShardedEmbedding", got: torch.Tensor):
+    """plan_slots' message to the owners in one all-to-all of equal parts, their rows (zeros for
+    empty places) back into `got` [W * slots, D] in another. Returns what exchange_grads needs."""
     asked = torch.empty_like(send[:-1])
     dist.all_to_all_single(asked, send[:-1], group=table.group)
     mine = asked >= 0  # [W * slots] the ids each process asks of this shard
-    local = torch.where(mine, asked // W, 0)
-    rows = weight.detach().index_select(0, local) * mine[:, None].to(weight.dtype)
-    got = torch.empty_like(rows)
-    dist.all_to_all_single(got, rows, group=table.group)
-    table.tally(sent_bytes_fixed(slots, W, D * weight.element_size()), n, D * weight.element_size())
-    return torch.cat([got, got.new_zeros(1, D)])[slot], (local, mine, slot)
+    local = torch.where(mine, asked // table.world, 0)
+    dist.all_to_all_single(got, weight.detach().index_select(0, local) * mine[:, None].to(weight.dtype),
+                           group=table.group)
+    return local, mine
 
 
-def route_grads(grad_out: torch.Tensor, saved: tuple, table: "ShardedEmbedding") -> torch.Tensor:
-    """route_rows' backward: the rows' gradients [n, D] summed per slot (an id's repeats), sent to
-    their owners by the reverse all-to-all, each owner's added into a gradient of its shard (the
-    mean over processes, as DDP's), returned."""
-    local, mine, slot = saved
-    grad = grad_out.new_zeros(local.numel() + 1, table.weight.shape[1])
-    grad.index_add_(0, slot, grad_out.reshape(-1, grad.shape[1]))  # the bin last
-    every = torch.empty_like(grad[:-1])
-    dist.all_to_all_single(every, grad[:-1], group=table.group)
+def exchange_grads(grad: torch.Tensor, local: torch.Tensor, mine: torch.Tensor, table: "ShardedEmbedding"):
+    """exchange_rows' backward: the gradients [W * slots, D] of the rows got to their owners by the reverse
+    all-to-all, each owner's added into a gradient of its shard (the mean over processes, as DDP's)."""
+    every = torch.empty_like(grad)
+    dist.all_to_all_single(every, grad.contiguous(), group=table.group)
     return shard_grad(table, local, every * mine[:, None].to(every.dtype))  # empty slots: zeros to row 0
 
 
 class _FixedExchange(torch.autograd.Function):
-    """A lookup by route_rows, its backward route_grads."""
+    """The alltoall_fixed lookup of `ids` (flat [n], -1: none): plan_slots, then exchange_rows; its
+    backward sums the rows' gradients per slot (an id's repeats), then exchange_grads."""
 
     @staticmethod
     def forward(ctx, weight, ids, table, slots):
-        rows, saved = route_rows(weight, ids, table, slots)
-        ctx.save_for_backward(*saved)
+        send, slot = plan_slots(ids, table, slots)
+        got = weight.new_zeros(send.numel(), weight.shape[1])  # the bin's row stays zeros
+        ctx.save_for_backward(*exchange_rows(weight, send, table, got[:-1]), slot)
+        table.tally(sent_bytes_fixed(slots, table.world, weight[0].nbytes), ids.numel(), weight[0].nbytes)
         ctx.table = table
-        return rows.view(*ids.shape, weight.shape[1])
+        return got[slot]
 
     @staticmethod
     def backward(ctx, grad_out):
-        return route_grads(grad_out, ctx.saved_tensors, ctx.table), None, None, None
+        local, mine, slot = ctx.saved_tensors
+        grad = grad_out.new_zeros(local.numel() + 1, grad_out.shape[-1])
+        grad.index_add_(0, slot, grad_out.reshape(-1, grad.shape[1]))  # the bin last
+        return exchange_grads(grad[:-1], local, mine, ctx.table), None, None, None
 
 
 class GraphedLookup:
-    """The alltoall_fixed lookup around a captured local step (model.cuda_graphs with the sharded
-    table): before the replay the rows of a bucket's ids into its static `rows` buffer, after it
-    their gradients (the replay's `rows_grad`) to the shards. Every collective stays outside the
-    graph, at sizes fixed by `slots`, so the step reads nothing on the host."""
+    """The alltoall_fixed lookup around a captured step (model.cuda_graphs, sharded table): :meth:`plan`
+    (a bucket's graph of its own) makes its ids' message and slots, :meth:`fetch` exchanges them for rows
+    into `got` (an input of every step graph, which reads ``got[slot]``), :meth:`send_back` the replay's
+    gradient of `got`. No collective is captured: every process makes the same, whichever bucket it replays."""
 
     def __init__(self, table: "ShardedEmbedding", slots: int):
         self.table, self.slots, self._saved = table, slots, None
+        self.got = table.weight.new_zeros(table.world * slots + 1, table.embedding_dim).requires_grad_()  # bin last
+
+    def plan(self, ids: list[torch.Tensor], limits=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """plan_slots of `ids` past `limits` (masked_ids: the rest is a bucket's padding)."""
+        return plan_slots(masked_ids(ids, limits), self.table, self.slots)
 
     @torch.no_grad()
-    def fetch(self, ids: list[torch.Tensor], rows: torch.Tensor, limits=None) -> None:
-        """`limits`: the real entries of each of `ids` (masked_ids); the rest is a bucket's padding."""
-        got, self._saved = route_rows(self.table.weight, masked_ids(ids, limits), self.table, self.slots)
-        rows.copy_(got)
+    def fetch(self, send: torch.Tensor, ids: int) -> None:
+        """The rows of :meth:`plan`'s message `send` (of `ids` ids) into ``got``."""
+        self._saved = exchange_rows(self.table.weight, send, self.table, self.got.detach()[:-1])
+        self.table.tally(sent_bytes_fixed(self.slots, self.table.world, (b := self.table.weight[0].nbytes)), ids, b)
 
     @torch.no_grad()
-    def send_back(self, rows_grad: torch.Tensor) -> None:
-        self.table.weight.grad = route_grads(rows_grad, self._saved, self.table)
+    def send_back(self, got_grad: torch.Tensor) -> None:
+        self.table.weight.grad = exchange_grads(got_grad[:-1], *self._saved, self.table)
 
 
 class ShardedEmbedding(nn.Module):
@@ -221,8 +231,7 @@ class ShardedEmbedding(nn.Module):
     ``ids [*] -> [*, D]`` (or a :meth:`prefetch`) is a collective: every process of `group` (the
     `world` processes sharding one table) must make as many (an empty `ids` takes part too).
     `replica_group`: the `replicas` processes holding this same shard (None: one), whose gradients
-    :meth:`sync_replicas` sums. The gradient is the mean over all processes, as DDP's.
-    """
+    :meth:`sync_replicas` sums. The gradient is the mean over all processes, as DDP's."""
 
     def __init__(self, shard: torch.Tensor, num_embeddings: int, rank: int, world: int, group=None,
                  replica_group=None, replicas: int = 1):

@@ -89,8 +89,7 @@ class MLflowRun(pl.Callback):
         run_name: name of a new run (default: <attention>-L<max_seq_len>).
         run_id: continue this run instead of creating one (set from --ckpt_path on resume).
         parent_run_id: make the run a child of this one (sweeps, the main job).
-        system_metrics: sample CPU/GPU utilisation and memory into the run.
-    """
+        system_metrics: sample CPU/GPU utilisation and memory into the run."""
 
     def __init__(
         self,

@@ -144,3 +144,45 @@ def test_graph_replays_give_the_eager_loss_and_gradients(attention, amp, caplog)
             torch.testing.assert_close(g, ref, **tol)
     assert steps.replays == [2, 1] and steps.fallbacks == 1
     assert "fits no CUDA-graph bucket" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["jagged", "sdpa"])
+def test_graph_replays_around_the_sharded_tables_exchange_give_the_eager_loss_and_gradients(attention, monkeypatch):
+    """One process over NCCL: the lookup's plan graph, its eager exchange and the step's graph give
+    the loss and gradients (the table's too) of the eager step with a plain lookup."""
+    import socket
+
+    import torch.distributed as dist
+
+    from pipeline.table import GraphedLookup, ShardedEmbedding
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        model = _cuda_model(attention)
+        table = model.embed.item = ShardedEmbedding(model.embed.item.weight.detach().clone(), VOCAB, 0, 1)
+
+        def loss_fn(inputs, label):
+            inputs = dict(inputs)
+            table.use_rows(inputs["hist_item"], inputs["cand_item"], rows=inputs.pop("item_rows"))
+            return F.binary_cross_entropy_with_logits(model(**inputs)[: label.shape[0]], label)
+
+        params = [p for p in model.parameters() if p is not table.weight]
+        lookup = GraphedLookup(table, slots=VOCAB)
+        steps = GraphedTrainStep(loss_fn, params, [300, 520], 6, N_DENSE, 64, torch.device("cuda"), None, lookup)
+        steps.capture()
+        for lengths in ([40, 0, 64, 70, 10, 33], [64, 64, 100, 64, 64, 64], [3, 7, 64, 1, 0, 9]):
+            batch = _on_cuda(_batch(lengths, 64))
+            loss = steps(batch)
+            got = [g.clone() for g in steps.grads] + [table.weight.grad.clone()]
+            ref_loss, ref_grads = loss_and_grads(_loss_fn(model), model_inputs(batch), batch["label"],
+                                                 params + [table.weight], None)  # world 1: a plain lookup
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+            for g, ref in zip(got, ref_grads):
+                torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-6)
+        assert steps.replays == [2, 1] and int(table.overflow) == 0 and table.lookups >= 3
+    finally:
+        dist.destroy_process_group()

@@ -87,27 +87,30 @@ def _worker(rank: int, world: int, shards: int, store: str) -> None:
         assert table.sent_bytes - sent == sent_bytes_fixed(slots, shards, D * 8)
         table.sync_replicas()
         torch.testing.assert_close(table.weight.grad, want[s::shards], rtol=1e-12, atol=1e-12)
-        lookup = GraphedLookup(table, slots)
-        rows = torch.zeros(sum(i.numel() for i in ids), D, dtype=torch.float64, requires_grad=True)
+        lookup, n = GraphedLookup(table, slots), sum(i.numel() for i in ids)
         for sparse in (False, True):
-            table.weight.grad, table.sparse_grad = None, sparse
-            lookup.fetch(ids, rows)
-            table.use_rows(*ids, rows=rows)
+            table.weight.grad, table.sparse_grad, sent = None, sparse, table.sent_bytes
+            send, slot = lookup.plan(ids)  # in a graph of its own on a GPU
+            lookup.fetch(send, n)
+            table.use_rows(*ids, rows=lookup.got[slot])  # in the step's graph
             outs = [table(i) for i in ids]
             assert all(torch.equal(o, full[i.long()]) for i, o in zip(ids, outs))
             loss = sum((o * u).sum() for o, u in zip(outs, _upstream(rank, [i.shape for i in ids])))
-            lookup.send_back(torch.autograd.grad(loss, [rows])[0])
+            lookup.send_back(torch.autograd.grad(loss, [lookup.got])[0])
             assert table.weight.grad.is_sparse == sparse
+            assert table.sent_bytes - sent == sent_bytes_fixed(slots, shards, D * 8)
             table.sync_replicas()  # with replicas, densified for their all-reduce
             torch.testing.assert_close(table.weight.grad.to_dense(), want[s::shards], rtol=1e-12, atol=1e-12)
-        # a bucket's padding (entries past each tensor's limit) is neither looked up nor sent
+        # a bucket's padding (entries past each tensor's limit, a device scalar or an int) is neither looked up nor sent
         table.sparse_grad = False
-        rows.data.fill_(7.0)
-        lookup.fetch(ids, rows, limits=(ids[0].numel() // 2, 5))
+        send, slot = lookup.plan(ids, limits=(torch.tensor(ids[0].numel() // 2), 5))
+        lookup.fetch(send, n)
+        rows = lookup.got.detach()[slot]
         real = torch.cat([ids[0][: ids[0].numel() // 2].long(), ids[1].reshape(-1)[:5]])
         kept = torch.cat([torch.arange(ids[0].numel()) < ids[0].numel() // 2, torch.arange(12) < 5])
         assert torch.equal(rows[kept], full[real]) and not rows[~kept].any()
-        lookup.send_back(torch.zeros_like(rows))
+        assert not (send[:-1] >= 0).logical_and(~torch.isin(send[:-1], real)).any()  # only real ids sent
+        lookup.send_back(torch.zeros_like(lookup.got))
         assert table.lookups == 7 and not table.overflow
         # one slot short: an owner's largest distinct ids past it get zero rows (every repeat), and are counted
         table.prefetch(*ids, slots=slots - 1)
