@@ -201,7 +201,8 @@ class GraphedTrainStep:
 
     def _loss_and_grads(self, i: int, plan) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         static, extra = self.statics[i], [] if plan is None else [self.lookup.got]
-        inputs = static.inputs() if plan is None else {**static.inputs(), "item_rows": self.lookup.got[plan[1]]}
+        rows = None if plan is None else self.lookup.got.index_select(0, plan[1])  # backward: index_add_ (atomic)
+        inputs = static.inputs() if rows is None else {**static.inputs(), "item_rows": rows}
         loss, grads = loss_and_grads(self.loss_fn, inputs, static.label, self.params + extra, self.autocast_dtype)
         if extra:
             self.rows_grads[i], grads = grads[-1], grads[:-1]

@@ -189,7 +189,7 @@ class _FixedExchange(torch.autograd.Function):
         ctx.save_for_backward(*exchange_rows(weight, send, table, got[:-1]), slot)
         table.tally(sent_bytes_fixed(slots, table.world, weight[0].nbytes), ids.numel(), weight[0].nbytes)
         ctx.table = table
-        return got[slot]
+        return got.index_select(0, slot)
 
     @staticmethod
     def backward(ctx, grad_out):
