@@ -46,8 +46,7 @@ class AliasTable:
     its integer part picks the position and its fraction decides keep-or-alias. Unlike an
     inverse-CDF search, the cost does not depend on how skewed a distribution is (a cluster
     holding a head item puts ~99% of its mass on it). `keep` in float32 has relative precision
-    6e-8, far below any sampling error the data could show.
-    """
+    6e-8, far below any sampling error the data could show."""
 
     table: np.ndarray  # [P] ALIAS_RECORD
     start: np.ndarray  # [C] int32 (int64 if P does not fit)
@@ -89,8 +88,7 @@ class AliasTable:
 class World:
     """Tables shared by every shard; built once from the world seed and never mutated.
 
-    V = vocab_size, K = n_clusters. Cluster c's items are distribution c of `items`.
-    """
+    V = vocab_size, K = n_clusters. Cluster c's items are distribution c of `items`."""
 
     items: AliasTable  # within-cluster popularity, one distribution per cluster
     clusters: AliasTable  # cluster mass Z_c / Z, one distribution over the K clusters
@@ -119,8 +117,7 @@ class World:
         """Item ids drawn from each cluster's popularity p(k) / Z_c with uniforms u.
 
         cluster: int [N] in [0, K); u: float64 [N] in [0, 1); out: optional int32 [N] to fill.
-        Returns int32 [N]. (The exact item law needs u's full float64 resolution.)
-        """
+        Returns int32 [N]. (The exact item law needs u's full float64 resolution.)"""
         return self.items.sample(cluster, u, out=out)
 
     def sample_category_items(self, category: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -112,8 +112,7 @@ class RankerConfig:
         user_embedding: a user embedding learned offline, joined to each example as of its
             day (timeline data only): {dim, path, lag_days}; none by default.
         s2: S2 attention in the encoder's self-attention (jagged attention only): {block, local_blocks, stride,
-            dense_every, allow_partial_context}; none by default.
-    """
+            dense_every, allow_partial_context}; none by default."""
 
     attention: Literal["dense", "sdpa", "jagged"] = "jagged"
     embed_dim: int = 64
