@@ -206,8 +206,7 @@ def _worker_environment():
     One polars thread per worker: the processes already fill the cores. glibc keeps freed
     memory instead of returning it to the OS, so that each shard reuses the previous one's
     pages: page faults cost ~10 us each on a VM, ~0.3 s of system time per 65k-row shard.
-    ("spawn" below because forking a process whose polars thread pool runs can deadlock.)
-    """
+    ("spawn" below because forking a process whose polars thread pool runs can deadlock.)"""
     env = {"POLARS_MAX_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": str(1 << 32),
            "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
     saved = {k: os.environ.get(k) for k in env}
@@ -312,8 +311,7 @@ def generate_dataset(cfg: DataConfig, seed: int, out: str | Path, *, preset: str
     """Generate every shard of cfg under `out`, then write meta.json; return meta.
 
     workers: processes (default: one per CPU, at most one per shard); the output is the same
-    for any value. Raises FileExistsError if `out` holds a data set and overwrite is False.
-    """
+    for any value. Raises FileExistsError if `out` holds a data set and overwrite is False."""
     from tqdm.auto import tqdm
 
     start = time.perf_counter()

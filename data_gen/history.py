@@ -25,8 +25,7 @@ class Users:
     """B users' latent state; S = interests_per_user, mixture 0 = current, 1 = past.
 
     A (row, mixture) pair is a *group* g = 2 * row + mixture; per-draw lookups index groups
-    with int32 and float32 to keep the memory traffic of the [T]-sized passes low.
-    """
+    with int32 and float32 to keep the memory traffic of the [T]-sized passes low."""
 
     slots: np.ndarray  # [B * 2 * S] int32, cluster of slot s of group g at g * S + s
     slot_cdf: np.ndarray  # [S - 1, B * 2] float32, cumulative weight of slots 0..j of group g
@@ -134,8 +133,7 @@ def sample_history(world: World, cfg: DataConfig, rng: np.random.Generator, user
     """Histories for B users with the given lengths (int [B]); see the module docstring.
 
     out: optional (item int32 [T], action int8 [T], age float32 [T]) arrays to fill, so that a
-    shard's columns are written in place instead of copied.
-    """
+    shard's columns are written in place instead of copied."""
     b = lengths.size
     offsets = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

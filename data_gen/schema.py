@@ -156,8 +156,7 @@ def read_split(data_dir: str | Path, split: str, columns: list[str] | None = Non
 
     Sequence columns come back as list or large_list arrays of int32 / int8 / float32 values;
     take `.offsets` and `.values` per chunk for the jagged layout. With validate=True (the
-    default) every shard of the split is checked as in validate_dataset before it is returned.
-    """
+    default) every shard of the split is checked as in validate_dataset before it is returned."""
     from ._checks import read_table  # local: keeps `import data_gen` light for meta-only use
 
     data_dir = Path(data_dir)
