@@ -187,7 +187,7 @@ class _FixedExchange(torch.autograd.Function):
         send, slot = plan_slots(ids, table, slots)
         got = weight.new_zeros(send.numel(), weight.shape[1])  # the bin's row stays zeros
         ctx.save_for_backward(*exchange_rows(weight, send, table, got[:-1]), slot)
-        table.tally(sent_bytes_fixed(slots, table.world, weight[0].nbytes), ids.numel(), weight[0].nbytes)
+        table.tally(sent_bytes_fixed(slots, table.world, b := got[0].nbytes), ids.numel(), b)  # got: never empty
         ctx.table = table
         return got.index_select(0, slot)
 
@@ -217,7 +217,7 @@ class GraphedLookup:
     def fetch(self, send: torch.Tensor, ids: int) -> None:
         """The rows of :meth:`plan`'s message `send` (of `ids` ids) into ``got``."""
         self._saved = exchange_rows(self.table.weight, send, self.table, self.got.detach()[:-1])
-        self.table.tally(sent_bytes_fixed(self.slots, self.table.world, (b := self.table.weight[0].nbytes)), ids, b)
+        self.table.tally(sent_bytes_fixed(self.slots, self.table.world, b := self.got[0].nbytes), ids, b)  # got: never empty
 
     @torch.no_grad()
     def send_back(self, got_grad: torch.Tensor) -> None:
