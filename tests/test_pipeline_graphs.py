@@ -144,3 +144,26 @@ def test_graph_replays_give_the_eager_loss_and_gradients(attention, amp, caplog)
             torch.testing.assert_close(g, ref, **tol)
     assert steps.replays == [2, 1] and steps.fallbacks == 1
     assert "fits no CUDA-graph bucket" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["jagged", "sdpa"])
+def test_graph_replays_give_the_eager_sparse_table_gradient_of_each_bucket(attention):
+    """model.embedding_grad sparse: the item table's gradient has the size of its bucket's ids, a
+    buffer of each graph's own (bound after its replay); the dense ones are shared."""
+    cfg = RankerConfig(attention=attention, embed_dim=64, num_heads=2, num_layers=2, pool_heads=2, mlp_dims=[32])
+    model = Ranker(cfg, vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE, sparse_item_grad=True).cuda()
+    params, table = list(model.parameters()), model.embed.item.weight
+    steps = GraphedTrainStep(_loss_fn(model), params, [300, 520], 6, N_DENSE, 64, torch.device("cuda"), None)
+    steps.capture()
+    for lengths in ([40, 0, 64, 70, 10, 33], [64, 64, 100, 64, 64, 64], [3, 7, 64, 1, 0, 9],
+                    [100, 100, 100, 100, 100, 100]):  # each bucket, the first again, then one that fits none
+        batch = _on_cuda(_batch(lengths, 64))
+        loss = steps(batch)
+        assert table.grad.is_sparse and all(not p.grad.is_sparse for p in params if p is not table)
+        got = [p.grad.to_dense().clone() for p in params]
+        ref_loss, ref_grads = loss_and_grads(_loss_fn(model), model_inputs(batch), batch["label"], params, None)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for g, ref in zip(got, ref_grads):
+            torch.testing.assert_close(g, ref.to_dense(), rtol=1e-5, atol=1e-6)
+    assert steps.replays == [2, 1] and steps.fallbacks == 1
