@@ -205,7 +205,8 @@ class GraphedTrainStep:
         table's, of its bucket's size) returned by parameter index, bound as they are."""
         sparse = {k: g for k, g in enumerate(grads) if g.is_sparse}
         dense = [k for k, g in enumerate(grads) if k not in sparse and g is not self.grads[k]]
-        torch._foreach_copy_([self.grads[k] for k in dense], [grads[k] for k in dense])
+        if dense:  # none: the largest bucket's, the buffers themselves
+            torch._foreach_copy_([self.grads[k] for k in dense], [grads[k] for k in dense])
         return sparse
 
     def _bind_grads(self, sparse: dict[int, torch.Tensor] | None = None) -> None:

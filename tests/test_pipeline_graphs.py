@@ -167,3 +167,15 @@ def test_graph_replays_give_the_eager_sparse_table_gradient_of_each_bucket(atten
         for g, ref in zip(got, ref_grads):
             torch.testing.assert_close(g, ref.to_dense(), rtol=1e-5, atol=1e-6)
     assert steps.replays == [2, 1] and steps.fallbacks == 1
+
+
+def test_a_steps_gradients_go_into_the_shared_buffers_and_a_sparse_one_stays_its_own():
+    """GraphedTrainStep._take (CPU): the dense gradients copied into the .grad buffers (none to copy
+    for the buffers themselves), the sparse ones (a bucket's size) returned by parameter index."""
+    steps = GraphedTrainStep.__new__(GraphedTrainStep)
+    dense, table = torch.zeros(3), torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.ones(2, 4), (5, 4))
+    steps.grads = (dense, table)
+    assert steps._take(steps.grads) == {1: table}  # the largest bucket's: no copy
+    other = torch.sparse_coo_tensor(torch.tensor([[0, 2, 4]]), torch.ones(3, 4), (5, 4))
+    assert steps._take((torch.arange(3.0), other)) == {1: other}
+    assert torch.equal(dense, torch.arange(3.0)) and steps.grads[1] is table
