@@ -10,8 +10,7 @@ import numpy as np
 def auc(label: np.ndarray, score: np.ndarray) -> float | None:
     """ROC AUC by the Mann-Whitney rank sum, ties counted as half. None if one class is absent.
 
-    label: {0, 1} [N]; score: float [N] (any monotone transform of p gives the same AUC).
-    """
+    label: {0, 1} [N]; score: float [N] (any monotone transform of p gives the same AUC)."""
     y = np.asarray(label).astype(bool)
     n_pos = int(y.sum())
     n_neg = y.size - n_pos

@@ -60,8 +60,7 @@ class Histories:
     of that layout.
 
     offsets: [B+1] int64 of the jagged batch (lengths already <= max_seq_len upstream).
-    max_seq_len: host int, N of the padded layout and the kernels' max_seq_len.
-    """
+    max_seq_len: host int, N of the padded layout and the kernels' max_seq_len."""
 
     def __init__(self, offsets: torch.Tensor, max_seq_len: int, attention: str, kernel_backend: str = "auto"):
         self.offsets = offsets

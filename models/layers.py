@@ -42,8 +42,7 @@ class HistoryEmbedding(nn.Module):
     table's gradient is a sparse tensor (the rows a batch looked up) instead of a dense
     ``[vocab_size, dim]`` one. ``n_categories`` > 0: an item's category embedding is added to its
     item embedding; the category of each id is the buffer ``item_category`` (the data set's
-    catalogue, :meth:`set_categories`; until then every id is of the extra "unknown" category).
-    """
+    catalogue, :meth:`set_categories`; until then every id is of the extra "unknown" category)."""
 
     def __init__(self, vocab_size: int, n_actions: int, dim: int, num_age_buckets: int, sparse_item: bool = False,
                  n_categories: int = 0, item_device: str | None = None):
@@ -142,8 +141,7 @@ class HistoryInteraction(nn.Module):
 
     The candidate gives K probe vectors C_b [D, K]; every history item gets scores
     s_t = x_t C_b / sqrt(D) (``jagged_dense_bmm``); the pooling P_b = sum_t s_t^T x_t / len_b
-    (``jagged_jagged_bmm``) is [K, D]. Output: LayerNorm(flatten(P)) [B, K * D].
-    """
+    (``jagged_jagged_bmm``) is [K, D]. Output: LayerNorm(flatten(P)) [B, K * D]."""
 
     def __init__(self, dim: int, pool_heads: int):
         super().__init__()

@@ -37,8 +37,7 @@ class Ranker(nn.Module):
     state_dict of one loads into the others.
     ``sparse_item_grad`` makes the item table's gradient sparse (how it is computed, not what:
     the training loop chooses it, :mod:`pipeline.gradsync`); ``item_device="meta"`` leaves the
-    item table undrawn, for a caller that shards it (:func:`models.layers.draw_item_rows`).
-    """
+    item table undrawn, for a caller that shards it (:func:`models.layers.draw_item_rows`)."""
 
     def __init__(self, cfg: RankerConfig, *, vocab_size: int, n_actions: int, n_dense: int,
                  sparse_item_grad: bool = False, n_categories: int = 0, item_device: str | None = None):
@@ -86,8 +85,7 @@ class Ranker(nn.Module):
         hist_item [T] int32/int64, hist_action [T] integer, hist_age [T] float (days): the
         histories, jagged by offsets [B+1] int64 (each at most max_seq_len long, most recent
         items kept); cand_item [B] integer; dense [B, feature_width] float (models.feature_width:
-        the data set's dense features, then the user embedding's columns if configured).
-        """
+        the data set's dense features, then the user embedding's columns if configured)."""
         hist = Histories(offsets, max_seq_len, self.cfg.attention, self.cfg.kernel_backend)
         hist_rows, cand_rows = self.embed.item_rows(hist_item, cand_item)
         x = hist.layout(self.embed(hist_item, hist_action, hist_age, hist_rows))  # [T, D] or [B, N, D]

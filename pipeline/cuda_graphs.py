@@ -156,6 +156,7 @@ class GraphedTrainStep:
         self.grads: tuple[torch.Tensor, ...] | None = None
         self.fallbacks = 0  # batches that ran eagerly (above the largest capacity)
         self.replays = [0] * len(self.capacities)
+        self.sparse: list[dict[int, torch.Tensor]] = [{} for _ in self.capacities]  # per bucket: _take
 
     def capture(self) -> None:
         """Warm up (compiles every kernel variant) and capture one graph per bucket, largest first."""
@@ -184,8 +185,7 @@ class GraphedTrainStep:
                 loss, grads = self._loss_and_grads(i, plan)
                 if self.grads is None:
                     self.grads = grads  # the largest bucket's gradients are the .grad buffers
-                else:
-                    torch._foreach_copy_(list(self.grads), list(grads))
+                self.sparse[i] = self._take(grads)
             graphs[i], losses[i] = graph, loss
         self.graphs = [graphs[i] for i in range(len(self.statics))]
         self.losses = [losses[i] for i in range(len(self.statics))]
@@ -208,8 +208,18 @@ class GraphedTrainStep:
             self.rows_grads[i], grads = grads[-1], grads[:-1]
         return loss, grads
 
-    def _bind_grads(self) -> None:
-        for p, g in zip(self.params, self.grads):
+    def _take(self, grads: tuple[torch.Tensor, ...]) -> dict[int, torch.Tensor]:
+        """The dense ones of `grads` copied into the .grad buffers; the sparse ones (a sparse item
+        table's, of its bucket's size) returned by parameter index, bound as they are."""
+        sparse = {k: g for k, g in enumerate(grads) if g.is_sparse}
+        dense = [k for k, g in enumerate(grads) if k not in sparse and g is not self.grads[k]]
+        if dense:  # none: the largest bucket's, the buffers themselves
+            torch._foreach_copy_([self.grads[k] for k in dense], [grads[k] for k in dense])
+        return sparse
+
+    def _bind_grads(self, sparse: dict[int, torch.Tensor] | None = None) -> None:
+        for k, (p, g) in enumerate(zip(self.params, self.grads)):
+            g = sparse.get(k, g) if sparse else g
             if p.grad is not g:
                 p.grad = g
 
@@ -237,7 +247,7 @@ class GraphedTrainStep:
         if self.lookup is not None:
             self.lookup.send_back(self.rows_grads[i])
         self.replays[i] += 1
-        self._bind_grads()
+        self._bind_grads(self.sparse[i])
         return self.losses[i].clone()
 
     def _eager(self, batch: dict) -> torch.Tensor:
@@ -252,6 +262,5 @@ class GraphedTrainStep:
                                      self.autocast_dtype)
         if table:
             table[0].grad, grads = grads[-1], grads[:-1]
-        torch._foreach_copy_(list(self.grads), list(grads))
-        self._bind_grads()
+        self._bind_grads(self._take(grads))
         return loss

@@ -85,8 +85,8 @@ class RankerModule(pl.LightningModule):
         cuda_graphs: on a CUDA device, run each training step's forward and backward as the replay
             of a CUDA graph per token bucket (pipeline/cuda_graphs.py): microseconds of host time per
             step instead of a few hundred kernel launches. Same losses and gradients as the eager
-            step; 32-true or bf16-mixed precision; not with compile_model; dense embedding
-            gradients (a sharded table's may be sparse); ignored on CPU. DDP averages the replayed ones by one
+            step; 32-true or bf16-mixed precision; not with compile_model; a sparse item table
+            gradient has each bucket's size (its own buffer); ignored on CPU. DDP averages the replayed ones by one
             bucketed all-reduce outside the graph; a sharded table (table_exchange alltoall_fixed)
             exchanges its rows and their gradients outside it (pipeline.table.GraphedLookup).
         token_buckets: token capacities (one CUDA graph each, or on the CPU one fixed batch shape
@@ -493,9 +493,6 @@ def _check_gradients(optimizer: str, embedding_grad: str) -> None:
 def _check_layout(layout: str, embedding_grad: str, compiled: bool, graphs: bool, exchange: str, shards: int) -> None:
     if layout not in TABLE_LAYOUTS:
         raise ConfigError(f"model.table_layout must be one of {', '.join(TABLE_LAYOUTS)}, got {layout!r}")
-    if layout == "replicated" and embedding_grad != "dense" and graphs:  # a shard's sparse gradient has a fixed size
-        raise ConfigError(f"model.embedding_grad {embedding_grad} and model.cuda_graphs exclude each other: "
-                          "a graph replays fixed shapes, a sparse gradient's size changes every step")
     if shards < 0 or (shards and layout != "sharded"):
         raise ConfigError(f"model.table_shards must be >= 0 (0: every process), and set only with model.table_layout "
                           f"sharded; got {shards} with {layout}")

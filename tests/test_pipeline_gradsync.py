@@ -140,7 +140,6 @@ def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"embedding_grad": "sparse"}, "needs model.optimizer sgd, adagrad or rowwise"),
-    ({"embedding_grad": "densify", "cuda_graphs": True}, "exclude each other"),
     ({"optimizer": "lamb"}, "model.optimizer must be one of"),
     ({"table_lr": 0.01}, "model.table_lr must be > 0 and set only with model.optimizer sgd"),
     ({"table_lr": 0.0, "optimizer": "rowwise"}, "got 0.0 with rowwise"),
@@ -148,6 +147,13 @@ def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
 def test_gradient_settings_that_cannot_work_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         RankerModule(RankerConfig(), data_spec=SPEC, **kwargs)
+
+
+@pytest.mark.parametrize("grad", ["sparse", "densify"])
+def test_a_sparse_table_gradient_takes_cuda_graphs(grad):
+    """Each bucket replays one size of sparse gradient (its padded ids): tests/test_pipeline_graphs.py."""
+    module = RankerModule(RankerConfig(), data_spec=SPEC, embedding_grad=grad, optimizer="rowwise", cuda_graphs=True)
+    assert module.cuda_graphs and module.model.embed.item.sparse
 
 
 def test_the_item_table_is_left_to_gradsync_only_when_it_must_be():

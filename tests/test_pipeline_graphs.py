@@ -186,3 +186,38 @@ def test_graph_replays_around_the_sharded_tables_exchange_give_the_eager_loss_an
         assert steps.replays == [2, 1] and int(table.overflow) == 0 and table.lookups >= 3
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["jagged", "sdpa"])
+def test_graph_replays_give_the_eager_sparse_table_gradient_of_each_bucket(attention):
+    """model.embedding_grad sparse: the item table's gradient has the size of its bucket's ids, a
+    buffer of each graph's own (bound after its replay); the dense ones are shared."""
+    cfg = RankerConfig(attention=attention, embed_dim=64, num_heads=2, num_layers=2, pool_heads=2, mlp_dims=[32])
+    model = Ranker(cfg, vocab_size=VOCAB, n_actions=N_ACTIONS, n_dense=N_DENSE, sparse_item_grad=True).cuda()
+    params, table = list(model.parameters()), model.embed.item.weight
+    steps = GraphedTrainStep(_loss_fn(model), params, [300, 520], 6, N_DENSE, 64, torch.device("cuda"), None)
+    steps.capture()
+    for lengths in ([40, 0, 64, 70, 10, 33], [64, 64, 100, 64, 64, 64], [3, 7, 64, 1, 0, 9],
+                    [100, 100, 100, 100, 100, 100]):  # each bucket, the first again, then one that fits none
+        batch = _on_cuda(_batch(lengths, 64))
+        loss = steps(batch)
+        assert table.grad.is_sparse and all(not p.grad.is_sparse for p in params if p is not table)
+        got = [p.grad.to_dense().clone() for p in params]
+        ref_loss, ref_grads = loss_and_grads(_loss_fn(model), model_inputs(batch), batch["label"], params, None)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        for g, ref in zip(got, ref_grads):
+            torch.testing.assert_close(g, ref.to_dense(), rtol=1e-5, atol=1e-6)
+    assert steps.replays == [2, 1] and steps.fallbacks == 1
+
+
+def test_a_steps_gradients_go_into_the_shared_buffers_and_a_sparse_one_stays_its_own():
+    """GraphedTrainStep._take (CPU): the dense gradients copied into the .grad buffers (none to copy
+    for the buffers themselves), the sparse ones (a bucket's size) returned by parameter index."""
+    steps = GraphedTrainStep.__new__(GraphedTrainStep)
+    dense, table = torch.zeros(3), torch.sparse_coo_tensor(torch.tensor([[1, 1]]), torch.ones(2, 4), (5, 4))
+    steps.grads = (dense, table)
+    assert steps._take(steps.grads) == {1: table}  # the largest bucket's: no copy
+    other = torch.sparse_coo_tensor(torch.tensor([[0, 2, 4]]), torch.ones(3, 4), (5, 4))
+    assert steps._take((torch.arange(3.0), other)) == {1: other}
+    assert torch.equal(dense, torch.arange(3.0)) and steps.grads[1] is table
