@@ -278,10 +278,8 @@ class EpochBatchSampler(Sampler):
         return out
 
     def batch_sums(self, values: np.ndarray, epoch: int) -> np.ndarray:
-        """sum(values[idx]) for every batch idx this rank gets in an epoch: e.g. its token counts
-        (values [R]: [batches]; values [R, K]: [batches, K])."""
-        return np.array([values[idx].sum(0) for idx in self.batches(epoch)], dtype=values.dtype).reshape(
-            -1, *values.shape[1:])
+        """sum(values[idx]) for every batch idx this rank gets in an epoch: e.g. its token counts."""
+        return np.array([values[idx].sum() for idx in self.batches(epoch)], dtype=values.dtype)
 
     def __iter__(self) -> Iterator[np.ndarray]:
         batches = self.batches(self.epoch)

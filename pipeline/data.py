@@ -10,6 +10,7 @@ Decoded splits are cached (``cache=True``, the default): see :mod:`pipeline.spli
 from __future__ import annotations
 
 import logging
+from itertools import islice
 from pathlib import Path
 from typing import Optional
 
@@ -168,8 +169,9 @@ class RankerData(pl.LightningDataModule):
         table shards in every training batch of this process in `epochs`, in training order, the
         first `steps` batches only (None: all): [batches, owners], exact, from the sampler's order."""
         self.setup("fit")
-        batches = self._sampler("train", self.batch_size, train=True).batches
-        return self._splits["train"].owner_counts([i for e in epochs for i in batches(e)][:steps], self.max_seq_len, owners)
+        batches = self._sampler("train", self.batch_size, train=True).batches  # epochs past `steps` never drawn
+        return self._splits["train"].owner_counts(list(islice((i for e in epochs for i in batches(e)), steps)),
+                                                  self.max_seq_len, owners)
 
     def _loader(self, split: str, batch_size: int, train: bool) -> DataLoader:
         data = self._splits[split]
