@@ -32,8 +32,7 @@ class DataConfig:
     Rows are counted across the three splits; `val_fraction` and `test_fraction` of them go to
     val and test, the rest to train. History lengths follow `length_dist` on [min_len, max_len]
     with mean `mean_len` (power and lognormal solve their free parameter for it; uniform ignores
-    it). The planted label model is described in `data_gen/planted.py`.
-    """
+    it). The planted label model is described in `data_gen/planted.py`."""
 
     rows: int = 6_000  # examples across the three splits
     val_fraction: float = 0.1
@@ -209,8 +208,7 @@ def option_pairs(tokens: list[str]) -> dict[str, str]:
 def resolve_config(preset: str = "tiny", overrides: dict[str, Any] | None = None) -> DataConfig:
     """Preset values, then overrides (keys with '-' or '_'), then validation.
 
-    Raises ConfigError for an unknown preset, an unknown key or an invalid value.
-    """
+    Raises ConfigError for an unknown preset, an unknown key or an invalid value."""
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     types = _field_types()

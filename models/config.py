@@ -52,8 +52,7 @@ class S2Config:
         dense_every: every dense_every-th encoder layer stays dense (the hybrid layout that
             keeps quality); 0: every layer is S2.
         allow_partial_context: accept heads that together miss some block residues (s2
-            coverage < 1: fewer heads than the stride needs, with the default offsets).
-    """
+            coverage < 1: fewer heads than the stride needs, with the default offsets)."""
 
     block: int = 64
     local_blocks: int = 4

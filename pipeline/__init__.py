@@ -21,3 +21,6 @@ class _Quiet(_logging.Filter):
 _logging.getLogger("pytorch_lightning.utilities.rank_zero").addFilter(_Quiet())
 # Lightning 2.6's own use of a torch API that newer torch deprecates; nothing a user can act on
 _warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)` is deprecated.*")
+# Lightning wraps DDP on a side stream (its issue 21567), so the parameters' AccumulateGrad nodes are on
+# another stream than any backward: torch warns once per process; what it costs is an event wait per gradient
+_warnings.filterwarnings("ignore", message=r"The AccumulateGrad node's stream does not match")

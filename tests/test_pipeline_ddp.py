@@ -178,3 +178,15 @@ def test_lightnings_distributed_sampler_is_refused(tiny, tmp_path, tmp_path_fact
         main(fit_args(tiny, tmp_path, "--trainer.use_distributed_sampler", "true"))
     assert exc.value.code == 2
     assert "trainer.use_distributed_sampler must stay false" in capsys.readouterr().err
+
+
+
+def test_the_ddp_side_stream_warning_is_not_printed():
+    """torch's warning about Lightning's DDP wrap on a side stream (once per process, nothing a user can act on)
+    is filtered once the pipeline is imported; other warnings of torch's autograd still show (a fresh process:
+    pytest sets its own filters in a test)."""
+    code = ("import warnings, pipeline\n"
+            "warnings.warn(\"The AccumulateGrad node's stream does not match the stream of the node.\")\n"
+            "warnings.warn('Grad strides do not match bucket view strides.')\n")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True).stderr
+    assert "Grad strides do not match" in err and "AccumulateGrad" not in err
