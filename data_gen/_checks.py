@@ -24,8 +24,7 @@ def read_table(data_dir: Path, split: str, entry: dict[str, Any], meta: dict[str
                want_table: bool = True) -> pa.Table | None:
     """Read one shard of `split` listed in meta (entry = {path, rows, sha256}) after checking it.
 
-    deep=False checks only the footer (row count, schema) and, with check_digest, the bytes.
-    """
+    deep=False checks only the footer (row count, schema) and, with check_digest, the bytes."""
     rel = entry.get("path", "")
     path = data_dir / rel
     if not path.is_file():

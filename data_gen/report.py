@@ -23,8 +23,7 @@ def fit_zipf_slope(counts: np.ndarray, min_count: int = 20) -> dict[str, float]:
     counts: per-item counts [V] (any order). Ranks run from 1 to the last rank whose count is
     at least `min_count` (below that, sampling noise and empty items flatten the curve). The
     fit uses ~50 log-spaced ranks, so every decade weighs the same, not the millions of tail
-    ranks. Returns {slope, intercept, max_rank}; slope ~ -alpha for Zipf data.
-    """
+    ranks. Returns {slope, intercept, max_rank}; slope ~ -alpha for Zipf data."""
     c = np.sort(np.asarray(counts))[::-1]
     max_rank = int(np.searchsorted(-c, -min_count, side="right"))  # c[:max_rank] >= min_count
     if max_rank < 10:

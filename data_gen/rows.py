@@ -42,8 +42,7 @@ def build_rows(world: World, cfg: DataConfig, rng: np.random.Generator, first_id
 
     Columns are numpy arrays; sequences are (offsets int64 [B + 1], flat values [T]). Per
     chunk the draws come in a fixed order: whatever `histories` draws, then candidates, dense
-    features, labels, and whatever `user_ids` draws.
-    """
+    features, labels, and whatever `user_ids` draws."""
     b = lengths.size
     offsets = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])

@@ -131,8 +131,7 @@ def validate_dataset(data_dir: str | Path, *, check_digest: bool = True, deep: b
     check_digest: recompute each file's sha256 and the data digest and compare with meta.json.
     deep: read every shard and check schema, nulls, alignment and value ranges (else only the
     footer: schema and row count). progress: a progress bar over the files.
-    Raises DataValidationError on the first problem.
-    """
+    Raises DataValidationError on the first problem."""
     data_dir = Path(data_dir)
     meta = load_meta(data_dir)
     for split in SPLITS:  # read_split refuses these: so must the validation

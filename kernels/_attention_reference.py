@@ -26,8 +26,7 @@ def padded_attention(
     """qp [B, M, H, D], kp, vp [B, N, H, D], mask broadcastable to [B, H, M, N].
 
     Returns (out [B, M, H, D], p [B, H, M, N], lse [B, H, M]); a row with no key gives out 0,
-    p 0 and lse -inf.
-    """
+    p 0 and lse -inf."""
     s = torch.einsum("bmhd,bnhd->bhmn", qp, kp) * scale
     if bias is not None:
         s = s + bias
@@ -52,8 +51,7 @@ def padded_attention_bwd(
 
     dP = dO V^T, delta = rowsum(P * dP) (= rowsum(dO * O)) - dlse, dS = P * (dP - delta),
     dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO. Rows whose dO (and dlse) are zero, such as
-    padding, contribute nothing.
-    """
+    padding, contribute nothing."""
     dp = torch.einsum("bmhd,bnhd->bhmn", dop, vp)
     delta = (p * dp).sum(dim=-1)  # [B, H, M]
     if dlse is not None:
@@ -160,8 +158,7 @@ def dense_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense queries over jagged keys. q [B, Tq, H, D], k, v [T, H, D], bias [B, H, Tq, N].
 
-    Returns (out [B, Tq, H, D] in q's dtype, lse [H, B, Tq]).
-    """
+    Returns (out [B, Tq, H, D] in q's dtype, lse [H, B, Tq])."""
     B, Tq, H, D = q.shape
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cdt = compute_dtype(q.dtype) if upcast else q.dtype

@@ -325,8 +325,7 @@ def fwd_config(head_dim: int, dtype: torch.dtype, short: bool = False) -> dict:
     """BLOCK_M, BLOCK_N (BLOCK_M % BLOCK_N == 0), num_warps, num_stages for the forward.
 
     `short`: the mean sequence length (T / B, known on the host) is under 256. fp32 inputs use
-    IEEE FMA dots, whose tiles must stay small.
-    """
+    IEEE FMA dots, whose tiles must stay small."""
     if INTERPRET:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     bd = triton.next_power_of_2(head_dim)

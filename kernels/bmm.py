@@ -135,8 +135,7 @@ def jagged_dense_bmm(
         Backward: ``grad_values = jagged_dense_bmm(grad, dense^T)``,
         ``grad_dense = jagged_jagged_bmm(values, grad)``.
         Under autocast (CPU or CUDA) the float inputs are cast to the autocast dtype, like
-        ``torch.bmm``, and the result has that dtype.
-    """
+        ``torch.bmm``, and the result has that dtype."""
     check_jagged_and_dense(values, offsets, dense, same_dtype=not autocast_on(values), width_dim=1, width="K")
     max_seq_len = check_max_seq_len(max_seq_len)
     values, dense = autocast_cast("lowp", values, dense)
@@ -160,8 +159,7 @@ def jagged_jagged_bmm(
         ``[B, K, M]`` in ``a.dtype``: ``out[i] = a_i^T @ b_i`` over the kept rows of sequence i
         (zero for an empty sequence), fp32 accumulation. Rows past N get zero gradients.
         Backward: ``grad_a = jagged_dense_bmm(b, grad^T)``, ``grad_b = jagged_dense_bmm(a, grad)``.
-        Under autocast the float inputs are cast to the autocast dtype, like ``torch.bmm``.
-    """
+        Under autocast the float inputs are cast to the autocast dtype, like ``torch.bmm``."""
     check_float(a, "a", ndim=2)
     check_float(b, "b", ndim=2)
     check_same({"a": a, "b": b}, dtype=not autocast_on(a))

@@ -170,8 +170,7 @@ def jagged_dense_attention(
     Returns:
         ``out [B, Tq, H, D]`` in q's dtype,
         ``out[b, i] = sum_j softmax_j(scale * q[b, i] . k[j] + bias[b, :, i, j]) v[j]`` over user
-        b's keys j; a query with no key (empty sequence, or all keys masked) gives zeros.
-    """
+        b's keys j; a query with no key (empty sequence, or all keys masked) gives zeros."""
     q, k, v = autocast_cast("lowp", q, k, v)
     if not _inputs_ok(q, k, v, offsets, max_seq_len, bias):
         _check_inputs(q, k, v, offsets, max_seq_len, bias)

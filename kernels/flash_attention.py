@@ -163,8 +163,7 @@ def jagged_flash_attention(
     Returns:
         ``out [T, H, D]`` in the inputs' dtype, with
         ``out[t] = sum_j softmax_j(scale * q[t] . k[j]) v[j]`` over the keys j of t's sequence;
-        ``(out, lse)`` when ``return_lse``.
-    """
+        ``(out, lse)`` when ``return_lse``."""
     if q.dtype != torch.float64:
         # under autocast the registered rule casts inside the op; casting here too keeps the
         # checks below (same dtype for q, k, v) meaningful for mixed inputs under autocast

@@ -25,8 +25,7 @@ class S2Shards:
       every query of head h sees key t iff ``j < local_blocks`` or ``(j + o_h) % stride == 0``;
     - causal: ``j = t // block``, ``i = s // block``; query s of head h sees key t iff ``t <= s``
       and (``i - j < local_blocks`` or ``(j + o_h) % stride == 0``);
-    - a query that sees no key (possible with ``local_blocks=0``) gets zeros, as an empty sequence.
-    """
+    - a query that sees no key (possible with ``local_blocks=0``) gets zeros, as an empty sequence."""
 
     block: int
     local_blocks: int

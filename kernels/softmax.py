@@ -101,8 +101,7 @@ def jagged_softmax(
         ``out[r, h] = exp(x[r, h]) / sum_{r'} exp(x[r', h])`` (max-shifted, computed in fp32);
         rows past N are zero and get zero gradient. Length-0 sequences give no rows.
         Backward: ``grad_x = y * (g - sum_rows(g * y))`` per column, in fp32.
-        Under autocast the dtype is kept (the math is fp32 inside either way).
-    """
+        Under autocast the dtype is kept (the math is fp32 inside either way)."""
     check_float(values, "values", ndim=2)
     check_offsets(offsets, total=values.shape[0])
     check_offsets_device(offsets, values)

@@ -23,8 +23,7 @@ class UserEmbeddingConfig:
         path: the Parquet file written by `pipeline.user_embeddings export` (its manifest
             <path>.json beside it).
         lag_days: an impression on day t reads the newest embedding with as_of_day <= t -
-            lag_days (an embedding as of day d is computed from the logs before day d).
-    """
+            lag_days (an embedding as of day d is computed from the logs before day d)."""
 
     dim: int
     path: str

@@ -1,8 +1,7 @@
 """One training run: data module, Lightning module, metrics, MLflow tracking, CLI.
 
 Entry point: ``python -m pipeline fit|validate|test ...`` (:mod:`pipeline.cli`). Many runs and
-their reports are the lab's (``python -m experiments ...``).
-"""
+their reports are the lab's (``python -m experiments ...``)."""
 
 import logging as _logging
 import warnings as _warnings

@@ -2,8 +2,7 @@
 
 The first ``--help`` of a subcommand writes it to ``$XDG_CACHE_HOME/jagged-attn/`` (default
 ``~/.cache``), keyed by the project's code and the versions of the packages that describe options;
-later ones print it from there.
-"""
+later ones print it from there."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ A DataLoader over :class:`BatchDataset` with ``batch_size=None`` and an
 :class:`EpochBatchSampler` hands each worker process whole index arrays; the sampler's order
 depends only on (seed, epoch, rank, world size), it splits each global batch across the ranks
 of a distributed run by tokens (:func:`balance_ranks`), and it can skip the batches a resumed
-run already trained on.
-"""
+run already trained on."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ progress bar and model summary made fit for jagged batches.
 PerfMonitor logs ``perf/*`` (examples and tokens per second over the steady window after
 ``warmup_steps``, step times, host time in and between steps, warm-up and GC time), ``mem/*`` peaks
 and the artifact ``perf/steps.csv``; global over processes in a distributed run. What each metric
-means and how a step is timed without a device sync: docs/training.md#speed-and-memory.
-"""
+means and how a step is timed without a device sync: docs/training.md#speed-and-memory."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ A LightningCLI over :class:`pipeline.module.RankerModule` and :class:`pipeline.d
 the callbacks ``mlflow.*``, ``perf.*`` and ``checkpoint.*``; ``fit`` also tests, in the same MLflow
 run. Bad options, data, tracking store or checkpoint stop it before training with one line and exit
 status 2; 1 is a failed run, 130/143 an interrupted one. DDP: ``--trainer.strategy ddp
---trainer.devices N``. How a run works and why: docs/training.md.
-"""
+--trainer.devices N``. How a run works and why: docs/training.md."""
 
 from __future__ import annotations
 
@@ -336,7 +335,7 @@ def check_padded_memory(cfg) -> None:
 
 
 # the optimizer's state of the item table: (floats per element, floats per row)
-_STATES = {"adamw": (2, 0), "adagrad": (1, 0), "sgd": (0, 0), "rowwise": (0, 1)}
+_STATES = {"adamw": (2, 0), "adagrad": (1, 0), "sgd": (0, 0), "rowwise": (0, 1), "lazyadam": (2, 0)}
 
 
 def _processes(cfg) -> tuple[int, int]:

@@ -3,8 +3,7 @@
 :func:`token_capacities` picks a few token capacities from the planned batches; :class:`StaticBatch`
 pads a batch to its bucket with one extra sequence that no real example reads;
 :class:`GraphedTrainStep` captures forward, loss and gradients once per bucket and replays them.
-Why each piece is as it is: docs/training.md#cuda-graphs.
-"""
+Why each piece is as it is: docs/training.md#cuda-graphs."""
 
 from __future__ import annotations
 

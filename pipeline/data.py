@@ -4,8 +4,7 @@ Every attention layout reads the same jagged batches (see :mod:`pipeline.batches
 their most recent ``max_seq_len`` items, as values + offsets. The data directory is checked
 when the module is built (before any training): meta.json, the three splits, their schema.
 
-Decoded splits are cached (``cache=True``, the default): see :mod:`pipeline.split_cache`.
-"""
+Decoded splits are cached (``cache=True``, the default): see :mod:`pipeline.split_cache`."""
 
 from __future__ import annotations
 

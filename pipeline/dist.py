@@ -2,8 +2,7 @@
 
 Lightning's DDP strategy starts the processes and the process group; these helpers read it.
 :func:`launch_rank_zero` tells global rank 0 from the environment before any trainer exists
-(docs/training.md#several-processes-ddp).
-"""
+(docs/training.md#several-processes-ddp)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 ``fit(args)`` trains :class:`models.user_encoder.UserEncoder` with a ``pl.Trainer`` in an MLflow
 run (experiment ``user-embeddings``) and writes the encoder file and its cost (``<out>.json``);
 ``export(args)`` encodes each user's newest history as of each day (``trainer.predict``) into the
-file :mod:`pipeline.user_features` reads. The command line is :mod:`pipeline.user_embeddings`.
-"""
+file :mod:`pipeline.user_features` reads. The command line is :mod:`pipeline.user_embeddings`."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ from typing import TextIO
 class ConfigError(ValueError):
     """A configuration, data set or tracking server that cannot work; the message says what to fix.
 
-    Raised before training starts; the CLI prints the message alone (no traceback) and exits 2.
-    """
+    Raised before training starts; the CLI prints the message alone (no traceback) and exits 2."""
 
 
 class RunError(RuntimeError):

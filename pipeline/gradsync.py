@@ -3,8 +3,7 @@
 :class:`GradSync` averages, after the backward and before the optimizer step, what DDP's reducer
 cannot: the item table's gradient in ``sparse``/``densify`` mode (``model.embedding_grad``) and
 every gradient of a CUDA-graph step (no reducer hooks fire in a replay). The modes, their bytes
-and why they train alike: docs/training.md#gradient-sync.
-"""
+and why they train alike: docs/training.md#gradient-sync."""
 
 from __future__ import annotations
 

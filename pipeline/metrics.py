@@ -1,8 +1,7 @@
 """Ranking metrics as torchmetrics ``Metric``s, all fed with logits: ``AUC``, ``LogLoss``,
 ``NormalizedEntropy`` (log loss / entropy of the TRAINING CTR: 1.0 is always predicting the base
 rate) and ``Calibration`` (predicted / actual clicks). States are float64 sums reduced by summation
-across processes.
-"""
+across processes."""
 
 from __future__ import annotations
 

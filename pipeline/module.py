@@ -75,7 +75,7 @@ class RankerModule(pl.LightningModule):
     Args:
         ranker: the architecture (models.RankerConfig; ranker.attention picks dense, sdpa or jagged).
         lr: the optimizer's learning rate.
-        table_lr: the item table's, under sgd, adagrad and rowwise (default: lr).
+        table_lr: the item table's, under every optimizer but adamw (default: lr).
         weight_decay: the optimizer's weight decay.
         betas: AdamW's betas.
         data_spec: sizes and training CTR of the data set (linked from the data module; not set by hand).
@@ -91,12 +91,12 @@ class RankerModule(pl.LightningModule):
             exchanges its rows and their gradients outside it (pipeline.table.GraphedLookup).
         token_buckets: token capacities (one CUDA graph each, or on the CPU one fixed batch shape
             each); more pad less and take longer to capture.
-        optimizer: adamw (default), sgd, adagrad or rowwise (AdamW, the item table row-wise Adagrad:
-            one float of state per row; pipeline/optim.py; all but adamw treat the three
-            embedding_grad modes alike, AdamW cannot: that module says why).
+        optimizer: adamw (default), sgd, adagrad, rowwise or lazyadam (AdamW, the item table row-wise
+            Adagrad, one float of state per row, or Lazy Adam, only the rows a step used; pipeline/optim.py;
+            all but adamw treat the three embedding_grad modes alike, AdamW cannot: that module says why).
         embedding_grad: the item table's gradient: dense (default), sparse or densify
             (pipeline/gradsync.py: how it is computed and averaged over processes); sparse needs
-            sgd, adagrad or rowwise. Same function and, with those three, the same training.
+            an optimizer other than adamw. Same function and, with those, the same training.
         table_layout: replicated (default: every process holds the whole item table, DDP averages
             its gradient) or sharded (each of W processes holds every W-th row and lookups exchange
             ids and rows, never the table's gradient: pipeline/table.py); embedding_grad dense or
@@ -122,7 +122,7 @@ class RankerModule(pl.LightningModule):
         compile_model: bool = False,
         cuda_graphs: bool = False,
         token_buckets: int = 4,
-        optimizer: Literal["adamw", "sgd", "adagrad", "rowwise"] = "adamw",
+        optimizer: Literal["adamw", "sgd", "adagrad", "rowwise", "lazyadam"] = "adamw",
         embedding_grad: Literal["dense", "sparse", "densify"] = "dense",
         table_layout: Literal["replicated", "sharded"] = "replicated",
         table_shards: int = 0,
@@ -139,7 +139,7 @@ class RankerModule(pl.LightningModule):
             raise ConfigError(f"model.token_buckets must be >= 1, got {token_buckets}")
         _check_gradients(optimizer, embedding_grad)
         if table_lr is not None and (optimizer == "adamw" or table_lr <= 0):
-            raise ConfigError(f"model.table_lr must be > 0 and set only with model.optimizer sgd, adagrad or rowwise "
+            raise ConfigError(f"model.table_lr must be > 0 and set only with a model.optimizer other than adamw "
                               f"(AdamW trains the table at model.lr); got {table_lr} with {optimizer}")
         _check_layout(table_layout, embedding_grad, compile_model, cuda_graphs, table_exchange, table_shards)
         # plain types only: checkpoints stay loadable with torch.load(weights_only=True); not the
@@ -486,8 +486,8 @@ def _check_gradients(optimizer: str, embedding_grad: str) -> None:
     if embedding_grad not in EMBEDDING_GRADS:
         raise ConfigError(f"model.embedding_grad must be one of {', '.join(EMBEDDING_GRADS)}, got {embedding_grad!r}")
     if embedding_grad == "sparse" and optimizer == "adamw":
-        raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd, adagrad or rowwise: AdamW has no "
-                          "sparse-gradient path (pipeline/optim.py says why SparseAdam is not a substitute)")
+        raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd, adagrad, rowwise or lazyadam: AdamW "
+                          "moves every row on every step (lazyadam: its update of the rows a step used)")
 
 
 def _check_layout(layout: str, embedding_grad: str, compiled: bool, graphs: bool, exchange: str, shards: int) -> None:

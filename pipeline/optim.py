@@ -1,7 +1,7 @@
-"""The optimizer of a run (``model.optimizer``): AdamW (the default), SGD, Adagrad, or rowwise
-(AdamW for every parameter but the item table, which takes row-wise Adagrad).
+"""The optimizer of a run (``model.optimizer``): AdamW (the default), SGD, Adagrad, rowwise or lazyadam
+(AdamW for every parameter but the item table, which takes row-wise Adagrad or Lazy Adam).
 
-SGD, Adagrad and rowwise leave the item table undecayed and train the same weights with any
+All but AdamW leave the item table undecayed and train the same weights with any
 ``model.embedding_grad``; AdamW needs dense table gradients (why: docs/training.md#optimizers).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "sgd", "adagrad", "rowwise")
+OPTIMIZERS = ("adamw", "sgd", "adagrad", "rowwise", "lazyadam")
 
 
 def param_groups(name: str, params: list[nn.Parameter], table: nn.Parameter, weight_decay: float,
@@ -40,8 +40,8 @@ def build_optimizer(name: str, params: list[nn.Parameter], table: nn.Parameter, 
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)
     groups = param_groups(name, params, table, weight_decay, table_lr)
-    if name == "rowwise":
-        return RowwiseTableAdamW(groups, lr=lr, betas=betas, fused=fused)
+    if name in ("rowwise", "lazyadam"):
+        return (RowwiseTableAdamW if name == "rowwise" else LazyTableAdamW)(groups, lr=lr, betas=betas, fused=fused)
     return (torch.optim.SGD if name == "sgd" else torch.optim.Adagrad)(groups, lr=lr)
 
 
@@ -83,25 +83,51 @@ class RowwiseTableAdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         table = self.param_groups[-1]["params"][0]
-        given, lr = table.grad, self.param_groups[-1]["lr"]
+        given = table.grad
         if given is not None:
-            state = self.state[table]
-            if "sum_sq" not in state:
-                wide = torch.promote_types(table.dtype, torch.float32)  # float32, or float64 for a float64 table
-                state["sum_sq"] = torch.zeros(table.shape[0], dtype=wide, device=table.device)
-                state["step"] = torch.zeros((), dtype=torch.float32, device=table.device)  # AdamW's loader wants one
-            s = state["sum_sq"]
-            state["step"].add_(1)
-            if given.is_sparse:
-                rows, g = summed_rows(given, s.dtype)
-                s.index_add_(0, rows, g.square().mean(1))
-                table.index_add_(0, rows, (g / (s[rows].sqrt() + self.table_eps).unsqueeze(1) * -lr).to(table.dtype))
-            else:  # no [V, D] temporary: a norm per row, then one fused update
-                s.add_(torch.linalg.vector_norm(given, dim=1, dtype=s.dtype).square_(), alpha=1 / table.shape[1])
-                table.addcdiv_(given, s.sqrt().add_(self.table_eps).unsqueeze(1), value=-lr)
+            self._table_step(table, given, self.param_groups[-1]["lr"])
             table.grad = None  # AdamW skips a parameter without a gradient
         try:
             super().step()
         finally:
             table.grad = given
         return loss
+
+    def _table_step(self, table: torch.Tensor, given: torch.Tensor, lr: float) -> None:
+        state = self.state[table]
+        if "sum_sq" not in state:
+            wide = torch.promote_types(table.dtype, torch.float32)  # float32, or float64 for a float64 table
+            state["sum_sq"] = torch.zeros(table.shape[0], dtype=wide, device=table.device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=table.device)  # AdamW's loader wants one
+        s = state["sum_sq"]
+        state["step"].add_(1)
+        if given.is_sparse:
+            rows, g = summed_rows(given, s.dtype)
+            s.index_add_(0, rows, g.square().mean(1))
+            table.index_add_(0, rows, (g / (s[rows].sqrt() + self.table_eps).unsqueeze(1) * -lr).to(table.dtype))
+        else:  # no [V, D] temporary: a norm per row, then one fused update
+            s.add_(torch.linalg.vector_norm(given, dim=1, dtype=s.dtype).square_(), alpha=1 / table.shape[1])
+            table.addcdiv_(given, s.sqrt().add_(self.table_eps).unsqueeze(1), value=-lr)
+
+
+class LazyTableAdamW(RowwiseTableAdamW):
+    """AdamW over every group but the last, the item table, which takes Lazy Adam (TensorFlow's LazyAdam; the
+    update FBGEMM's fused embedding Adam makes): a row that a step's gradient holds (a non-zero row of a dense
+    gradient, an entry of a sparse one) updates its two moments and weights as Adam (bias-corrected by the table's
+    step count); any other row keeps them, where AdamW would decay its moments and move it. So the three
+    ``model.embedding_grad`` modes train the same table; a sparse one costs its rows, a dense one [V, D] temporaries."""
+
+    def _table_step(self, table: torch.Tensor, given: torch.Tensor, lr: float) -> None:
+        state, (b1, b2) = self.state[table], self.param_groups[-1]["betas"]
+        if "exp_avg" not in state:
+            moments = [torch.zeros_like(table, dtype=torch.promote_types(table.dtype, torch.float32)) for _ in "mv"]
+            state.update(exp_avg=moments[0], exp_avg_sq=moments[1], step=table.new_zeros((), dtype=torch.float32))
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        t = state["step"].add_(1).to(m.dtype)  # the bias corrections at the moments' precision
+        rows, g = summed_rows(given, m.dtype) if given.is_sparse else (None, given.to(m.dtype))
+        used = g.ne(0).any(1, keepdim=True).to(m.dtype)  # a summed row's padding slots: zeros, unused
+        m_old, v_old = (m, v) if rows is None else (m[rows], v[rows])
+        dm, dv = (g - m_old) * (1 - b1) * used, (g * g - v_old) * (1 - b2) * used
+        step = (m_old + dm) / (1 - b1 ** t) / (((v_old + dv) / (1 - b2 ** t)).sqrt() + self.table_eps) * used * -lr
+        for x, d in ((m, dm), (v, dv), (table, step.to(table.dtype))):
+            x.add_(d) if rows is None else x.index_add_(0, rows, d)

@@ -115,7 +115,7 @@ def test_metrics_over_both_ranks_are_the_one_process_metrics(two_ranks):
         assert result["metrics"] == pytest.approx(want, rel=1e-12), json.dumps(result["metrics"])
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise", "lazyadam"])
 @pytest.mark.slow
 def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
     batches = _batches(str(tiny), 0, 1)
@@ -139,9 +139,9 @@ def test_the_modes_train_the_same_weights_in_one_process(tiny, optimizer):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"embedding_grad": "sparse"}, "needs model.optimizer sgd, adagrad or rowwise"),
+    ({"embedding_grad": "sparse"}, "needs model.optimizer sgd, adagrad, rowwise or lazyadam"),
     ({"optimizer": "lamb"}, "model.optimizer must be one of"),
-    ({"table_lr": 0.01}, "model.table_lr must be > 0 and set only with model.optimizer sgd"),
+    ({"table_lr": 0.01}, "model.table_lr must be > 0 and set only with a model.optimizer other than adamw"),
     ({"table_lr": 0.0, "optimizer": "rowwise"}, "got 0.0 with rowwise"),
 ])
 def test_gradient_settings_that_cannot_work_are_refused(kwargs, message):

@@ -1,7 +1,8 @@
-"""model.optimizer rowwise: AdamW for the network, row-wise Adagrad for the item table."""
+"""model.optimizer rowwise and lazyadam: AdamW for the network, row-wise Adagrad or Lazy Adam for the item table."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -52,11 +53,12 @@ def test_the_table_takes_rowwise_adagrad_and_the_network_adamw():
     torch.testing.assert_close(state["sum_sq"], s, rtol=1e-12, atol=1e-12)
 
 
-def test_a_sparse_gradient_trains_the_table_as_a_dense_one():
+@pytest.mark.parametrize("name", ["rowwise", "lazyadam"])
+def test_a_sparse_gradient_trains_the_table_as_a_dense_one(name):
     tables = []
     for sparse in (False, True):
         model, table = _model()
-        opt = build_optimizer("rowwise", list(model.parameters()), table, lr=0.1, weight_decay=0.0,
+        opt = build_optimizer(name, list(model.parameters()), table, lr=0.1, weight_decay=0.0,
                               betas=(0.9, 0.98), fused=None)
         for step in range(3):
             g = _grads(step)
@@ -73,8 +75,8 @@ def test_a_sparse_gradient_trains_the_table_as_a_dense_one():
     torch.testing.assert_close(tables[1], tables[0], rtol=1e-12, atol=1e-12)
 
 
-def test_its_state_survives_a_state_dict_round_trip():
-    name = "rowwise"
+@pytest.mark.parametrize("name", ["rowwise", "lazyadam"])
+def test_its_state_survives_a_state_dict_round_trip(name):
     model, table = _model()
     opt = build_optimizer(name, list(model.parameters()), table, lr=0.1, weight_decay=0.0, betas=(0.9, 0.98), fused=None)
     table.grad = _grads(0)
@@ -83,7 +85,9 @@ def test_its_state_survives_a_state_dict_round_trip():
     opt2 = build_optimizer(name, list(model2.parameters()), table2, lr=0.1, weight_decay=0.0, betas=(0.9, 0.98),
                            fused=None)
     opt2.load_state_dict(opt.state_dict())
-    assert torch.equal(opt2.state[table2]["sum_sq"], opt.state[table]["sum_sq"])
+    assert opt2.state[table2].keys() == opt.state[table].keys()
+    for key, value in opt.state[table].items():
+        assert torch.equal(opt2.state[table2][key], value)
 
 
 def test_the_table_can_have_its_own_learning_rate():
@@ -96,3 +100,33 @@ def test_the_table_can_have_its_own_learning_rate():
     g = _grads(0)[1]
     torch.testing.assert_close(table.detach()[1], _model()[1].detach()[1] - 0.5 * g / g.square().mean().sqrt(),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_the_table_takes_lazy_adam_and_the_network_adamw():
+    """Lazy Adam by hand, row by row: a row the step's gradient holds moves as Adam's (rows 1 and 7, held by every
+    step, exactly as torch.optim.Adam's), row 4 (even steps only) keeps its moments on the odd ones, the rest stay."""
+    model, table = _model()
+    opt = build_optimizer("lazyadam", list(model.parameters()), table, lr=0.1, weight_decay=0.01,
+                          betas=(0.9, 0.98), fused=None)
+    ref = nn.Parameter(table.detach().clone())
+    adam = torch.optim.Adam([ref], lr=0.1, betas=(0.9, 0.98), eps=1e-8)
+    w, m, v = table.detach().clone(), torch.zeros(V, D, dtype=torch.float64), torch.zeros(V, D, dtype=torch.float64)
+    for step in range(4):
+        g = _grads(step)
+        table.grad, ref.grad = g.clone(), g.clone()
+        opt.step()
+        adam.step()
+        t = step + 1
+        for i in g.abs().sum(1).nonzero().reshape(-1).tolist():
+            m[i] = 0.9 * m[i] + 0.1 * g[i]
+            v[i] = 0.98 * v[i] + 0.02 * g[i] ** 2
+            w[i] -= 0.1 * (m[i] / (1 - 0.9 ** t)) / ((v[i] / (1 - 0.98 ** t)).sqrt() + 1e-8)
+    torch.testing.assert_close(table.detach(), w, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(table.detach()[[1, 7]], ref.detach()[[1, 7]], rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(table.detach()[4], ref.detach()[4])  # Adam moved row 4 on the odd steps too
+    untouched = [0, 2, 3, 5, 6, 8]
+    assert torch.equal(table.detach()[untouched], _model()[1].detach()[untouched])  # no decay, no move
+    state = opt.state[table]
+    assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"] == 4
+    torch.testing.assert_close(state["exp_avg"], m, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state["exp_avg_sq"], v, rtol=1e-10, atol=1e-12)

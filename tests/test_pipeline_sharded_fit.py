@@ -44,7 +44,11 @@ def layouts(tiny, tmp_path_factory):
                          ("rowwise-sharded", ["--model.table_layout", "sharded", "--model.optimizer", "rowwise"]),
                          ("rowwise-sparse", ["--model.table_layout", "sharded", "--model.optimizer", "rowwise",
                                              "--model.table_exchange", "alltoall_fixed", "--model.embedding_grad",
-                                             "sparse"])):
+                                             "sparse"]),
+                         ("lazyadam", ["--model.table_layout", "replicated", "--model.optimizer", "lazyadam"]),
+                         ("lazyadam-sparse", ["--model.table_layout", "sharded", "--model.optimizer", "lazyadam",
+                                              "--model.table_exchange", "alltoall_fixed", "--model.embedding_grad",
+                                              "sparse"])):
         proc = _fit(fit_args(tiny, root / name, *TWO, *layout, "--mlflow.run_name", name), uri)
         assert proc.returncode == 0, proc.stderr[-4000:]
     return root, uri, all_runs(uri)
@@ -91,6 +95,17 @@ def test_the_rowwise_optimizer_trains_a_sharded_table_like_a_replicated_one(tiny
     assert [tuple(v["sum_sq"].shape) for v in states.values() if "sum_sq" in v] == [(20_000,)]  # the whole table's
     assert _test_auc(tiny, tmp_path, ckpt, uri) == pytest.approx(
         runs["rowwise-sharded"].data.metrics["test/auc"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_lazy_adam_trains_a_sparse_sharded_table_like_a_dense_replicated_one(layouts):
+    root, uri, runs = layouts
+    _same_history(history(uri, runs["lazyadam-sparse"].info.run_id), history(uri, runs["lazyadam"].info.run_id),
+                  "lazyadam sharded, sparse gradient")
+    assert runs["lazyadam"].data.metrics["train/loss_epoch"] != runs["replicated"].data.metrics["train/loss_epoch"]
+    states = torch.load(next((root / "lazyadam-sparse").rglob("last.ckpt")), weights_only=False)["optimizer_states"]
+    shapes = [tuple(v["exp_avg"].shape) for v in states[0]["state"].values() if v["exp_avg"].shape[0] == 20_000]
+    assert shapes == [(20_000, 32)]  # the whole table's moments, gathered from the shards
 
 
 def _test_auc(tiny: Path, root: Path, ckpt: Path, uri: str, *extra: str) -> float:
