@@ -8,8 +8,7 @@ afterwards, is their cost) and run the encoder on ``[B, N, D]`` with N = max_seq
 Padded rows never reach the output: keys are masked, pooled values are masked, and the target
 attention of an empty history is zeroed. An empty history attends to all of its (zero) padding
 instead of to nothing, so that no softmax row is all ``-inf`` (no NaN in any layout); the
-result is then multiplied by 0, as the jagged kernels return 0 for it.
-"""
+result is then multiplied by 0, as the jagged kernels return 0 for it."""
 
 from __future__ import annotations
 

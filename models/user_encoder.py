@@ -2,8 +2,7 @@
 
 ``UserEncoder(EncoderConfig(), vocab_size=V, n_actions=A).encode(...)`` -> ``[B, dim]``; called
 with a batch dict it returns the click logit of the batch's candidates, its training objective
-(trained and exported by ``python -m pipeline.user_embeddings``; why this objective: docs/training.md).
-"""
+(trained and exported by ``python -m pipeline.user_embeddings``; why this objective: docs/training.md)."""
 
 from __future__ import annotations
 

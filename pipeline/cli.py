@@ -376,6 +376,7 @@ def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
         return
     (per_element, per_row), dim = _STATES.get(model.optimizer, (2, 0)), model.ranker.embed_dim
     grad = model.embedding_grad != "sparse"  # a sparse gradient holds a step's rows, not the table's
+    per_element += 2 * (grad and model.optimizer == "lazyadam")  # its dense update's two [V, D] temporaries
     row = 4 * (dim * (1 + grad + per_element) + per_row) if training else 4 * dim  # weights, gradient, state
     rows = -(-vocab // shards) if sharded else vocab
     gpu = _on_gpu(cfg) and torch.cuda.is_available()

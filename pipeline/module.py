@@ -77,7 +77,7 @@ class RankerModule(pl.LightningModule):
         lr: the optimizer's learning rate.
         table_lr: the item table's, under every optimizer but adamw (default: lr).
         weight_decay: the optimizer's weight decay.
-        betas: AdamW's betas.
+        betas: AdamW's betas (and the item table's, under lazyadam).
         data_spec: sizes and training CTR of the data set (linked from the data module; not set by hand).
         compile_model: run the ranker's forward through torch.compile(dynamic=True): one graph for
             every batch (T symbolic, the jagged kernels opaque custom ops in it); the first step
@@ -487,7 +487,7 @@ def _check_gradients(optimizer: str, embedding_grad: str) -> None:
         raise ConfigError(f"model.embedding_grad must be one of {', '.join(EMBEDDING_GRADS)}, got {embedding_grad!r}")
     if embedding_grad == "sparse" and optimizer == "adamw":
         raise ConfigError("model.embedding_grad sparse needs model.optimizer sgd, adagrad, rowwise or lazyadam: AdamW "
-                          "moves every row on every step (lazyadam: its update of the rows a step used)")
+                          "updates every row of the table on every step (lazyadam only the rows a step used)")
 
 
 def _check_layout(layout: str, embedding_grad: str, compiled: bool, graphs: bool, exchange: str, shards: int) -> None:

@@ -111,23 +111,25 @@ class RowwiseTableAdamW(torch.optim.AdamW):
 
 
 class LazyTableAdamW(RowwiseTableAdamW):
-    """AdamW over every group but the last, the item table, which takes Lazy Adam (TensorFlow's LazyAdam; the
-    update FBGEMM's fused embedding Adam makes): a row that a step's gradient holds (a non-zero row of a dense
-    gradient, an entry of a sparse one) updates its two moments and weights as Adam (bias-corrected by the table's
-    step count); any other row keeps them, where AdamW would decay its moments and move it. So the three
-    ``model.embedding_grad`` modes train the same table; a sparse one costs its rows, a dense one [V, D] temporaries."""
+    """AdamW over every group but the last, the item table, which takes Lazy Adam (FBGEMM's fused embedding Adam):
+    a row that a step's gradient holds (a non-zero row of a dense gradient, an entry of a sparse one) updates its
+    moments and weights as torch.optim.Adam, bias-corrected by the table's step count; any other row keeps them
+    (AdamW would decay its moments and move it). So the ``model.embedding_grad`` modes train the same table."""
 
     def _table_step(self, table: torch.Tensor, given: torch.Tensor, lr: float) -> None:
         state, (b1, b2) = self.state[table], self.param_groups[-1]["betas"]
         if "exp_avg" not in state:
             moments = [torch.zeros_like(table, dtype=torch.promote_types(table.dtype, torch.float32)) for _ in "mv"]
             state.update(exp_avg=moments[0], exp_avg_sq=moments[1], step=table.new_zeros((), dtype=torch.float32))
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        t = state["step"].add_(1).to(m.dtype)  # the bias corrections at the moments' precision
+        m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"].add_(1).to(state["exp_avg"].dtype)
         rows, g = summed_rows(given, m.dtype) if given.is_sparse else (None, given.to(m.dtype))
-        used = g.ne(0).any(1, keepdim=True).to(m.dtype)  # a summed row's padding slots: zeros, unused
-        m_old, v_old = (m, v) if rows is None else (m[rows], v[rows])
-        dm, dv = (g - m_old) * (1 - b1) * used, (g * g - v_old) * (1 - b2) * used
-        step = (m_old + dm) / (1 - b1 ** t) / (((v_old + dv) / (1 - b2 ** t)).sqrt() + self.table_eps) * used * -lr
-        for x, d in ((m, dm), (v, dv), (table, step.to(table.dtype))):
-            x.add_(d) if rows is None else x.index_add_(0, rows, d)
+        used = g.ne(0).any(1, keepdim=True).to(m.dtype)  # a summed gradient's padding slots: zeros, unused
+        old = (m, v) if rows is None else (m[rows], v[rows])  # the whole table in place, or the step's rows' copies
+        m_new, v_new = old[0].lerp_(g, used * (1 - b1)), old[1].lerp_(g * g, used * (1 - b2))
+        denom = (v_new / (1 - b2 ** t)).sqrt_().add_(self.table_eps).mul_(1 - b1 ** t)  # dense: [V, D] temporaries
+        if rows is None:
+            table.addcdiv_(m * used, denom, value=-lr)
+        else:  # the new moments added to the old (an unused slot adds zeros)
+            for x, new in ((m, m_new), (v, v_new)):
+                x.index_add_(0, rows, new - x[rows])
+            table.index_add_(0, rows, (m_new * used / denom * -lr).to(table.dtype))

@@ -106,22 +106,27 @@ def test_the_table_takes_lazy_adam_and_the_network_adamw():
     """Lazy Adam by hand, row by row: a row the step's gradient holds moves as Adam's (rows 1 and 7, held by every
     step, exactly as torch.optim.Adam's), row 4 (even steps only) keeps its moments on the odd ones, the rest stay."""
     model, table = _model()
+    head = model["head"].weight
+    ref_head = nn.Parameter(head.detach().clone())
     opt = build_optimizer("lazyadam", list(model.parameters()), table, lr=0.1, weight_decay=0.01,
                           betas=(0.9, 0.98), fused=None)
     ref = nn.Parameter(table.detach().clone())
     adam = torch.optim.Adam([ref], lr=0.1, betas=(0.9, 0.98), eps=1e-8)
+    adamw = torch.optim.AdamW([ref_head], lr=0.1, weight_decay=0.01, betas=(0.9, 0.98))
     w, m, v = table.detach().clone(), torch.zeros(V, D, dtype=torch.float64), torch.zeros(V, D, dtype=torch.float64)
     for step in range(4):
-        g = _grads(step)
-        table.grad, ref.grad = g.clone(), g.clone()
+        g, gh = _grads(step), torch.randn(1, D, dtype=torch.float64)
+        table.grad, ref.grad, head.grad, ref_head.grad = g.clone(), g.clone(), gh.clone(), gh.clone()
         opt.step()
         adam.step()
+        adamw.step()
         t = step + 1
         for i in g.abs().sum(1).nonzero().reshape(-1).tolist():
             m[i] = 0.9 * m[i] + 0.1 * g[i]
             v[i] = 0.98 * v[i] + 0.02 * g[i] ** 2
             w[i] -= 0.1 * (m[i] / (1 - 0.9 ** t)) / ((v[i] / (1 - 0.98 ** t)).sqrt() + 1e-8)
     torch.testing.assert_close(table.detach(), w, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(head.detach(), ref_head.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(table.detach()[[1, 7]], ref.detach()[[1, 7]], rtol=1e-10, atol=1e-12)
     assert not torch.allclose(table.detach()[4], ref.detach()[4])  # Adam moved row 4 on the odd steps too
     untouched = [0, 2, 3, 5, 6, 8]
@@ -130,3 +135,27 @@ def test_the_table_takes_lazy_adam_and_the_network_adamw():
     assert set(state) == {"step", "exp_avg", "exp_avg_sq"} and state["step"] == 4
     torch.testing.assert_close(state["exp_avg"], m, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(state["exp_avg_sq"], v, rtol=1e-10, atol=1e-12)
+
+
+def test_lazy_adam_takes_row_0_and_the_exchange_padding_of_a_sparse_gradient():
+    """The sharded exchange's sparse gradient sends its empty slots to row 0 with zero values: a real row 0 among
+    them trains as in the dense gradient, and without it row 0 stays as it was (its zero rows are not held)."""
+    for real in (True, False):
+        tables = []
+        for sparse in (False, True):
+            model, table = _model()
+            opt = build_optimizer("lazyadam", list(model.parameters()), table, lr=0.1, weight_decay=0.0,
+                                  betas=(0.9, 0.98), fused=None)
+            for step in range(3):
+                g = _grads(step)
+                g[0] = torch.full((D,), 0.5 * (step + 1), dtype=torch.float64) if real else 0.0
+                if sparse:
+                    idx = torch.tensor([0, 7, 0, 1, 0, 4, 0])
+                    vals = torch.cat([g[0:1], g[[7]], torch.zeros(1, D, dtype=torch.float64), g[[1]],
+                                      torch.zeros(1, D, dtype=torch.float64), g[[4]], torch.zeros(1, D, dtype=torch.float64)])
+                    g = torch.sparse_coo_tensor(idx[None], vals, (V, D), check_invariants=True)
+                table.grad = g
+                opt.step()
+            tables.append(table.detach().clone())
+        torch.testing.assert_close(tables[1], tables[0], rtol=1e-12, atol=1e-12)
+        assert torch.equal(tables[1][0], _model()[1].detach()[0]) != real  # row 0 moved only when it was held

@@ -159,6 +159,10 @@ def test_a_killed_sharded_run_resumes_with_its_optimizer_state(tiny, layouts, tm
      "each of 2 processes' shard (50,000,000,000 rows) with its gradient and adamw state takes 23,842 GiB"),
     (["--data.vocab_size", str(10**11), "--model.optimizer", "rowwise", "--model.embedding_grad", "sparse", *SPLIT],
      "shard (50,000,000,000 rows) with its rowwise state takes 6,147 GiB"),  # 32 + 1 floats a row: no dense gradient
+    (["--data.vocab_size", str(10**11), "--model.optimizer", "lazyadam", "--model.embedding_grad", "sparse", *SPLIT],
+     "shard (50,000,000,000 rows) with its lazyadam state takes 17,881 GiB"),  # weights and two moments
+    (["--data.vocab_size", str(10**11), "--model.optimizer", "lazyadam", *SPLIT],  # and the dense update's 2 temporaries
+     "shard (50,000,000,000 rows) with its gradient and lazyadam state takes 35,763 GiB"),
     (["--data.vocab_size", str(10**11), "--model.table_layout", "replicated"], "one process's replica "
      "(100,000,000,000 rows) with its gradient and adamw state takes 47,684 GiB"),
     (["--data.vocab_size", "19999"], "data.vocab_size 19,999 is smaller than the vocabulary of"),
