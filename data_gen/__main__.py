@@ -2,8 +2,7 @@
 
 Exit status: 0 on success, 1 for data that fails validation, 2 for bad arguments (all checked
 before any work starts, an estimate of the output's size and time included) and for an output
-directory that cannot be written (read-only, full): then no data set is left behind.
-"""
+directory that cannot be written (read-only, full): then no data set is left behind."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Order matters for the message a user sees: a missing file, then an unreadable footer (a
 truncated file), then row count and schema from the footer, then the checksum, then the
-content (nulls, alignment, ranges), batch by batch, reporting the first bad row of the file.
-"""
+content (nulls, alignment, ranges), batch by batch, reporting the first bad row of the file."""
 
 from __future__ import annotations
 

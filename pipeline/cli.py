@@ -334,8 +334,9 @@ def check_padded_memory(cfg) -> None:
                           f"data.max_seq_len")
 
 
-# the optimizer's state of the item table: (floats per element, floats per row)
-_STATES = {"adamw": (2, 0), "adagrad": (1, 0), "sgd": (0, 0), "rowwise": (0, 1), "lazyadam": (2, 0)}
+# the optimizer's state of the item table: (floats per element, floats per row, floats per element of scratch in
+# its update of a dense gradient)
+_STATES = {"adamw": (2, 0, 0), "adagrad": (1, 0, 0), "sgd": (0, 0, 0), "rowwise": (0, 1, 0), "lazyadam": (2, 0, 2)}
 
 
 def _processes(cfg) -> tuple[int, int]:
@@ -374,10 +375,9 @@ def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
                           f"trainer.num_nodes): every process must hold one shard of one whole table")
     if vocab is None:
         return
-    (per_element, per_row), dim = _STATES.get(model.optimizer, (2, 0)), model.ranker.embed_dim
+    (per_element, per_row, scratch), dim = _STATES.get(model.optimizer, (2, 0, 0)), model.ranker.embed_dim
     grad = model.embedding_grad != "sparse"  # a sparse gradient holds a step's rows, not the table's
-    per_element += 2 * (grad and model.optimizer == "lazyadam")  # its dense update's two [V, D] temporaries
-    row = 4 * (dim * (1 + grad + per_element) + per_row) if training else 4 * dim  # weights, gradient, state
+    row = 4 * (dim * (1 + grad * (1 + scratch) + per_element) + per_row) if training else 4 * dim  # bytes a row
     rows = -(-vocab // shards) if sharded else vocab
     gpu = _on_gpu(cfg) and torch.cuda.is_available()
     have = _memory(gpu, local)

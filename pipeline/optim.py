@@ -60,16 +60,8 @@ def summed_rows(grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
             values.new_zeros(values.shape).index_add_(0, slot, values[order]))
 
 
-class RowwiseTableAdamW(torch.optim.AdamW):
-    """AdamW over every group but the last, the item table, which takes row-wise Adagrad (the
-    embedding optimizer of production rankers, FBGEMM's EXACT_ROWWISE_ADAGRAD):
-
-        s[i] += mean_d g[i, d]^2;    w[i] -= lr * g[i] / (sqrt(s[i]) + eps)
-
-    One float of state per row (`sum_sq`, ``[V]``, and a step count) where AdamW keeps two per
-    element, 2 x D x 4 bytes a row. A row a step did not touch (a zero row of a dense gradient, or one absent from a
-    sparse gradient) keeps its weights and state, so the three ``model.embedding_grad`` modes train
-    the same table. The update has no host sync with a dense gradient (a CUDA graph can hold it)."""
+class TableAdamW(torch.optim.AdamW):
+    """AdamW over every group but the last, the item table, which a subclass's ``_table_step`` updates."""
 
     def __init__(self, groups: list[dict], *, lr: float, betas: tuple[float, float], fused: bool | None,
                  eps: float = 1e-8):
@@ -93,6 +85,18 @@ class RowwiseTableAdamW(torch.optim.AdamW):
             table.grad = given
         return loss
 
+
+class RowwiseTableAdamW(TableAdamW):
+    """AdamW over every group but the last, the item table, which takes row-wise Adagrad (the
+    embedding optimizer of production rankers, FBGEMM's EXACT_ROWWISE_ADAGRAD):
+
+        s[i] += mean_d g[i, d]^2;    w[i] -= lr * g[i] / (sqrt(s[i]) + eps)
+
+    One float of state per row (`sum_sq`, ``[V]``, and a step count) where AdamW keeps two per
+    element, 2 x D x 4 bytes a row. A row a step did not touch (a zero row of a dense gradient, or one absent from a
+    sparse gradient) keeps its weights and state, so the three ``model.embedding_grad`` modes train
+    the same table. The update has no host sync with a dense gradient (a CUDA graph can hold it)."""
+
     def _table_step(self, table: torch.Tensor, given: torch.Tensor, lr: float) -> None:
         state = self.state[table]
         if "sum_sq" not in state:
@@ -110,7 +114,7 @@ class RowwiseTableAdamW(torch.optim.AdamW):
             table.addcdiv_(given, s.sqrt().add_(self.table_eps).unsqueeze(1), value=-lr)
 
 
-class LazyTableAdamW(RowwiseTableAdamW):
+class LazyTableAdamW(TableAdamW):
     """AdamW over every group but the last, the item table, which takes Lazy Adam (FBGEMM's fused embedding Adam):
     a row that a step's gradient holds (a non-zero row of a dense gradient, an entry of a sparse one) updates its
     moments and weights as torch.optim.Adam, bias-corrected by the table's step count; any other row keeps them

@@ -158,9 +158,10 @@ def plan_slots(ids: torch.Tensor, table: "ShardedEmbedding", slots: int) -> tupl
     return send, slot
 
 
-def exchange_rows(weight: torch.Tensor, send: torch.Tensor, table: "ShardedEmbedding", got: torch.Tensor):
-    """plan_slots' message to the owners in one all-to-all of equal parts, their rows (zeros for
-    empty places) back into `got` [W * slots, D] in another. Returns what exchange_grads needs."""
+def exchange_rows(weight: torch.Tensor, send: torch.Tensor, table: "ShardedEmbedding", got: torch.Tensor, ids: int):
+    """plan_slots' message (of `ids` ids) to the owners in one all-to-all of equal parts, their rows (zeros
+    for empty places) back into `got` [W * slots, D] in another, tallied. Returns what exchange_grads needs."""
+    table.tally(sent_bytes_fixed(got.shape[0] // table.world, table.world, b := got[0].nbytes), ids, b)
     asked = torch.empty_like(send[:-1])
     dist.all_to_all_single(asked, send[:-1], group=table.group)
     mine = asked >= 0  # [W * slots] the ids each process asks of this shard
@@ -186,8 +187,7 @@ class _FixedExchange(torch.autograd.Function):
     def forward(ctx, weight, ids, table, slots):
         send, slot = plan_slots(ids, table, slots)
         got = weight.new_zeros(send.numel(), weight.shape[1])  # the bin's row stays zeros
-        ctx.save_for_backward(*exchange_rows(weight, send, table, got[:-1]), slot)
-        table.tally(sent_bytes_fixed(slots, table.world, b := got[0].nbytes), ids.numel(), b)  # got: never empty
+        ctx.save_for_backward(*exchange_rows(weight, send, table, got[:-1], ids.numel()), slot)
         ctx.table = table
         return got.index_select(0, slot)
 
@@ -202,7 +202,7 @@ class _FixedExchange(torch.autograd.Function):
 class GraphedLookup:
     """The alltoall_fixed lookup around a captured step (model.cuda_graphs, sharded table): :meth:`plan`
     (a bucket's graph of its own) makes its ids' message and slots, :meth:`fetch` exchanges them for rows
-    into `got` (an input of every step graph, which reads ``got[slot]``), :meth:`send_back` the replay's
+    into `got` (an input of every step graph, which reads its rows by slot), :meth:`send_back` the replay's
     gradient of `got`. No collective is captured: every process makes the same, whichever bucket it replays."""
 
     def __init__(self, table: "ShardedEmbedding", slots: int):
@@ -216,8 +216,7 @@ class GraphedLookup:
     @torch.no_grad()
     def fetch(self, send: torch.Tensor, ids: int) -> None:
         """The rows of :meth:`plan`'s message `send` (of `ids` ids) into ``got``."""
-        self._saved = exchange_rows(self.table.weight, send, self.table, self.got.detach()[:-1])
-        self.table.tally(sent_bytes_fixed(self.slots, self.table.world, b := self.got[0].nbytes), ids, b)  # got: never empty
+        self._saved = exchange_rows(self.table.weight, send, self.table, self.got.detach()[:-1], ids)
 
     @torch.no_grad()
     def send_back(self, got_grad: torch.Tensor) -> None:
