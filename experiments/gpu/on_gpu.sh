@@ -10,7 +10,8 @@ set -uo pipefail
 gpu=$1 cores=$2 name=$3; shift 3
 dir=/tmp/repo-$name
 rm -rf "$dir" && mkdir -p "$dir" "$OUT/$name"
-tar cf - --exclude=./data --exclude=./mlflow.db --exclude=./mlruns --exclude=./.git . | tar xf - -C "$dir"
+tar cf - --exclude=./data --exclude=./mlflow.db --exclude=./mlruns --exclude=./.git --exclude=./checkpoints \
+  --exclude=./lightning_logs . | tar xf - -C "$dir"
 ln -s "$PWD/data" "$dir/data"
 cd "$dir" || exit 1
 export CUDA_VISIBLE_DEVICES=$gpu OUT=$OUT/$name PYTHONPATH=${PYTHONPATH:-}:$dir
