@@ -6,8 +6,7 @@ milliseconds with a message, not after minutes of generation.
 
 Two modes: per-example (the default: every row has a fresh user) and timeline (`users` > 0:
 each of `users` users has one event stream, impressions over `days` days, splits by day; see
-data_gen/timeline.py). Each mode's meta.json records only the fields that apply to it.
-"""
+data_gen/timeline.py). Each mode's meta.json records only the fields that apply to it."""
 
 from __future__ import annotations
 
@@ -130,10 +129,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                   mean_len=128.0, max_len=2_048, rows_per_shard=16_384,
                   row_group_size=8_192),
     # the GPU experiments: 1M train rows, mean length 256, lengths up to 4096; the order world:
-    # frequent motifs decide most candidates, so self-attention pays (docs/data.md)
+    # frequent motifs decide most candidates, so self-attention pays, and R reads mostly the last
+    # match (half-life 2 items), so target attention's positions pay (docs/data.md)
     "paper": dict(rows=1_250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0,
                   max_len=4_096, rows_per_shard=65_536, row_group_size=16_384, cand_current=0.1,
-                  cand_past=0.1, cand_reconsume=0.05, cand_motif=0.7, motif_rate=0.05, n_motifs=4),
+                  cand_past=0.1, cand_reconsume=0.05, cand_motif=0.7, motif_rate=0.05, n_motifs=4,
+                  recent_halflife=2.0, w_recent=4.0),
     # long histories (S2-attention's case): lengths up to 16384, expected mean 2150, and a
     # long-range signal: re-consumption counts only items at least 2048 back, so the oracle
     # AUC keeps rising from the last 1024 to 4096 to 16384 items (meta.json)

@@ -7,8 +7,7 @@ never on how many worker processes ran or in what order.
 
 Nothing is written half: a shard is written under a hidden temporary name and renamed into
 place (`os.replace`, atomic on POSIX), and meta.json, without which no reader accepts the
-directory, is written the same way only after every shard is in place.
-"""
+directory, is written the same way only after every shard is in place."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Each user has a *current* and a *past* mixture of `interests_per_user` clusters: the most
 recent `switch` items (mean `switch_mean`) come from the current one, older ones from the past
 one, a `noise` share from global popularity; motif pairs are planted on top. Vectorised over
-the flat [T] layout of a chunk of rows. docs/data.md: why the drift makes old history matter.
-"""
+the flat [T] layout of a chunk of rows. docs/data.md: why the drift makes old history matter."""
 
 from __future__ import annotations
 

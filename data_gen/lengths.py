@@ -3,8 +3,7 @@
 A table (rather than a sampler with a formula) gives the exact mean and quantiles that
 meta.json records and the tests compare against, and sampling it is one `searchsorted` per row.
 Power law and lognormal have one free parameter each, solved by bisection so that the mean is
-`mean_len`; the uniform family has none and ignores `mean_len`.
-"""
+`mean_len`; the uniform family has none and ignores `mean_len`."""
 
 from __future__ import annotations
 

@@ -4,12 +4,12 @@ The label model of planted.py is a function of the stored columns alone (history
 candidate, dense features) plus the item world, which the seed and config in meta.json
 rebuild exactly. So the oracle logit can be recomputed from the data for any window k, e.g.
 a model's own max_seq_len, and the recomputed full-history p must equal the stored p_true
-(which is how the tests check that nothing hidden leaks into the labels).
-"""
+(which is how the tests check that nothing hidden leaks into the labels)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import numpy as np
@@ -43,14 +43,17 @@ def _history(world: World, table: pa.Table) -> tuple[History, np.ndarray, np.nda
     return hist, cand, world.item_category[cand], dense
 
 
-def oracle_logits(data_dir: str | Path, split: str, ks: list[int],
-                  without: str | None = None) -> dict[str, np.ndarray]:
+def oracle_logits(data_dir: str | Path, split: str, ks: list[int], without: str | None = None,
+                  recency: bool = True) -> dict[str, np.ndarray]:
     """Planted logits of every row of `split` seeing only the last k items, for each k in ks
     (0 = no history), plus "full" (the logit p_true was drawn from). float64 [N] each.
-    without: a term of planted.TERMS to leave out (what a ranker blind to it can reach)."""
+    without: a term of planted.TERMS to leave out (what a ranker blind to it can reach).
+    recency=False: R weighs its matches alike (what a read of the candidate's category without
+    positions can reach of R)."""
     meta = load_meta(data_dir)
     cfg = config_from_dict(meta["config"])
-    cfg = dataclasses.replace(cfg, oracle_ks=tuple(sorted(set(int(k) for k in ks))))
+    cfg = dataclasses.replace(cfg, oracle_ks=tuple(sorted(set(int(k) for k in ks))),
+                              recent_halflife=cfg.recent_halflife if recency else math.inf)
     world = build_world(cfg, world_seed(int(meta["seed"])))
     table = read_split(data_dir, split)
     hist, cand, cand_cat, dense = _history(world, table)

@@ -6,8 +6,7 @@ R, F and M match TRUE categories (the files show a noisy copy); docs/data.md def
 and the ranker component that recovers it. `planted_terms` gives every weighted term for every
 view: the last k items of each history for k in oracle_ks (k = 0: none), then the whole history
 (the view p_true is drawn from). Caveat: a view is a plug-in score of this one function, not a
-Bayes-optimal predictor for a k-item window.
-"""
+Bayes-optimal predictor for a k-item window."""
 
 from __future__ import annotations
 

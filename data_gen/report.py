@@ -1,8 +1,7 @@
 """`python -m data_gen report DIR`: length histogram, log-log item popularity, markdown summary.
 
 The plots are drawn from the data (not from the config), with the configured law overlaid, so
-that they show whether the generator did what meta.json says.
-"""
+that they show whether the generator did what meta.json says."""
 
 from __future__ import annotations
 

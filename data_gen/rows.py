@@ -3,8 +3,7 @@
 Both modes build their rows here, and so plant the label the same way: the per-example mode
 from fresh users (generate.generate_shard), the timeline mode from users' event streams cut at
 impression times (timeline.py). Rows are made CHUNK_ROWS at a time, which bounds the memory of
-the [T]-sized temporaries of history.py and planted.py.
-"""
+the [T]-sized temporaries of history.py and planted.py."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 from data_gen import DataValidationError, load_meta, read_split
 from data_gen.__main__ import main
 from data_gen.config import ConfigError, resolve_config
-from data_gen.history import History, row_and_recency
+from data_gen.history import History, action_strength, row_and_recency
 from data_gen.metrics import auc
 from data_gen.oracle import oracle_logits
 from data_gen.planted import TERMS, planted_terms
@@ -85,6 +85,22 @@ def test_the_motif_term_depends_on_order_and_the_per_item_terms_do_not(world):
     after = _terms(world, shuffled, b)
     assert before["motif"] > 0 and after["motif"] == 0 and after["freq"] == before["freq"]
 
+
+def test_the_oracle_without_recency_weighs_every_match_of_R_alike(tiny_data, world):  # noqa: F811
+    path, _ = tiny_data
+    cfg = resolve_config("tiny")
+    t = read_split(path, "test", ["hist_item", "hist_action", "cand_item"])
+    no_r = oracle_logits(path, "test", [64], without="recent")["full"]
+    blind = oracle_logits(path, "test", [64], recency=False)["full"] - no_r
+    weighted = oracle_logits(path, "test", [64])["full"] - no_r
+    strength, cand = action_strength(cfg.n_actions), t.column("cand_item").to_numpy()
+    rows = 0
+    for r in range(300):  # R by hand: w_recent times the mean strength over the candidate category's matches
+        item, action = np.asarray(t.column("hist_item")[r].as_py()), np.asarray(t.column("hist_action")[r].as_py())
+        match = world.item_category[item] == world.item_category[cand[r]] if item.size else item > 0
+        assert blind[r] == pytest.approx(cfg.w_recent * strength[action[match]].mean() if match.any() else 0.0)
+        rows += int(match.sum() > 1)
+    assert rows > 20 and np.abs(blind - weighted).max() > 0.1  # matches at different recencies: the weights matter
 
 def test_meta_gives_each_terms_oracle_views(tiny_data):  # noqa: F811
     path, meta = tiny_data
