@@ -3,8 +3,7 @@
 The references' math (``kernels._attention_reference``) through
 ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward, on the length buckets of
 ``kernels._segments``, in fp32 (fp64 stays fp64). The references do the work where that kernel does
-not fit: CUDA tensors, a bias, a gradient of lse, a float64 backward (docs/kernels.md).
-"""
+not fit: CUDA tensors, a bias, a gradient of lse, a float64 backward (docs/kernels.md)."""
 
 from __future__ import annotations
 

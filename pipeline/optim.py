@@ -128,12 +128,15 @@ class LazyTableAdamW(TableAdamW):
         m, v, t = state["exp_avg"], state["exp_avg_sq"], state["step"].add_(1).to(state["exp_avg"].dtype)
         rows, g = summed_rows(given, m.dtype) if given.is_sparse else (None, given.to(m.dtype))
         used = g.ne(0).any(1, keepdim=True).to(m.dtype)  # a summed gradient's padding slots: zeros, unused
-        old = (m, v) if rows is None else (m[rows], v[rows])  # the whole table in place, or the step's rows' copies
-        m_new, v_new = old[0].lerp_(g, used * (1 - b1)), old[1].lerp_(g * g, used * (1 - b2))
+        if rows is None:  # the whole table in place
+            m_new, v_new = m.lerp_(g, used * (1 - b1)), v.lerp_(g * g, used * (1 - b2))
+        else:  # the step's rows: each moment read once, its change added to the table's (an unused slot adds zeros)
+            m_new, v_new = m[rows], v[rows]
+            for x, new, target, beta in ((m, m_new, g, b1), (v, v_new, g * g, b2)):
+                x.index_add_(0, rows, change := (target - new).mul_(used * (1 - beta)))
+                new.add_(change)
         denom = (v_new / (1 - b2 ** t)).sqrt_().add_(self.table_eps).mul_(1 - b1 ** t)  # dense: [V, D] temporaries
         if rows is None:
             table.addcdiv_(m * used, denom, value=-lr)
-        else:  # the new moments added to the old (an unused slot adds zeros)
-            for x, new in ((m, m_new), (v, v_new)):
-                x.index_add_(0, rows, new - x[rows])
+        else:
             table.index_add_(0, rows, (m_new * used / denom * -lr).to(table.dtype))
