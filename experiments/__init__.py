@@ -4,8 +4,7 @@
 
 Sweeps, ablations, reports, the results summary, reproduction, profiles, DDP and loader
 measurements; `experiments.bench` (kernels against peers) and `experiments.tuning` (launch
-configs). Imports the library (pipeline, models, kernels, data_gen); nothing there imports this.
-"""
+configs). Imports the library (pipeline, models, kernels, data_gen); nothing there imports this."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`python -m experiments <verb> [options]`: one front door to the lab's commands.
 
-A verb's module is imported only when it runs, so `--help` here answers at once.
-"""
+A verb's module is imported only when it runs, so `--help` here answers at once."""
 
 from __future__ import annotations
 

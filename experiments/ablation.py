@@ -3,8 +3,7 @@ each with its overrides, data set and config hash.
 
     abl = load("experiments/ablations/seq_len.yaml", Path("data"), extra_set={"trainer.max_steps": 50})
 
-The file format (every key, datasets, targets, recovery) is described in docs/experiments.md.
-"""
+The file format (every key, datasets, targets, recovery) is described in docs/experiments.md."""
 
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ _TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "
              "report"}
 _REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds", "converged_within", "recovery",
                 "pareto"}
-_TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff"}
+_TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff", "min_auc_drop"}
 CODE_PACKAGES = ("data_gen", "kernels", "models", "pipeline")  # what a fit runs
 
 
@@ -338,7 +337,7 @@ def _check_recovery(path: Path, report: dict, points: list[Point]) -> None:
 
 def _check_targets(path: Path, report: dict, points: list) -> None:
     """report.targets: [{at: {axis: label}, vs: <series label>, min_speedup, max_memory_ratio,
-    max_auc_diff}]: the baseline series against `vs` at one point of the other axes."""
+    max_auc_diff, min_auc_drop}]: the baseline series against `vs` at one point of the other axes."""
     targets = report.get("targets") or []
     if targets and not (report.get("series") and report.get("baseline")):
         raise ConfigError(f"{path}: report.targets needs report.series and report.baseline")

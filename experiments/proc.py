@@ -133,8 +133,7 @@ def stream(cmd: list[str], env: dict[str, str], timeout_s: float | None, prefix:
     the run as a Ctrl-C would (SIGINT, then KeyboardInterrupt raised here). pass_fds: open
     files the child keeps (a lock it must hold for as long as it lives). log: gets every byte;
     quiet: the echo leaves out :func:`chatter`. The child gets SIGTERM when this process dies
-    (:func:`die_with_parent`); an echo nobody reads any more is dropped, the output still drained.
-    """
+    (:func:`die_with_parent`); an echo nobody reads any more is dropped, the output still drained."""
     # its own process group: a timeout ends the run's loader workers too, not only the trainer
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True, pass_fds=pass_fds, preexec_fn=die_with_parent())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -129,7 +130,21 @@ def target_rows(df: pl.DataFrame, spec: dict, mem: str) -> list[list[str]]:
             ok = value is not None and (value >= limit if op == ">=" else value <= limit)
             rows.append([point, f"{name} {fmt(value, '.4f' if not unit else '.2f')}{unit}", f"{op} {limit}{unit}",
                          "PASS" if ok else "MISS"])
+        if "min_auc_drop" in t:  # what removing a part costs: the limit, and beyond 2 std of the seeds' drops
+            drops = _seed_drops(*hits, seeds)
+            drop, spread = statistics.fmean(drops), 2 * statistics.stdev(drops) if len(drops) > 1 else 0.0
+            rows.append([point, f"test AUC drop {drop:.4f} (2 std of the {len(drops)} seeds' drops {spread:.4f})",
+                         f">= {t['min_auc_drop']}, beyond 2 std", "PASS" if drop >= t["min_auc_drop"] and drop > spread
+                         else "MISS"])
     return rows
+
+
+def _seed_drops(base: pl.DataFrame, other: pl.DataFrame, seeds: str | None) -> list[float]:
+    """The baseline's test AUC minus the other's, seed by seed (the first rows' without a seeds axis)."""
+    if not seeds:
+        return [base["test/auc"][0] - other["test/auc"][0]]
+    both = base.select(seeds, "test/auc").join(other.select(seeds, "test/auc"), on=seeds, suffix="_other")
+    return (both["test/auc"] - both["test/auc_other"]).to_list()
 
 
 def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:

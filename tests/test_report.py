@@ -191,6 +191,20 @@ def test_seeds_table_and_targets_on_seed_means():
     assert sections.seeds_section(df, None, ["attention"]) == []
 
 
+def test_a_removal_target_needs_its_drop_above_the_limit_and_beyond_2_std_of_the_seeds():
+    aucs = {"full": [0.710, 0.712, 0.714], "no_x": [0.700, 0.703, 0.704],  # drops 0.010 0.009 0.010
+            "no_y": [0.705, 0.714, 0.706], "no_z": [0.690, 0.712, 0.700]}  # 0.005 -0.002 0.008; 0.020 0 0.014
+    df = pl.DataFrame({"variant": [v for v in aucs for _ in range(3)], "seed": ["0", "1", "2"] * 4,
+                       "status": ["OK"] * 12, "test/auc": [a for v in aucs.values() for a in v]})
+    spec = {"series": "variant", "baseline": "full", "seeds": "seed",
+            "targets": [{"vs": v, "min_auc_drop": 0.005} for v in ("no_x", "no_y", "no_z")]}
+    rows = {r[0]: r for r in sections.target_rows(df, spec, "x")}
+    assert rows["full vs no_x"][1:] == ["test AUC drop 0.0097 (2 std of the 3 seeds' drops 0.0012)",
+                                        ">= 0.005, beyond 2 std", "PASS"]
+    assert rows["full vs no_y"][1].startswith("test AUC drop 0.0037") and rows["full vs no_y"][3] == "MISS"  # under 0.005
+    assert rows["full vs no_z"][1] == "test AUC drop 0.0113 (2 std of the 3 seeds' drops 0.0205)"
+    assert rows["full vs no_z"][3] == "MISS"  # above the limit, not beyond the seeds' spread
+
 def test_convergence_section_judges_the_last_validation_interval():
     from types import SimpleNamespace
 

@@ -43,8 +43,7 @@ class Prepared:
     fwd: runs the forward and returns the output (in the provider's layout).
     leaves: tensors whose gradients the backward computes (reset before each timed run).
     held: every tensor of the provider's input layout (counted in its peak memory).
-    to_ref: maps an output to the layout of the reference ([T, H, D] for self-attention).
-    """
+    to_ref: maps an output to the layout of the reference ([T, H, D] for self-attention)."""
 
     fwd: Callable[[], torch.Tensor]
     leaves: list[torch.Tensor]

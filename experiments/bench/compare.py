@@ -4,8 +4,7 @@
 
 Either side may be several runs (comma-separated; each row's median). Verdicts, never relaxed: no
 row of ours slower by more than --noise (by the kernels' time where both runs have --graph-ms,
-else by the call's), and the fwd+bwd geomean over varlen_attn not lower. Exit 0, 2 on bad input.
-"""
+else by the call's), and the fwd+bwd geomean over varlen_attn not lower. Exit 0, 2 on bad input."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Per pass, ``floor = max(bytes / copy bandwidth, FLOPs / matmul rate)`` with both ceilings measured
 in the same run; a fwd+bwd row's floor is the sum of its passes'. Bytes: every input read and
-every output written once (``pass_bytes``); FLOPs: the tables' useful FLOPs over real tokens.
-"""
+every output written once (``pass_bytes``); FLOPs: the tables' useful FLOPs over real tokens."""
 
 from __future__ import annotations
 

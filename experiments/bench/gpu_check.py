@@ -4,8 +4,7 @@
 
 The launchers run on "meta" tensors with their kernels swapped for recorders; the launches they
 would make are compiled down to a cubin, specialised as Triton's launcher does. --ptxas prints
-registers and spills per kernel.
-"""
+registers and spills per kernel."""
 
 from __future__ import annotations
 

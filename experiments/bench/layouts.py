@@ -2,8 +2,7 @@
 
 The harness pads by itself (a gather/scatter through a row index), never through the kernels it
 measures. References: the torch backend on small cases, else ``padded_attention`` in chunks of
-sequences whose fp32 scores stay under REF_CHUNK_BYTES.
-"""
+sequences whose fp32 scores stay under REF_CHUNK_BYTES."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Timing: ``triton.testing.do_bench`` on CUDA (CUDA events, L2 flushed, median; the first call,
 Triton's compile, is never timed), a host clock on the CPU; ``graph_ms`` the same call replayed
 as a CUDA graph (the kernels alone). Peak memory (CUDA): the inputs' bytes plus the peak
-allocated during one call beyond what was allocated before it.
-"""
+allocated during one call beyond what was allocated before it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The paper's figures from our rows: time, speedup and memory saving against each peer, vs N and
-density (self-attention) and Tq (target attention); ops bandwidth. Each carries the stamp.
-"""
+density (self-attention) and Tq (target attention); ops bandwidth. Each carries the stamp."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ sdpa_padded_mask, padded [B, H, N, D] with a key mask (the paper's dense attenti
 attention); varlen_attn (FlashAttention-2 varlen); njt_sdpa (nested jagged tensors); flex_packed
 (compiled FlexAttention, a document mask over the packed tokens); cudnn_varlen (cuDNN's SDPA on
 packed tokens, `nvidia-cudnn-frontend`, when importable). Target attention
-(``DENSE_ATTENTION_PROVIDERS``): the same peers with Tq dense queries per sequence.
-"""
+(``DENSE_ATTENTION_PROVIDERS``): the same peers with Tq dense queries per sequence."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Jagged ops (forward) against their padded torch equivalents and aten's jagged<->padded ops.
 
 Memory-bound ops report GB/s of the bytes they must move; the bmm ops TFLOP/s of real tokens
-(2*T*K*M). Providers: ``jagged`` (ours), ``torch_padded`` and ``aten``.
-"""
+(2*T*K*M). Providers: ``jagged`` (ours), ``torch_padded`` and ``aten``."""
 
 from __future__ import annotations
 
