@@ -13,6 +13,8 @@ import pyarrow as pa
 
 from .config import config_from_dict
 from .lengths import build_length_model
+from .metrics import auc
+from .oracle import oracle_logits
 from .schema import SPLITS, is_timeline, read_split, split_days, validate_dataset
 
 
@@ -105,7 +107,7 @@ def _fmt(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, float) else str(x)
 
 
-def _summary(meta: dict[str, Any], fit: dict[str, float]) -> str:
+def _summary(meta: dict[str, Any], fit: dict[str, float], blind: dict[str, float] | None = None) -> str:
     cfg = meta["config"]
     ks = cfg.get("oracle_ks", [])
     head = ["split", "rows", "CTR", "mean len", "p50", "p90", "p99", "max", "zero-length",
@@ -125,25 +127,38 @@ def _summary(meta: dict[str, Any], fit: dict[str, float]) -> str:
               f"over ranks 1..{fit['max_rank']}: {_fmt(fit['slope'])} (expected about "
               f"{-cfg['alpha']}).", "",
               f"Oracle: {meta.get('oracle_definition', '')}", "",
-              *_term_lines(meta),
+              *_term_lines(meta, blind),
               *_timeline_lines(meta),
               "![lengths](lengths.png)  ![popularity](popularity.png)", ""]
     return "\n".join(lines)
 
 
-def _term_lines(meta: dict[str, Any]) -> list[str]:
-    """The test split's oracle AUC of each planted term alone and of the logit without it."""
+def _recency_blind(data_dir: Path, meta: dict[str, Any]) -> dict[str, float] | None:
+    """The test split's oracle AUC with R's matches weighed alike, by window (None without R)."""
+    if "recent" not in meta["splits"]["test"].get("oracle_terms", {}):
+        return None
+    ks = [k for k in meta["config"]["oracle_ks"] if k > 0]
+    y = read_split(data_dir, "test", ["label"], validate=False).column(0).to_numpy()
+    return {k: auc(y, logit) for k, logit in oracle_logits(data_dir, "test", ks, recency=False).items()}
+
+
+def _term_lines(meta: dict[str, Any], blind: dict[str, float] | None = None) -> list[str]:
+    """The test split's oracle AUC of each planted term alone and of the logit without it, and
+    with R blind to recency."""
     views = meta["splits"]["test"].get("oracle_terms", {})
     if not views:
         return []
     keys = [k.split("_", 1)[1] for k in next(iter(views.values())) if k.startswith("alone_")]
     head = ["term (test split)"] + [f"last {k}" if k != "full" else "full" for k in keys]
-    lines = ["Oracle AUC of each planted term alone, and of the planted logit without it "
-             "(docs/data.md: which ranker component each term needs):", "",
+    lines = ["Oracle AUC of each planted term alone, of the planted logit without it, and with R's matches "
+             "weighed alike, what a read without positions reaches (docs/data.md: which ranker component each "
+             "term needs):", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for term, v in views.items():
         for how in ("alone", "without"):
             lines.append("| " + " | ".join([f"{term} {how}"] + [_fmt(v[f"{how}_{k}"]) for k in keys]) + " |")
+    if blind:  # what a read of the candidate's category without positions reaches of R
+        lines.append("| " + " | ".join(["recent blind to recency"] + [_fmt(blind.get(k)) for k in keys]) + " |")
     return lines + [""]
 
 
@@ -174,5 +189,5 @@ def write_report(data_dir: str | Path, out_dir: str | Path | None = None,
              "summary": out / "summary.md"}
     _plot_lengths(lengths, meta, paths["lengths"])
     _plot_popularity(counts, fit, meta["config"]["alpha"], paths["popularity"])
-    paths["summary"].write_text(_summary(meta, fit))
+    paths["summary"].write_text(_summary(meta, fit, _recency_blind(data_dir, meta)))
     return paths

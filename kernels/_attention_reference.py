@@ -4,8 +4,7 @@ The tests' oracles, the CPU path and a benchmark baseline: masked softmax attent
 buckets (``kernels._segments``) in fp32 (fp64 for gradcheck; ``upcast=False``: the input dtype).
 As the kernels: only a sequence's first max_seq_len rows take part (the rest get zeros); a query with
 no key gives 0 and lse -inf, never NaN; lse is the natural-log log-sum-exp of the scaled (and biased)
-scores, in fp32. More: docs/kernels.md#the-torch-path.
-"""
+scores, in fp32. More: docs/kernels.md#the-torch-path."""
 
 from __future__ import annotations
 

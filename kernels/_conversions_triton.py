@@ -3,8 +3,7 @@
 jagged_to_padded writes every padded element, so it runs on the padded grid (B, row blocks of
 N, column blocks of D). padded_to_jagged writes the jagged rows only, so it runs on the work
 slots of _triton_common (row blocks of real sequences, column blocks of D): no program is
-spent on padding at low density. Both only move data, so they are exact in every dtype.
-"""
+spent on padding at low density. Both only move data, so they are exact in every dtype."""
 
 from __future__ import annotations
 

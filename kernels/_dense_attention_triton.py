@@ -5,8 +5,7 @@ Layout: q, out [B, Tq, H, D] (last dim contiguous); k, v [T, H, D] jagged by off
 min(len_b, N) rows. Grid: forward and dQ(+dBias) programs per (query block, sequence, head) over the
 key blocks; dK/dV programs per (key slot, head) over the Tq queries, in the same backward launch.
 No atomics, except dQ under SPLIT_DQ (fp32 atomics into a zeroed buffer: not bit-deterministic).
-Numerics as flash attention's; an empty row gives out = 0, lse = -inf. Why: docs/kernels.md.
-"""
+Numerics as flash attention's; an empty row gives out = 0, lse = -inf. Why: docs/kernels.md."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 "auto" picks Triton for CUDA tensors and the torch reference for CPU tensors, except under
 ``TRITON_INTERPRET=1`` where "auto" still picks the reference on CPU (the interpreter is for
-tests, not for speed). "triton" on CPU tensors needs ``TRITON_INTERPRET=1``.
-"""
+tests, not for speed). "triton" on CPU tensors needs ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 

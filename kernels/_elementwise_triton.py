@@ -4,8 +4,7 @@ Forward: the work slots of _triton_common (row blocks of real sequences, column 
 since it writes jagged rows only; no program is spent on padding at low density. Backward: the
 padded grid (B, row blocks of N, column blocks of D), N = dense.shape[1], since it writes every
 element of grad_dense. Math in fp32, one rounding on the store, as torch does for low-precision
-add and mul.
-"""
+add and mul."""
 
 from __future__ import annotations
 

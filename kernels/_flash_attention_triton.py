@@ -5,8 +5,7 @@ the first min(len_b, max_seq_len) rows of sequence b take part (the others get z
 Grid: the work slots of _triton_common x H heads, head fastest. Forward: a program per query block
 over its keys; backward: a delta pre-pass, then one launch of dK/dV and dQ programs (no atomics).
 Numerics: exp2 of prescaled scores, fp32 statistics and accumulators, P and dS cast to the input
-dtype only as MMA operands. Why: docs/kernels.md#flash-attention-self-attention.
-"""
+dtype only as MMA operands. Why: docs/kernels.md#flash-attention-self-attention."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Every op is an ``autograd.Function`` whose forward and backward call :func:`run`: eager, the
 backend's implementation directly; while torch.compile or functorch traces, the op's custom ops
-(``jagged::<op>_fwd``, ``..._bwd``). The public function calls :func:`apply`. No Triton here.
-"""
+(``jagged::<op>_fwd``, ``..._bwd``). The public function calls :func:`apply`. No Triton here."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Every launcher passes its hand-rule launch dict through :func:`tuned` with the family's shape
 features (:data:`FAMILIES`): unchanged without a table for this GPU, else updated from the table's
 entry (looked up once per family and features, then cached). :func:`forced` and :func:`use_table`
-override it (the sweep, tests). How: docs/kernels.md#launch-tables.
-"""
+override it (the sweep, tests). How: docs/kernels.md#launch-tables."""
 
 from __future__ import annotations
 

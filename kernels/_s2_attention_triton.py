@@ -4,8 +4,7 @@ Grid: one program per (query tile, sequence, head) over max_seq_len (idle progra
 forward or dQ program walks only the key blocks its head sees, as one flat loop (`_visible_blocks`);
 a dK/dV program takes BLOCK_N keys and walks only the queries that see them. Softmax in base 2, lse
 stored in base 2; delta computed by torch before the backward. Tiles: `s2_tiles` or the launch
-table (families s2_fwd, s2_bwd). Why: docs/kernels.md#s2-attention.
-"""
+table (families s2_fwd, s2_bwd). Why: docs/kernels.md#s2-attention."""
 
 from __future__ import annotations
 

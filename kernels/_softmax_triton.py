@@ -3,8 +3,7 @@
 Grid: one program per (sequence b, column block of H), column blocks fastest; a program owns whole
 columns of one sequence (no atomics, one launch). A sequence that fits in one tile is loaded once, in
 the smallest tile of the ladder SMALL_N .. BLOCK_N that holds it; a longer one is streamed twice in
-STREAM_N-row tiles. Statistics in fp32; exp2 of (x - max) * log2(e); one reciprocal per column.
-"""
+STREAM_N-row tiles. Statistics in fp32; exp2 of (x - max) * log2(e); one reciprocal per column."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 flat list of (row block, sequence) programs, used by attention and the row-wise ops) and the
 launch helpers.
 
-Importing this module imports Triton: the op modules import it lazily, only on the Triton path.
-"""
+Importing this module imports Triton: the op modules import it lazily, only on the Triton path."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Cheap checks (shapes, dtypes, devices, ranks) always run. Checks that read offsets values
 (offsets[0] == 0, non-decreasing, offsets[-1] == T) force a device sync on CUDA, so they run
 on CPU tensors always and on GPU tensors only when debug checks are on:
-``JAGGED_DEBUG=1`` in the environment or ``kernels.set_debug_checks(True)``.
-"""
+``JAGGED_DEBUG=1`` in the environment or ``kernels.set_debug_checks(True)``."""
 
 from __future__ import annotations
 

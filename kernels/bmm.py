@@ -1,8 +1,7 @@
 """jagged_dense_bmm and jagged_jagged_bmm: per-sequence matrix products.
 
 Each is one autograd.Function (its backward made of the two products) over the custom op
-``jagged::<name>``; Triton kernels in ``kernels._bmm_triton``.
-"""
+``jagged::<name>``; Triton kernels in ``kernels._bmm_triton``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """jagged_to_padded and padded_to_jagged: the two conversions between the layouts.
 
 Each is one autograd.Function (its backward the other conversion) over the custom op
-``jagged::<name>``; Triton kernels in ``kernels._conversions_triton``.
-"""
+``jagged::<name>``; Triton kernels in ``kernels._conversions_triton``."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The public function :func:`jagged_dense_attention` (its docstring is the spec) over one
 autograd.Function and the custom ops ``jagged::dense_attention_fwd``/``_bwd``; kernels in
-``kernels._dense_attention_triton``. Double backward: torch backend only (as flash attention).
-"""
+``kernels._dense_attention_triton``. Double backward: torch backend only (as flash attention)."""
 
 from __future__ import annotations
 

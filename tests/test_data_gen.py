@@ -225,6 +225,9 @@ def test_report_writes_plots_and_summary(tiny_data, tmp_path):
     assert paths["lengths"].read_bytes()[:4] == b"\x89PNG"
     text = paths["summary"].read_text()
     assert meta["digest"] in text and "| train |" in text and "slope" in text
+    y = read_split(path, "test", ["label"]).column(0).to_numpy()
+    blind = text.split("| recent blind to recency |")[1].split("\n")[0]  # its last cell: the whole history
+    assert blind.endswith(f" {auc(y, oracle_logits(path, 'test', [64], recency=False)['full']):.4f} |")
 
 
 def test_meta_is_plain_json_with_the_oracle_definition(tiny_data):
