@@ -44,18 +44,18 @@ def _history(world: World, table: pa.Table) -> tuple[History, np.ndarray, np.nda
 
 
 def oracle_logits(data_dir: str | Path, split: str, ks: list[int], without: str | None = None,
-                  recency: bool = True) -> dict[str, np.ndarray]:
+                  recency: bool = True, validate: bool = True) -> dict[str, np.ndarray]:
     """Planted logits of every row of `split` seeing only the last k items, for each k in ks
     (0 = no history), plus "full" (the logit p_true was drawn from). float64 [N] each.
     without: a term of planted.TERMS to leave out (what a ranker blind to it can reach).
     recency=False: R weighs its matches alike (what a read of the candidate's category without
-    positions can reach of R)."""
+    positions can reach of R). validate=False: read the split unchecked (its caller validated it)."""
     meta = load_meta(data_dir)
     cfg = config_from_dict(meta["config"])
     cfg = dataclasses.replace(cfg, oracle_ks=tuple(sorted(set(int(k) for k in ks))),
                               recent_halflife=cfg.recent_halflife if recency else math.inf)
     world = build_world(cfg, world_seed(int(meta["seed"])))
-    table = read_split(data_dir, split)
+    table = read_split(data_dir, split, validate=validate)
     hist, cand, cand_cat, dense = _history(world, table)
     base, terms = planted_terms(world, cfg, hist, cand, cand_cat, dense)
     if without is not None:

@@ -139,7 +139,7 @@ def _recency_blind(data_dir: Path, meta: dict[str, Any]) -> dict[str, float] | N
         return None
     ks = [k for k in meta["config"]["oracle_ks"] if k > 0]
     y = read_split(data_dir, "test", ["label"], validate=False).column(0).to_numpy()
-    return {k: auc(y, logit) for k, logit in oracle_logits(data_dir, "test", ks, recency=False).items()}
+    return {k: auc(y, logit) for k, logit in oracle_logits(data_dir, "test", ks, recency=False, validate=False).items()}
 
 
 def _term_lines(meta: dict[str, Any], blind: dict[str, float] | None = None) -> list[str]:

@@ -96,8 +96,8 @@ def test_the_oracle_without_recency_weighs_every_match_of_R_alike(tiny_data, wor
     strength, cand = action_strength(cfg.n_actions), t.column("cand_item").to_numpy()
     rows = 0
     for r in range(300):  # R by hand: w_recent times the mean strength over the candidate category's matches
-        item, action = np.asarray(t.column("hist_item")[r].as_py()), np.asarray(t.column("hist_action")[r].as_py())
-        match = world.item_category[item] == world.item_category[cand[r]] if item.size else item > 0
+        item, action = (np.asarray(t.column(c)[r].as_py(), dtype=np.int64) for c in ("hist_item", "hist_action"))
+        match = world.item_category[item] == world.item_category[cand[r]]
         assert blind[r] == pytest.approx(cfg.w_recent * strength[action[match]].mean() if match.any() else 0.0)
         rows += int(match.sum() > 1)
     assert rows > 20 and np.abs(blind - weighted).max() > 0.1  # matches at different recencies: the weights matter
