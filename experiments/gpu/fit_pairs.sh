@@ -8,7 +8,7 @@
 # EXTRA="--model.ranker.num_layers 2" adds fit arguments to every run; CALL_BUDGET_S (default 560)
 # bounds the call: a pair starts only while 110 s (150 s on one GPU) are left.
 # Returns $OUT/fit-pairs.md (a row per run, the speed-up per pair), $OUT/fit-pairs.log and each
-# run's log and MLflow database under $OUT/runs/ (pack.sh them on a machine that returns few files).
+# run's log and MLflow database (written there, not in on_gpu's private copy) under $OUT/runs/ (pack.sh them on a machine that returns few files).
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT
@@ -27,7 +27,8 @@ for pair in ${PAIRS:-rowwise:sparse adamw:dense}; do
     IFS=: read -r att gpu cores <<< "$side"
     name=p$i-$opt-$grad-$att
     # shellcheck disable=SC2086  # EXTRA: words
-    timeout -k 10 $((budget - SECONDS - 5)) bash experiments/gpu/on_gpu.sh "$gpu" "$cores" "$name" \
+    MLFLOW_TRACKING_URI=sqlite:///$OUT/runs/$name.db timeout -k 10 $((budget - SECONDS - 5)) \
+      bash experiments/gpu/on_gpu.sh "$gpu" "$cores" "$name" \
       python3 -m pipeline fit --config experiments/configs/base.yaml --config experiments/configs/paper.yaml \
       --data.data_dir data/paper --data.max_seq_len 1024 --data.batch_size 512 --trainer.max_steps 300 \
       --trainer.limit_val_batches 0 --trainer.limit_test_batches 25 --model.ranker.attention "$att" \
@@ -36,10 +37,7 @@ for pair in ${PAIRS:-rowwise:sparse adamw:dense}; do
     [ "$n" = 1 ] && wait  # one GPU: the layouts one after the other
   done
   wait
-  for att in jagged sdpa; do
-    name=p$i-$opt-$grad-$att
-    cp -f "/tmp/repo-$name/mlflow.db" "$OUT/runs/$name.db" 2>/dev/null; rm -rf "/tmp/repo-$name" "${OUT:?}/$name"
-  done
+  for att in jagged sdpa; do rm -rf "/tmp/repo-p$i-$opt-$grad-$att" "${OUT:?}/p$i-$opt-$grad-$att"; done  # on_gpu's copies
   echo "pair $i $pair done at ${SECONDS}s" | tee -a "$log"
 done
 python3 - "$OUT/runs" "$GIT_COMMIT" > "$OUT/fit-pairs.md" <<'PY'
