@@ -2,8 +2,7 @@
 
 One autograd.Function for both over the custom ops ``jagged::jagged_dense_elementwise_add``,
 ``..._mul`` and ``..._backward``; Triton kernels in ``kernels._elementwise_triton``. A recorded
-backward (double backward) is the reference's, on either backend.
-"""
+backward (double backward) is the reference's, on either backend."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 The public function :func:`jagged_flash_attention` (its docstring is the spec) over one
 autograd.Function and the custom ops ``jagged::flash_attention_fwd``/``_bwd``; kernels in
 ``kernels._flash_attention_triton``, the torch path in ``kernels._attention_reference`` and
-``kernels._attention_cpu``. Double backward: torch backend only (Triton raises; docs/kernels.md).
-"""
+``kernels._attention_cpu``. Double backward: torch backend only (Triton raises; docs/kernels.md)."""
 
 from __future__ import annotations
 

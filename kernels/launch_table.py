@@ -4,8 +4,7 @@ A table is ``kernels/configs/<gpu-slug>.json`` (:func:`device_slug`), written by
 experiments costmodel export``: one entry per (kernel family, shape). :meth:`LaunchTable.lookup`
 returns the exact entry, else the nearest of its family (log2 shape features), else None;
 :func:`table_path` says which file is read (``$JFA_LAUNCH_TABLE``: off, or a path; unset: the CUDA
-device's). Format and matching: docs/kernels.md#launch-tables.
-"""
+device's). Format and matching: docs/kernels.md#launch-tables."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def build_optimizer(name: str, params: list[nn.Parameter], table: nn.Parameter, 
 def summed_rows(grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, gradients) of a sparse [V, D] `grad`, each row once with its repeats added up, at the
     size of its entries (coalesce reads the count on the host): the slots past the distinct rows
-    hold row 0 with a zero gradient."""
+    hold a zero gradient, each for a row of its own (slot mod V), so that an update's index_add_
+    does not pile their zeros onto one row's atomics."""
     rows, values = grad._indices()[0], grad._values().to(dtype)
     if grad.is_coalesced():
         return rows, values
@@ -56,7 +57,9 @@ def summed_rows(grad: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, t
     first = torch.ones_like(rows, dtype=torch.bool)
     first[1:] = rows[1:] != rows[:-1]
     slot = first.cumsum(0) - 1  # the distinct row each entry adds to
-    return (rows.new_zeros(rows.shape).index_add_(0, slot, rows * first),
+    spare = torch.arange(rows.numel(), device=rows.device)
+    distinct = rows.new_zeros(rows.shape).index_add_(0, slot, rows * first)
+    return (torch.where(spare < first.sum(), distinct, spare % grad.shape[0]),
             values.new_zeros(values.shape).index_add_(0, slot, values[order]))
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.optim import build_optimizer
+from pipeline.optim import build_optimizer, summed_rows
 
 V, D = 9, 4
 
@@ -159,3 +159,14 @@ def test_lazy_adam_takes_row_0_and_the_exchange_padding_of_a_sparse_gradient():
             tables.append(table.detach().clone())
         torch.testing.assert_close(tables[1], tables[0], rtol=1e-12, atol=1e-12)
         assert torch.equal(tables[1][0], _model()[1].detach()[0]) != real  # row 0 moved only when it was held
+
+
+def test_summed_rows_adds_repeats_and_spreads_its_padding_over_rows_of_their_own():
+    """Each distinct row once with its repeats added up; the slots past them carry zeros, each to its own row (slot
+    mod V), not all to row 0, where an update's index_add_ would pile up their atomics."""
+    idx = torch.tensor([5, 2, 5, 0, 2, 5, 8, 5])
+    vals = torch.arange(8 * D, dtype=torch.float32).reshape(8, D)
+    rows, g = summed_rows(torch.sparse_coo_tensor(idx[None], vals, (V, D)), torch.float64)
+    assert rows.tolist()[:4] == [0, 2, 5, 8] and rows.tolist()[4:] == [4 % V, 5 % V, 6 % V, 7 % V]
+    torch.testing.assert_close(g[:4], torch.stack([vals[idx == r].sum(0) for r in (0, 2, 5, 8)]).double())
+    assert g.dtype == torch.float64 and not g[4:].any()
