@@ -114,6 +114,8 @@ def target_rows(df: pl.DataFrame, spec: dict, mem: str) -> list[list[str]]:
     for t in spec.get("targets") or []:
         at = {a: str(v) for a, v in (t.get("at") or {}).items()}
         hits = [_where(df, **{ser: value}, **at) for value in (base, str(t["vs"]))]
+        if seeds:  # the seeds both series ran: a seed only one of them has would weigh on its mean alone
+            hits = [h.filter(h[seeds].is_in(hits[1 - i][seeds].to_list())) for i, h in enumerate(hits)]
         b, o = (_mean_row(hit) if seeds else hit.row(0, named=True) if hit.height else None for hit in hits)
         where = ", ".join(f"{a}={v}" for a, v in at.items())
         point = f"{where}: {base} vs {t['vs']}" if where else f"{base} vs {t['vs']}"
@@ -153,8 +155,8 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
         return []
     ser, base, seeds = spec.get("series"), spec.get("baseline"), spec.get("seeds")
     return ["", "## Targets", "", f"Each row compares {ser} `{base}` with another {ser} at one point of "
-            "the grid (same data, budget and seed)" + (f"; every number is the mean over the `{seeds}` axis "
-                                                      "(the runs of every seed must be OK)" if seeds else "") + ".",
+            "the grid (same data, budget and seed)" + (f"; every number is the mean over the `{seeds}` values "
+                                                      "both ran (the runs of every one must be OK)" if seeds else "") + ".",
             "", *table_lines(["point", "measured", "target", "result"], target_rows(df, spec, mem))]
 
 

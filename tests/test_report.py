@@ -183,7 +183,7 @@ def test_seeds_table_and_targets_on_seed_means():
     spec = {"series": "attention", "baseline": "jagged", "seeds": "seed_everything",
             "targets": [{"vs": "sdpa", "min_speedup": 2.0, "max_auc_diff": 0.0015}]}
     text = "\n".join(sections.targets_section(df, spec, "mem/train_peak_allocated_mb"))
-    assert "mean over the `seed_everything` axis" in text
+    assert "mean over the `seed_everything` values both ran" in text
     assert "| jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | PASS |" in text  # no `at`: the pair
     assert "test AUC absolute difference 0.0020 | <= 0.0015 | MISS |" in text
     failed = df.with_columns(status=pl.when(pl.col("test/auc") == 0.708).then(pl.lit("FAILED")).otherwise(pl.col("status")))
@@ -204,6 +204,11 @@ def test_a_removal_target_needs_its_drop_above_the_limit_and_beyond_2_std_of_the
     assert rows["full vs no_y"][1].startswith("test AUC drop 0.0037") and rows["full vs no_y"][3] == "MISS"  # under 0.005
     assert rows["full vs no_z"][1] == "test AUC drop 0.0113 (2 std of the 3 seeds' drops 0.0205)"
     assert rows["full vs no_z"][3] == "MISS"  # above the limit, not beyond the seeds' spread
+    more = pl.concat([df, pl.DataFrame({"variant": ["full"] * 3, "seed": ["3", "4", "5"], "status": ["OK"] * 3,
+                                        "test/auc": [0.650] * 3})])  # seeds the others lack: left out
+    spec["targets"] = [{"vs": "no_x", "max_auc_diff": 0.02, "min_auc_drop": 0.005}]
+    assert [r[1] for r in sections.target_rows(more, spec, "x")] == [
+        "test AUC absolute difference 0.0097", "test AUC drop 0.0097 (2 std of the 3 seeds' drops 0.0012)"]
 
 def test_convergence_section_judges_the_last_validation_interval():
     from types import SimpleNamespace

@@ -1,8 +1,7 @@
 """Result files (JSON, schema ``jagged-bench/1``) in; ``report.md``, ``report.json`` and the plots out.
 
 ``write_report(folder)`` keeps the newest row of each (kind, suite, shape, op, provider, mode)
-over the folder's files, so runs of different suites add up to one report.
-"""
+over the folder's files, so runs of different suites add up to one report."""
 
 from __future__ import annotations
 

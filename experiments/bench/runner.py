@@ -2,8 +2,7 @@
 
 Per provider: inputs in its own layout, one forward checked against the fp32 reference (a
 mismatch is FAILED, untimed), then each mode timed (fwd under no_grad; fwd_bwd with a fixed
-grad_out) and its peak memory. An OOM or error is the row's status, and the run goes on.
-"""
+grad_out) and its peak memory. An OOM or error is the row's status, and the run goes on."""
 
 from __future__ import annotations
 
