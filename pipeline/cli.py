@@ -32,6 +32,7 @@ from pipeline.data import RankerData
 from pipeline.dist import launch_rank_zero, world_size
 from pipeline.errors import ConfigError, check_writable
 from pipeline.module import RankerModule
+from pipeline.optim import TABLE_STATE
 from pipeline.signals import StopOnSignal, flush_and_exit
 from pipeline.resume import AtomicCheckpointIO, check_resume, checkpoint_run_id, load_checkpoint
 from pipeline.tracking import (MLflowRun, RunLogger, check_tracking, end_run, environment_tags, flatten, git_commit,
@@ -334,11 +335,6 @@ def check_padded_memory(cfg) -> None:
                           f"data.max_seq_len")
 
 
-# the optimizer's state of the item table: (floats per element, floats per row, floats per element of scratch in
-# its update of a dense gradient)
-_STATES = {"adamw": (2, 0, 0), "adagrad": (1, 0, 0), "sgd": (0, 0, 0), "rowwise": (0, 1, 0), "lazyadam": (2, 0, 2)}
-
-
 def _processes(cfg) -> tuple[int, int]:
     """(processes on this machine, processes in all) that trainer.devices and num_nodes ask for."""
     devices, gpu = cfg.trainer.devices, _on_gpu(cfg)
@@ -375,7 +371,7 @@ def check_table_memory(cfg, vocab: int | None, training: bool = True) -> None:
                           f"trainer.num_nodes): every process must hold one shard of one whole table")
     if vocab is None:
         return
-    (per_element, per_row, scratch), dim = _STATES.get(model.optimizer, (2, 0, 0)), model.ranker.embed_dim
+    (per_element, per_row, scratch), dim = TABLE_STATE.get(model.optimizer, (2, 0, 0)), model.ranker.embed_dim
     grad = model.embedding_grad != "sparse"  # a sparse gradient holds a step's rows, not the table's
     row = 4 * (dim * (1 + grad * (1 + scratch) + per_element) + per_row) if training else 4 * dim  # bytes a row
     rows = -(-vocab // shards) if sharded else vocab

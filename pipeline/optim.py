@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "sgd", "adagrad", "rowwise", "lazyadam")
+# each optimizer's state of the item table: (floats per element, floats per row, floats per element of scratch in its
+# update of a dense gradient), what the start-up memory check counts (pipeline.cli.check_table_memory)
+TABLE_STATE = {"adamw": (2, 0, 0), "sgd": (0, 0, 0), "adagrad": (1, 0, 0), "rowwise": (0, 1, 0), "lazyadam": (2, 0, 2)}
+OPTIMIZERS = tuple(TABLE_STATE)
 
 
 def param_groups(name: str, params: list[nn.Parameter], table: nn.Parameter, weight_decay: float,

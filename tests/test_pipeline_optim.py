@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.optim import build_optimizer, summed_rows
+from pipeline.optim import OPTIMIZERS, TABLE_STATE, build_optimizer, summed_rows
 
 V, D = 9, 4
 
@@ -170,3 +170,18 @@ def test_summed_rows_adds_repeats_and_spreads_its_padding_over_rows_of_their_own
     assert rows.tolist()[:4] == [0, 2, 5, 8] and rows.tolist()[4:] == [4 % V, 5 % V, 6 % V, 7 % V]
     torch.testing.assert_close(g[:4], torch.stack([vals[idx == r].sum(0) for r in (0, 2, 5, 8)]).double())
     assert g.dtype == torch.float64 and not g[4:].any()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_table_state_counts_the_state_each_optimizer_keeps_for_the_table(name):
+    """TABLE_STATE (what the start-up memory check counts) against the state a step leaves: floats per element
+    ([V, D] tensors) and per row ([V] tensors)."""
+    model, table = _model()
+    opt = build_optimizer(name, list(model.parameters()), table, lr=0.1, weight_decay=0.0, betas=(0.9, 0.98),
+                          fused=None)
+    table.grad = _grads(0)
+    opt.step()
+    state = [t for t in opt.state[table].values() if torch.is_tensor(t) and t.dim() > 0]
+    assert len(state) == sum(TABLE_STATE[name][:2])  # nothing else of the table's size
+    assert sum(t.shape == table.shape for t in state) == TABLE_STATE[name][0]
+    assert sum(t.shape == (V,) for t in state) == TABLE_STATE[name][1]
