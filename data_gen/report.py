@@ -150,9 +150,9 @@ def _term_lines(meta: dict[str, Any], blind: dict[str, float] | None = None) -> 
         return []
     keys = [k.split("_", 1)[1] for k in next(iter(views.values())) if k.startswith("alone_")]
     head = ["term (test split)"] + [f"last {k}" if k != "full" else "full" for k in keys]
-    lines = ["Oracle AUC of each planted term alone, of the planted logit without it, and with R's matches "
-             "weighed alike, what a read without positions reaches (docs/data.md: which ranker component each "
-             "term needs):", "",
+    lines = ["Oracle AUC of each planted term alone, of the planted logit without it" + (", and with R's matches "
+             "weighed alike, what a read without positions reaches" if blind else "") + " (docs/data.md: which "
+             "ranker component each term needs):", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for term, v in views.items():
         for how in ("alone", "without"):
