@@ -138,13 +138,13 @@ class Ablation:
         label = next(iter(point.labels.values())) if len(self.axes) == 1 else point.name
         return f"{self.points.index(point) + 1:0{len(str(len(self.points)))}d} {label}"
 
-    def config_hash(self, point: Point, digest: str | None) -> str:
+    def config_hash(self, point: Point, digest: str | None, code: str | None = None) -> str:
         """Same configs, overrides, data digest and code -> same hash (comments and order do not
-        count): a point is done only if it ran with this code (:func:`code_version`)."""
+        count): a point is done only if it ran with this code (:func:`code_version`, or `code`)."""
         configs = [yaml_of(p.read_text(), str(p)) or {} for p in self.configs]
         d = point.dataset  # data not made yet: its recipe stands in for its digest
         data = digest or {"dir": str(d.dir), "preset": d.preset, "seed": d.seed, "overrides": d.overrides}
-        blob = json.dumps({"configs": configs, "set": point.overrides, "data": data, "code": code_version()},
+        blob = json.dumps({"configs": configs, "set": point.overrides, "data": data, "code": code or code_version()},
                           sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -4,8 +4,7 @@
     python -m experiments ddp-bench --worlds 2 4 --out experiments/results    # a few minutes
 
 Writes OUT/ddp/cpu/ddp-bench.{md,json} (tables, crossovers) and two plots. What a step is, the points
-and what is measured (and the crossover it predicts): docs/experiments.md, "DDP measurements".
-"""
+and what is measured (and the crossover it predicts): docs/experiments.md, "DDP measurements"."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 and saving one that may be committed as a 256-colour PNG (no dithering) with its text chunks.
 
 Line plots on white use a few dozen colours, so the palette loses nothing visible and the file is
-about a third of matplotlib's full-colour PNG.
-"""
+about a third of matplotlib's full-colour PNG."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 lives to ours (PR_SET_PDEATHSIG on Linux), locks that children share, and GPU/core slots.
 
 A driver killed outright cannot stop its children itself: the kernel does it for us (see
-docs/experiments.md, "Sweeps").
-"""
+docs/experiments.md, "Sweeps")."""
 
 from __future__ import annotations
 

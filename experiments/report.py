@@ -5,8 +5,7 @@
 
 Writes ``<out>/ablations/<name>/<device>/``: report.md, report.json (what the summary reads),
 runs.csv and the plots, logged to the parent run with the comparison (metrics per point, ratios, the
-table as its description, a saved view of its runs). What each holds: docs/experiments.md.
-"""
+table as its description, a saved view of its runs). What each holds: docs/experiments.md."""
 
 from __future__ import annotations
 

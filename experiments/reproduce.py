@@ -4,8 +4,7 @@
     make reproduce RUN=<run id>
 
 Quality metrics must match exactly on CPU, within ``--rtol`` (5e-3) on CUDA (docs/experiments.md).
-Exit 0 when every compared metric matches, 1 when one does not, 2 for bad input.
-"""
+Exit 0 when every compared metric matches, 1 when one does not, 2 for bad input."""
 
 from __future__ import annotations
 

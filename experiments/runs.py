@@ -1,8 +1,7 @@
 """A sweep's runs in MLflow as one polars frame, and the tables made of them (markdown, text).
 
 What the sweep tags on the parent and child runs (``sweep.*``, ``status``) and how a report
-reads them: docs/experiments.md. mlflow and polars are imported by the functions that use them.
-"""
+reads them: docs/experiments.md. mlflow and polars are imported by the functions that use them."""
 
 from __future__ import annotations
 

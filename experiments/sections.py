@@ -3,8 +3,7 @@ baseline's ratios, targets, seeds, convergence, recovery, the oracle's AUC and t
 
     lines = targets_section(df, spec, "mem/train_peak_allocated_mb")   # markdown lines, [] if not asked
 
-polars frames in, markdown lines (and the rows report.json keeps) out; no MLflow.
-"""
+polars frames in, markdown lines (and the rows report.json keeps) out; no MLflow."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
     make experiment-seq_len [SWEEP_ARGS="--max-runs 3"]
 
 A rerun resumes (docs/experiments.md). Exit 0 when every point finished or is a recorded OOM, 1
-when some did not, 2 for a bad file, data set or tracking URI, or a sweep of it running already.
-"""
+when some did not, 2 for a bad file, data set or tracking URI, or a sweep of it running already."""
 
 from __future__ import annotations
 
@@ -158,6 +157,14 @@ class Sweep:
         statuses = {runs_.run_status(r) for r in previous}
         return "OK" if "OK" in statuses else "OOM" if "OOM" in statuses and not self.args.retry_oom else None
 
+    def point_hash(self, point: Point, digest: str | None, previous: dict[str, list[Run]]) -> tuple[str, str | None]:
+        """(config hash, done status): this code's, else an --accept-code version's that finished."""
+        h = self.abl.config_hash(point, digest)
+        done = self.done_status(previous.get(h, []))
+        accepted = (self.abl.config_hash(point, digest, c) for c in self.args.accept_code if digest and not done)
+        old = next((o for o in accepted if self.done_status(previous.get(o, [])) == "OK"), None)
+        return (old, "OK") if old else (h, done)
+
     # --- one point -----------------------------------------------------------------------
     def child_tags(self, point: Point, config_hash: str, slot: Slot | None = None) -> dict[str, str]:
         """sweep.parallel: how many runs shared this run's device at most (1: it had it alone)."""
@@ -259,8 +266,7 @@ class Sweep:
         invalid = self.invalid_points(points)
         for i, point in enumerate(points):
             digest = point.dataset.digest()
-            h = self.abl.config_hash(point, digest)
-            done = self.done_status(previous.get(h, []))
+            h, done = self.point_hash(point, digest, previous)
             data = str(point.dataset.dir) + ("" if digest else " (absent: generated first)")
             action = f"INVALID ({invalid[point.name]})" if point.name in invalid else f"skip ({done})" if done else "run"
             print(f"[{i + 1}] {point.name}: {action}; hash {h if digest else '(after generation)'}; data {data}")
@@ -321,8 +327,8 @@ class Sweep:
             print(f"{head}: FAILED before starting: {err}", file=sys.stderr)
             self.record(point, h, None, "FAILED", str(err), str(err), None)
             return "FAILED"
-        h = self.hashes[point.name] = self.abl.config_hash(point, digest)
-        done = self.done_status(self._previous.get(h, []))
+        h, done = self.point_hash(point, digest, self._previous)
+        self.hashes[point.name] = h
         if done:
             print(f"{head}: skipped, already {done} (hash {h})", flush=True)
             return done
@@ -346,7 +352,7 @@ class Sweep:
     def finish(self, parent_id: str, results: dict[str, str]) -> int:
         for point in self.abl.points:  # the whole grid, so that the report sees it whatever --where said
             if point.name not in self.hashes and point.dataset.digest() is not None:
-                self.hashes[point.name] = self.abl.config_hash(point, point.dataset.digest())
+                self.hashes[point.name] = self.point_hash(point, point.dataset.digest(), self._previous)[0]
         self.client.set_tag(parent_id, "sweep.hashes", json.dumps(sorted(set(self.hashes.values()))))
         header, rows = self.summary(parent_id)
         self.client.log_text(parent_id, runs_.markdown_table(header, rows) + "\n", "summary.md")
@@ -409,6 +415,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default: the file's timeout_s)")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="run N points at once on the same device")
     p.add_argument("--gpus", default=None, metavar="LIST", help="a run at once per entry (GPU): 0,1 or 0,0,1,1")
+    p.add_argument("--accept-code", action="append", default=[], metavar="VERSION",
+                   help="a point's finished run of this code version (its sweep.code_version) counts as done: for a "
+                        "library change off the training path, which must not rerun the grid")
     p.add_argument("--retry-oom", action="store_true", help="rerun points recorded as OOM")
     p.add_argument("--new", action="store_true", help="start a new parent run instead of resuming")
     args = p.parse_args(argv)

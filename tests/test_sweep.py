@@ -261,6 +261,27 @@ def test_a_point_its_earlier_runs_say_cannot_finish_by_end_s_is_not_started(smok
     assert {k: len(v) for k, v in after.items()} == {k: len(v) for k, v in before.items()}  # no run started
 
 
+def test_accept_code_counts_a_finished_run_of_that_code_version_as_done(smoke, tmp_path, monkeypatch, capsys):
+    """After a library change off the training path, --accept-code <the old version> keeps a point's
+    finished run (not rerun, and its hash is the one the parent gives the report); without it the
+    new code reruns the point. On a copy of the smoke sweep's store."""
+    from experiments import ablation as _sweep_spec
+
+    shutil.copy(smoke.uri.removeprefix("sqlite:///"), tmp_path / "mlflow.db")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    parent = the_parent(uri)
+    (earlier,) = children(uri, parent.info.run_id)["attention=jagged/max_seq_len=16"]
+    monkeypatch.setattr(_sweep_spec, "code_version", lambda: "a later version")
+    argv = [*smoke.argv, "--where", "max_seq_len=16"]
+    assert sweep.main([*argv, "--dry-run"]) == 0
+    assert "max_seq_len=16: run" in capsys.readouterr().out
+    assert sweep.main([*argv, "--accept-code", "another version", "--accept-code", earlier.data.tags["sweep.code_version"]]) == 0
+    assert "max_seq_len=16: skipped, already OK" in capsys.readouterr().out
+    assert earlier.data.tags["sweep.config_hash"] in json.loads(the_parent(uri).data.tags["sweep.hashes"])
+    assert len(children(uri, parent.info.run_id)["attention=jagged/max_seq_len=16"]) == 1
+
+
 @pytest.mark.slow
 def test_a_run_past_its_timeout_is_killed_and_recorded(smoke, tmp_path, monkeypatch, capsys):
     uri = f"sqlite:///{tmp_path}/mlflow.db"

@@ -3,8 +3,7 @@
     python -m experiments bench-s2 [--out experiments/results/kernels/<gpu>]       # GPU
 
 Rows: N 4096-16384, H 8, D 64, fill 0.5, S2 block 64, 4 local blocks, each stride; the ideal
-speedup counts the visible (query block, key block) pairs. Writes s2.md and s2.png.
-"""
+speedup counts the visible (query block, key block) pairs. Writes s2.md and s2.png."""
 
 from __future__ import annotations
 

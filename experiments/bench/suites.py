@@ -4,8 +4,7 @@ lengths and FLOP formulas.
 Lengths are uniform integers in [1, 2*density*N] clipped to N, from a generator seeded by the
 shape, so a shape gets the same lengths in every suite, run and provider. attention/paper is the
 peer table's shapes (the paper's headline first) then N 256-4096 x four densities at B*N = 2^20
-padded tokens; smoke is for the CPU.
-"""
+padded tokens; smoke is for the CPU."""
 
 from __future__ import annotations
 

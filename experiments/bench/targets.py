@@ -1,8 +1,7 @@
 """The kernel benchmark targets, checked on measured rows: PASS / MISS (or N/A, INCOMPLETE) with numbers.
 
 Never relaxed: "at least as fast" is speedup >= 1.0 exactly, and a shape where ours has no time
-but the peer has counts as a miss.
-"""
+but the peer has counts as a miss."""
 
 from __future__ import annotations
 

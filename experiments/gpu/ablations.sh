@@ -27,6 +27,8 @@
 # --gpus`: each run has its GPU alone and its share of the cores), the accuracy sweeps ACC_GPUS
 # (default: PARALLEL runs dealt over GPUS, e.g. 0,1,0,1). Datasets the parts declare are generated
 # first, once.
+# SWEEP_ARGS: more `experiments sweep` arguments for every part, e.g. "--accept-code <sweep.code_version>"
+# (finished runs of that code count as done: only after a library change off the training path).
 # Reports go to experiments/results/ablations/<name>/<gpu>/. Returns $OUT/ablations.log, $OUT/mlflow.db,
 # $OUT/results.tgz (experiments/results/).
 set -uo pipefail
@@ -68,7 +70,7 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
   # the files' own datasets on the GPU; --data (it replaces every file-level dataset) only for a check on other data
   local data=(); [ "$preset" != paper ] && data=(--data "data/$preset")
   timeout -k 90 "$t" python3 -m experiments sweep "experiments/ablations/$name.yaml" "${data[@]}" \
-    --deadline-s $((t - 60)) --end-s "$t" "$@" >> "$log" 2>&1
+    --deadline-s $((t - 60)) --end-s "$t" "$@" ${SWEEP_ARGS:-} >> "$log" 2>&1  # SWEEP_ARGS: words
   echo "$name sweep rc=$? at ${SECONDS}s" | tee -a "$log"
   timeout 45 python3 -m experiments report --parent "$name" --commit "$GIT_COMMIT" --out experiments/results \
     >> "$log" 2>&1

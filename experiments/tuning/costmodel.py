@@ -4,8 +4,7 @@
 
 Per family: a power law in the shape for the log of its best time plus a random forest on each
 config's log slowdown against it (``LogModel``), evaluated on whole shapes held out. Features and
-why a forest: docs/tuning.md, "Launch configs from a measured cost model: the method".
-"""
+why a forest: docs/tuning.md, "Launch configs from a measured cost model: the method"."""
 
 from __future__ import annotations
 

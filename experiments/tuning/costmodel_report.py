@@ -2,8 +2,7 @@
 
 Plots, each stamped with the sweep's GPU, versions and commits: predicted vs measured time on
 held-out shapes, the slowdown of each method's pick, the forests' feature importances, and
-energy vs time of every config of each family's first shape.
-"""
+energy vs time of every config of each family's first shape."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ A family is one launcher of kernels/_*_triton.py: those of ``kernels._launch_con
 and the elementwise ops' forward, whose launcher reads its module's dict (``MODULE_DICTS``).
 ``grid(family, level)`` gives the shapes, ``space`` the configs to time (hand rule's first),
 ``hand_config`` the launcher's own rule, ``make_case`` a call on fresh inputs and ``launching``
-puts a config in force. docs/tuning.md ("Launch configs from a measured cost model") says why.
-"""
+puts a config in force. docs/tuning.md ("Launch configs from a measured cost model") says why."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The launch table from a fitted cost model: an entry per swept shape and per shape of a denser grid.
 
 ``export(rows, models, out)`` writes kernels/configs/<gpu>.json (``python -m experiments costmodel
-export``); the switch rule (SWITCH_MEASURED, SWITCH_PREDICTED) and why: docs/tuning.md.
-"""
+export``); the switch rule (SWITCH_MEASURED, SWITCH_PREDICTED) and why: docs/tuning.md."""
 
 from __future__ import annotations
 
