@@ -3,8 +3,7 @@
 Every plot carries a subtitle (device, data, budget, commit: what the numbers depend on), marks
 the grid points without a number (OOM, FAILED, NOT RUN) on the x axis instead of leaving a line
 to end silently, draws the mean and the spread (error bars: min to max) over a seeds axis, and
-keeps its legend outside the data.
-"""
+keeps its legend outside the data."""
 
 from __future__ import annotations
 
@@ -147,21 +146,24 @@ def seed_spread_plot(df: pl.DataFrame, seeds: str, series: list[str], metric: st
     """One column per series: every seed's value as a dot, the mean as a bar from min to max;
     a series with a seed that has no number says so under its column."""
     fig, ax = plt.subplots(figsize=(8, 4.6))
-    groups = series_groups(df, series)
+    groups, counts = series_groups(df, series), []
     for i, (name, rows) in enumerate(groups.items()):
         vals = rows.filter((pl.col("status") == "OK") & pl.col(metric).is_not_null())[metric].to_list()
-        color = f"C{i}"
-        if vals:
+        color, first = f"C{i}", not any(counts)  # the first column with values labels the legend
+        counts.append(len(vals))
+        if vals:  # one legend for all columns (their names and counts are the ticks)
             spread = [len(vals) - 1 and (j / (len(vals) - 1) - 0.5) * 0.3 for j in range(len(vals))]
             ax.plot([i + d for d in spread], vals, "o", color=color, alpha=0.5, markersize=5,
-                    label=f"{name}: one dot per {seeds} ({len(vals)})")
+                    label=f"one dot per {seeds} (how many: beside the name)" if first else None)
             mean = sum(vals) / len(vals)
             ax.errorbar([i], [mean], yerr=[[mean - min(vals)], [max(vals) - mean]], marker="_", markersize=22,
-                        capsize=6, color=color, linestyle="none", label=f"{name}: mean, bar min to max")
+                        capsize=6, color=color, linestyle="none", label="mean, bar min to max" if first else None)
         bad = [s for s in rows["status"].to_list() if s != "OK"]
         if bad or not vals:
             _mark_missing(ax, [i], [bad[0] if bad else "NO METRIC"], color, name)
-    ax.set_xticks(range(len(groups)), list(groups))
+    tilt = len(groups) > 4 or sum(map(len, groups)) > 48  # long names would overlap
+    ax.set_xticks(range(len(groups)), [f"{name} ({n})" for name, n in zip(groups, counts)],
+                  rotation=30 if tilt else 0, ha="right" if tilt else "center", rotation_mode="anchor")
     ax.set_xlim(-0.6, len(groups) - 0.4)
     ax.set_xlabel("/".join(series) or "runs")
     zoomed(ax, ylabel, baseline)

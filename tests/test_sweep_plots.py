@@ -72,12 +72,12 @@ def test_seeds_as_x_draw_one_column_per_series_not_a_line_across_seeds(tmp_path,
                            tmp_path / "p.png", seeds="seed")
     assert path.is_file()
     ax = figs[-1].axes[0]
-    assert [t.get_text() for t in ax.get_xticklabels()] == ["jagged", "sdpa"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["jagged (3)", "sdpa (2)"]  # each column's seeds
     assert [t.get_text() for t in ax.texts] == ["KILLED"]  # sdpa's missing seed is said, under its column
-    means = {c.get_label().split(":")[0]: c.lines[0].get_ydata()[0] for c in ax.containers}
-    assert means == {"jagged": 2.0, "sdpa": 2.0}
-    dots = [ln for ln in ax.lines if ln.get_label().startswith("jagged: one dot")]
-    assert sorted(dots[0].get_ydata()) == [1.0, 2.0, 3.0]
+    assert [c.lines[0].get_ydata()[0] for c in ax.containers] == [2.0, 2.0]  # the means, in column order
+    assert sorted(ax.lines[0].get_ydata()) == [1.0, 2.0, 3.0]  # jagged's dots
+    _, labels = ax.get_legend_handles_labels()  # one entry per kind of mark (and per gap), not per column
+    assert labels == ["one dot per seed (how many: beside the name)", "sdpa: no number (KILLED)", "mean, bar min to max"]
 
 
 def test_a_categorical_axis_draws_points_not_a_line_between_categories(tmp_path, monkeypatch):
