@@ -239,16 +239,19 @@ def model_ablation_lines(found: dict[str, dict]) -> list[str]:
     name = next((n for n in ("order_peak", "world_order") if n in found), "model")
     if (doc := found.get(name)) is None:
         return ["No model ablation yet (`make experiment-world_order` on the GPU)."]
-    runs: dict[str, list[float]] = {}
+    runs: dict[str, list[tuple]] = {}  # variant -> (seed, test AUC) per run
     for r in _ok(doc):
-        runs.setdefault(r["variant"], []).append(r["test/auc"])
-    mean = {v: sum(a) / len(a) for v, a in runs.items()}
+        runs.setdefault(r["variant"], []).append((r.get("seed_everything"), r["test/auc"]))
+    mean = {v: sum(a for _, a in rs) / len(rs) for v, rs in runs.items()}
+    base = {seed: a for seed, a in runs.get("baseline", []) if seed is not None}
     lines = [f"From [{name}]({doc['path']}/report.md): each variant of the grid (its settings in the report) "
-             "at max_seq_len 256, the mean test AUC over its runs (seeds; their spread in the report).",
+             "at max_seq_len 256, the mean test AUC over its runs (seeds; their spread in the report), and "
+             "the mean of its difference to the baseline over the seeds both ran.",
              "", "| variant | runs | mean test AUC | against the baseline |", "|---|---:|---:|---:|"]
     for v, m in mean.items():
-        vs = "baseline" if v == "baseline" else fmt(_diff(m, mean.get("baseline")), "+.4f")
-        lines.append(f"| {v} | {len(runs[v])} | {m:.4f} | {vs} |")
+        paired = [a - base[seed] for seed, a in runs[v] if seed in base]
+        diff = sum(paired) / len(paired) if paired else _diff(m, mean.get("baseline"))
+        lines.append(f"| {v} | {len(runs[v])} | {m:.4f} | {'baseline' if v == 'baseline' else fmt(diff, '+.4f')} |")
     return lines
 
 

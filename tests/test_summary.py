@@ -182,6 +182,11 @@ def test_history_and_architecture_sections_read_their_reports(tmp_path):
     text = summary.build(tmp_path)  # the paper preset's world, over its seeds, in place of the model ablation
     assert "| baseline | 2 | 0.8100 | baseline |" in text and "| no_self_attention | 1 | 0.7800 | -0.0300 |" in text
     assert "layers_0" not in text
+    _report(tmp_path, "order_peak", [{"status": "OK", "variant": v, "seed_everything": seed, "test/auc": a}
+                                     for v, seed, a in (("baseline", "0", 0.80), ("baseline", "1", 0.84),
+                                                        ("sdpa", "0", 0.79), ("sdpa", "1", 0.83), ("dense", "1", 0.83))])
+    text = summary.build(tmp_path)  # each variant against the baseline's runs of the same seeds
+    assert "| sdpa | 2 | 0.8100 | -0.0100 |" in text and "| dense | 1 | 0.8300 | -0.0100 |" in text
 
 
 def test_the_points_column_counts_failed_runs_whatever_their_reason(tmp_path):
