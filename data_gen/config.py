@@ -119,6 +119,11 @@ TIMELINE_ONLY = ("users", "days", "impressions_per_day", "activity_shape")
 PER_EXAMPLE_ONLY = ("rows", "val_fraction", "test_fraction")
 
 
+# the order world (docs/data.md): frequent motifs decide most candidates, so self-attention pays, and R
+# reads mostly the last match (half-life 2 items), so target attention's positions pay
+ORDER_WORLD = dict(cand_current=0.1, cand_past=0.1, cand_reconsume=0.05, cand_motif=0.7, motif_rate=0.05,
+                   n_motifs=4, recent_halflife=2.0, w_recent=4.0)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # seconds on a laptop: the test suite's data
     "tiny": dict(rows=6_000, vocab_size=20_000, n_clusters=100, n_categories=32,
@@ -128,26 +133,23 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(rows=100_000, vocab_size=100_000, n_clusters=500, n_categories=128,
                   mean_len=128.0, max_len=2_048, rows_per_shard=16_384,
                   row_group_size=8_192),
-    # the GPU experiments: 1M train rows, mean length 256, lengths up to 4096; the order world:
-    # frequent motifs decide most candidates, so self-attention pays, and R reads mostly the last
-    # match (half-life 2 items), so target attention's positions pay (docs/data.md)
-    "paper": dict(rows=1_250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0,
-                  max_len=4_096, rows_per_shard=65_536, row_group_size=16_384, cand_current=0.1,
-                  cand_past=0.1, cand_reconsume=0.05, cand_motif=0.7, motif_rate=0.05, n_motifs=4,
-                  recent_halflife=2.0, w_recent=4.0),
-    # long histories (S2-attention's case): lengths up to 16384, expected mean 2150, and a
-    # long-range signal: re-consumption counts only items at least 2048 back, so the oracle
-    # AUC keeps rising from the last 1024 to 4096 to 16384 items (meta.json)
-    "long": dict(rows=250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=2_150.0,
+    # the GPU experiments: 1M train rows, mean length 256, lengths up to 4096; the order world
+    "paper": dict(ORDER_WORLD, rows=1_250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0,
+                  max_len=4_096, rows_per_shard=65_536, row_group_size=16_384),
+    # long histories (S2-attention's case) in the order world: lengths up to 16384, expected mean
+    # 2150, and a long-range signal: re-consumption (15% of the candidates, weight 4) counts only
+    # items at least 2048 back, so the oracle AUC keeps rising from the last 1024 to 4096 items
+    "long": dict(ORDER_WORLD, rows=250_000, vocab_size=1_000_000, n_clusters=2_000, mean_len=2_150.0,
                  max_len=16_384, far_start=2_048, oracle_ks=(0, 256, 1_024, 4_096, 16_384),
-                 rows_per_shard=16_384, row_group_size=4_096),
+                 rows_per_shard=16_384, row_group_size=4_096, cand_reconsume=0.15, cand_motif=0.6,
+                 w_item=4.0),
     # timeline mode for tests: the tiny world, 300 users over 7 days (about 2k impressions)
     "timeline_tiny": dict(vocab_size=20_000, n_clusters=100, n_categories=32,
                           mean_len=96.0, max_len=2_048,
                           n_dense=4, rows_per_shard=1_024, row_group_size=512, users=300,
                           days=7, impressions_per_day=1.0),
-    # timeline mode at the paper's scale: 40k users over 14 days, about 1.1M impressions
-    "timeline": dict(vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0, max_len=4_096,
+    # timeline mode at the paper's scale, the order world: 40k users over 14 days, about 1.1M impressions
+    "timeline": dict(ORDER_WORLD, vocab_size=1_000_000, n_clusters=2_000, mean_len=256.0, max_len=4_096,
                      rows_per_shard=65_536, row_group_size=16_384, users=40_000, days=14,
                      impressions_per_day=2.0),
 }

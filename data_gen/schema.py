@@ -9,8 +9,7 @@ END of each list. A timeline data set adds the impression's day and time (docs/d
     table = read_split("data/small", "train", columns=["hist_item", "label"])  # pyarrow.Table
 
 `read_split` validates every shard first and raises DataValidationError naming the file, the
-column and the first bad row.
-"""
+column and the first bad row."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Each user has one event stream (history.py's model, ending at the end of the las
 Poisson number of impressions over the days; an example is one impression, its history the
 events strictly before it, its candidate and label planted as in the per-example mode. Splits
 are days (schema.split_days). Work is cut into blocks of users, one shard per split each; the
-bytes depend on (config, seed) only. docs/data.md gives the details.
-"""
+bytes depend on (config, seed) only. docs/data.md gives the details."""
 
 from __future__ import annotations
 

@@ -248,3 +248,7 @@ def test_long_preset_has_long_histories_and_a_long_range_signal(tmp_path):
     assert meta["splits"]["train"]["length_stats"]["max"] <= 16_384
     # more of the history, more of the planted signal, past 1024 items
     assert oracle["auc_recent_1024"] + 0.02 < oracle["auc_recent_4096"] <= oracle["auc_recent_16384"] + 1e-3
+    # the long and timeline presets are the paper preset's order world (frequent motifs, R on the last match)
+    world = ("motif_rate", "n_motifs", "motif_window", "recent_halflife", "w_recent", "cand_current")
+    paper, timeline = resolve_config("paper", {}), resolve_config("timeline", {})
+    assert all(getattr(cfg, k) == getattr(paper, k) == getattr(timeline, k) for k in world)
