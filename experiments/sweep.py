@@ -351,8 +351,8 @@ class Sweep:
 
     def finish(self, parent_id: str, results: dict[str, str]) -> int:
         for point in self.abl.points:  # the whole grid, so that the report sees it whatever --where said
-            if point.name not in self.hashes and point.dataset.digest() is not None:
-                self.hashes[point.name] = self.point_hash(point, point.dataset.digest(), self._previous)[0]
+            if point.name not in self.hashes and (digest := point.dataset.digest()) is not None:
+                self.hashes[point.name] = self.point_hash(point, digest, self._previous)[0]
         self.client.set_tag(parent_id, "sweep.hashes", json.dumps(sorted(set(self.hashes.values()))))
         header, rows = self.summary(parent_id)
         self.client.log_text(parent_id, runs_.markdown_table(header, rows) + "\n", "summary.md")
