@@ -31,7 +31,7 @@ _TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "
              "report"}
 _REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds", "converged_within", "recovery",
                 "pareto"}
-_TARGET_KEYS = {"at", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff", "min_auc_drop"}
+_TARGET_KEYS = {"at", "base", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff", "min_auc_drop"}
 CODE_PACKAGES = ("data_gen", "kernels", "models", "pipeline")  # what a fit runs
 
 
@@ -336,8 +336,8 @@ def _check_recovery(path: Path, report: dict, points: list[Point]) -> None:
 
 
 def _check_targets(path: Path, report: dict, points: list) -> None:
-    """report.targets: [{at: {axis: label}, vs: <series label>, min_speedup, max_memory_ratio,
-    max_auc_diff, min_auc_drop}]: the baseline series against `vs` at one point of the other axes."""
+    """report.targets: [{at: {axis: label}, base: <series label>, vs: <series label>, min_speedup, max_memory_ratio,
+    max_auc_diff, min_auc_drop}]: `base` (default: the baseline series) against `vs` at one point of the other axes."""
     targets = report.get("targets") or []
     if targets and not (report.get("series") and report.get("baseline")):
         raise ConfigError(f"{path}: report.targets needs report.series and report.baseline")
@@ -345,9 +345,9 @@ def _check_targets(path: Path, report: dict, points: list) -> None:
         where = f"{path}: report.targets[{i}]"
         if not isinstance(t, dict) or set(t) - _TARGET_KEYS or "vs" not in t:
             raise ConfigError(f"{where} must be a mapping with `vs` and some of {sorted(_TARGET_KEYS - {'vs'})}")
-        at = {**(t.get("at") or {}), report["series"]: str(t["vs"])}
-        if not any(all(p.labels.get(a) == str(v) for a, v in at.items()) for p in points):
-            raise ConfigError(f"{where}: no point of the grid has {at}")
+        for at in ({**(t.get("at") or {}), report["series"]: str(t[k])} for k in ("vs", "base") if k in t):
+            if not any(all(p.labels.get(a) == str(v) for a, v in at.items()) for p in points):
+                raise ConfigError(f"{where}: no point of the grid has {at}")
 
 
 def cli_value(value: Any) -> str:

@@ -107,19 +107,19 @@ def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (
 
 
 def target_rows(df: pl.DataFrame, spec: dict, mem: str) -> list[list[str]]:
-    """report.targets judged: [point, measured, target, PASS | MISS | NOT MEASURED (why)] per check."""
+    """report.targets judged, `base` (default report.baseline) vs `vs`: [point, measured, target, verdict]."""
     ser, base, seeds = spec.get("series"), spec.get("baseline"), spec.get("seeds")
     rows = []
     for t in spec.get("targets") or []:
-        at = {a: str(v) for a, v in (t.get("at") or {}).items()}
-        hits = [_where(df, **{ser: value}, **at) for value in (base, str(t["vs"]))]
+        at, name = {a: str(v) for a, v in (t.get("at") or {}).items()}, str(t.get("base", base))
+        hits = [_where(df, **{ser: value}, **at) for value in (name, str(t["vs"]))]
         if seeds:  # the seeds both series ran: a seed only one of them has would weigh on its mean alone
             hits = [h.filter(h[seeds].is_in(hits[1 - i][seeds].to_list())) for i, h in enumerate(hits)]
         b, o = (_mean_row(hit) if seeds else hit.row(0, named=True) if hit.height else None for hit in hits)
         where = ", ".join(f"{a}={v}" for a, v in at.items())
-        point = f"{where}: {base} vs {t['vs']}" if where else f"{base} vs {t['vs']}"
+        point = f"{where}: {name} vs {t['vs']}" if where else f"{name} vs {t['vs']}"
         if b is None or o is None or b["status"] != "OK" or o["status"] != "OK":
-            status = "missing" if b is None or o is None else f"{base} {b['status']}, {t['vs']} {o['status']}"
+            status = "missing" if b is None or o is None else f"{name} {b['status']}, {t['vs']} {o['status']}"
             rows.append([point, "-", "-", f"NOT MEASURED ({status})"])
             continue
         diff = None if b.get("test/auc") is None or o.get("test/auc") is None else abs(b["test/auc"] - o["test/auc"])
@@ -153,9 +153,10 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
     if not spec.get("targets"):
         return []
     ser, base, seeds = spec.get("series"), spec.get("baseline"), spec.get("seeds")
-    return ["", "## Targets", "", f"Each row compares {ser} `{base}` with another {ser} at one point of "
-            "the grid (same data, budget and seed)" + (f"; every number is the mean over the `{seeds}` values "
-                                                      "both ran (the runs of every one must be OK)" if seeds else "") + ".",
+    return ["", "## Targets", "", f"Each row compares the first {ser} (`{base}` unless it names another) with "
+            f"another {ser} at one point of the grid (same data, budget and seed)" + (
+                f"; every number is the mean over the `{seeds}` values both ran (the runs of every one must be OK)"
+                if seeds else "") + ".",
             "", *table_lines(["point", "measured", "target", "result"], target_rows(df, spec, mem))]
 
 

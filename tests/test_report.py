@@ -209,6 +209,9 @@ def test_a_removal_target_needs_its_drop_above_the_limit_and_beyond_2_std_of_the
     spec["targets"] = [{"vs": "no_x", "max_auc_diff": 0.02, "min_auc_drop": 0.005}]
     assert [r[1] for r in sections.target_rows(more, spec, "x")] == [
         "test AUC absolute difference 0.0097", "test AUC drop 0.0097 (2 std of the 3 seeds' drops 0.0012)"]
+    spec["targets"] = [{"base": "no_y", "vs": "no_z", "min_auc_drop": 0.005}]  # a part's cost on another ranker
+    assert sections.target_rows(more, spec, "x") == [[  # drops 0.015 0.002 0.006: paired with no_y, not `full`
+        "no_y vs no_z", "test AUC drop 0.0077 (2 std of the 3 seeds' drops 0.0133)", ">= 0.005, beyond 2 std", "MISS"]]
 
 def test_convergence_section_judges_the_last_validation_interval():
     from types import SimpleNamespace

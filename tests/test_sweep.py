@@ -325,6 +325,7 @@ def test_parallel_must_be_positive(capsys):
 
 @pytest.mark.parametrize("targets, message", [
     ([{"vs": "sdpa", "at": {"max_seq_len": "999"}}], "no point of the grid has"),
+    ([{"base": "flash", "vs": "jagged"}], "no point of the grid has .*'flash'"),  # a row's own base must be a series
     ([{"at": {"max_seq_len": "16"}}], "must be a mapping with `vs`"),
     ([{"vs": "jagged", "min_speedup": 2, "typo": 1}], "must be a mapping with `vs`"),
 ])

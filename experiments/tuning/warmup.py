@@ -2,8 +2,7 @@
 
 ``warm_cache(warm_up_todo(order, done, level), device, args)``: every config still to be timed runs
 once over its shapes in args.compile_workers processes, for at most args.compile_budget_s; the
-timing pass then loads the kernels from the cache (compiling needs no quiet GPU).
-"""
+timing pass then loads the kernels from the cache (compiling needs no quiet GPU)."""
 
 from __future__ import annotations
 
