@@ -4,8 +4,7 @@
         --world-sizes 2 4 8 --out experiments/results/ddp/cpu/token-balance-paper.md
 
 Every global batch of one epoch split by :func:`pipeline.batches.balance_ranks` against W
-consecutive slices of rows; per batch the most tokens of a rank over the mean (docs/experiments.md).
-"""
+consecutive slices of rows; per batch the most tokens of a rank over the mean (docs/experiments.md)."""
 
 from __future__ import annotations
 

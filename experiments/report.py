@@ -136,19 +136,17 @@ def shared_device_note(df: pl.DataFrame) -> list[str]:
     return lines
 
 
-def oracle_of(client: MlflowClient, df: pl.DataFrame) -> dict | None:
-    """The test split's oracle figures from the meta.json logged by the first finished run."""
+def data_meta(client: MlflowClient, df: pl.DataFrame) -> dict:
+    """The data's meta.json as logged by the first finished run ({} without one)."""
     import mlflow
 
     for run_id in _where(df, status="OK")["run_id"].to_list():
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                path = client.download_artifacts(run_id, "data/meta.json", tmp)
+                return json.loads(Path(client.download_artifacts(run_id, "data/meta.json", tmp)).read_text())
             except mlflow.exceptions.MlflowException:
                 continue
-            test = json.loads(Path(path).read_text())["splits"]["test"]
-            return with_whole_window(test.get("oracle"), (test.get("length_stats") or {}).get("max"))
-    return None
+    return {}
 
 
 def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bool = True) -> Path:
@@ -202,7 +200,9 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     lines += targets_section(df, spec, mem)
     lines += recovery_section(df, x, spec, mem, out)
     lines += profile_section(out_root, spec.get("profile"))
-    oracle = oracle_of(client, df) if spec.get("oracle") else None
+    meta = data_meta(client, df)
+    test = (meta.get("splits") or {}).get("test") or {} if spec.get("oracle") else {}
+    oracle = with_whole_window(test.get("oracle"), (test.get("length_stats") or {}).get("max"))
     window = spec["oracle"] if type(spec.get("oracle")) is int else None  # oracle: K, every run's window K
     if oracle:
         lines += oracle_section(df, x, oracle, series, window)
@@ -214,6 +214,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     lines += ["", "## Plots", "", *(f"![{p.stem}]({p.name})" for p in made)]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     facts = {"targets": target_rows(df, spec, mem) if spec.get("targets") else [], "oracle": oracle,
+             "data": meta.get("config"),  # the generator's settings: experiments.summary compares them with the file's
              "converged": [sum(r[-1] != "rising" for r in converged), len(converged)] if converged else None}
     (out / "report.json").write_text(json.dumps(report_json(parent, df, names, commit, facts), indent=1) + "\n")
     df.write_csv(out / "runs.csv")

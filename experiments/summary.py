@@ -4,8 +4,7 @@
     make summary [RESULTS=experiments/results]      # runs/REPORT.md, or the committed one
 
 Reads committed JSON only (report.json, kernel benchmark results, profiles, reproductions); a
-missing source is said, never skipped; rewritten only when its content changes (docs/experiments.md).
-"""
+missing source is said, never skipped; rewritten only when its content changes (docs/experiments.md)."""
 
 from __future__ import annotations
 
@@ -79,15 +78,22 @@ def _spec(name: str) -> dict:
 
 
 def budget_state(name: str, doc: dict) -> str:
-    """'current', or 'stale: ...' when the report's budget differs from the file's `set` now."""
+    """'current', or 'stale: ...' when the report's budget differs from the file's `set` now, or its data's
+    generator settings (report.json `data`, the runs' meta.json config) from the file's dataset resolved now."""
     if doc.get("budget") is None:
         return "unknown (no budget)"
-    ran, now = doc["budget"], _spec(name).get("set") or {}
+    ran, now, ds = doc["budget"], _spec(name).get("set") or {}, _spec(name).get("dataset") or {}
     differ = [f"{k}: ran {ran.get(k)!r}, file {v!r}" for k, v in now.items() if json.dumps(ran.get(k)) != json.dumps(v)]
     words = shlex.split(doc.get("command") or "")
     given = {w.split("=", 1)[0] for before, w in zip(["", *words], words) if before == "--set"}  # the command's own
     given |= {w[len("--set="):].split("=", 1)[0] for w in words if w.startswith("--set=")}
     differ += [f"{k}: ran {v!r}, file: not set" for k, v in ran.items() if k not in now and k not in given]
+    if "preset" in ds and doc.get("data"):
+        from data_gen.config import resolve_config
+
+        world = resolve_config(ds["preset"], {k: v for k, v in ds.items() if k not in ("preset", "name", "seed")})
+        keys = [k for k, v in world.to_dict().items() if k in doc["data"] and json.dumps(doc["data"][k]) != json.dumps(v)]
+        differ += [f"data: {len(keys)} generator settings ({', '.join(keys[:4])}{', ...' * (len(keys) > 4)})"] * bool(keys)
     return "current" if not differ else "stale: " + "; ".join(differ)
 
 
@@ -117,8 +123,7 @@ def ablation_status(results: Path) -> list[dict]:
     for name in EXPECTED + BEYOND:
         doc = found.get(name)
         if doc is None:
-            if name not in BEYOND:
-                out.append({"name": name, "ran": False})
+            out += [{"name": name, "ran": False}] if name not in BEYOND else []
             continue
         statuses = Counter(str(r["status"]).split(":")[0] for r in doc.get("rows") or [])  # "FAILED: why": FAILED
         written, now = doc.get("targets") or [], current_targets(name, doc)
@@ -341,11 +346,11 @@ def build(results: Path) -> str:
     for a in abl:
         if not a["ran"]:
             continue
-        tag = ("" if a["budget"] == "current" else " (stale budget)") + (" (targets as the file states them now)"
+        tag = ("" if a["budget"] == "current" else " (stale)") + (" (targets as the file states them now)"
                                                                           if a["rejudged"] else "")
         out += [f"| [{a['name']}]({a['link']}){tag} | {r[0]}: {r[2]} | {r[1]} | {r[3]} |"
                 for r in a["targets"] if len(r) >= 4]
-    out += ["", "## The ablations", "", "| ablation | run on | commit | points | budget vs its file now |",
+    out += ["", "## The ablations", "", "| ablation | run on | commit | points | budget and data vs its file now |",
             "|---|---|---|---|---|"]
     for a in abl:
         if a["ran"]:

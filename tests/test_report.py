@@ -48,6 +48,8 @@ def test_report_files_and_artifacts(smoke, tmp_path, capsys):
     facts = json.loads((out / "report.json").read_text())  # what experiments.summary reads
     assert facts["name"] == "smoke" and facts["device"] == [tags["device"]] and facts["commit"] == [tags["git_commit"]]
     assert [r["status"] for r in facts["rows"]] == frame["status"].to_list() and facts["parent_run"] == parent.info.run_id
+    meta = MlflowClient(smoke.uri).download_artifacts(run.info.run_id, "data/meta.json", str(tmp_path))
+    assert facts["data"] == json.loads(open(meta).read())["config"]  # the generator's settings, for the summary
     logged = {f.path for f in MlflowClient(smoke.uri).list_artifacts(parent.info.run_id, "report")}
     assert {"report/report.md", "report/report.json", "report/runs.csv", "report/auc.png"} <= logged
     # by id as well as by name; an unknown parent is a clear error

@@ -91,13 +91,26 @@ def test_a_report_from_another_budget_is_marked_stale(tmp_path):
     current = _current("batch_size")
     text = summary.build(_results(tmp_path, {**current, "trainer.max_steps": 100}))
     assert "stale: trainer.max_steps: ran 100, file 300" in text
-    assert f"[batch_size]({LINK}) (stale budget)" in text
+    assert f"[batch_size]({LINK}) (stale)" in text
     # a key the file no longer sets is stale too, unless the sweep's command gave it with --set
     gone = {"budget": {**current, "trainer.limit_train_batches": 1000, "data.num_workers": 4}, "command": "x"}
     assert summary.budget_state("batch_size", gone) == ("stale: trainer.limit_train_batches: ran 1000, file: not set; "
                                                         "data.num_workers: ran 4, file: not set")
     given = {**gone, "command": "python -m experiments sweep x.yaml --set data.num_workers=4"}
     assert summary.budget_state("batch_size", given) == "stale: trainer.limit_train_batches: ran 1000, file: not set"
+
+
+def test_a_report_of_data_from_other_generator_settings_is_stale():
+    from data_gen.config import resolve_config
+
+    world = resolve_config("paper", {}).to_dict()  # batch_size.yaml's dataset: {preset: paper}
+    doc = {"budget": _current("batch_size"), "command": "x", "data": world}
+    assert summary.budget_state("batch_size", doc) == "current"
+    old = {**world, "cand_motif": 0.1, "w_item": 1.0}  # the paper preset's world before it changed
+    assert summary.budget_state("batch_size", {**doc, "data": old}) == "stale: data: 2 generator settings (cand_motif, w_item)"
+    old |= {"alpha": 0.5, "noise": 9.0, "bias": 3.0}
+    assert summary.budget_state("batch_size", {**doc, "data": old}) == ("stale: data: 5 generator settings (alpha, noise, "
+                                                                       "cand_motif, bias, ...)")
 
 
 def test_main_writes_the_file_only_when_it_changes_and_rejects_a_missing_folder(tmp_path, capsys):

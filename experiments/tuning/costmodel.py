@@ -331,9 +331,7 @@ def _json_safe(x):
         return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
     if isinstance(x, dict):
         return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
+    return [_json_safe(v) for v in x] if isinstance(x, (list, tuple)) else x
 
 
 def parse_args(argv=None) -> argparse.Namespace:

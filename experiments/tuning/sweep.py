@@ -4,8 +4,7 @@
         [--out runs/costmodel/sweep-<gpu>.parquet] [--compile-workers N] [--mlflow]
 
 Resumable and bounded (--deadline-s); experiments/gpu/costmodel.sh runs it on a GPU, and
-``TRITON_INTERPRET=1 ... --grid tiny --device cpu`` on the CPU. Columns: docs/tuning.md, "The sweep's rows".
-"""
+``TRITON_INTERPRET=1 ... --grid tiny --device cpu`` on the CPU. Columns: docs/tuning.md, "The sweep's rows"."""
 
 from __future__ import annotations
 
@@ -58,9 +57,7 @@ def _status(exc: BaseException) -> str:
     name = type(exc).__name__
     if name == "OutOfResources" or "out of resource" in str(exc).lower():
         return "out_of_resources"
-    if "Compilation" in name or "compil" in str(exc).lower()[:200]:
-        return "compile_error"
-    return "error"
+    return "compile_error" if "Compilation" in name or "compil" in str(exc).lower()[:200] else "error"
 
 
 def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device,
