@@ -10,11 +10,12 @@
 #   PARTS="seq_len sparsity" bash experiments/gpu/ablations.sh          # throughput: one run at a time
 #   PARTS="auc_parity history_value model profile reproduce" bash experiments/gpu/ablations.sh
 #   PARTS=world bash experiments/gpu/ablations.sh   # issue 42: each ranker part vs the data (3 seeds; run twice)
+#   PARTS="model+history_value" PARALLEL=3 bash experiments/gpu/ablations.sh   # side by side: 6 runs at once
 #
 # The accuracy parts may share the call with the GPU kernel tests (both are correctness only;
 # never with the benchmarks, whose timings need the GPU alone):
 #   PARTS=tests bash experiments/gpu/kernels.sh & PARTS="auc_parity history_value" bash experiments/gpu/ablations.sh; wait
-# Parts (NAME, or NAME@axis=label,...[@axis=label,...]: only those points): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), alure
+# Parts (NAME, or NAME@axis=label,...[@axis=label,...]: only those points; A+B: A and B side by side): batch_size, seq_len, sparsity, compile, smoke (throughput and memory: runs never share the GPU), alure
 # (the user encoder and its export, then the rankers with and without its embedding, each run alone on its GPU), s2 (dense vs
 # S2 attention on the `long` data, each run alone on its GPU), history_value,
 # model, auc_parity, world (accuracy: PARALLEL runs at once, default 4, 4 loader workers each; the report flags
@@ -75,7 +76,7 @@ sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget 
   timeout 45 python3 -m experiments report --parent "$name" --commit "$GIT_COMMIT" --out experiments/results \
     >> "$log" 2>&1
   echo "$name report rc=$? at ${SECONDS}s" | tee -a "$log"
-  save
+  [ -n "${GROUPED:-}" ] || save  # parts run side by side save once, when all have ended
 }
 
 par=${PARALLEL:-4}
@@ -85,10 +86,10 @@ if [ -n "${GPUS:-}" ]; then
   acc=${ACC_GPUS:-$(for ((i = 0; i < par; i++)); do printf '%s,' "${ids[i % ${#ids[@]}]}"; done)}
   through=(--gpus "$GPUS") accuracy=(--gpus "${acc%,}")
 fi
-for spec in $PARTS; do
+run_part() {
   # NAME@axis=label,label[@axis=label...] runs only those points (e.g. batch_size@batch_size=512,
   # auc_parity@seed_everything=0@attention=dense,jagged)
-  part=${spec%%@*}; where=()
+  local spec=$1 part=${1%%@*} where=() conds c
   IFS=@ read -ra conds <<< "${spec#"$part"}"
   for c in "${conds[@]}"; do [ -n "$c" ] && where+=(--where "$c"); done
   case $part in
@@ -157,6 +158,13 @@ print(runs[0].info.run_id if runs else '')" "$filter")
       fi ;;
     *) echo "unknown part $part" | tee -a "$log" ;;
   esac
+}
+for spec in $PARTS; do
+  if [[ $spec != *+* ]]; then run_part "$spec"; continue; fi
+  # A+B: the accuracy parts A and B side by side, PARALLEL runs each, so that no run slot idles while
+  # one sweep finishes its last points (they share mlflow.db; their lines interleave in the log)
+  for sub in ${spec//+/ }; do GROUPED=1 run_part "$sub" & sleep 5; done
+  wait; save
 done
 python3 -m experiments summary --results experiments/results >> "$log" 2>&1  # experiments/results/REPORT.md over what is there now
 save
