@@ -17,7 +17,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from data_gen.config import resolve_config
 from experiments import parser
+from experiments.ablation import read
 from experiments.bench.report import read_json
 from experiments.runs import fmt
 from pipeline.errors import command
@@ -72,8 +74,6 @@ def reports(results: Path) -> dict[str, dict]:
 
 
 def _spec(name: str) -> dict:
-    from experiments.ablation import read
-
     return read(ABLATIONS / f"{name}.yaml")
 
 
@@ -89,8 +89,6 @@ def budget_state(name: str, doc: dict) -> str:
     given |= {w[len("--set="):].split("=", 1)[0] for w in words if w.startswith("--set=")}
     differ += [f"{k}: ran {v!r}, file: not set" for k, v in ran.items() if k not in now and k not in given]
     if "preset" in ds and doc.get("data"):
-        from data_gen.config import resolve_config
-
         world = resolve_config(ds["preset"], {k: v for k, v in ds.items() if k not in ("preset", "name", "seed")})
         keys = [k for k, v in world.to_dict().items() if k in doc["data"] and json.dumps(doc["data"][k]) != json.dumps(v)]
         differ += [f"data: {len(keys)} generator settings ({', '.join(keys[:4])}{', ...' * (len(keys) > 4)})"] * bool(keys)
@@ -209,10 +207,12 @@ def history_lines(found: dict[str, dict]) -> list[str]:
     doc = found.get("history_value") or {}
     if not doc.get("oracle"):
         return ["No history_value results with the oracle's curve yet (`make experiment-history_value` on the GPU)."]
-    num = [(int(r["max_seq_len"]), r.get("test/auc"), oracle_at(doc["oracle"], r["max_seq_len"]))
-           for r in doc["rows"] if str(r["max_seq_len"]).isdigit()]
-    lines = [f"From [history_value]({doc['path']}/report.md): the jagged ranker trained at each max_seq_len (one "
-             "run each), beside the planted model's own AUC from the last k items (meta.json).", "",
+    aucs: dict[int, list[float]] = {}  # max_seq_len -> the test AUC of each finished seed
+    for r in (r for r in doc["rows"] if str(r["max_seq_len"]).isdigit()):
+        aucs.setdefault(int(r["max_seq_len"]), []).extend([r["test/auc"]] * (r.get("test/auc") is not None))
+    num = [(k, statistics.fmean(a) if a else None, oracle_at(doc["oracle"], k)) for k, a in aucs.items()]
+    lines = [f"From [history_value]({doc['path']}/report.md): the jagged ranker trained at each max_seq_len (the "
+             "mean over its seeds), beside the planted model's own AUC from the last k items (meta.json).", "",
              "| max_seq_len | model test AUC | gain over the shorter | oracle AUC, last k items | oracle gain |",
              "|---:|---:|---:|---:|---:|"]
     for i, (k, m, o) in enumerate(num):
