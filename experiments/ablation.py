@@ -89,19 +89,23 @@ class Dataset:
             raise ConfigError(f"{self.meta_path} has no digest")
         return digest
 
-    def _check_matches(self) -> None:
+    def changed(self, have: dict[str, Any]) -> dict[str, Any]:
+        """The generator settings (config order) of the recipe resolved now that `have`, a meta.json config, differs in."""
         from data_gen.config import ConfigError as DataConfigError, resolve_config
 
         try:
             want = resolve_config(self.preset, self.overrides).to_dict()
         except DataConfigError as err:
             raise ConfigError(f"dataset {self.dir}: {err}") from None
+        return {k: v for k, v in want.items() if k in have and json.dumps(have[k]) != json.dumps(v)}
+
+    def _check_matches(self) -> None:
         meta = json.loads(self.meta_path.read_text())
         have = meta.get("config", {})
-        diff = sorted(k for k, v in want.items() if k in have and json.dumps(have[k]) != json.dumps(v))
+        diff = dict(sorted(self.changed(have).items()))
         seed_diff = self.seed is not None and meta.get("seed") != self.seed
         if diff or seed_diff:
-            what = ", ".join(f"{k}={have[k]!r} (want {want[k]!r})" for k in diff) or f"seed={meta.get('seed')}"
+            what = ", ".join(f"{k}={have[k]!r} (want {v!r})" for k, v in diff.items()) or f"seed={meta.get('seed')}"
             raise ConfigError(f"{self.dir} exists but was generated with other settings: {what}; "
                               f"delete it or give the dataset another name")
 
@@ -149,7 +153,7 @@ class Ablation:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _dataset(spec: Any, data_root: Path, where: str) -> Dataset:
+def dataset_from(spec: Any, data_root: Path, where: str) -> Dataset:
     if not isinstance(spec, dict):
         raise ConfigError(f"{where}: a dataset is a mapping ({{dir: PATH}} or {{preset: P, ...}}), got {spec!r}")
     spec = dict(spec)
@@ -264,7 +268,7 @@ def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | Non
         raise ConfigError(f"{path}: config files not found: {', '.join(missing)}")
     default = Dataset(dir=Path(data_dir).resolve()) if data_dir else None
     if default is None:
-        default = _dataset(raw["dataset"], data_root, "dataset") if "dataset" in raw else \
+        default = dataset_from(raw["dataset"], data_root, "dataset") if "dataset" in raw else \
             Dataset(dir=(REPO_ROOT / "data" / "small").resolve(), preset="small")
     report = dict(raw.get("report") or {})
     if set(report) - _REPORT_KEYS:
@@ -281,7 +285,7 @@ def expand(raw: dict[str, Any], path: Path, data_root: Path, data_dir: str | Non
             labels[axis] = label
             point_over = dict(point_over)
             if "dataset" in point_over:
-                dataset = _dataset(point_over.pop("dataset"), data_root, f"grid.{axis}.{label}.dataset")
+                dataset = dataset_from(point_over.pop("dataset"), data_root, f"grid.{axis}.{label}.dataset")
             over.update(point_over)
         over.update(extra_set or {})  # --set wins over the file
         if "data.data_dir" in over:

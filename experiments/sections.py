@@ -153,10 +153,9 @@ def targets_section(df: pl.DataFrame, spec: dict, mem: str) -> list[str]:
     if not spec.get("targets"):
         return []
     ser, base, seeds = spec.get("series"), spec.get("baseline"), spec.get("seeds")
+    mean = f"; every number is the mean over the `{seeds}` values both ran (the runs of every one must be OK)"
     return ["", "## Targets", "", f"Each row compares the first {ser} (`{base}` unless it names another) with "
-            f"another {ser} at one point of the grid (same data, budget and seed)" + (
-                f"; every number is the mean over the `{seeds}` values both ran (the runs of every one must be OK)"
-                if seeds else "") + ".",
+            f"another {ser} at one point of the grid (same data, budget and seed){mean if seeds else ''}.",
             "", *table_lines(["point", "measured", "target", "result"], target_rows(df, spec, mem))]
 
 

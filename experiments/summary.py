@@ -17,9 +17,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from data_gen.config import resolve_config
 from experiments import parser
-from experiments.ablation import read
+from experiments.ablation import dataset_from, read
 from experiments.bench.report import read_json
 from experiments.runs import fmt
 from pipeline.errors import command
@@ -73,25 +72,21 @@ def reports(results: Path) -> dict[str, dict]:
     return found
 
 
-def _spec(name: str) -> dict:
-    return read(ABLATIONS / f"{name}.yaml")
-
-
 def budget_state(name: str, doc: dict) -> str:
     """'current', or 'stale: ...' when the report's budget differs from the file's `set` now, or its data's
     generator settings (report.json `data`, the runs' meta.json config) from the file's dataset resolved now."""
     if doc.get("budget") is None:
         return "unknown (no budget)"
-    ran, now, ds = doc["budget"], _spec(name).get("set") or {}, _spec(name).get("dataset") or {}
+    ran, spec = doc["budget"], read(ABLATIONS / f"{name}.yaml")
+    now, ds = spec.get("set") or {}, spec.get("dataset") or {}
     differ = [f"{k}: ran {ran.get(k)!r}, file {v!r}" for k, v in now.items() if json.dumps(ran.get(k)) != json.dumps(v)]
     words = shlex.split(doc.get("command") or "")
     given = {w.split("=", 1)[0] for before, w in zip(["", *words], words) if before == "--set"}  # the command's own
     given |= {w[len("--set="):].split("=", 1)[0] for w in words if w.startswith("--set=")}
     differ += [f"{k}: ran {v!r}, file: not set" for k, v in ran.items() if k not in now and k not in given]
     if "preset" in ds and doc.get("data"):
-        world = resolve_config(ds["preset"], {k: v for k, v in ds.items() if k not in ("preset", "name", "seed")})
-        keys = [k for k, v in world.to_dict().items() if k in doc["data"] and json.dumps(doc["data"][k]) != json.dumps(v)]
-        differ += [f"data: {len(keys)} generator settings ({', '.join(keys[:4])}{', ...' * (len(keys) > 4)})"] * bool(keys)
+        if keys := list(dataset_from(ds, REPO_ROOT / "data", f"{name}: dataset").changed(doc["data"])):
+            differ.append(f"data: {len(keys)} generator settings ({', '.join(keys[:4])}{', ...' * (len(keys) > 4)})")
     return "current" if not differ else "stale: " + "; ".join(differ)
 
 
@@ -104,10 +99,11 @@ def current_targets(name: str, doc: dict) -> list[list[str]] | None:
     from experiments.runs import memory_metric
     from experiments.sections import target_rows
 
-    rep = _spec(name).get("report") or {}
+    spec = read(ABLATIONS / f"{name}.yaml")
+    rep = spec.get("report") or {}
     if not rep.get("targets"):
         return []
-    labels = {str(k).split(".")[-1] for k in _spec(name).get("grid") or {}} | {"status"}  # grid labels are text
+    labels = {str(k).split(".")[-1] for k in spec.get("grid") or {}} | {"status"}  # grid labels are text
     try:
         df = pl.DataFrame(doc.get("rows") or [], infer_schema_length=None)
         df = df.with_columns(pl.col(c).cast(pl.Utf8) for c in df.columns if c in labels)
@@ -121,7 +117,8 @@ def ablation_status(results: Path) -> list[dict]:
     for name in EXPECTED + BEYOND:
         doc = found.get(name)
         if doc is None:
-            out += [{"name": name, "ran": False}] if name not in BEYOND else []
+            if name not in BEYOND:
+                out.append({"name": name, "ran": False})
             continue
         statuses = Counter(str(r["status"]).split(":")[0] for r in doc.get("rows") or [])  # "FAILED: why": FAILED
         written, now = doc.get("targets") or [], current_targets(name, doc)
@@ -207,10 +204,10 @@ def history_lines(found: dict[str, dict]) -> list[str]:
     doc = found.get("history_value") or {}
     if not doc.get("oracle"):
         return ["No history_value results with the oracle's curve yet (`make experiment-history_value` on the GPU)."]
-    aucs: dict[int, list[float]] = {}  # max_seq_len -> the test AUC of each finished seed
-    for r in (r for r in doc["rows"] if str(r["max_seq_len"]).isdigit()):
-        aucs.setdefault(int(r["max_seq_len"]), []).extend([r["test/auc"]] * (r.get("test/auc") is not None))
-    num = [(k, statistics.fmean(a) if a else None, oracle_at(doc["oracle"], k)) for k, a in aucs.items()]
+    rows = [r for r in doc["rows"] if str(r["max_seq_len"]).isdigit()]
+    aucs = {k: [r["test/auc"] for r in rows if r["max_seq_len"] == k and r.get("test/auc") is not None]
+            for k in dict.fromkeys(r["max_seq_len"] for r in rows)}  # max_seq_len -> each finished seed's test AUC
+    num = [(int(k), statistics.fmean(a) if a else None, oracle_at(doc["oracle"], k)) for k, a in aucs.items()]
     lines = [f"From [history_value]({doc['path']}/report.md): the jagged ranker trained at each max_seq_len (the "
              "mean over its seeds), beside the planted model's own AUC from the last k items (meta.json).", "",
              "| max_seq_len | model test AUC | gain over the shorter | oracle AUC, last k items | oracle gain |",
