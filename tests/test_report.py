@@ -99,10 +99,11 @@ def test_the_plot_budget_names_the_early_stopping_of_the_files_configs():
 
     def parent(file: str, overrides: dict | None = None):
         return SimpleNamespace(data=SimpleNamespace(tags={"sweep.file": file, "sweep.set": json.dumps(overrides or {})}))
-    assert report.early_stopping_words(parent("experiments/ablations/auc_parity.yaml")) == \
+    assert report.early_stopping_words(parent("experiments/ablations/history_value.yaml")) == \
         "until val/auc stops rising (at most 3 epochs)"  # converge.yaml
-    assert report.early_stopping_words(parent("experiments/ablations/auc_parity.yaml", {"trainer.max_epochs": 5})) == \
+    assert report.early_stopping_words(parent("experiments/ablations/history_value.yaml", {"trainer.max_epochs": 5})) == \
         "until val/auc stops rising (at most 5 epochs)"
+    assert report.early_stopping_words(parent("experiments/ablations/auc_parity.yaml")) == ""  # equal_steps.yaml: no stop
     assert report.early_stopping_words(parent("experiments/ablations/seq_len.yaml")) == ""  # a fixed step budget
     assert report.early_stopping_words(parent("experiments/ablations/gone.yaml")) == ""
 

@@ -125,14 +125,19 @@ def test_shipped_ablations_expand():
     assert {p.dataset.overrides["mean_len"] for p in parity.points} == {256}
     assert sorted({p.overrides["seed_everything"] for p in parity.points}) == [0, 1, 2]
     # the accuracy ablations train until converged: early stopping on val/auc, the peak's weights tested
-    for name in ("auc_parity", "history_value", "model", "alure"):
+    for name in ("history_value", "model", "alure"):
         assert load(ABLATIONS / f"{name}.yaml", Path("/d")).configs[-1].name == "converge.yaml", name
+    # the parity trains every layout the same steps: converge.yaml's cap and checkpoint, its stop dropped
+    assert [c.name for c in parity.configs][-2:] == ["converge.yaml", "equal_steps.yaml"]
+    equal = yaml.safe_load((REPO / "experiments" / "configs" / "equal_steps.yaml").read_text())["trainer"]
+    assert set(equal) == {"callbacks"} and not any("EarlyStopping" in c["class_path"] for c in equal["callbacks"])
     converge = yaml.safe_load((REPO / "experiments" / "configs" / "converge.yaml").read_text())
     stop, bar = converge["trainer"]["callbacks"]
     assert stop["class_path"].endswith("EarlyStopping") and stop["init_args"]["monitor"] == "val/auc"
     # the list replaces paper.yaml's: its sync-sparing progress bar must be in it again
     paper = yaml.safe_load((REPO / "experiments" / "configs" / "paper.yaml").read_text())["trainer"]["callbacks"]
     assert all(c in converge["trainer"]["callbacks"] for c in paper), (paper, converge["trainer"]["callbacks"])
+    assert all(c in equal["callbacks"] for c in paper), (paper, equal["callbacks"])
     assert converge["checkpoint"]["monitor"] == "val/auc" and converge["checkpoint"]["save_top_k"] == 1
     model = load(ABLATIONS / "model.yaml", REPO / "data")
     by = {p.labels["variant"]: p.overrides for p in model.points}

@@ -30,6 +30,8 @@
 # first, once.
 # SWEEP_ARGS: more `experiments sweep` arguments for every part, e.g. "--accept-code <sweep.code_version>"
 # (finished runs of that code count as done: only after a library change off the training path).
+# REPORT_RESERVE_S (default 75): the seconds a sweep leaves at the end of the budget for its report and the save;
+# 30 gives one long run (auc_parity's dense) the call, its report then written from the returned mlflow.db.
 # Reports go to experiments/results/ablations/<name>/<gpu>/. Returns $OUT/ablations.log, $OUT/mlflow.db,
 # $OUT/results.tgz (experiments/results/).
 set -uo pipefail
@@ -63,9 +65,9 @@ for part in {p.split("@")[0] for p in sys.argv[2:]}:
 PY
 echo "datasets rc=$? at ${SECONDS}s" | tee -a "$log"
 
-sweep() {  # sweep NAME [extra sweep args...]: run until 75 s before the budget ends, then report
+sweep() {  # sweep NAME [extra sweep args...]: run until REPORT_RESERVE_S (75) before the budget ends, then report
   local name=$1; shift
-  local t=$(( $(left) - 75 ))
+  local t=$(( $(left) - ${REPORT_RESERVE_S:-75} ))  # 30: a long run's last minute, the report written elsewhere
   if [ "$t" -lt 60 ]; then echo "$name: not started, ${t}s left" | tee -a "$log"; return; fi
   # on SIGTERM the sweep stops the run in flight (recorded KILLED, resumed by the next call)
   # the files' own datasets on the GPU; --data (it replaces every file-level dataset) only for a check on other data
