@@ -27,8 +27,7 @@ from pipeline.runenv import REPO_ROOT, files_digest
 
 CONFIGS = REPO_ROOT / "experiments" / "configs"
 DEFAULT_EXPERIMENT = "ablations"
-_TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "exclude",
-             "report"}
+_TOP_KEYS = {"name", "description", "experiment", "configs", "dataset", "set", "timeout_s", "grid", "exclude", "report"}
 _REPORT_KEYS = {"x", "series", "baseline", "oracle", "targets", "profile", "seeds", "converged_within", "recovery",
                 "pareto"}
 _TARGET_KEYS = {"at", "base", "vs", "min_speedup", "max_memory_ratio", "max_auc_diff", "min_auc_drop"}

@@ -215,8 +215,7 @@ def oracle_lines(ax, oracle: dict) -> None:
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The (speed, quality) points that no other point beats on both (higher is better on both),
-    fastest first."""
+    """The (speed, quality) points that no other point beats on both (higher is better on both), fastest first."""
     front, best = [], float("-inf")
     for speed, quality in sorted(points, key=lambda p: (-p[0], -p[1])):
         if quality > best:

@@ -75,8 +75,7 @@ def header_lines(parent: Run, df: pl.DataFrame, commit: str | None, stop: str = 
         f"- git commit: {commits}",
         f"- data digest: {data or '-'}",
         f"- budget and overrides of every run: `{tags.get('sweep.set', '{}')}`",
-        *([f"- every run trains {stop}: the EarlyStopping callback of the ablation file's configs"]
-          if stop else []),
+        *([f"- every run trains {stop}: the EarlyStopping callback of the ablation file's configs"] if stop else []),
         f"- written {dt.datetime.now().astimezone().isoformat(timespec='seconds')} by "
         f"`{by or f'python -m experiments report --parent {name}'}`",
         "",
@@ -205,7 +204,7 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     oracle = with_whole_window(test.get("oracle"), (test.get("length_stats") or {}).get("max"))
     window = spec["oracle"] if type(spec.get("oracle")) is int else None  # oracle: K, every run's window K
     if oracle:
-        lines += oracle_section(df, x, oracle, series, window)
+        lines += oracle_section(df, x, oracle, series, window, test.get("oracle_terms"))
     made.append(plots.line_plot(df, x, order, series, "test/auc", "test AUC", "Test AUC", out / "auc.png",
                                 oracle=oracle if window is None else None, subtitle=sub, seeds=seeds, baseline=0.5))
     if spec.get("pareto"):
@@ -310,8 +309,7 @@ def html_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def log_comparison(client: MlflowClient, parent: Run, df: pl.DataFrame, axes: list[str], series: str | None,
-                   ratios: dict, ratio_axes: list[str], table: tuple[list[str], list[list[str]]],
-                   title: str) -> str:
+                   ratios: dict, ratio_axes: list[str], table: tuple[list[str], list[list[str]]], title: str) -> str:
     """Put the comparison on the parent run (see the module docstring) and a view of its runs (their
     headline metrics, the parent's ratios); returns the view's link."""
     from mlflow.entities import Metric

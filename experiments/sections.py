@@ -85,9 +85,11 @@ def oracle_at(oracle: dict, k) -> float | None:
     return oracle.get("auc") if value is None and _holds_longest(oracle, k) else value
 
 
-def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (), window: int | None = None) -> list[str]:
-    """Each run's test AUC beside the oracle's from the last `window` items (None: the run's x) and
-    the share of the gap between the oracle with no history and that one which the run closes."""
+def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (), window: int | None = None,
+                   terms: dict | None = None) -> list[str]:
+    """Each run's test AUC beside the oracle's from the last `window` items (None: the run's x), the share of
+    the gap from the oracle with no history to that one which the run closes, and `terms` (meta.json's
+    oracle_terms) at those windows: each planted term's AUC alone and the logit's without it."""
     none = oracle.get("auc_recent_0")
     rows = []
     for row in df.iter_rows(named=True):
@@ -103,6 +105,14 @@ def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (
         longest = oracle["longest_history"]
         lines += ["", f"The longest test history has {longest} items: from the last {longest} or more, the "
                   "oracle sees every item, and its AUC is the full history's."]
+    def term_at(t: dict, kind: str, k: str) -> float | None:  # from the last k items, or all where k holds them all
+        return t.get(f"{kind}_{k}", t.get(f"{kind}_full") if _holds_longest(oracle, k) else None)
+    if ks := [k for k in dict.fromkeys(str(v) for v in ([window] if window else df[x].to_list()))
+              if any(term_at(t, "alone", k) is not None for t in (terms or {}).values())]:
+        head = [(kind, k) for kind in ("alone", "without") for k in ks]
+        rows = [[term, *(fmt(term_at(t, kind, k), ".4f") for kind, k in head)] for term, t in terms.items()]
+        lines += ["", f"Each planted term's oracle AUC from the last {window or x} items: the term alone, and the "
+                  "planted logit without it (meta.json).", "", *table_lines(["term", *map(" ".join, head)], rows)]
     return lines
 
 

@@ -34,8 +34,7 @@ PAPER_CLAIMS = [  # (level, claim, how ours is measured, where)
     ("kernel", "3x faster and 53% less memory than dense flash attention",
      "jagged flash attention vs padded SDPA (`sdpa_padded_mask`), headline shape", "kernels"),
     ("model", "+10% QPS and -18% memory in production",
-     "training examples/s and peak GPU memory of the jagged ranker vs the padded-SDPA ranker in `fit`",
-     "batch_size"),
+     "training examples/s and peak GPU memory of the jagged ranker vs the padded-SDPA ranker in `fit`", "batch_size"),
 ]
 STRONGEST_PEER_MIN_SPEEDUP = 2.5  # the jagged-vs-sdpa target, here against sdpa's fastest step
 

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 
 from experiments import parser
 from experiments import runs as runs_
-from experiments.ablation import (Ablation, Point, cli_value, code_version, fit_args_error, load, parse_set,
-                                 split_set)
+from experiments.ablation import (Ablation, Point, cli_value, code_version, fit_args_error, load, parse_set, split_set)
 from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
                               lock_path, safe_name, sqlite_file, stream)
 from experiments.report import write_table
@@ -187,8 +186,7 @@ class Sweep:
         """Tag the child with its outcome (`log`: its whole output); a run that never started gets a
         record of its own."""
         if child is None:
-            child = self.client.create_run(
-                self.experiment_id, run_name=self.abl.run_name(point),
+            child = self.client.create_run(self.experiment_id, run_name=self.abl.run_name(point),
                 tags={"mlflow.parentRunId": self.parent.info.run_id, **(tags or self.child_tags(point, config_hash))})
         run_id = child.info.run_id
         self.client.set_tag(run_id, "status", status)

@@ -92,6 +92,20 @@ def test_ratios_and_oracle_section():
                                   sections.with_whole_window({"auc": 0.86, "auc_recent_256": 0.81}, 1024))
     assert "| 256 | 0.7000 | 0.8100 | - |" in lines and "| 4096 | 0.7500 | 0.8600 | - |" in lines  # 4096 >= the longest
     assert any("longest test history has 1024 items" in line for line in lines)
+    assert not any("planted term" in line for line in lines)  # no oracle_terms: no term table
+
+
+def test_oracle_section_tables_each_planted_term_at_the_runs_windows():
+    df = pl.DataFrame({"max_seq_len": ["256", "4096"], "status": ["OK", "OK"], "test/auc": [0.7, 0.75]})
+    terms = {"item": {"alone_256": 0.51, "without_256": 0.80, "alone_full": 0.58, "without_full": 0.84},
+             "freq": {"alone_256": 0.70, "without_256": 0.77}}
+    oracle = sections.with_whole_window({"auc": 0.86, "auc_recent_0": 0.6, "auc_recent_256": 0.81}, 1024)
+    lines = sections.oracle_section(df, "max_seq_len", oracle, terms=terms)
+    # 4096 holds the longest history (1024): the term's whole-history figure; one meta.json lacks: "-"
+    assert "| term | alone 256 | alone 4096 | without 256 | without 4096 |" in lines
+    assert "| item | 0.5100 | 0.5800 | 0.8000 | 0.8400 |" in lines and "| freq | 0.7000 | - | 0.7700 | - |" in lines
+    fixed = sections.oracle_section(df, "max_seq_len", oracle, window=256, terms=terms)  # oracle: K, one window
+    assert "| term | alone 256 | without 256 |" in fixed
 
 
 def test_the_plot_budget_names_the_early_stopping_of_the_files_configs():

@@ -20,8 +20,7 @@ import torch
 
 from experiments import parser
 
-_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int64: "i64", torch.int32: "i32"}
+_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32"}
 
 
 class _Recorder:

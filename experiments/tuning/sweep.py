@@ -60,8 +60,7 @@ def _status(exc: BaseException) -> str:
     return "compile_error" if "Compilation" in name or "compil" in str(exc).lower()[:200] else "error"
 
 
-def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device,
-                args) -> dict:
+def time_config(family: str, fn, cfg: dict, ref: list | None, dtype: torch.dtype, device: torch.device, args) -> dict:
     """One row's measurements of `fn` under `cfg` (docs/tuning.md, "The sweep's rows")."""
     row = dict(status="ok", error="", ms=math.nan, energy_j=math.nan, energy_src="none",
                energy_window_s=math.nan, energy_calls=0, compile_s=math.nan, bench_s=math.nan, rel_err=math.nan,
@@ -346,8 +345,7 @@ def log_mlflow(path: Path, rows: list[dict], n_new: int, stamp: dict, args) -> s
         mlflow.log_params({"grid": args.grid, "families": ",".join(args.families), "deadline_s": args.deadline_s,
                            "timing": args.timing, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
                            "seed": args.seed})
-        mlflow.log_metrics({"rows": len(rows), "new_rows": n_new,
-                            "ok_rows": sum(r["status"] == "ok" for r in rows)})
+        mlflow.log_metrics({"rows": len(rows), "new_rows": n_new, "ok_rows": sum(r["status"] == "ok" for r in rows)})
         mlflow.log_artifact(str(path))
     print(f"MLflow run {run.info.run_id} ({tracking_uri()})", flush=True)
     return run.info.run_id
