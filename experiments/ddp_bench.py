@@ -323,10 +323,8 @@ def write_report(rows: list[dict], out: Path, command: str, seconds: float) -> s
         "# Dense, sparse and densified embedding gradients across processes (CPU, Gloo)", "",
         f"{_subtitle()}; {stamp}; {seconds:.0f} s in all. Method: docs/experiments.md (DDP measurements).", "",
         "## Crossover: the touched fraction above which dense is cheaper", "", *cross_lines, "",
-        *_reading(rows, cross), "",
-        "![crossover](ddp-bench-crossover.png)", "",
-        "## The presets' tables and batches", "", *_preset_table(rows), "",
-        "![presets](ddp-bench-presets.png)", "",
+        *_reading(rows, cross), "", "![crossover](ddp-bench-crossover.png)", "",
+        "## The presets' tables and batches", "", *_preset_table(rows), "", "![presets](ddp-bench-presets.png)", "",
         f"## The sweep ({SWEEP_NAME})", "", *_sweep_table(rows), "",
         "    " + command, ""])
     (out / "ddp-bench.md").write_text(text)

@@ -101,13 +101,14 @@ def oracle_section(df: pl.DataFrame, x: str, oracle: dict, series: list[str] = (
              f"{oracle.get('auc_recent_0', float('nan')):.4f}.", "",
              *table_lines([*series, x, "model test AUC", f"oracle AUC from the last {window or x} items",
                            "gap closed (no history -> oracle)"], rows)]
-    if any(_holds_longest(oracle, k) for k in ([window] if window else df[x].to_list())):
+    windows = [window] if window else df[x].to_list()  # the oracle's windows the section reads
+    if any(_holds_longest(oracle, k) for k in windows):
         longest = oracle["longest_history"]
         lines += ["", f"The longest test history has {longest} items: from the last {longest} or more, the "
                   "oracle sees every item, and its AUC is the full history's."]
     def term_at(t: dict, kind: str, k: str) -> float | None:  # from the last k items, or all where k holds them all
         return t.get(f"{kind}_{k}", t.get(f"{kind}_full") if _holds_longest(oracle, k) else None)
-    if ks := [k for k in dict.fromkeys(str(v) for v in ([window] if window else df[x].to_list()))
+    if ks := [k for k in dict.fromkeys(map(str, windows))
               if any(term_at(t, "alone", k) is not None for t in (terms or {}).values())]:
         head = [(kind, k) for kind in ("alone", "without") for k in ks]
         rows = [[term, *(fmt(term_at(t, kind, k), ".4f") for kind, k in head)] for term, t in terms.items()]

@@ -186,7 +186,8 @@ class Sweep:
         """Tag the child with its outcome (`log`: its whole output); a run that never started gets a
         record of its own."""
         if child is None:
-            child = self.client.create_run(self.experiment_id, run_name=self.abl.run_name(point),
+            child = self.client.create_run(
+                self.experiment_id, run_name=self.abl.run_name(point),
                 tags={"mlflow.parentRunId": self.parent.info.run_id, **(tags or self.child_tags(point, config_hash))})
         run_id = child.info.run_id
         self.client.set_tag(run_id, "status", status)
