@@ -64,8 +64,7 @@ def reports(results: Path) -> dict[str, dict]:
     """Each ablation's newest report.json (``ablations/<name>/<device>/``), its folder as ``path``."""
     found: dict[str, dict] = {}
     for path in sorted(results.glob("ablations/*/*/report.json")):
-        doc = {**read_json(path), "path": str(path.parent.relative_to(results))}
-        name = path.parent.parent.name
+        name, doc = path.parent.parent.name, {**read_json(path), "path": str(path.parent.relative_to(results))}
         if name not in found or doc.get("written", "") >= found[name].get("written", ""):
             found[name] = doc
     return found
@@ -111,8 +110,8 @@ def current_targets(name: str, doc: dict) -> list[list[str]] | None:
         return None
 
 
-def ablation_status(results: Path) -> list[dict]:
-    found, out = reports(results), []
+def ablation_status(results: Path, found: dict[str, dict] | None = None) -> list[dict]:
+    found, out = reports(results) if found is None else found, []
     for name in EXPECTED + BEYOND:
         doc = found.get(name)
         if doc is None:
@@ -310,7 +309,8 @@ def amdahl_lines(prof: list[dict]) -> list[str]:
 
 
 def build(results: Path) -> str:
-    kt, abl, prof, found = kernel_targets(results), ablation_status(results), profile_rows(results), reports(results)
+    found = reports(results)
+    kt, abl, prof = kernel_targets(results), ablation_status(results, found), profile_rows(results)
     link = {name: f"{found[name]['path'] if name in found else f'ablations/{name}'}/report.md"
             for name in ("batch_size", "auc_parity")}
     out = ["# Jagged Flash Attention: the results in one page", "",
