@@ -3,7 +3,7 @@
 # for, each a resumable sweep bounded by what is left of the call's budget, then its report.
 # Run from the repo root with the project installed (offline: from wheels), with OUT and
 # GIT_COMMIT set (no .git there). A call cut short loses nothing: rerun the same line (on the
-# same warm machine, or on a fresh one with the returned mlflow.db carried back as ./mlflow.db)
+# same warm machine, or on a fresh one with the returned mlflow.db.gz unzipped to ./mlflow.db)
 # and finished runs are skipped, while the library's code is the same (a point is done only for
 # the code that ran it: experiments.ablation.code_version).
 #
@@ -31,8 +31,8 @@
 # SWEEP_ARGS: more `experiments sweep` arguments for every part, e.g. "--accept-code <sweep.code_version>"
 # (finished runs of that code count as done: only after a library change off the training path).
 # REPORT_RESERVE_S (default 75): the seconds a sweep leaves at the end of the budget for its report and the save;
-# 30 gives one long run (auc_parity's dense) the call, its report then written from the returned mlflow.db.
-# Reports go to experiments/results/ablations/<name>/<gpu>/. Returns $OUT/ablations.log, $OUT/mlflow.db,
+# 30 gives one long run (auc_parity's dense) the call, its report then written from the returned database.
+# Reports go to experiments/results/ablations/<name>/<gpu>/. Returns $OUT/ablations.log, $OUT/mlflow.db.gz,
 # $OUT/results.tgz (experiments/results/).
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
@@ -42,7 +42,7 @@ PARTS=" ${PARTS:-seq_len sparsity history_value model profile} "
 budget=${CALL_BUDGET_S:-570}
 log=$OUT/ablations.log
 save() {
-  cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null
+  [ -f mlflow.db ] && gzip -9c mlflow.db > "$OUT/mlflow.db.gz"; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null
   tar czf "$OUT/mlruns.tgz" mlruns 2>/dev/null  # the runs' artifacts (perf/steps.csv, traces, configs)
 }
 left() { echo $((budget - SECONDS)); }

@@ -7,9 +7,9 @@
 # steps around the fixed-size all-to-all; AdamW, and row-wise Adagrad on a sparse shard gradient)
 # at 1, 2 and 4 GPUs; and a 100M-item table (data.vocab_size) that one GPU cannot hold with AdamW,
 # replicated on one GPU (refused in one line: the result) and sharded over 4. Each part runs only if the call's budget still holds it; a later
-# call with the returned mlflow.db carried back adds to the same runs table.
+# call with the returned mlflow.db.gz unzipped to ./mlflow.db adds to the same runs table.
 # Run from the repo root with the project installed (offline: from wheels), with OUT and
-# GIT_COMMIT set (no .git there). Returns $OUT/ddp.log, $OUT/ddp-summary.md, $OUT/mlflow.db,
+# GIT_COMMIT set (no .git there). Returns $OUT/ddp.log, $OUT/ddp-summary.md, $OUT/mlflow.db.gz,
 # $OUT/ddp-token-balance.md and $OUT/<experiment>-scaling.png (runs_table.py --plot: examples/s and efficiency vs GPUs).
 #   PARTS="data balance scaling modes" bash experiments/gpu/ddp.sh             # everything once
 #   CALL_BUDGET_S=200 PARTS=scaling REPEAT_FROM=2 REPEATS=3 LOG=ddp-repeats.log bash experiments/gpu/ddp.sh
@@ -49,7 +49,7 @@ log=$OUT/${LOG:-ddp.log}
 left() { echo $((budget - SECONDS)); }
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 save() {
-  cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null
+  [ -f mlflow.db ] && gzip -9c mlflow.db > "$OUT/mlflow.db.gz"
   python3 experiments/gpu/runs_table.py "$EXPERIMENT" --plot "$OUT/${EXPERIMENT}-scaling.png" > "$OUT/${EXPERIMENT}-summary.md" 2>> "$log"
 }
 scaled() {  # scaled attention:devices:strategy[:variant] SUFFIX: one weak-scaling run of the preset

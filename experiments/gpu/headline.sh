@@ -5,7 +5,7 @@
 # attention's share of a step beside fit's steady step. Run from the repo root with the project
 # installed (offline: from wheels), with OUT and GIT_COMMIT set, paper data present. Returns
 # $OUT/headline.log, $OUT/loop.log, $OUT/training/<gpu>/main-paper.md, $OUT/profile-paper-b{512,2048}/,
-# $OUT/mlflow.db, $OUT/mlruns.tgz.
+# $OUT/mlflow.db.gz, $OUT/mlruns.tgz.
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT
@@ -13,7 +13,7 @@ export MLFLOW_TRACKING_URI=sqlite:///$PWD/mlflow.db
 budget=${CALL_BUDGET_S:-540}
 log=$OUT/headline.log
 left() { echo $((budget - SECONDS)); }
-save() { cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/mlruns.tgz" mlruns 2>/dev/null; }
+save() { [ -f mlflow.db ] && gzip -9c mlflow.db > "$OUT/mlflow.db.gz"; tar czf "$OUT/mlruns.tgz" mlruns 2>/dev/null; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader -i "${CUDA_VISIBLE_DEVICES:-0}" \
   2>/dev/null || echo "no GPU"; } | tee "$log"
 timeout $(( $(left) - 240 )) python3 -m experiments sweep experiments/ablations/main.yaml --new --data data/paper \

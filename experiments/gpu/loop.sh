@@ -5,7 +5,7 @@
 # eager step in its loop_summary.json), then `make profile` at batch 512. Each part runs only if the
 # call's budget still holds it.
 # Run from the repo root with the project installed (offline: from wheels), with OUT and
-# GIT_COMMIT set (no .git there). Returns $OUT/loop.log, $OUT/mlflow.db, $OUT/traces.tgz
+# GIT_COMMIT set (no .git there). Returns $OUT/loop.log, $OUT/mlflow.db.gz, $OUT/traces.tgz
 # (the profile's traces in traces/profile-paper/).
 #   RUNS="jagged:512:graphs:trace sdpa:512:eager" bash experiments/gpu/loop.sh
 set -uo pipefail
@@ -16,7 +16,7 @@ budget=${CALL_BUDGET_S:-560}
 log=$OUT/loop.log
 left() { echo $((budget - SECONDS)); }
 save() {
-  cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null
+  [ -f mlflow.db ] && gzip -9c mlflow.db > "$OUT/mlflow.db.gz"
   tar czf "$OUT/traces.tgz" --exclude='*.json.gz' traces 2>/dev/null
   tar czf "$OUT/mlruns.tgz" --exclude='*.json.gz' mlruns 2>/dev/null  # artifacts: perf/steps.csv, configs
 }

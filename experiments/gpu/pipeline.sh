@@ -4,14 +4,14 @@
 # the 10-minute call leaves time for, then its report. Run from the repo root with the
 # project installed (offline: from wheels), with OUT and GIT_COMMIT set (no .git there).
 # Returns $OUT/run.log, $OUT/training/<gpu>/main-paper.md, $OUT/loader.log, $OUT/results.tgz and
-# $OUT/mlflow.db (every run, for `make ui` / `make report` here).
+# $OUT/mlflow.db.gz (every run, for `make ui` / `make report` here).
 set -uo pipefail
 : "${OUT:?set OUT}" "${GIT_COMMIT:?set GIT_COMMIT}"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1 GIT_COMMIT
 export MLFLOW_TRACKING_URI=sqlite:///$PWD/mlflow.db
 budget=${CALL_BUDGET_S:-570}
 log=$OUT/run.log
-save() { cp -f mlflow.db "$OUT/mlflow.db" 2>/dev/null; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null; }
+save() { [ -f mlflow.db ] && gzip -9c mlflow.db > "$OUT/mlflow.db.gz"; tar czf "$OUT/results.tgz" experiments/results 2>/dev/null; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 make data PRESET=paper SETUP=none PY=python3 >> "$log" 2>&1; echo "data rc=$? at ${SECONDS}s" | tee -a "$log"
 timeout 60 python3 -m experiments loader-bench --data data/paper --workers 8 --max-seq-len 1024 \
