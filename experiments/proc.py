@@ -86,10 +86,9 @@ def lock_path(name: str, *identity: str) -> Path:
 
 
 def hold_lock(path: Path, what: str) -> TextIO:
-    """An exclusive lock on `path`, held until the returned file is closed (or every process
-    that inherited it has exited); ConfigError naming the holder if another process has it. The
-    file is opened without following a link and never truncated: a planted link or a hard link
-    to another file is refused, not written."""
+    """An exclusive lock on `path`, held until the returned file is closed (or every process that inherited
+    it has exited); ConfigError naming the holder if another process has it. The file is opened without
+    following a link and never truncated: a planted link or a hard link to another file is refused."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as err:

@@ -41,7 +41,9 @@ def ratios(df: pl.DataFrame, axes: list[str], series: str, baseline: str, mem: s
             cur["x"].append(key[0] if key else "")
             cur["throughput"].append(_div(b.get(THROUGHPUT), o.get(THROUGHPUT)) if ok else None)
             cur["memory"].append(_div(o.get(mem), b.get(mem)) if ok else None)
-            cur["note"].append("" if ok else f"{value} {o['status']}" if o["status"] != "OK" else f"{baseline} {b['status']}")
+            shared = [name for name, r in ((baseline, b), (value, o)) if str(r.get("parallel") or "1") != "1"]
+            cur["note"].append(f"{value} {o['status']}" if o["status"] != "OK" else f"{baseline} {b['status']}"
+                               if not ok else f"{' and '.join(shared)} shared the GPU: not comparable" if shared else "")
     return out
 
 

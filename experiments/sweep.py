@@ -133,10 +133,9 @@ class Sweep:
         return out
 
     def expected_seconds(self) -> dict[str, float]:
-        """Point name -> the seconds its earlier runs say it needs (any code version): the median
-        wall time of its finished runs, else the longest a killed one ran (a lower bound). The wall
-        time is the whole process's (``sweep/process_wall_s``: start-up and data loading included,
-        what --end-s must leave room for); a run recorded without it falls back to its MLflow span."""
+        """Point name -> the seconds its earlier runs (any code version) say it needs: the median whole-process
+        wall time (``sweep/process_wall_s``, start-up and data loading included, else the MLflow span) of
+        its finished runs, else the longest a killed one ran (a lower bound)."""
         done, cut = {}, {}
         for run in (r for runs in self._previous.values() for r in runs):
             name, end = run.data.tags.get("sweep.point"), run.info.end_time

@@ -75,6 +75,10 @@ def test_ratios_and_oracle_section():
     assert rat["jagged / dense"]["x"] == ["256", "4096"] and rat["jagged / dense"]["throughput"] == [6.0, None]
     assert rat["jagged / dense"]["note"] == ["", "dense OOM"]
     assert "| jagged / dense | 4096 | -x | -x | dense OOM |" in sections.ratio_section(rat, "max_seq_len")
+    sdpa_shared = df.with_columns(parallel=pl.Series(["1", "2", "1", "1", "1"]))
+    shared = sections.ratios(sdpa_shared, ["max_seq_len", "attention"], "attention", "jagged", "mem/train_peak_allocated_mb")
+    assert shared["jagged / sdpa"]["note"] == ["sdpa shared the GPU: not comparable"]
+    assert shared["jagged / dense"]["note"] == ["", "dense OOM"]
     alone = sections.ratios(df.filter(pl.col("attention") == "jagged"), ["max_seq_len", "attention"], "attention",
                           "jagged", "mem/train_peak_allocated_mb")
     assert sections.ratio_section(alone, "max_seq_len") == []  # only the baseline ran: no empty table
