@@ -135,7 +135,7 @@ class Sweep:
     def expected_seconds(self) -> dict[str, float]:
         """Point name -> the seconds its earlier runs (any code version) say it needs: the median whole-process
         wall time (``sweep/process_wall_s``, start-up and data loading included, else the MLflow span) of
-        its finished runs, else the longest a killed one ran (a lower bound)."""
+        its finished runs, or the longest a killed one ran (a lower bound) where that is longer."""
         done, cut = {}, {}
         for run in (r for runs in self._previous.values() for r in runs):
             name, end = run.data.tags.get("sweep.point"), run.info.end_time
@@ -149,7 +149,7 @@ class Sweep:
                 done.setdefault(name, []).append(wall)
             elif status == "KILLED":
                 cut[name] = max(cut.get(name, 0.0), wall)
-        return {**cut, **{name: statistics.median(walls) for name, walls in done.items()}}
+        return {n: max(cut.get(n, 0.0), statistics.median(done[n]) if n in done else 0.0) for n in {*cut, *done}}
 
     def done_status(self, previous: list[Run]) -> str | None:
         statuses = {runs_.run_status(r) for r in previous}

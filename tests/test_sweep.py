@@ -243,6 +243,20 @@ def test_rerun_skips_finished_and_oom_children(smoke, capsys):
     assert "not run" not in out and "FAILED" in out  # the summary covers the whole grid
 
 
+def test_a_killed_run_longer_than_the_finished_ones_raises_the_estimate():
+    """A point's need is its finished runs' median wall time, or the longest a killed run ran where
+    that is longer (a run of a longer budget, cut by its call's limit): starting it on the old
+    median would have it cut again."""
+    def run(point, status, wall):
+        return SimpleNamespace(data=SimpleNamespace(tags={"sweep.point": point, "status": status},
+                                                    metrics={"sweep/process_wall_s": wall}),
+                               info=SimpleNamespace(status="FINISHED", end_time=1, start_time=0))
+    runs = [run("a", "OK", 100.0), run("a", "OK", 140.0), run("a", "KILLED", 250.0),
+            run("b", "OK", 100.0), run("b", "KILLED", 60.0), run("c", "KILLED", 30.0), run("c", "KILLED", 45.0)]
+    fake = SimpleNamespace(_previous={"h1": runs[:3], "h2": runs[3:]})
+    assert sweep.Sweep.expected_seconds(fake) == {"a": 250.0, "b": 100.0, "c": 45.0}
+
+
 @pytest.mark.slow
 def test_a_point_its_earlier_runs_say_cannot_finish_by_end_s_is_not_started(smoke, tmp_path, monkeypatch, capsys):
     """--end-s: a point whose earlier runs (another code version here: --set changes the hash)
