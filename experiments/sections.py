@@ -42,8 +42,8 @@ def ratios(df: pl.DataFrame, axes: list[str], series: str, baseline: str, mem: s
             cur["throughput"].append(_div(b.get(THROUGHPUT), o.get(THROUGHPUT)) if ok else None)
             cur["memory"].append(_div(o.get(mem), b.get(mem)) if ok else None)
             shared = [name for name, r in ((baseline, b), (value, o)) if str(r.get("parallel") or "1") != "1"]
-            cur["note"].append(f"{value} {o['status']}" if o["status"] != "OK" else f"{baseline} {b['status']}"
-                               if not ok else f"{' and '.join(shared)} shared the GPU: not comparable" if shared else "")
+            why = "" if ok else f"{value} {o['status']}" if o["status"] != "OK" else f"{baseline} {b['status']}"
+            cur["note"].append(why or (f"{' and '.join(shared)} shared the GPU: not comparable" if shared else ""))
     return out
 
 
