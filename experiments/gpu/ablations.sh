@@ -99,7 +99,9 @@ run_part() {
     history_value|model|auc_parity|world|world_order|world_order_converge|order_peak) sweep "$part" "${where[@]}" "${accuracy[@]}" --set data.num_workers=4 ;;
     alure)  # the user encoder (days 1-12), its daily export, then the ranker sweep; each step once per machine
       ue=data/timeline/user_embeddings
-      if [ ! -f "$ue/encoder.pt.json" ]; then  # written when the encoder is saved
+      if [ ! -f "$ue/encoder.pt.json" ] && [ $(( $(left) - 240 )) -lt 120 ]; then  # a fit takes 64 s on an H200
+        echo "alure: encoder fit not started, $(left)s left (it needs 120 s + 240 s for the export and a run)" | tee -a "$log"
+      elif [ ! -f "$ue/encoder.pt.json" ]; then  # written when the encoder is saved
         timeout $(( $(left) - 240 )) python3 -m pipeline.user_embeddings fit --data data/timeline --embed-dim 128 \
           --dim 64 --max-seq-len 4096 --batch-size 512 --out "$ue/encoder.pt" >> "$log" 2>&1
         echo "alure encoder fit rc=$? at ${SECONDS}s" | tee -a "$log"
