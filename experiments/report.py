@@ -19,9 +19,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from experiments import parser
-from experiments import ablation
-from experiments import runs as runs_
+from experiments import ablation, parser, runs as runs_
 from experiments.proc import safe_name
 from experiments.sections import (THROUGHPUT, _where, convergence_lines, convergence_rows, oracle_section,
                                   profile_section, ratio_section, ratios, recovery_section, seeds_section,

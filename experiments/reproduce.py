@@ -17,10 +17,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from experiments import parser
-from experiments import proc as _proc
-from experiments import runs as runs_
-from experiments import sweep
+from experiments import parser, proc as _proc, runs as runs_, sweep
 from pipeline.errors import ConfigError, command
 
 if TYPE_CHECKING:

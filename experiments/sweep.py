@@ -23,8 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from experiments import parser
-from experiments import runs as runs_
+from experiments import parser, runs as runs_
 from experiments.ablation import (Ablation, Point, cli_value, code_version, fit_args_error, load, parse_set, split_set)
 from experiments.proc import (TAIL_BYTES, Slot, child_env, device_slots, error_line, failure_line, hold_lock,
                               lock_path, safe_name, sqlite_file, stream)

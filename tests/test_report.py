@@ -170,6 +170,9 @@ def test_targets_section_passes_misses_and_unmeasured():
     assert "| fill=0.25: jagged vs sdpa | peak memory ratio 0.33x | <= 0.3x | MISS |" in lines
     assert "| fill=0.25: jagged vs sdpa | test AUC absolute difference 0.0010 | <= 0.002 | PASS |" in lines
     assert "| fill=0.25: jagged vs dense | - | - | NOT MEASURED (jagged OK, dense OOM) |" in lines
+    shared = sections.targets_section(df.with_columns(parallel=pl.Series(["1", "2", "1", "1"])), spec, "mem/train_peak_allocated_mb")
+    assert "| fill=0.25: jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | NOT COMPARABLE (a run shared the GPU) |" in shared
+    assert "| fill=0.25: jagged vs sdpa | peak memory ratio 0.33x | <= 0.3x | MISS |" in shared  # each process's own
     assert sections.targets_section(df, {}, "x") == []
 
 
@@ -207,6 +210,9 @@ def test_seeds_table_and_targets_on_seed_means():
     assert "mean over the `seed_everything` values both ran" in text
     assert "| jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | PASS |" in text  # no `at`: the pair
     assert "test AUC absolute difference 0.0020 | <= 0.0015 | MISS |" in text
+    one_shared = df.with_columns(parallel=pl.Series(["1", "1", "1", "1", "4", "1"]))  # one seed's sdpa run
+    assert "| jagged vs sdpa | train ex/s ratio 3.00x | >= 2.0x | NOT COMPARABLE (a run shared the GPU) |" in \
+        "\n".join(sections.targets_section(one_shared, spec, "mem/train_peak_allocated_mb"))
     failed = df.with_columns(status=pl.when(pl.col("test/auc") == 0.708).then(pl.lit("FAILED")).otherwise(pl.col("status")))
     assert "NOT MEASURED (jagged OK, sdpa FAILED)" in "\n".join(sections.targets_section(failed, spec, "x"))
     assert sections.seeds_section(df, None, ["attention"]) == []
