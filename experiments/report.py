@@ -170,12 +170,15 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     devices = _values(env, "tag.device")
     out = out_root / "ablations" / safe_name(name) / ("cpu" if "cuda" not in _values(env, "tag.accelerator")
                                                       or not devices else device_slug(devices[0]))
-    keep_fuller(out, df, names)
+    if lacked := points_lacked(out, df, names):  # a subset (--where, another budget): beside the whole report
+        out = out / f"partial-{(commit or next(iter(_values(df, 'tag.git_commit')), 'unknown'))[:7]}"
     out.mkdir(parents=True, exist_ok=True)
     mem, mem_label = runs_.memory_metric(df)
     header, rows = runs_.summary_rows(df, names)
     stop = early_stopping_words(parent)
-    lines = [*header_lines(parent, df, commit, stop), "", "## Runs", "", runs_.markdown_table(header, rows)]
+    lines = [*header_lines(parent, df, commit, stop), *(["", f"A partial report: the whole one in the folder above has "
+             f"points this sweep has not run ({', '.join(sorted(lacked))})."] if lacked else []),
+             "", "## Runs", "", runs_.markdown_table(header, rows)]
     sub, seeds = plot_subtitle(parent, df, stop), spec.get("seeds")
     made = [plots.line_plot(df, x, order, series, THROUGHPUT, "training examples/s (steady steps)",
                             "Training throughput", out / "throughput.png", subtitle=sub, seeds=seeds),
@@ -224,18 +227,15 @@ def write_report(parent: Run, out_root: Path, commit: str | None = None, log: bo
     return out
 
 
-def keep_fuller(out: Path, df: pl.DataFrame, axes: list[str]) -> None:
-    """ConfigError if `out` holds a report with finished points this one lacks (the parent's last
-    sweep ran a subset: --where, or --set of another budget): it is not replaced."""
+def points_lacked(out: Path, df: pl.DataFrame, axes: list[str]) -> set[str]:
+    """The finished points of the report in `out` that this one lacks (the parent's last sweep ran a
+    subset: --where, or --set of another budget); that report is then kept, this one goes beside it."""
     try:
         old = json.loads((out / "report.json").read_text())
     except (OSError, ValueError):  # none, or a damaged one: nothing to keep
-        return
+        return set()
     done = lambda rows, ax: {"/".join(f"{a}={r.get(a)}" for a in ax) for r in rows if r.get("status") == "OK"}  # noqa: E731
-    lost = done(old.get("rows") or [], old.get("axes") or []) - done(df.iter_rows(named=True), axes)
-    if lost:
-        raise ConfigError(f"{out}/ holds a report with finished points this one lacks ({', '.join(sorted(lost))}): "
-                          "the parent's last sweep ran a subset; give another --out, or delete that folder")
+    return done(old.get("rows") or [], old.get("axes") or []) - done(df.iter_rows(named=True), axes)
 
 
 def report_json(parent: Run, df: pl.DataFrame, axes: list[str], commit: str | None, facts: dict) -> dict:

@@ -91,8 +91,9 @@ def test_a_quote_in_an_ablation_name_finds_its_parent(tmp_path, tmp_path_factory
 
 @pytest.mark.slow
 def test_report_never_replaces_a_fuller_report(smoke, tmp_path, monkeypatch):
-    """After a subset rerun (here: the parent's grid hashes cut to one point), the report refuses
-    to overwrite the folder whose report holds finished points this one lacks."""
+    """After a subset rerun (here: the parent's grid hashes cut to one point), the report does not
+    overwrite the folder whose report holds finished points this one lacks: it goes beside it, as
+    partial-<commit>/, and names those points."""
     uri = smoke_copy(smoke, tmp_path, monkeypatch)
     client, parent = MlflowClient(uri), the_parent(uri)
     out = report.write_report(parent, tmp_path / "out", log=False)
@@ -100,9 +101,13 @@ def test_report_never_replaces_a_fuller_report(smoke, tmp_path, monkeypatch):
     kids = [r for rs in children(uri, parent.info.run_id).values() for r in rs]
     others = [r.data.tags["sweep.config_hash"] for r in kids if r.data.tags["status"] != "OK"]
     client.set_tag(parent.info.run_id, "sweep.hashes", json.dumps(others))
-    with pytest.raises(ConfigError, match="finished points this one lacks"):
-        report.write_report(client.get_run(parent.info.run_id), tmp_path / "out", log=False)
-    assert (out / "report.md").read_text() == full
+    partial = report.write_report(client.get_run(parent.info.run_id), tmp_path / "out", "abcdef0123", log=False)
+    assert partial == out / "partial-abcdef0" and (out / "report.md").read_text() == full
+    whole = json.loads((out / "report.json").read_text())
+    lacked = ["/".join(f"{a}={r[a]}" for a in whole["axes"]) for r in whole["rows"] if r["status"] == "OK"]
+    assert lacked == ["attention=jagged/max_seq_len=16"]  # the one finished point of the smoke sweep
+    assert ("A partial report: the whole one in the folder above has points this sweep has not run "
+            "(attention=jagged/max_seq_len=16).") in (partial / "report.md").read_text()
 
 
 @pytest.mark.slow
